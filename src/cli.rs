@@ -1,0 +1,86 @@
+//! Command-line entry points. Each subcommand parses its flags here and hands
+//! over to the module that does the work.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "berth",
+    version,
+    about = "Machine lifecycle with a volume-aware drain"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Start a local control plane (etcd, kube-apiserver, kube-controller-manager,
+    /// kube-scheduler, kwok) and keep it running until interrupted.
+    Testbed(TestbedArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct TestbedArgs {
+    /// Only etcd and kube-apiserver.
+    #[arg(long)]
+    pub api_only: bool,
+    /// Simulated CSI attach latency.
+    #[arg(long, default_value = "500ms", value_parser = humantime::parse_duration)]
+    pub attach_delay: Duration,
+    /// Simulated CSI detach latency.
+    #[arg(long, default_value = "500ms", value_parser = humantime::parse_duration)]
+    pub detach_delay: Duration,
+    /// Write an audit log of every request.
+    #[arg(long)]
+    pub audit: bool,
+}
+
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("berth: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = rt.block_on(async {
+        match cli.command {
+            Command::Testbed(args) => testbed(args).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("berth: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn testbed(args: TestbedArgs) -> anyhow::Result<()> {
+    use crate::testbed::{Options, TestBed};
+    let opts = if args.api_only {
+        Options::integration()
+    } else {
+        Options::end_to_end()
+    }
+    .attach_delay(args.attach_delay)
+    .detach_delay(args.detach_delay)
+    .audit(args.audit);
+    let bed = TestBed::start(opts).await?;
+    println!("test bed ready: {}", bed.server());
+    println!("  export KUBECONFIG={}", bed.kubeconfig_path().display());
+    println!("  logs: {}/logs", bed.dir().display());
+    println!("Ctrl-C stops it and removes its directory.");
+    tokio::signal::ctrl_c().await?;
+    Ok(())
+}

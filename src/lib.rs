@@ -1,0 +1,6 @@
+//! berth: a Kubernetes controller that owns the lifecycle of Machines and
+//! drains their Nodes in a volume-aware order.
+#![forbid(unsafe_code)]
+
+pub mod cli;
+pub mod testbed;

@@ -1,0 +1,156 @@
+//! Small builders for the objects that tests, the demo and the benchmark put
+//! into a test bed. Each returns a plain `k8s-openapi` object, so a caller can
+//! adjust any field before creating it.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::{StatefulSet, StatefulSetSpec};
+use k8s_openapi::api::core::v1::{
+    CSIPersistentVolumeSource, Container, Namespace, Node, NodeSpec, ObjectReference,
+    PersistentVolume, PersistentVolumeClaim, PersistentVolumeClaimSpec, PersistentVolumeSpec,
+    PodSpec, PodTemplateSpec, VolumeMount, VolumeResourceRequirements,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+
+use super::stages::CSI_DRIVER;
+use super::{CONTROLLER_MANAGED_ATTACH_ANNOTATION, KWOK_NODE_ANNOTATION};
+
+fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+pub fn namespace(name: &str) -> Namespace {
+    Namespace {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+/// A Node that kwok brings to Ready and the attach-detach controller serves.
+pub fn node(name: &str) -> Node {
+    Node {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            annotations: Some(labels(&[
+                KWOK_NODE_ANNOTATION,
+                CONTROLLER_MANAGED_ATTACH_ANNOTATION,
+            ])),
+            labels: Some(labels(&[
+                ("kubernetes.io/hostname", name),
+                ("kubernetes.io/os", "linux"),
+                ("type", "kwok"),
+            ])),
+            ..Default::default()
+        },
+        spec: Some(NodeSpec::default()),
+        ..Default::default()
+    }
+}
+
+/// A CSI PersistentVolume served by the test bed's attacher, pre-bound to
+/// the claim `namespace/claim` (e.g. `data-db-0` for a StatefulSet `db` with
+/// a volume claim template `data`).
+pub fn csi_pv(name: &str, volume_handle: &str, namespace: &str, claim: &str) -> PersistentVolume {
+    PersistentVolume {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        spec: Some(PersistentVolumeSpec {
+            capacity: Some(BTreeMap::from([(
+                "storage".to_string(),
+                Quantity("1Gi".into()),
+            )])),
+            access_modes: Some(vec!["ReadWriteOnce".into()]),
+            persistent_volume_reclaim_policy: Some("Retain".into()),
+            storage_class_name: Some(String::new()),
+            claim_ref: Some(ObjectReference {
+                namespace: Some(namespace.into()),
+                name: Some(claim.into()),
+                ..Default::default()
+            }),
+            csi: Some(CSIPersistentVolumeSource {
+                driver: CSI_DRIVER.into(),
+                volume_handle: volume_handle.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// A StatefulSet whose pods each mount one claim from the template `data`,
+/// with the given grace period and priority class.
+pub fn stateful_set(name: &str, replicas: i32, grace_seconds: i64) -> StatefulSet {
+    let sel = labels(&[("app", name)]);
+    StatefulSet {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        spec: Some(StatefulSetSpec {
+            replicas: Some(replicas),
+            service_name: Some(name.into()),
+            pod_management_policy: Some("Parallel".into()),
+            selector: LabelSelector {
+                match_labels: Some(sel.clone()),
+                ..Default::default()
+            },
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(sel),
+                    ..Default::default()
+                }),
+                spec: Some(PodSpec {
+                    termination_grace_period_seconds: Some(grace_seconds),
+                    containers: vec![Container {
+                        name: "main".into(),
+                        image: Some("registry.invalid/app:1".into()),
+                        volume_mounts: Some(vec![VolumeMount {
+                            name: "data".into(),
+                            mount_path: "/data".into(),
+                            ..Default::default()
+                        }]),
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                }),
+            },
+            volume_claim_templates: Some(vec![PersistentVolumeClaim {
+                metadata: ObjectMeta {
+                    name: Some("data".into()),
+                    ..Default::default()
+                },
+                spec: Some(PersistentVolumeClaimSpec {
+                    access_modes: Some(vec!["ReadWriteOnce".into()]),
+                    storage_class_name: Some(String::new()),
+                    resources: Some(VolumeResourceRequirements {
+                        requests: Some(BTreeMap::from([(
+                            "storage".to_string(),
+                            Quantity("1Gi".into()),
+                        )])),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The unique volume name the attach-detach controller puts in
+/// `node.status.volumesAttached` for a CSI volume.
+pub fn csi_unique_name(driver: &str, volume_handle: &str) -> String {
+    format!("kubernetes.io/csi/{driver}^{volume_handle}")
+}

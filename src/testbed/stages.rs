@@ -1,0 +1,323 @@
+//! The kwok Stages that stand in for the kubelet and for a CSI attacher.
+//!
+//! kwok only injects its built-in stages when no Stage is configured, so the
+//! node and pod lifecycles are spelled out here together with the
+//! VolumeAttachment ones:
+//!
+//! * `node-initialize` / `node-heartbeat`: a Node that kwok manages becomes
+//!   Ready and stays Ready (kwok also renews its Lease).
+//! * `pod-ready`: a pod scheduled to such a Node becomes Running and Ready.
+//! * `pod-complete`: a Running pod annotated
+//!   [`COMPLETE_AFTER_ANNOTATION`] turns `Succeeded` after that duration
+//!   (a terminal pod for drain tests).
+//! * `pod-delete`: a pod with a deletionTimestamp disappears when its grace
+//!   period has run out (the deletionTimestamp), or after
+//!   [`TERMINATE_AFTER_ANNOTATION`] if the pod carries it.
+//! * `volume-attach`: the attach-detach controller's VolumeAttachment gets
+//!   the attacher's finalizer and, after the attach delay, `status.attached:
+//!   true`, which is what a CSI external-attacher does.
+//! * `volume-detach`: once the attach-detach controller deletes the
+//!   VolumeAttachment (the pod is gone), the finalizer is removed after the
+//!   detach delay, so the object disappears as it would when a cloud disk
+//!   detaches.
+
+use std::time::Duration;
+
+/// CSI driver name that the test bed's attacher serves.
+pub const CSI_DRIVER: &str = "csi.testbed.berth.dev";
+/// Finalizer the simulated attacher puts on VolumeAttachments it attached.
+pub const ATTACHER_FINALIZER: &str = "external-attacher/csi-testbed-berth-dev";
+/// A Running pod with this annotation (a Go duration, e.g. `"1s"`) turns
+/// `Succeeded` after that long.
+pub const COMPLETE_AFTER_ANNOTATION: &str = "testbed.berth.dev/complete-after";
+/// A terminating pod with this annotation (a Go duration) is removed after
+/// that long instead of at the end of its grace period.
+pub const TERMINATE_AFTER_ANNOTATION: &str = "testbed.berth.dev/terminate-after";
+
+/// The kwok configuration (a multi-document YAML of Stages).
+pub fn kwok_config(attach_delay: Duration, detach_delay: Duration) -> String {
+    let attach_ms = attach_delay.as_millis();
+    let detach_ms = detach_delay.as_millis();
+    format!(
+        r#"apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: node-initialize
+spec:
+  resourceRef:
+    apiGroup: v1
+    kind: Node
+  selector:
+    matchExpressions:
+    - key: '.status.conditions.[] | select( .type == "Ready" ) | .status'
+      operator: NotIn
+      values: ['True']
+  next:
+    statusTemplate: |
+      {{{{ $now := Now }}}}
+      conditions:
+      {{{{ range NodeConditions }}}}
+      - lastHeartbeatTime: {{{{ $now | Quote }}}}
+        lastTransitionTime: {{{{ $now | Quote }}}}
+        message: {{{{ .message | Quote }}}}
+        reason: {{{{ .reason | Quote }}}}
+        status: {{{{ .status | Quote }}}}
+        type: {{{{ .type | Quote }}}}
+      {{{{ end }}}}
+      addresses:
+      {{{{ with NodeIP }}}}
+      - address: {{{{ . | Quote }}}}
+        type: InternalIP
+      {{{{ end }}}}
+      {{{{ with NodeName }}}}
+      - address: {{{{ . | Quote }}}}
+        type: Hostname
+      {{{{ end }}}}
+      allocatable:
+      {{{{ with .status.allocatable }}}}
+      {{{{ YAML . 1 }}}}
+      {{{{ else }}}}
+        cpu: 1k
+        memory: 1Ti
+        pods: 1M
+      {{{{ end }}}}
+      capacity:
+      {{{{ with .status.capacity }}}}
+      {{{{ YAML . 1 }}}}
+      {{{{ else }}}}
+        cpu: 1k
+        memory: 1Ti
+        pods: 1M
+      {{{{ end }}}}
+      nodeInfo:
+        architecture: amd64
+        bootID: ""
+        containerRuntimeVersion: kwok
+        kernelVersion: kwok
+        kubeProxyVersion: kwok
+        kubeletVersion: kwok
+        machineID: ""
+        operatingSystem: linux
+        osImage: ""
+        systemUUID: ""
+      phase: Running
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: node-heartbeat
+spec:
+  resourceRef:
+    apiGroup: v1
+    kind: Node
+  selector:
+    matchExpressions:
+    - key: '.status.phase'
+      operator: In
+      values: ['Running']
+    - key: '.status.conditions.[] | select( .type == "Ready" ) | .status'
+      operator: In
+      values: ['True']
+  delay:
+    durationMilliseconds: 20000
+    jitterDurationMilliseconds: 25000
+  next:
+    statusTemplate: |
+      {{{{ $now := Now }}}}
+      conditions:
+      {{{{ range NodeConditions }}}}
+      - lastHeartbeatTime: {{{{ $now | Quote }}}}
+        lastTransitionTime: {{{{ $now | Quote }}}}
+        message: {{{{ .message | Quote }}}}
+        reason: {{{{ .reason | Quote }}}}
+        status: {{{{ .status | Quote }}}}
+        type: {{{{ .type | Quote }}}}
+      {{{{ end }}}}
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: pod-ready
+spec:
+  resourceRef:
+    apiGroup: v1
+    kind: Pod
+  selector:
+    matchExpressions:
+    - key: '.metadata.deletionTimestamp'
+      operator: DoesNotExist
+    - key: '.status.phase'
+      operator: In
+      values: ['Pending']
+  next:
+    statusTemplate: |
+      {{{{ $now := Now }}}}
+      conditions:
+      - lastTransitionTime: {{{{ $now | Quote }}}}
+        status: "True"
+        type: Initialized
+      - lastTransitionTime: {{{{ $now | Quote }}}}
+        status: "True"
+        type: Ready
+      - lastTransitionTime: {{{{ $now | Quote }}}}
+        status: "True"
+        type: ContainersReady
+      - lastTransitionTime: {{{{ $now | Quote }}}}
+        status: "True"
+        type: PodScheduled
+      containerStatuses:
+      {{{{ range .spec.containers }}}}
+      - image: {{{{ .image | Quote }}}}
+        name: {{{{ .name | Quote }}}}
+        ready: true
+        started: true
+        restartCount: 0
+        state:
+          running:
+            startedAt: {{{{ $now | Quote }}}}
+      {{{{ end }}}}
+      {{{{ with NodeIPsWith .spec.nodeName }}}}
+      hostIP: {{{{ index . 0 | Quote }}}}
+      {{{{ end }}}}
+      {{{{ with PodIPsWith .spec.nodeName ( or .spec.hostNetwork false ) ( or .metadata.uid "" ) ( or .metadata.name "" ) ( or .metadata.namespace "" ) }}}}
+      podIP: {{{{ index . 0 | Quote }}}}
+      podIPs:
+      {{{{ range . }}}}
+      - ip: {{{{ . | Quote }}}}
+      {{{{ end }}}}
+      {{{{ end }}}}
+      phase: Running
+      startTime: {{{{ $now | Quote }}}}
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: pod-complete
+spec:
+  resourceRef:
+    apiGroup: v1
+    kind: Pod
+  selector:
+    matchExpressions:
+    - key: '.metadata.deletionTimestamp'
+      operator: DoesNotExist
+    - key: '.status.phase'
+      operator: In
+      values: ['Running']
+    - key: '.metadata.annotations["{COMPLETE_AFTER_ANNOTATION}"]'
+      operator: Exists
+  delay:
+    durationMilliseconds: 0
+    durationFrom:
+      expressionFrom: '.metadata.annotations["{COMPLETE_AFTER_ANNOTATION}"]'
+  next:
+    statusTemplate: |
+      {{{{ $now := Now }}}}
+      containerStatuses:
+      {{{{ range .spec.containers }}}}
+      - image: {{{{ .image | Quote }}}}
+        name: {{{{ .name | Quote }}}}
+        ready: false
+        started: false
+        restartCount: 0
+        state:
+          terminated:
+            exitCode: 0
+            reason: Completed
+            startedAt: {{{{ $now | Quote }}}}
+            finishedAt: {{{{ $now | Quote }}}}
+      {{{{ end }}}}
+      phase: Succeeded
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: pod-delete
+spec:
+  resourceRef:
+    apiGroup: v1
+    kind: Pod
+  selector:
+    matchExpressions:
+    - key: '.metadata.deletionTimestamp'
+      operator: Exists
+  delay:
+    durationMilliseconds: 0
+    durationFrom:
+      expressionFrom: '.metadata.annotations["{TERMINATE_AFTER_ANNOTATION}"] // .metadata.deletionTimestamp'
+  next:
+    delete: true
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: volume-attach
+spec:
+  resourceRef:
+    apiGroup: storage.k8s.io/v1
+    kind: VolumeAttachment
+  selector:
+    matchExpressions:
+    - key: '.metadata.deletionTimestamp'
+      operator: DoesNotExist
+    - key: '.spec.attacher'
+      operator: In
+      values: ['{CSI_DRIVER}']
+    - key: '.status.attached'
+      operator: NotIn
+      values: ['true']
+  delay:
+    durationMilliseconds: {attach_ms}
+  next:
+    finalizers:
+      add:
+      - value: '{ATTACHER_FINALIZER}'
+    statusTemplate: |
+      attached: true
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: volume-detach
+spec:
+  resourceRef:
+    apiGroup: storage.k8s.io/v1
+    kind: VolumeAttachment
+  selector:
+    matchExpressions:
+    - key: '.metadata.deletionTimestamp'
+      operator: Exists
+    - key: '.metadata.finalizers.[]'
+      operator: In
+      values: ['{ATTACHER_FINALIZER}']
+  delay:
+    durationMilliseconds: {detach_ms}
+  next:
+    finalizers:
+      remove:
+      - value: '{ATTACHER_FINALIZER}'
+"#
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delays_are_rendered_in_milliseconds() {
+        let cfg = kwok_config(Duration::from_millis(1500), Duration::from_secs(2));
+        assert!(cfg.contains("durationMilliseconds: 1500\n  next:\n    finalizers:\n      add:"));
+        assert!(
+            cfg.contains("durationMilliseconds: 2000\n  next:\n    finalizers:\n      remove:")
+        );
+    }
+
+    #[test]
+    fn go_template_braces_survive_formatting() {
+        let cfg = kwok_config(Duration::ZERO, Duration::ZERO);
+        assert!(cfg.contains("{{ $now := Now }}"));
+        assert!(!cfg.contains("{{{{"));
+        assert_eq!(cfg.matches("\n---\n").count(), 6, "seven Stage documents");
+    }
+}

@@ -19,6 +19,8 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Print the CustomResourceDefinitions (MachineClass, Machine) as YAML.
+    Crd,
     /// Start a local control plane (etcd, kube-apiserver, kube-controller-manager,
     /// kube-scheduler, kwok) and keep it running until interrupted.
     Testbed(TestbedArgs),
@@ -54,6 +56,9 @@ pub fn main() -> ExitCode {
     };
     let result = rt.block_on(async {
         match cli.command {
+            Command::Crd => crate::api::crds_yaml()
+                .map(|yaml| print!("{yaml}"))
+                .map_err(anyhow::Error::from),
             Command::Testbed(args) => testbed(args).await,
         }
     });

@@ -2,5 +2,6 @@
 //! drains their Nodes in a volume-aware order.
 #![forbid(unsafe_code)]
 
+pub mod api;
 pub mod cli;
 pub mod testbed;

@@ -1,0 +1,293 @@
+//! The `berth.dev/v1alpha1` API: `MachineClass` (cluster-scoped) and
+//! `Machine` (namespaced).
+//!
+//! The CRD YAML under `charts/berth/crds/` and `deploy/crds/` is generated
+//! from these types by `berth crd` and checked for drift by a test. What can
+//! be checked statically (duration syntax, non-empty names) is enforced by the
+//! apiserver through CEL; what depends on other objects (does the class
+//! exist, is the provider known) is checked by the reconciler and reported as
+//! a condition.
+
+pub mod settings;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::{CustomResource, CustomResourceExt, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+pub use settings::{DrainSettings, ResolvedSettings, SettingsError};
+
+pub const GROUP: &str = "berth.dev";
+/// The finalizer berth puts on every Machine it manages.
+pub const FINALIZER: &str = "machine.berth.dev/finalizer";
+/// A Machine with this label set to `"true"` is deleted without a drain:
+/// pods are force-deleted and the VM goes.
+pub const FORCE_DELETION_LABEL: &str = "berth.dev/force-deletion";
+/// Annotations with this prefix on a Machine hold its deletion before the
+/// drain (lifecycle hooks for other controllers).
+pub const PRE_DRAIN_HOOK_PREFIX: &str = "pre-drain.delete.hook.berth.dev/";
+/// Annotations with this prefix hold the deletion before the VM is deleted.
+pub const PRE_TERMINATE_HOOK_PREFIX: &str = "pre-terminate.delete.hook.berth.dev/";
+/// The NoSchedule taint berth puts on a Node it cordons.
+pub const CORDON_TAINT_KEY: &str = "berth.dev/terminating";
+
+/// A class of Machines: which provider creates them, with what parameters,
+/// and the default drain settings of its Machines.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[kube(
+    group = "berth.dev",
+    version = "v1alpha1",
+    kind = "MachineClass",
+    shortname = "mcls",
+    category = "berth",
+    printcolumn = r#"{"name":"Provider","type":"string","jsonPath":".spec.provider"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct MachineClassSpec {
+    /// Name of the provider driver that creates and deletes this class's VMs
+    /// (for example `fake`).
+    #[x_kube(validation = Rule::new("self != ''").message("provider must not be empty"))]
+    pub provider: String,
+    /// Free-form parameters handed to the provider driver unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "free_form_object")]
+    pub provider_spec: Option<serde_json::Value>,
+    /// Secret with the provider's credentials, if it needs any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<SecretReference>,
+    /// Default drain settings for Machines of this class. A Machine's own
+    /// `spec.drain` overrides them field by field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain: Option<DrainSettings>,
+    /// How long a new Machine may take from creation until its Node is Ready
+    /// before it is marked Failed (a duration such as `20m`; default 20m).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = settings::duration_rule())]
+    pub creation_timeout: Option<String>,
+    /// How long the Node of a Running Machine may stay NotReady before the
+    /// Machine reports it as unhealthy (default 10m).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = settings::duration_rule())]
+    pub health_timeout: Option<String>,
+}
+
+/// A reference to a Secret.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+pub struct SecretReference {
+    /// Name of the Secret.
+    pub name: String,
+    /// Namespace of the Secret.
+    pub namespace: String,
+}
+
+/// A VM and the Node it runs. Deleting a Machine drains its Node in a
+/// volume-aware order before the VM is deleted.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[kube(
+    group = "berth.dev",
+    version = "v1alpha1",
+    kind = "Machine",
+    namespaced,
+    status = "MachineStatus",
+    shortname = "mach",
+    category = "berth",
+    printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
+    printcolumn = r#"{"name":"Node","type":"string","jsonPath":".status.nodeRef.name"}"#,
+    printcolumn = r#"{"name":"Drain","type":"string","jsonPath":".status.drain.progress","description":"pods evicted / pods to drain"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct MachineSpec {
+    /// The MachineClass this Machine is created from.
+    pub class_ref: ClassReference,
+    /// The provider's ID of the VM (`<provider>://<id>`), set by the
+    /// controller once the VM exists. The Node with the same
+    /// `spec.providerID` is this Machine's Node.
+    #[serde(
+        default,
+        rename = "providerID",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("providerID cannot change once set"))]
+    pub provider_id: Option<String>,
+    /// Drain settings; each field overrides the class's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain: Option<DrainSettings>,
+}
+
+/// A reference to a MachineClass.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+pub struct ClassReference {
+    /// Name of the MachineClass.
+    #[x_kube(validation = Rule::new("self != ''").message("classRef.name must not be empty"))]
+    pub name: String,
+}
+
+/// Where a Machine is in its life.
+#[derive(schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MachinePhase {
+    Pending,
+    Creating,
+    Running,
+    Terminating,
+    Failed,
+}
+
+impl MachinePhase {
+    pub const ALL: [MachinePhase; 5] = [
+        MachinePhase::Pending,
+        MachinePhase::Creating,
+        MachinePhase::Running,
+        MachinePhase::Terminating,
+        MachinePhase::Failed,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MachinePhase::Pending => "Pending",
+            MachinePhase::Creating => "Creating",
+            MachinePhase::Running => "Running",
+            MachinePhase::Terminating => "Terminating",
+            MachinePhase::Failed => "Failed",
+        }
+    }
+}
+
+/// Observed state of a Machine.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct MachineStatus {
+    /// Pending, Creating, Running, Terminating or Failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<MachinePhase>,
+    /// The Node that registered with this Machine's providerID.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_ref: Option<NodeReference>,
+    /// Conditions: Ready, NodeHealthy, Drained, VolumesDetached, VMDeleted.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// The step the controller took last and how it went.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_operation: Option<LastOperation>,
+    /// Progress of the drain of this Machine's Node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain: Option<DrainStatus>,
+    /// The generation of the spec this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+/// A reference to a Node.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+pub struct NodeReference {
+    /// Name of the Node.
+    pub name: String,
+}
+
+/// The last step of the lifecycle the controller worked on.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct LastOperation {
+    /// Create, Health, or Delete.
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// The step within the operation, e.g. `Cordon` or `WaitVolumesDetached`.
+    pub step: String,
+    /// Processing, Succeeded, Waiting or Failed.
+    pub state: String,
+    /// What happened or what is awaited, in words.
+    pub description: String,
+    /// When this record last changed.
+    pub last_update_time: Time,
+}
+
+/// Progress of a drain, kept in status so it survives a controller restart.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct DrainStatus {
+    /// When the drain started (the deletion of the Machine was requested).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<Time>,
+    /// Pods the drain has to move off the Node.
+    #[serde(default)]
+    pub pods_total: u32,
+    /// Pods evicted or deleted so far.
+    #[serde(default)]
+    pub pods_evicted: u32,
+    /// Pods still on the Node that the drain has to move.
+    #[serde(default)]
+    pub pods_remaining: u32,
+    /// `evicted/total`, for `kubectl get machines`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<String>,
+    /// The pod the drain is waiting on (`namespace/name`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current_pod: Option<String>,
+    /// The PersistentVolume the drain is waiting on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub current_volume: Option<String>,
+    /// What the drain waits for, in words.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting_for: Option<String>,
+    /// What blocks it, if anything (a PDB, a deadline), in words.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blocked_by: Option<String>,
+}
+
+fn free_form_object(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "object",
+        "x-kubernetes-preserve-unknown-fields": true,
+    })
+}
+
+/// The CRDs as one multi-document YAML, as `berth crd` prints it and as it
+/// is committed under `charts/berth/crds/` and `deploy/crds/`.
+pub fn crds_yaml() -> Result<String, serde_yaml_ng::Error> {
+    let mut out = String::from("# Generated by `berth crd` from src/api. Do not edit.\n");
+    for crd in [MachineClass::crd(), Machine::crd()] {
+        out.push_str("---\n");
+        out.push_str(&serde_yaml_ng::to_string(&crd)?);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crds_carry_printer_columns_descriptions_and_cel_rules() {
+        let yaml = crds_yaml().expect("renders");
+        for needle in [
+            "name: machines.berth.dev",
+            "name: machineclasses.berth.dev",
+            "scope: Namespaced",
+            "scope: Cluster",
+            "jsonPath: .status.phase",
+            "jsonPath: .status.nodeRef.name",
+            "jsonPath: .status.drain.progress",
+            "x-kubernetes-validations",
+            "providerID cannot change once set",
+            "x-kubernetes-preserve-unknown-fields: true",
+            "The MachineClass this Machine is created from.",
+            "subresources:",
+        ] {
+            assert!(yaml.contains(needle), "CRD YAML lacks {needle:?}");
+        }
+    }
+
+    #[test]
+    fn machine_spec_round_trips_with_the_documented_field_names() {
+        let m: MachineSpec = serde_json::from_value(serde_json::json!({
+            "classRef": {"name": "small"},
+            "providerID": "fake:///default/worker-1",
+            "drain": {"timeout": "2h", "volumeDetachTimeout": "2m", "forceAfterDeadline": false}
+        }))
+        .expect("parses");
+        assert_eq!(m.provider_id.as_deref(), Some("fake:///default/worker-1"));
+        let back = serde_json::to_value(&m).expect("serializes");
+        assert_eq!(back["drain"]["volumeDetachTimeout"], "2m");
+        assert_eq!(back["classRef"]["name"], "small");
+    }
+}

@@ -1,0 +1,599 @@
+//! Telemetry: the Prometheus metrics berth exports and the small HTTP server
+//! that serves them together with the liveness and readiness probes.
+//!
+//! This module owns:
+//!
+//! * [`Metrics`]: one private [`prometheus::Registry`] (not the global
+//!   default one, so tests can build as many as they like) with every
+//!   `berth_*` metric family registered exactly once. Callers update the
+//!   public metric handles directly; handles are cheap to clone.
+//! * [`ReconcileTimer`]: a drop guard that measures one reconcile and counts
+//!   its result, so that every exit path of a reconcile (including `?` and
+//!   panics) is observed exactly once.
+//! * [`serve`] and [`HttpState`]: `GET /metrics`, `GET /healthz` and
+//!   `GET /readyz` on axum.
+//!
+//! The list of family names ([`Metrics::names`]) is what the README's metric
+//! table is checked against, so adding a metric here means documenting it.
+
+mod http;
+
+pub use self::http::{HttpState, router, serve};
+
+use std::time::{Duration, Instant};
+
+use prometheus::core::Collector;
+use prometheus::{
+    Encoder as _, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
+};
+use tokio::sync::watch;
+
+/// Content type of the Prometheus text exposition format served on
+/// `/metrics`.
+pub const CONTENT_TYPE: &str = prometheus::TEXT_FORMAT;
+
+/// Buckets for short operations (a reconcile), in seconds: 5 ms .. ~41 s.
+const RECONCILE_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+];
+/// Buckets for cloud provider calls, in seconds: 10 ms .. 2 min.
+const PROVIDER_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+/// Buckets for waiting on a volume to detach or re-attach: 0.5 s .. 30 min.
+const VOLUME_WAIT_BUCKETS: &[f64] = &[
+    0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0,
+];
+/// Buckets for whole drains: 1 s .. 8 h.
+const DRAIN_BUCKETS: &[f64] = &[
+    1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0, 1800.0, 3600.0, 7200.0, 14400.0,
+    28800.0,
+];
+
+/// The `result` label value [`ReconcileTimer`] counts unless told otherwise.
+pub const RESULT_OK: &str = "ok";
+/// The `result` label value [`ReconcileTimer`] counts when it is dropped
+/// while its thread is panicking.
+pub const RESULT_PANIC: &str = "panic";
+
+/// The outcome of one pod eviction attempt: the `result` label of
+/// `berth_pod_evictions_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EvictionResult {
+    /// The Eviction API accepted the eviction.
+    Evicted,
+    /// A PodDisruptionBudget refused it (HTTP 429); will be retried.
+    PdbBlocked,
+    /// More than one PodDisruptionBudget selects the pod (HTTP 500 from the
+    /// Eviction API); needs a human.
+    MisconfiguredPdb,
+    /// The pod was deleted directly (e.g. it was not running or already
+    /// terminating).
+    Deleted,
+    /// The pod was removed ignoring its PodDisruptionBudget because the
+    /// drain deadline passed.
+    Forced,
+    /// Any other API error.
+    Error,
+}
+
+impl EvictionResult {
+    /// Every variant, in a fixed order.
+    pub const ALL: [EvictionResult; 6] = [
+        EvictionResult::Evicted,
+        EvictionResult::PdbBlocked,
+        EvictionResult::MisconfiguredPdb,
+        EvictionResult::Deleted,
+        EvictionResult::Forced,
+        EvictionResult::Error,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EvictionResult::Evicted => "evicted",
+            EvictionResult::PdbBlocked => "pdb_blocked",
+            EvictionResult::MisconfiguredPdb => "misconfigured_pdb",
+            EvictionResult::Deleted => "deleted",
+            EvictionResult::Forced => "forced",
+            EvictionResult::Error => "error",
+        }
+    }
+}
+
+/// Every metric berth exports, registered in one private registry.
+///
+/// Build it once at start-up, wrap it in an `Arc` and hand clones of the
+/// `Arc` (or of individual handles) to whoever records.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Registry,
+    names: Vec<String>,
+    /// `berth_machines{phase}`: Machines per phase.
+    pub machines: IntGaugeVec,
+    /// `berth_reconcile_total{result}`: reconciles by result.
+    pub reconcile_total: IntCounterVec,
+    /// `berth_reconcile_duration_seconds`: time per reconcile.
+    pub reconcile_duration: Histogram,
+    /// `berth_drain_duration_seconds{outcome}`: time per finished drain.
+    pub drain_duration: HistogramVec,
+    /// `berth_drains_in_progress`: drains started and not yet finished.
+    pub drains_in_progress: IntGauge,
+    /// `berth_pod_evictions_total{result}`: eviction attempts by result.
+    pub pod_evictions: IntCounterVec,
+    /// `berth_volume_detach_wait_seconds`: wait for a volume to detach.
+    pub volume_detach_wait: Histogram,
+    /// `berth_volume_reattach_wait_seconds`: wait for a volume to attach to
+    /// the replacement pod's node.
+    pub volume_reattach_wait: Histogram,
+    /// `berth_volume_attachment_events_total`: VolumeAttachment watch events.
+    pub volume_attachment_events: IntCounter,
+    /// `berth_tracker_lagged_total`: times a tracker subscriber lagged.
+    pub tracker_lagged: IntCounter,
+    /// `berth_provider_requests_total{driver,op,result}`.
+    pub provider_requests: IntCounterVec,
+    /// `berth_provider_request_duration_seconds{driver,op}`.
+    pub provider_request_duration: HistogramVec,
+    /// `berth_node_not_ready_machines`: Running Machines whose Node has been
+    /// NotReady for longer than the health timeout.
+    pub node_not_ready_machines: IntGauge,
+    /// `berth_leader`: 1 while this replica holds the leader Lease.
+    pub leader: IntGauge,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics")
+            .field("names", &self.names)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Registers collectors in one registry and remembers their family names
+/// (a registry does not list families that have no samples yet).
+struct Registrar {
+    registry: Registry,
+    names: Vec<String>,
+}
+
+impl Registrar {
+    fn add<C: Collector + Clone + 'static>(&mut self, collector: C) -> prometheus::Result<C> {
+        self.names
+            .extend(collector.desc().iter().map(|d| d.fq_name.clone()));
+        self.registry.register(Box::new(collector.clone()))?;
+        Ok(collector)
+    }
+}
+
+impl Metrics {
+    /// Creates every metric and registers it in a fresh registry.
+    ///
+    /// # Errors
+    /// Only on a programming error in the definitions below (invalid name,
+    /// duplicate registration, bad buckets).
+    pub fn new() -> Result<Self, prometheus::Error> {
+        let mut r = Registrar {
+            registry: Registry::new(),
+            names: Vec::new(),
+        };
+
+        let machines = r.add(IntGaugeVec::new(
+            Opts::new(
+                "berth_machines",
+                "Number of Machines in each lifecycle phase, as last seen by this replica.",
+            ),
+            &["phase"],
+        )?)?;
+        let reconcile_total = r.add(IntCounterVec::new(
+            Opts::new(
+                "berth_reconcile_total",
+                "Machine reconciles by result: \"ok\", or the static label of the error that ended the reconcile.",
+            ),
+            &["result"],
+        )?)?;
+        let reconcile_duration = r.add(Histogram::with_opts(
+            HistogramOpts::new(
+                "berth_reconcile_duration_seconds",
+                "Wall-clock time of one Machine reconcile, whatever its result.",
+            )
+            .buckets(RECONCILE_BUCKETS.to_vec()),
+        )?)?;
+        let drain_duration = r.add(HistogramVec::new(
+            HistogramOpts::new(
+                "berth_drain_duration_seconds",
+                "Time from the start of a Node drain until it finished, by outcome.",
+            )
+            .buckets(DRAIN_BUCKETS.to_vec()),
+            &["outcome"],
+        )?)?;
+        let drains_in_progress = r.add(IntGauge::new(
+            "berth_drains_in_progress",
+            "Node drains started by this replica and not finished yet.",
+        )?)?;
+        let pod_evictions = r.add(IntCounterVec::new(
+            Opts::new(
+                "berth_pod_evictions_total",
+                "Pod eviction attempts during drains, by result (evicted, pdb_blocked, misconfigured_pdb, deleted, forced, error).",
+            ),
+            &["result"],
+        )?)?;
+        let volume_detach_wait = r.add(Histogram::with_opts(
+            HistogramOpts::new(
+                "berth_volume_detach_wait_seconds",
+                "Time from evicting a pod until every volume it used was detached from the draining Node.",
+            )
+            .buckets(VOLUME_WAIT_BUCKETS.to_vec()),
+        )?)?;
+        let volume_reattach_wait = r.add(Histogram::with_opts(
+            HistogramOpts::new(
+                "berth_volume_reattach_wait_seconds",
+                "Time from a volume's detach until it was attached to the Node of the replacement pod.",
+            )
+            .buckets(VOLUME_WAIT_BUCKETS.to_vec()),
+        )?)?;
+        let volume_attachment_events = r.add(IntCounter::new(
+            "berth_volume_attachment_events_total",
+            "VolumeAttachment watch events processed by the volume tracker.",
+        )?)?;
+        let tracker_lagged = r.add(IntCounter::new(
+            "berth_tracker_lagged_total",
+            "Times a volume tracker subscriber fell behind and missed events (it then re-reads the state).",
+        )?)?;
+        let provider_requests = r.add(IntCounterVec::new(
+            Opts::new(
+                "berth_provider_requests_total",
+                "Requests to the machine provider, by driver, operation and result.",
+            ),
+            &["driver", "op", "result"],
+        )?)?;
+        let provider_request_duration = r.add(HistogramVec::new(
+            HistogramOpts::new(
+                "berth_provider_request_duration_seconds",
+                "Latency of requests to the machine provider, by driver and operation.",
+            )
+            .buckets(PROVIDER_BUCKETS.to_vec()),
+            &["driver", "op"],
+        )?)?;
+        let node_not_ready_machines = r.add(IntGauge::new(
+            "berth_node_not_ready_machines",
+            "Running Machines whose Node has been NotReady for longer than the health timeout.",
+        )?)?;
+        let leader = r.add(IntGauge::new(
+            "berth_leader",
+            "1 while this replica holds the leader election Lease, 0 otherwise.",
+        )?)?;
+
+        // Series with a closed set of label values exist from the start, so
+        // rate() and absent() work before the first event.
+        for result in EvictionResult::ALL {
+            pod_evictions.with_label_values(&[result.as_str()]);
+        }
+        reconcile_total.with_label_values(&[RESULT_OK]);
+
+        Ok(Self {
+            registry: r.registry,
+            names: r.names,
+            machines,
+            reconcile_total,
+            reconcile_duration,
+            drain_duration,
+            drains_in_progress,
+            pod_evictions,
+            volume_detach_wait,
+            volume_reattach_wait,
+            volume_attachment_events,
+            tracker_lagged,
+            provider_requests,
+            provider_request_duration,
+            node_not_ready_machines,
+            leader,
+        })
+    }
+
+    /// The registry every metric is registered in.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// Names of all registered metric families, in registration order.
+    /// Families of labelled metrics are listed even before their first
+    /// sample.
+    pub fn names(&self) -> Vec<String> {
+        self.names.clone()
+    }
+
+    /// The registry in the Prometheus text exposition format (version
+    /// 0.0.4, see [`CONTENT_TYPE`]).
+    ///
+    /// # Errors
+    /// Only if a collected family is malformed, which the metrics defined
+    /// here cannot produce.
+    pub fn try_encode(&self) -> Result<String, prometheus::Error> {
+        let mut buf = Vec::new();
+        TextEncoder::new().encode(&self.registry.gather(), &mut buf)?;
+        String::from_utf8(buf).map_err(|e| prometheus::Error::Msg(e.to_string()))
+    }
+
+    /// Like [`Metrics::try_encode`], but logs an error and returns an empty
+    /// exposition instead of failing.
+    pub fn encode(&self) -> String {
+        self.try_encode().unwrap_or_else(|e| {
+            tracing::error!(error = %e, "encoding metrics failed");
+            String::new()
+        })
+    }
+
+    /// Starts timing one reconcile; see [`ReconcileTimer`].
+    pub fn reconcile_timer(&self) -> ReconcileTimer {
+        ReconcileTimer {
+            start: Instant::now(),
+            result: RESULT_OK,
+            duration: self.reconcile_duration.clone(),
+            total: self.reconcile_total.clone(),
+        }
+    }
+
+    /// Records one eviction attempt.
+    pub fn record_eviction(&self, result: EvictionResult) {
+        self.pod_evictions
+            .with_label_values(&[result.as_str()])
+            .inc();
+    }
+
+    /// Records one finished provider request.
+    pub fn record_provider_request(&self, driver: &str, op: &str, result: &str, took: Duration) {
+        self.provider_requests
+            .with_label_values(&[driver, op, result])
+            .inc();
+        self.provider_request_duration
+            .with_label_values(&[driver, op])
+            .observe(took.as_secs_f64());
+    }
+
+    /// Records one finished drain.
+    pub fn record_drain(&self, outcome: &str, took: Duration) {
+        self.drain_duration
+            .with_label_values(&[outcome])
+            .observe(took.as_secs_f64());
+    }
+
+    /// Mirrors a leader-election "am I leader" channel into `berth_leader`
+    /// until the channel's sender goes away, then sets it to 0. Spawn it.
+    pub fn follow_leader(
+        &self,
+        mut is_leader: watch::Receiver<bool>,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        let gauge = self.leader.clone();
+        async move {
+            loop {
+                gauge.set(i64::from(*is_leader.borrow_and_update()));
+                if is_leader.changed().await.is_err() {
+                    break;
+                }
+            }
+            gauge.set(0);
+        }
+    }
+}
+
+/// Measures one reconcile: when dropped, observes the elapsed time in
+/// `berth_reconcile_duration_seconds` and increments
+/// `berth_reconcile_total{result}` once.
+///
+/// The result is [`RESULT_OK`] unless changed with
+/// [`ReconcileTimer::set_result`] or [`ReconcileTimer::record`], or
+/// [`RESULT_PANIC`] when dropped during a panic. Create it first thing in the
+/// reconcile and let it fall out of scope: early returns and `?` are then
+/// counted too.
+#[derive(Debug)]
+#[must_use = "the reconcile is measured when the timer is dropped"]
+pub struct ReconcileTimer {
+    start: Instant,
+    result: &'static str,
+    duration: Histogram,
+    total: IntCounterVec,
+}
+
+impl ReconcileTimer {
+    /// Sets the `result` label counted when the timer is dropped.
+    pub fn set_result(&mut self, result: &'static str) {
+        self.result = result;
+    }
+
+    /// Sets the result from a reconcile's `Result`: [`RESULT_OK`] for `Ok`,
+    /// `label(error)` for `Err`.
+    pub fn record<T, E>(&mut self, outcome: &Result<T, E>, label: impl FnOnce(&E) -> &'static str) {
+        self.result = match outcome {
+            Ok(_) => RESULT_OK,
+            Err(e) => label(e),
+        };
+    }
+
+    /// The `result` label that will be counted.
+    pub fn result(&self) -> &'static str {
+        self.result
+    }
+
+    /// Time since the timer was created.
+    pub fn elapsed(&self) -> Duration {
+        self.start.elapsed()
+    }
+}
+
+impl Drop for ReconcileTimer {
+    fn drop(&mut self) {
+        let result = if std::thread::panicking() {
+            RESULT_PANIC
+        } else {
+            self.result
+        };
+        self.duration.observe(self.start.elapsed().as_secs_f64());
+        self.total.with_label_values(&[result]).inc();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALL_NAMES: [&str; 14] = [
+        "berth_machines",
+        "berth_reconcile_total",
+        "berth_reconcile_duration_seconds",
+        "berth_drain_duration_seconds",
+        "berth_drains_in_progress",
+        "berth_pod_evictions_total",
+        "berth_volume_detach_wait_seconds",
+        "berth_volume_reattach_wait_seconds",
+        "berth_volume_attachment_events_total",
+        "berth_tracker_lagged_total",
+        "berth_provider_requests_total",
+        "berth_provider_request_duration_seconds",
+        "berth_node_not_ready_machines",
+        "berth_leader",
+    ];
+
+    fn count(m: &Metrics, result: &str) -> u64 {
+        m.reconcile_total.with_label_values(&[result]).get()
+    }
+
+    #[test]
+    fn every_metric_is_registered_once() {
+        let m = Metrics::new().expect("metrics register");
+        let names = m.names();
+        for name in ALL_NAMES {
+            assert!(names.iter().any(|n| n == name), "{name} not registered");
+        }
+        let mut unique = names.clone();
+        unique.sort();
+        unique.dedup();
+        assert_eq!(unique.len(), names.len(), "duplicate names: {names:?}");
+        assert_eq!(
+            names.len(),
+            ALL_NAMES.len(),
+            "unexpected families: {names:?}"
+        );
+    }
+
+    #[test]
+    fn every_metric_is_encoded_with_help_after_use() {
+        let m = Metrics::new().expect("metrics register");
+        m.machines.with_label_values(&["Running"]).set(3);
+        let _ = m.reconcile_timer();
+        m.record_drain("completed", Duration::from_secs(90));
+        m.drains_in_progress.inc();
+        m.record_eviction(EvictionResult::PdbBlocked);
+        m.volume_detach_wait.observe(4.0);
+        m.volume_reattach_wait.observe(7.0);
+        m.volume_attachment_events.inc();
+        m.tracker_lagged.inc();
+        m.record_provider_request("fake", "create", "ok", Duration::from_millis(30));
+        m.node_not_ready_machines.set(1);
+        m.leader.set(1);
+
+        let text = m.encode();
+        for name in m.names() {
+            assert!(
+                text.contains(&format!("# HELP {name} ")),
+                "no help for {name}:\n{text}"
+            );
+            assert!(
+                text.contains(&format!("# TYPE {name} ")),
+                "no type for {name}:\n{text}"
+            );
+        }
+        assert!(text.contains("berth_machines{phase=\"Running\"} 3"));
+        assert!(text.contains("berth_pod_evictions_total{result=\"pdb_blocked\"} 1"));
+        assert!(text.contains("berth_pod_evictions_total{result=\"forced\"} 0"));
+        assert!(text.contains(
+            "berth_provider_requests_total{driver=\"fake\",op=\"create\",result=\"ok\"} 1"
+        ));
+        assert!(
+            text.contains(
+                "berth_drain_duration_seconds_bucket{outcome=\"completed\",le=\"28800\"} 1"
+            )
+        );
+        assert!(text.contains("berth_leader 1"));
+    }
+
+    #[test]
+    fn reconcile_timer_counts_ok_by_default() {
+        let m = Metrics::new().expect("metrics register");
+        {
+            let t = m.reconcile_timer();
+            assert_eq!(t.result(), RESULT_OK);
+        }
+        assert_eq!(count(&m, "ok"), 1);
+        assert_eq!(m.reconcile_duration.get_sample_count(), 1);
+    }
+
+    #[test]
+    fn reconcile_timer_counts_each_exit_path_once() {
+        fn reconcile(m: &Metrics, fail: bool) -> Result<(), &'static str> {
+            let mut timer = m.reconcile_timer();
+            let outcome = if fail { Err("provider") } else { Ok(()) };
+            timer.record(&outcome, |e| e);
+            outcome?;
+            Ok(())
+        }
+        let m = Metrics::new().expect("metrics register");
+        assert!(reconcile(&m, true).is_err());
+        assert!(reconcile(&m, false).is_ok());
+        assert!(reconcile(&m, true).is_err());
+        assert_eq!(count(&m, "provider"), 2);
+        assert_eq!(count(&m, "ok"), 1);
+        assert_eq!(m.reconcile_duration.get_sample_count(), 3);
+
+        let mut t = m.reconcile_timer();
+        t.set_result("conflict");
+        t.set_result("not_found");
+        drop(t);
+        assert_eq!(count(&m, "not_found"), 1);
+        assert_eq!(count(&m, "conflict"), 0);
+        assert_eq!(m.reconcile_duration.get_sample_count(), 4);
+    }
+
+    #[test]
+    fn reconcile_timer_counts_a_panic() {
+        let m = Metrics::new().expect("metrics register");
+        let m2 = m.clone();
+        let joined = std::thread::spawn(move || {
+            let _timer = m2.reconcile_timer();
+            panic!("reconcile blew up");
+        })
+        .join();
+        assert!(joined.is_err());
+        assert_eq!(count(&m, RESULT_PANIC), 1);
+        assert_eq!(count(&m, RESULT_OK), 0);
+        assert_eq!(m.reconcile_duration.get_sample_count(), 1);
+    }
+
+    #[test]
+    fn reconcile_timer_measures_elapsed_time() {
+        let m = Metrics::new().expect("metrics register");
+        {
+            let _t = m.reconcile_timer();
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(m.reconcile_duration.get_sample_sum() >= 0.02);
+    }
+
+    #[tokio::test]
+    async fn leader_gauge_follows_the_channel() {
+        let m = Metrics::new().expect("metrics register");
+        let (tx, rx) = watch::channel(false);
+        let task = tokio::spawn(m.follow_leader(rx));
+        tx.send_replace(true);
+        for _ in 0..100 {
+            if m.leader.get() == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(m.leader.get(), 1);
+        drop(tx);
+        task.await.expect("follower ends");
+        assert_eq!(m.leader.get(), 0);
+    }
+}

@@ -1,0 +1,4 @@
+//! Process wiring: how the controller, leader election, telemetry and
+//! shutdown are put together.
+
+pub mod leader;

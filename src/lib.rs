@@ -4,4 +4,8 @@
 
 pub mod api;
 pub mod cli;
+pub mod machine;
+pub mod providers;
+pub mod telemetry;
 pub mod testbed;
+pub mod wiring;

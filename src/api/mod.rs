@@ -252,6 +252,41 @@ pub fn crds_yaml() -> Result<String, serde_yaml_ng::Error> {
     Ok(out)
 }
 
+/// Applies the CRDs (server-side apply) and waits until the apiserver
+/// serves them. For the demo, the tests and `berth run --install-crds`;
+/// production installs take them from the Helm chart.
+pub async fn install_crds(
+    client: kube::Client,
+    timeout: std::time::Duration,
+) -> Result<(), kube::Error> {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::api::{Api, Patch, PatchParams};
+    use kube::runtime::wait::{await_condition, conditions};
+    let api: Api<CustomResourceDefinition> = Api::all(client);
+    for crd in [MachineClass::crd(), Machine::crd()] {
+        let name = crd.metadata.name.clone().unwrap_or_default();
+        api.patch(
+            &name,
+            &PatchParams::apply("berth").force(),
+            &Patch::Apply(&crd),
+        )
+        .await?;
+        let established = await_condition(api.clone(), &name, conditions::is_crd_established());
+        match tokio::time::timeout(timeout, established).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                return Err(kube::Error::Service(Box::new(e)));
+            }
+            Err(_) => {
+                return Err(kube::Error::Service(
+                    format!("CRD {name} was not established within {timeout:?}").into(),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

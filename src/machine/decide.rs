@@ -1,0 +1,571 @@
+//! What the Machine lifecycle does next, decided from plain facts.
+//!
+//! The reconciler observes (caches, the provider), turns what it saw into the
+//! fact structs below, asks these functions for the next step, performs it
+//! and records it. Nothing here talks to the API server, so every decision is
+//! unit-tested, and because a step is chosen from what is observed now (not
+//! from a remembered position) a restarted controller resumes at the right
+//! step by construction.
+
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+
+use crate::api::{CORDON_TAINT_KEY, MachinePhase};
+
+/// What is known about a Machine that is not being deleted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CreationFacts {
+    pub phase: Option<MachinePhase>,
+    /// `spec.providerID`, once the VM exists.
+    pub provider_id: Option<String>,
+    /// The Node whose `spec.providerID` matches, if it registered.
+    pub node: Option<NodeFacts>,
+    /// Time since the Machine was created.
+    pub age: Duration,
+    pub creation_timeout: Duration,
+    pub health_timeout: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeFacts {
+    pub name: String,
+    pub ready: bool,
+    /// For how long the Ready condition has had its current value.
+    pub ready_for: Duration,
+    /// `spec.unschedulable` and berth's NoSchedule taint are both present.
+    pub cordoned: bool,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum CreationStep {
+    /// Ask the provider for the VM (idempotent) and record its providerID.
+    CreateVm,
+    /// The VM exists; its Node has not registered or is not Ready yet.
+    /// `retry_in` is when the creation timeout would pass.
+    WaitForNode { retry_in: Duration },
+    /// The Node did not become Ready within the creation timeout.
+    FailCreation { waited: Duration },
+    /// The Node is Ready: the Machine is (or stays) Running.
+    Running { node: String },
+    /// Running, but the Node has been NotReady longer than the health
+    /// timeout.
+    Unhealthy {
+        node: String,
+        not_ready_for: Duration,
+    },
+    /// Failed earlier; stays failed until the Machine is deleted.
+    StayFailed,
+}
+
+pub fn next_creation_step(f: &CreationFacts) -> CreationStep {
+    if f.phase == Some(MachinePhase::Failed) {
+        return CreationStep::StayFailed;
+    }
+    if f.provider_id.is_none() {
+        return CreationStep::CreateVm;
+    }
+    let was_running = f.phase == Some(MachinePhase::Running);
+    match &f.node {
+        Some(n) if n.ready => CreationStep::Running {
+            node: n.name.clone(),
+        },
+        Some(n) if was_running => {
+            if n.ready_for >= f.health_timeout {
+                CreationStep::Unhealthy {
+                    node: n.name.clone(),
+                    not_ready_for: n.ready_for,
+                }
+            } else {
+                // Still within the grace of the health timeout.
+                CreationStep::Running {
+                    node: n.name.clone(),
+                }
+            }
+        }
+        _ if f.age >= f.creation_timeout => CreationStep::FailCreation { waited: f.age },
+        _ => CreationStep::WaitForNode {
+            retry_in: f.creation_timeout - f.age,
+        },
+    }
+}
+
+/// What is known about a Machine whose deletion was requested.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct DeletionFacts {
+    pub phase: Option<MachinePhase>,
+    /// Labelled for forced deletion: no drain, pods are force-deleted.
+    pub force: bool,
+    pub pre_drain_hooks: Vec<String>,
+    pub pre_terminate_hooks: Vec<String>,
+    /// The Machine's Node, if it exists.
+    pub node: Option<NodeFacts>,
+    /// Pods on the Node that a drain has to move (`namespace/name`).
+    pub pods_to_drain: Vec<String>,
+    /// Pods on the Node that are not yet gone at all (force path).
+    pub pods_on_node: Vec<String>,
+    /// VolumeAttachments that still name the Node.
+    pub volume_attachments: Vec<String>,
+    /// The wait for them has lasted longer than the volume detach timeout:
+    /// go on (with a warning) rather than hold the Machine forever.
+    pub volume_detach_timed_out: bool,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum DeletionStep {
+    MarkTerminating,
+    WaitPreDrainHooks(Vec<String>),
+    Cordon {
+        node: String,
+    },
+    ForceDeletePods {
+        node: String,
+        pods: Vec<String>,
+    },
+    Drain {
+        node: String,
+        pods: Vec<String>,
+    },
+    WaitVolumesDetached {
+        node: String,
+        attachments: Vec<String>,
+    },
+    WaitPreTerminateHooks(Vec<String>),
+    /// Delete the VM, then the Node object if there is one, then let go.
+    DeleteVmAndNode {
+        node: Option<String>,
+    },
+}
+
+impl DeletionStep {
+    /// Short name recorded in `status.lastOperation.step` and Events.
+    pub fn name(&self) -> &'static str {
+        match self {
+            DeletionStep::MarkTerminating => "MarkTerminating",
+            DeletionStep::WaitPreDrainHooks(_) => "WaitPreDrainHooks",
+            DeletionStep::Cordon { .. } => "Cordon",
+            DeletionStep::ForceDeletePods { .. } => "ForceDeletePods",
+            DeletionStep::Drain { .. } => "Drain",
+            DeletionStep::WaitVolumesDetached { .. } => "WaitVolumesDetached",
+            DeletionStep::WaitPreTerminateHooks(_) => "WaitPreTerminateHooks",
+            DeletionStep::DeleteVmAndNode { .. } => "DeleteVm",
+        }
+    }
+}
+
+/// The deletion steps in order; the first one not done is returned.
+pub fn next_deletion_step(f: &DeletionFacts) -> DeletionStep {
+    if f.phase != Some(MachinePhase::Terminating) {
+        return DeletionStep::MarkTerminating;
+    }
+    if f.force {
+        if let Some(n) = &f.node
+            && !f.pods_on_node.is_empty()
+        {
+            return DeletionStep::ForceDeletePods {
+                node: n.name.clone(),
+                pods: f.pods_on_node.clone(),
+            };
+        }
+        return DeletionStep::DeleteVmAndNode {
+            node: f.node.as_ref().map(|n| n.name.clone()),
+        };
+    }
+    if !f.pre_drain_hooks.is_empty() {
+        return DeletionStep::WaitPreDrainHooks(f.pre_drain_hooks.clone());
+    }
+    if let Some(n) = &f.node {
+        if !n.cordoned {
+            return DeletionStep::Cordon {
+                node: n.name.clone(),
+            };
+        }
+        if !f.pods_to_drain.is_empty() {
+            return DeletionStep::Drain {
+                node: n.name.clone(),
+                pods: f.pods_to_drain.clone(),
+            };
+        }
+        if !f.volume_attachments.is_empty() && !f.volume_detach_timed_out {
+            return DeletionStep::WaitVolumesDetached {
+                node: n.name.clone(),
+                attachments: f.volume_attachments.clone(),
+            };
+        }
+    }
+    if !f.pre_terminate_hooks.is_empty() {
+        return DeletionStep::WaitPreTerminateHooks(f.pre_terminate_hooks.clone());
+    }
+    DeletionStep::DeleteVmAndNode {
+        node: f.node.as_ref().map(|n| n.name.clone()),
+    }
+}
+
+/// Annotation keys starting with `prefix`, sorted.
+pub fn hooks<'a>(annotations: impl IntoIterator<Item = &'a String>, prefix: &str) -> Vec<String> {
+    let mut v: Vec<String> = annotations
+        .into_iter()
+        .filter(|k| k.starts_with(prefix))
+        .cloned()
+        .collect();
+    v.sort();
+    v
+}
+
+/// Node facts from a Node object, at `now`.
+pub fn node_facts(node: &Node, now: k8s_openapi::jiff::Timestamp) -> NodeFacts {
+    let ready_cond = node
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"));
+    let ready = ready_cond.is_some_and(|c| c.status == "True");
+    let since = ready_cond
+        .and_then(|c| c.last_transition_time.as_ref())
+        .or(node.metadata.creation_timestamp.as_ref())
+        .map(|t| t.0);
+    let ready_for = since
+        .and_then(|t| Duration::try_from(now.duration_since(t)).ok())
+        .unwrap_or_default();
+    let spec = node.spec.as_ref();
+    let unschedulable = spec.and_then(|s| s.unschedulable).unwrap_or(false);
+    let tainted = spec.and_then(|s| s.taints.as_ref()).is_some_and(|ts| {
+        ts.iter()
+            .any(|t| t.key == CORDON_TAINT_KEY && t.effect == "NoSchedule")
+    });
+    NodeFacts {
+        name: node.metadata.name.clone().unwrap_or_default(),
+        ready,
+        ready_for,
+        cordoned: unschedulable && tainted,
+    }
+}
+
+/// Why a pod on a draining Node is left alone, or `None` if the drain has to
+/// move it. (The drain engine's own selection refines this; this is the gate
+/// that keeps the lifecycle from going past the drain while such pods run.)
+pub fn drain_skip_reason(pod: &Pod) -> Option<&'static str> {
+    let meta = &pod.metadata;
+    if meta
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.contains_key("kubernetes.io/config.mirror"))
+    {
+        return Some("mirror pod");
+    }
+    if meta.owner_references.as_ref().is_some_and(|o| {
+        o.iter()
+            .any(|r| r.kind == "DaemonSet" && r.controller == Some(true))
+    }) {
+        return Some("DaemonSet pod");
+    }
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    if matches!(phase, Some("Succeeded") | Some("Failed")) {
+        return Some("terminal pod");
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{NodeCondition, NodeSpec, NodeStatus, PodStatus, Taint};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
+    use k8s_openapi::jiff::{SignedDuration, Timestamp};
+
+    const MIN: Duration = Duration::from_secs(60);
+
+    fn node(ready: bool, cordoned: bool) -> NodeFacts {
+        NodeFacts {
+            name: "n1".into(),
+            ready,
+            ready_for: Duration::ZERO,
+            cordoned,
+        }
+    }
+
+    fn creation(
+        phase: Option<MachinePhase>,
+        id: bool,
+        n: Option<NodeFacts>,
+        age: Duration,
+    ) -> CreationFacts {
+        CreationFacts {
+            phase,
+            provider_id: id.then(|| "fake:///ns/m".to_string()),
+            node: n,
+            age,
+            creation_timeout: 20 * MIN,
+            health_timeout: 10 * MIN,
+        }
+    }
+
+    #[test]
+    fn creation_steps() {
+        use CreationStep::{CreateVm, FailCreation, Running, StayFailed, WaitForNode};
+        use MachinePhase::{Creating, Failed};
+        let cases = [
+            (creation(None, false, None, Duration::ZERO), CreateVm),
+            (creation(Some(Creating), false, None, 30 * MIN), CreateVm),
+            (
+                creation(Some(Creating), true, None, 5 * MIN),
+                WaitForNode { retry_in: 15 * MIN },
+            ),
+            (
+                creation(Some(Creating), true, Some(node(false, false)), 5 * MIN),
+                WaitForNode { retry_in: 15 * MIN },
+            ),
+            (
+                creation(Some(Creating), true, None, 20 * MIN),
+                FailCreation { waited: 20 * MIN },
+            ),
+            (
+                creation(Some(Creating), true, Some(node(true, false)), 25 * MIN),
+                Running { node: "n1".into() },
+            ),
+            (
+                creation(Some(Failed), true, Some(node(true, false)), MIN),
+                StayFailed,
+            ),
+        ];
+        for (facts, want) in cases {
+            assert_eq!(next_creation_step(&facts), want, "{facts:?}");
+        }
+    }
+
+    #[test]
+    fn a_running_machine_is_unhealthy_only_after_the_health_timeout() {
+        let mut n = node(false, false);
+        n.ready_for = 9 * MIN;
+        let f = creation(Some(MachinePhase::Running), true, Some(n.clone()), 60 * MIN);
+        assert_eq!(
+            next_creation_step(&f),
+            CreationStep::Running { node: "n1".into() }
+        );
+        n.ready_for = 10 * MIN;
+        let f = creation(Some(MachinePhase::Running), true, Some(n), 60 * MIN);
+        assert_eq!(
+            next_creation_step(&f),
+            CreationStep::Unhealthy {
+                node: "n1".into(),
+                not_ready_for: 10 * MIN
+            }
+        );
+    }
+
+    fn terminating() -> DeletionFacts {
+        DeletionFacts {
+            phase: Some(MachinePhase::Terminating),
+            node: Some(node(true, true)),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn deletion_steps_stop_at_the_first_not_done() {
+        use DeletionStep::*;
+        let n = || "n1".to_string();
+        let mut cases: Vec<(DeletionFacts, DeletionStep)> = vec![];
+        cases.push((
+            DeletionFacts {
+                phase: Some(MachinePhase::Running),
+                ..terminating()
+            },
+            MarkTerminating,
+        ));
+        cases.push((
+            DeletionFacts {
+                pre_drain_hooks: vec!["pre-drain.delete.hook.berth.dev/backup".into()],
+                node: Some(node(true, false)),
+                ..terminating()
+            },
+            WaitPreDrainHooks(vec!["pre-drain.delete.hook.berth.dev/backup".into()]),
+        ));
+        cases.push((
+            DeletionFacts {
+                node: Some(node(true, false)),
+                pods_to_drain: vec!["a/p".into()],
+                ..terminating()
+            },
+            Cordon { node: n() },
+        ));
+        cases.push((
+            DeletionFacts {
+                pods_to_drain: vec!["a/p".into()],
+                volume_attachments: vec!["csi-1".into()],
+                ..terminating()
+            },
+            Drain {
+                node: n(),
+                pods: vec!["a/p".into()],
+            },
+        ));
+        cases.push((
+            DeletionFacts {
+                volume_attachments: vec!["csi-1".into()],
+                pre_terminate_hooks: vec!["pre-terminate.delete.hook.berth.dev/x".into()],
+                ..terminating()
+            },
+            WaitVolumesDetached {
+                node: n(),
+                attachments: vec!["csi-1".into()],
+            },
+        ));
+        cases.push((
+            DeletionFacts {
+                pre_terminate_hooks: vec!["pre-terminate.delete.hook.berth.dev/x".into()],
+                ..terminating()
+            },
+            WaitPreTerminateHooks(vec!["pre-terminate.delete.hook.berth.dev/x".into()]),
+        ));
+        cases.push((terminating(), DeleteVmAndNode { node: Some(n()) }));
+        cases.push((
+            DeletionFacts {
+                volume_attachments: vec!["csi-1".into()],
+                volume_detach_timed_out: true,
+                ..terminating()
+            },
+            DeleteVmAndNode { node: Some(n()) },
+        ));
+        // A Node that never registered (or is already gone): no drain.
+        cases.push((
+            DeletionFacts {
+                node: None,
+                pods_to_drain: vec![],
+                ..terminating()
+            },
+            DeleteVmAndNode { node: None },
+        ));
+        for (facts, want) in cases {
+            assert_eq!(next_deletion_step(&facts), want, "{facts:?}");
+        }
+    }
+
+    #[test]
+    fn forced_deletion_skips_hooks_cordon_and_drain() {
+        let f = DeletionFacts {
+            force: true,
+            node: Some(node(true, false)),
+            pre_drain_hooks: vec!["pre-drain.delete.hook.berth.dev/x".into()],
+            pods_to_drain: vec!["a/p".into()],
+            pods_on_node: vec!["a/p".into(), "a/ds".into()],
+            ..terminating()
+        };
+        assert_eq!(
+            next_deletion_step(&f),
+            DeletionStep::ForceDeletePods {
+                node: "n1".into(),
+                pods: vec!["a/p".into(), "a/ds".into()]
+            }
+        );
+        let f = DeletionFacts {
+            pods_on_node: vec![],
+            ..f
+        };
+        assert_eq!(
+            next_deletion_step(&f),
+            DeletionStep::DeleteVmAndNode {
+                node: Some("n1".into())
+            }
+        );
+    }
+
+    #[test]
+    fn hooks_are_selected_by_prefix_and_sorted() {
+        let keys = [
+            "pre-drain.delete.hook.berth.dev/z".to_string(),
+            "other".to_string(),
+            "pre-drain.delete.hook.berth.dev/a".to_string(),
+        ];
+        assert_eq!(
+            hooks(&keys, crate::api::PRE_DRAIN_HOOK_PREFIX),
+            vec![
+                "pre-drain.delete.hook.berth.dev/a".to_string(),
+                "pre-drain.delete.hook.berth.dev/z".to_string()
+            ]
+        );
+    }
+
+    #[test]
+    fn node_facts_read_readiness_age_and_cordon() {
+        let now = Timestamp::from_second(10_000).expect("valid");
+        let since = now
+            .checked_sub(SignedDuration::from_secs(90))
+            .expect("valid");
+        let mut n = Node {
+            metadata: ObjectMeta {
+                name: Some("n1".into()),
+                ..Default::default()
+            },
+            spec: Some(NodeSpec {
+                unschedulable: Some(true),
+                ..Default::default()
+            }),
+            status: Some(NodeStatus {
+                conditions: Some(vec![NodeCondition {
+                    type_: "Ready".into(),
+                    status: "False".into(),
+                    last_transition_time: Some(Time(since)),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }),
+        };
+        let f = node_facts(&n, now);
+        assert!(!f.ready);
+        assert_eq!(f.ready_for, Duration::from_secs(90));
+        assert!(
+            !f.cordoned,
+            "unschedulable without berth's taint is not our cordon"
+        );
+        if let Some(spec) = n.spec.as_mut() {
+            spec.taints = Some(vec![Taint {
+                key: CORDON_TAINT_KEY.into(),
+                effect: "NoSchedule".into(),
+                ..Default::default()
+            }]);
+        }
+        assert!(node_facts(&n, now).cordoned);
+    }
+
+    #[test]
+    fn the_drain_gate_skips_mirror_daemonset_and_terminal_pods() {
+        let pod = |annot: bool, ds: bool, phase: &str| Pod {
+            metadata: ObjectMeta {
+                annotations: annot
+                    .then(|| [("kubernetes.io/config.mirror".to_string(), "x".to_string())].into()),
+                owner_references: ds.then(|| {
+                    vec![OwnerReference {
+                        kind: "DaemonSet".into(),
+                        controller: Some(true),
+                        ..Default::default()
+                    }]
+                }),
+                ..Default::default()
+            },
+            status: Some(PodStatus {
+                phase: Some(phase.into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert_eq!(
+            drain_skip_reason(&pod(true, false, "Running")),
+            Some("mirror pod")
+        );
+        assert_eq!(
+            drain_skip_reason(&pod(false, true, "Running")),
+            Some("DaemonSet pod")
+        );
+        assert_eq!(
+            drain_skip_reason(&pod(false, false, "Succeeded")),
+            Some("terminal pod")
+        );
+        assert_eq!(
+            drain_skip_reason(&pod(false, false, "Failed")),
+            Some("terminal pod")
+        );
+        assert_eq!(drain_skip_reason(&pod(false, false, "Running")), None);
+        assert_eq!(drain_skip_reason(&pod(false, false, "Pending")), None);
+    }
+}

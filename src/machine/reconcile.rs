@@ -1,0 +1,871 @@
+//! Observe, decide, act, record. Every step here is idempotent and safe to
+//! cancel at any await point (the contract of kube-runtime's `finalizer`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Node, Pod, Taint};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType};
+use kube::runtime::finalizer::{self, finalizer};
+use kube::{Resource, ResourceExt};
+
+use super::Context;
+use super::decide::{
+    self, CreationFacts, CreationStep, DeletionFacts, DeletionStep, NodeFacts, next_creation_step,
+    next_deletion_step,
+};
+use super::status::{Cond, Report, State, condition, next_status};
+use crate::api::settings::{ResolvedSettings, resolve};
+use crate::api::{
+    CORDON_TAINT_KEY, DrainStatus, FINALIZER, FORCE_DELETION_LABEL, Machine, MachinePhase,
+    MachineStatus, NodeReference, PRE_DRAIN_HOOK_PREFIX, PRE_TERMINATE_HOOK_PREFIX,
+};
+use crate::providers::{MachineRequest, Provider, ProviderError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("provider {provider}: {source}")]
+    Provider {
+        provider: String,
+        #[source]
+        source: ProviderError,
+    },
+    #[error("finalizer: {0}")]
+    Finalizer(#[source] Box<finalizer::Error<Error>>),
+    #[error("Machine has no namespace")]
+    NoNamespace,
+    /// Not a failure: a deletion step is under way. Never leaves `reconcile`.
+    #[error("deletion step in progress")]
+    Pending(Action),
+}
+
+impl Error {
+    /// A short, bounded label for metrics.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Kube(_) => "kube",
+            Error::Provider { source, .. } => source.metric_label(),
+            Error::Finalizer(e) => match e.as_ref() {
+                finalizer::Error::ApplyFailed(inner) | finalizer::Error::CleanupFailed(inner) => {
+                    inner.metric_label()
+                }
+                _ => "finalizer",
+            },
+            Error::NoNamespace => "no_namespace",
+            Error::Pending(_) => "pending",
+        }
+    }
+}
+
+// Condition types.
+const READY: &str = "Ready";
+const NODE_HEALTHY: &str = "NodeHealthy";
+const DRAINED: &str = "Drained";
+const VOLUMES_DETACHED: &str = "VolumesDetached";
+/// Set before the provider is first asked for the VM. A Machine without it
+/// and without a providerID never had a VM, so its deletion needs no
+/// provider (which may not even be resolvable).
+const VM_REQUESTED: &str = "VMRequested";
+
+pub(super) async fn reconcile(machine: Arc<Machine>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let ns = machine.namespace().ok_or(Error::NoNamespace)?;
+    let api: Api<Machine> = Api::namespaced(ctx.client.clone(), &ns);
+    let action = finalizer(&api, FINALIZER, machine.clone(), |event| async {
+        match event {
+            finalizer::Event::Apply(m) => apply(&m, &ctx).await,
+            // kube's finalizer helper removes the finalizer when cleanup
+            // returns Ok, so a step that is not done yet leaves as Pending.
+            finalizer::Event::Cleanup(m) => match cleanup(&m, &ctx).await? {
+                Some(action) => Err(Error::Pending(action)),
+                None => Ok(Action::await_change()),
+            },
+        }
+    })
+    .await;
+    let action = match action {
+        Ok(a) | Err(finalizer::Error::CleanupFailed(Error::Pending(a))) => a,
+        Err(e) => return Err(Error::Finalizer(Box::new(e))),
+    };
+    ctx.reset_backoff(&machine);
+    Ok(action)
+}
+
+/// A Machine's class, driver and settings, or why they cannot be had.
+struct Resolved {
+    provider: Arc<dyn Provider>,
+    settings: ResolvedSettings,
+    request: MachineRequest,
+}
+
+struct Invalid {
+    reason: &'static str,
+    message: String,
+}
+
+fn resolve_machine(m: &Machine, ctx: &Context) -> Result<Resolved, Invalid> {
+    let class_name = &m.spec.class_ref.name;
+    let class = ctx
+        .stores
+        .classes
+        .get(&kube::runtime::reflector::ObjectRef::new(class_name))
+        .ok_or_else(|| Invalid {
+            reason: "ClassNotFound",
+            message: format!("MachineClass {class_name:?} does not exist"),
+        })?;
+    let provider = ctx
+        .providers
+        .get(&class.spec.provider)
+        .ok_or_else(|| Invalid {
+            reason: "UnknownProvider",
+            message: format!(
+                "MachineClass {class_name:?} names provider {:?}; this controller knows {:?}",
+                class.spec.provider,
+                ctx.providers.names()
+            ),
+        })?;
+    let settings = resolve(
+        m.spec.drain.as_ref(),
+        class.spec.drain.as_ref(),
+        class.spec.creation_timeout.as_deref(),
+        class.spec.health_timeout.as_deref(),
+    )
+    .map_err(|e| Invalid {
+        reason: "InvalidSettings",
+        message: e.to_string(),
+    })?;
+    let provider_spec = class
+        .spec
+        .provider_spec
+        .clone()
+        .unwrap_or(serde_json::Value::Null);
+    provider.validate(&provider_spec).map_err(|e| Invalid {
+        reason: "InvalidProviderSpec",
+        message: format!("MachineClass {class_name:?}: {e}"),
+    })?;
+    Ok(Resolved {
+        provider,
+        settings,
+        request: MachineRequest {
+            namespace: m.namespace().unwrap_or_default(),
+            name: m.name_any(),
+            class: class_name.clone(),
+            provider_spec,
+            provider_id: m.spec.provider_id.clone(),
+        },
+    })
+}
+
+/// Writes the status the step implies (only if it differs) and, when the
+/// report is new, an Event.
+async fn record(
+    ctx: &Context,
+    m: &Machine,
+    phase: Option<MachinePhase>,
+    conds: &[Cond],
+    report: Report,
+    extra: impl FnOnce(&mut MachineStatus),
+) -> Result<(), Error> {
+    let current = m.status.clone().unwrap_or_default();
+    let mut next = next_status(
+        &current,
+        phase,
+        conds,
+        &report,
+        m.metadata.generation,
+        Timestamp::now(),
+    );
+    extra(&mut next);
+    if next != current {
+        let api: Api<Machine> =
+            Api::namespaced(ctx.client.clone(), &m.namespace().unwrap_or_default());
+        api.patch_status(
+            &m.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({ "status": next })),
+        )
+        .await?;
+    }
+    if !report.recorded_in(current.last_operation.as_ref()) {
+        let type_ = if report.state == State::Failed {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        };
+        tracing::info!(
+            machine = %m.name_any(),
+            op = report.op,
+            step = report.step,
+            state = report.state.as_str(),
+            "{}",
+            report.description
+        );
+        let ev = Event {
+            type_,
+            reason: report.step.to_string(),
+            note: Some(truncate(&report.description, 1000)),
+            action: report.op.to_string(),
+            secondary: None,
+        };
+        // An Event is best effort: failing to publish one must not stop the
+        // lifecycle.
+        if let Err(e) = ctx.recorder.publish(&ev, &m.object_ref(&())).await {
+            tracing::warn!(error = %e, "could not publish an Event");
+        }
+    }
+    Ok(())
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
+fn elapsed_since(t: Option<&k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>) -> Duration {
+    t.and_then(|t| Duration::try_from(Timestamp::now().duration_since(t.0)).ok())
+        .unwrap_or_default()
+}
+
+/// The Machine's Node: by `status.nodeRef`, else by providerID.
+fn find_node(m: &Machine, ctx: &Context) -> Option<Arc<Node>> {
+    if let Some(name) = m
+        .status
+        .as_ref()
+        .and_then(|s| s.node_ref.as_ref())
+        .map(|r| &r.name)
+        && let Some(n) = ctx
+            .stores
+            .nodes
+            .get(&kube::runtime::reflector::ObjectRef::new(name))
+    {
+        return Some(n);
+    }
+    let id = m.spec.provider_id.as_deref()?;
+    ctx.stores
+        .nodes
+        .state()
+        .into_iter()
+        .find(|n| n.spec.as_ref().and_then(|s| s.provider_id.as_deref()) == Some(id))
+}
+
+async fn apply(m: &Machine, ctx: &Context) -> Result<Action, Error> {
+    let r = match resolve_machine(m, ctx) {
+        Ok(r) => r,
+        Err(inv) => {
+            let phase = m
+                .status
+                .as_ref()
+                .and_then(|s| s.phase)
+                .unwrap_or(MachinePhase::Pending);
+            record(
+                ctx,
+                m,
+                Some(phase),
+                &[Cond::new(READY, false, inv.reason, inv.message.clone())],
+                Report::new("Create", inv.reason, State::Failed, inv.message),
+                |_| {},
+            )
+            .await?;
+            // Nothing will change until the Machine or its class does.
+            return Ok(Action::await_change());
+        }
+    };
+    let now = Timestamp::now();
+    let node = find_node(m, ctx);
+    let facts = CreationFacts {
+        phase: m.status.as_ref().and_then(|s| s.phase),
+        provider_id: m.spec.provider_id.clone(),
+        node: node.as_deref().map(|n| decide::node_facts(n, now)),
+        age: elapsed_since(m.metadata.creation_timestamp.as_ref()),
+        creation_timeout: r.settings.creation_timeout,
+        health_timeout: r.settings.health_timeout,
+    };
+    match next_creation_step(&facts) {
+        CreationStep::CreateVm => create_vm(m, ctx, &r).await,
+        CreationStep::WaitForNode { retry_in } => {
+            let id = m.spec.provider_id.clone().unwrap_or_default();
+            record(
+                ctx,
+                m,
+                Some(MachinePhase::Creating),
+                &[Cond::new(
+                    READY,
+                    false,
+                    "WaitingForNode",
+                    format!(
+                        "waiting for the Node with providerID {id} to register and become Ready"
+                    ),
+                )],
+                Report::new(
+                    "Create",
+                    "WaitForNode",
+                    State::Waiting,
+                    format!("VM {id} exists; waiting for its Node to register and become Ready"),
+                ),
+                |_| {},
+            )
+            .await?;
+            // The Node watch wakes us earlier; this is the creation deadline.
+            Ok(Action::requeue(retry_in + Duration::from_millis(100)))
+        }
+        CreationStep::FailCreation { .. } => {
+            let msg = format!(
+                "the Node did not register and become Ready within the creation timeout ({})",
+                humantime::format_duration(r.settings.creation_timeout)
+            );
+            record(
+                ctx,
+                m,
+                Some(MachinePhase::Failed),
+                &[Cond::new(READY, false, "CreationTimeout", msg.clone())],
+                Report::new("Create", "WaitForNode", State::Failed, msg),
+                |_| {},
+            )
+            .await?;
+            Ok(Action::await_change())
+        }
+        CreationStep::Running { node: name } => {
+            let facts = facts.node.clone();
+            let ready = facts.as_ref().is_some_and(|n| n.ready);
+            record(
+                ctx,
+                m,
+                Some(MachinePhase::Running),
+                &[
+                    Cond::new(READY, true, "NodeReady", format!("Node {name} is Ready")),
+                    Cond::new(
+                        NODE_HEALTHY,
+                        true,
+                        "NodeReady",
+                        format!("Node {name} is Ready"),
+                    ),
+                ],
+                Report::new(
+                    "Create",
+                    "Running",
+                    State::Succeeded,
+                    format!("Node {name} is Ready"),
+                ),
+                |s| {
+                    s.node_ref = Some(NodeReference { name: name.clone() });
+                },
+            )
+            .await?;
+            match facts {
+                // NotReady but within the health timeout: look again when
+                // it would pass (a Node event wakes us earlier).
+                Some(NodeFacts { ready_for, .. }) if !ready => Ok(Action::requeue(
+                    r.settings.health_timeout.saturating_sub(ready_for)
+                        + Duration::from_millis(100),
+                )),
+                _ => Ok(Action::await_change()),
+            }
+        }
+        CreationStep::Unhealthy { node, .. } => {
+            let msg = format!(
+                "Node {node} has been NotReady for longer than the health timeout ({})",
+                humantime::format_duration(r.settings.health_timeout)
+            );
+            record(
+                ctx,
+                m,
+                None,
+                &[Cond::new(NODE_HEALTHY, false, "NodeNotReady", msg.clone())],
+                Report::new("Health", "NodeNotReady", State::Failed, msg),
+                |_| {},
+            )
+            .await?;
+            Ok(Action::await_change())
+        }
+        CreationStep::StayFailed => Ok(Action::await_change()),
+    }
+}
+
+async fn create_vm(m: &Machine, ctx: &Context, r: &Resolved) -> Result<Action, Error> {
+    let provider = r.provider.name();
+    record(
+        ctx,
+        m,
+        Some(MachinePhase::Creating),
+        &[
+            Cond::new(READY, false, "Creating", "creating the VM"),
+            Cond::new(
+                VM_REQUESTED,
+                true,
+                "Requested",
+                format!("the VM was requested from provider {provider}"),
+            ),
+        ],
+        Report::new(
+            "Create",
+            "CreateVm",
+            State::Processing,
+            format!("creating the VM with provider {provider}"),
+        ),
+        |_| {},
+    )
+    .await?;
+    match r.provider.create(&r.request).await {
+        Ok(vm) => {
+            let api: Api<Machine> = Api::namespaced(ctx.client.clone(), &r.request.namespace);
+            api.patch(
+                &m.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({"spec": {"providerID": vm.provider_id}})),
+            )
+            .await?;
+            // The spec change wakes the next step.
+            Ok(Action::await_change())
+        }
+        Err(ProviderError::InProgress { what, retry_after }) => {
+            record(
+                ctx,
+                m,
+                None,
+                &[],
+                Report::new("Create", "CreateVm", State::Waiting, what),
+                |_| {},
+            )
+            .await?;
+            Ok(Action::requeue(retry_after))
+        }
+        Err(e @ (ProviderError::Permanent(_) | ProviderError::InvalidSpec(_))) => {
+            let msg = format!("provider {provider} cannot create the VM: {e}");
+            record(
+                ctx,
+                m,
+                Some(MachinePhase::Failed),
+                &[Cond::new(READY, false, "CreateFailed", msg.clone())],
+                Report::new("Create", "CreateVm", State::Failed, msg),
+                |_| {},
+            )
+            .await?;
+            Ok(Action::await_change())
+        }
+        Err(e) => {
+            record(
+                ctx,
+                m,
+                None,
+                &[],
+                Report::new(
+                    "Create",
+                    "CreateVm",
+                    State::Failed,
+                    format!("provider {provider}: {e}; retrying"),
+                ),
+                |_| {},
+            )
+            .await?;
+            Err(Error::Provider {
+                provider: provider.into(),
+                source: e,
+            })
+        }
+    }
+}
+
+fn pods_on(ctx: &Context, node: &str) -> Vec<Arc<Pod>> {
+    ctx.stores
+        .pods
+        .state()
+        .into_iter()
+        .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node))
+        .collect()
+}
+
+fn key(p: &Pod) -> String {
+    format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any())
+}
+
+/// The next deletion step. `Some(action)`: not done, come back on `action`;
+/// `None`: every step is done and the finalizer can go.
+async fn cleanup(m: &Machine, ctx: &Context) -> Result<Option<Action>, Error> {
+    let resolved = resolve_machine(m, ctx);
+    let settings = resolved
+        .as_ref()
+        .map(|r| r.settings.clone())
+        .unwrap_or_default();
+    let now = Timestamp::now();
+    let node = find_node(m, ctx);
+    let node_facts = node.as_deref().map(|n| decide::node_facts(n, now));
+    let (pods_to_drain, pods_on_node) = match &node_facts {
+        Some(n) => {
+            let pods = pods_on(ctx, &n.name);
+            let on_node: Vec<String> = pods
+                .iter()
+                .filter(|p| decide::drain_skip_reason(p) != Some("mirror pod"))
+                .map(|p| key(p))
+                .collect();
+            let to_drain = pods
+                .iter()
+                .filter(|p| decide::drain_skip_reason(p).is_none())
+                .map(|p| key(p))
+                .collect();
+            (to_drain, on_node)
+        }
+        None => (vec![], vec![]),
+    };
+    let attachments: Vec<String> = match &node_facts {
+        Some(n) => ctx
+            .stores
+            .attachments
+            .state()
+            .iter()
+            .filter(|va| va.spec.node_name == n.name)
+            .map(|va| va.name_any())
+            .collect(),
+        None => vec![],
+    };
+    let detach_wait = condition(m.status.as_ref(), VOLUMES_DETACHED)
+        .filter(|c| c.status == "False")
+        .map(|c| elapsed_since(Some(&c.last_transition_time)));
+    let annotations = m.annotations();
+    let facts = DeletionFacts {
+        phase: m.status.as_ref().and_then(|s| s.phase),
+        force: m
+            .labels()
+            .get(FORCE_DELETION_LABEL)
+            .is_some_and(|v| v == "true"),
+        pre_drain_hooks: decide::hooks(annotations.keys(), PRE_DRAIN_HOOK_PREFIX),
+        pre_terminate_hooks: decide::hooks(annotations.keys(), PRE_TERMINATE_HOOK_PREFIX),
+        node: node_facts.clone(),
+        pods_to_drain,
+        pods_on_node,
+        volume_attachments: attachments,
+        volume_detach_timed_out: detach_wait.is_some_and(|w| w >= settings.volume_detach_timeout),
+    };
+    let step = next_deletion_step(&facts);
+    let name = step.name();
+    match step {
+        DeletionStep::MarkTerminating => {
+            let started = m.metadata.deletion_timestamp.clone();
+            record(
+                ctx,
+                m,
+                Some(MachinePhase::Terminating),
+                &[],
+                Report::new("Delete", name, State::Processing, "deletion requested"),
+                |s| {
+                    s.drain.get_or_insert_with(DrainStatus::default).started_at = started;
+                },
+            )
+            .await?;
+            Ok(Some(Action::await_change()))
+        }
+        DeletionStep::WaitPreDrainHooks(hooks) | DeletionStep::WaitPreTerminateHooks(hooks) => {
+            let msg = format!(
+                "waiting for the lifecycle hooks to be removed: {}",
+                hooks.join(", ")
+            );
+            record(
+                ctx,
+                m,
+                None,
+                &[],
+                Report::new("Delete", name, State::Waiting, msg),
+                |_| {},
+            )
+            .await?;
+            Ok(Some(Action::await_change()))
+        }
+        DeletionStep::Cordon { node } => {
+            cordon(
+                ctx,
+                ctx.stores
+                    .nodes
+                    .get(&kube::runtime::reflector::ObjectRef::new(&node)),
+            )
+            .await?;
+            record(
+                ctx,
+                m,
+                None,
+                &[],
+                Report::new(
+                    "Delete",
+                    name,
+                    State::Succeeded,
+                    format!("cordoned Node {node}"),
+                ),
+                |_| {},
+            )
+            .await?;
+            Ok(Some(Action::await_change()))
+        }
+        DeletionStep::ForceDeletePods { node, pods } => {
+            for p in &pods {
+                let Some((ns, pod)) = p.split_once('/') else {
+                    continue;
+                };
+                let api: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
+                match api
+                    .delete(pod, &DeleteParams::default().grace_period(0))
+                    .await
+                {
+                    Ok(_) => {}
+                    Err(kube::Error::Api(e)) if e.code == 404 => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            let msg = format!(
+                "force-deleting {} pods on Node {node} (forced deletion)",
+                pods.len()
+            );
+            record(
+                ctx,
+                m,
+                None,
+                &[],
+                Report::new("Delete", name, State::Processing, msg),
+                |_| {},
+            )
+            .await?;
+            Ok(Some(Action::await_change()))
+        }
+        DeletionStep::Drain { node, pods } => {
+            let shown: Vec<&str> = pods.iter().take(5).map(String::as_str).collect();
+            let msg = format!(
+                "{} pods still run on Node {node}: {}{}; the volume-aware drain engine is not in this build yet, \
+                 so berth waits for them to leave before it goes on",
+                pods.len(),
+                shown.join(", "),
+                if pods.len() > shown.len() {
+                    ", …"
+                } else {
+                    ""
+                }
+            );
+            let remaining = u32::try_from(pods.len()).unwrap_or(u32::MAX);
+            record(
+                ctx,
+                m,
+                None,
+                &[Cond::new(DRAINED, false, "PodsRemaining", msg.clone())],
+                Report::new("Delete", name, State::Waiting, msg),
+                |s| {
+                    let d = s.drain.get_or_insert_with(DrainStatus::default);
+                    d.pods_total = d.pods_total.max(remaining + d.pods_evicted);
+                    d.pods_remaining = remaining;
+                    d.progress = Some(format!("{}/{}", d.pods_total - remaining, d.pods_total));
+                    d.waiting_for = Some(format!("{remaining} pods to leave Node {node}"));
+                },
+            )
+            .await?;
+            Ok(Some(Action::await_change()))
+        }
+        DeletionStep::WaitVolumesDetached { node, attachments } => {
+            let msg = format!(
+                "waiting for {} VolumeAttachments to leave Node {node}: {}",
+                attachments.len(),
+                attachments.join(", ")
+            );
+            record(
+                ctx,
+                m,
+                None,
+                &[
+                    Cond::new(
+                        DRAINED,
+                        true,
+                        "Drained",
+                        format!("no pod left to drain on Node {node}"),
+                    ),
+                    Cond::new(VOLUMES_DETACHED, false, "Detaching", msg.clone()),
+                ],
+                Report::new("Delete", name, State::Waiting, msg),
+                |s| {
+                    if let Some(d) = s.drain.as_mut() {
+                        d.pods_remaining = 0;
+                        d.progress = Some(format!("{}/{}", d.pods_total, d.pods_total));
+                        d.waiting_for = Some("volumes to detach".into());
+                    }
+                },
+            )
+            .await?;
+            // VolumeAttachment events wake us; this is the detach deadline.
+            let waited = detach_wait.unwrap_or_default();
+            Ok(Some(Action::requeue(
+                settings.volume_detach_timeout.saturating_sub(waited) + Duration::from_millis(100),
+            )))
+        }
+        DeletionStep::DeleteVmAndNode { node } => {
+            delete_vm_and_node(m, ctx, resolved, facts, node).await
+        }
+    }
+}
+
+/// `spec.unschedulable` plus berth's NoSchedule taint. The resourceVersion
+/// in the patch makes it a compare-and-swap, so a taint another writer
+/// added in between is never lost.
+async fn cordon(ctx: &Context, node: Option<Arc<Node>>) -> Result<(), Error> {
+    let Some(node) = node else { return Ok(()) };
+    let mut taints: Vec<Taint> = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.clone())
+        .unwrap_or_default();
+    if !taints
+        .iter()
+        .any(|t| t.key == CORDON_TAINT_KEY && t.effect == "NoSchedule")
+    {
+        taints.push(Taint {
+            key: CORDON_TAINT_KEY.into(),
+            effect: "NoSchedule".into(),
+            value: Some("true".into()),
+            ..Default::default()
+        });
+    }
+    let patch = serde_json::json!({
+        "metadata": {"resourceVersion": node.resource_version()},
+        "spec": {"unschedulable": true, "taints": taints},
+    });
+    Api::<Node>::all(ctx.client.clone())
+        .patch(
+            &node.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(patch),
+        )
+        .await?;
+    Ok(())
+}
+
+async fn delete_vm_and_node(
+    m: &Machine,
+    ctx: &Context,
+    resolved: Result<Resolved, Invalid>,
+    facts: DeletionFacts,
+    node: Option<String>,
+) -> Result<Option<Action>, Error> {
+    let had_node = m
+        .status
+        .as_ref()
+        .and_then(|s| s.node_ref.as_ref())
+        .is_some();
+    if node.is_none() && !had_node && !facts.force {
+        record(
+            ctx,
+            m,
+            None,
+            &[Cond::new(
+                DRAINED,
+                true,
+                "NoNode",
+                "the Node never registered: nothing to drain",
+            )],
+            Report::new(
+                "Delete",
+                "SkipDrain",
+                State::Succeeded,
+                "the Node never registered: no drain",
+            ),
+            |_| {},
+        )
+        .await?;
+    }
+    let vm_requested =
+        m.spec.provider_id.is_some() || condition(m.status.as_ref(), VM_REQUESTED).is_some();
+    let r = match resolved {
+        Ok(r) => r,
+        Err(_) if !vm_requested => {
+            record(
+                ctx,
+                m,
+                None,
+                &[],
+                Report::new(
+                    "Delete",
+                    "DeleteVmAndNode",
+                    State::Succeeded,
+                    "no VM was ever requested: nothing to delete",
+                ),
+                |_| {},
+            )
+            .await?;
+            return Ok(None);
+        }
+        Err(inv) => {
+            let msg = format!("cannot delete the VM: {}", inv.message);
+            record(
+                ctx,
+                m,
+                None,
+                &[Cond::new(READY, false, inv.reason, inv.message.clone())],
+                Report::new("Delete", "DeleteVm", State::Failed, msg),
+                |_| {},
+            )
+            .await?;
+            // Keep the finalizer: never forget a VM. A fixed class wakes us.
+            return Ok(Some(Action::await_change()));
+        }
+    };
+    let provider = r.provider.name();
+    match r.provider.delete(&r.request).await {
+        Ok(()) | Err(ProviderError::NotFound(_)) => {}
+        Err(ProviderError::InProgress { what, retry_after }) => {
+            record(
+                ctx,
+                m,
+                None,
+                &[],
+                Report::new("Delete", "DeleteVm", State::Waiting, what),
+                |_| {},
+            )
+            .await?;
+            return Ok(Some(Action::requeue(retry_after)));
+        }
+        Err(e @ (ProviderError::Permanent(_) | ProviderError::InvalidSpec(_))) => {
+            let msg = format!("provider {provider} cannot delete the VM: {e}");
+            record(
+                ctx,
+                m,
+                None,
+                &[],
+                Report::new("Delete", "DeleteVm", State::Failed, msg),
+                |_| {},
+            )
+            .await?;
+            return Ok(Some(Action::requeue(Duration::from_secs(600))));
+        }
+        Err(e) => {
+            return Err(Error::Provider {
+                provider: provider.into(),
+                source: e,
+            });
+        }
+    }
+    let what = match &node {
+        Some(n) => {
+            match Api::<Node>::all(ctx.client.clone())
+                .delete(n, &DeleteParams::default())
+                .await
+            {
+                Ok(_) => {}
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => return Err(e.into()),
+            }
+            format!("VM deleted, Node {n} deleted")
+        }
+        None => "VM deleted".to_string(),
+    };
+    record(
+        ctx,
+        m,
+        None,
+        &[],
+        Report::new("Delete", "DeleteVmAndNode", State::Succeeded, what),
+        |_| {},
+    )
+    .await?;
+    Ok(None)
+}

@@ -1,0 +1,230 @@
+//! Building a Machine's next status from its current one. Pure: the
+//! reconciler writes the result only when it differs, so a reconcile that
+//! changes nothing writes nothing (and wakes nothing).
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+
+use crate::api::{LastOperation, MachinePhase, MachineStatus};
+
+/// What a step reports: it becomes `status.lastOperation` and, when it
+/// changes, an Event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Report {
+    pub op: &'static str,
+    pub step: &'static str,
+    pub state: State,
+    pub description: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    Processing,
+    Waiting,
+    Succeeded,
+    Failed,
+}
+
+impl State {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            State::Processing => "Processing",
+            State::Waiting => "Waiting",
+            State::Succeeded => "Succeeded",
+            State::Failed => "Failed",
+        }
+    }
+}
+
+impl Report {
+    pub fn new(
+        op: &'static str,
+        step: &'static str,
+        state: State,
+        description: impl Into<String>,
+    ) -> Self {
+        Self {
+            op,
+            step,
+            state,
+            description: description.into(),
+        }
+    }
+
+    /// Whether `last` already records this report (time aside).
+    pub fn recorded_in(&self, last: Option<&LastOperation>) -> bool {
+        last.is_some_and(|l| {
+            l.type_ == self.op
+                && l.step == self.step
+                && l.state == self.state.as_str()
+                && l.description == self.description
+        })
+    }
+}
+
+/// A condition to set: type, status, reason, message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cond {
+    pub type_: &'static str,
+    pub status: bool,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+impl Cond {
+    pub fn new(
+        type_: &'static str,
+        status: bool,
+        reason: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
+        Self {
+            type_,
+            status,
+            reason,
+            message: message.into(),
+        }
+    }
+}
+
+/// The next status: `current` with the phase, conditions and report applied.
+/// A condition keeps its `lastTransitionTime` unless its status flips, and
+/// `lastOperation.lastUpdateTime` only moves when the report changes.
+pub fn next_status(
+    current: &MachineStatus,
+    phase: Option<MachinePhase>,
+    conditions: &[Cond],
+    report: &Report,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> MachineStatus {
+    let mut s = current.clone();
+    if let Some(p) = phase {
+        s.phase = Some(p);
+    }
+    for c in conditions {
+        set_condition(&mut s.conditions, c, generation, now);
+    }
+    if !report.recorded_in(s.last_operation.as_ref()) {
+        s.last_operation = Some(LastOperation {
+            type_: report.op.to_string(),
+            step: report.step.to_string(),
+            state: report.state.as_str().to_string(),
+            description: report.description.clone(),
+            last_update_time: Time(now),
+        });
+    }
+    s.observed_generation = generation;
+    s
+}
+
+fn set_condition(conds: &mut Vec<Condition>, c: &Cond, generation: Option<i64>, now: Timestamp) {
+    let status = if c.status { "True" } else { "False" };
+    match conds.iter_mut().find(|x| x.type_ == c.type_) {
+        Some(x) => {
+            if x.status != status {
+                x.last_transition_time = Time(now);
+            }
+            x.status = status.into();
+            x.reason = c.reason.into();
+            x.message = c.message.clone();
+            x.observed_generation = generation;
+        }
+        None => conds.push(Condition {
+            type_: c.type_.into(),
+            status: status.into(),
+            reason: c.reason.into(),
+            message: c.message.clone(),
+            last_transition_time: Time(now),
+            observed_generation: generation,
+        }),
+    }
+}
+
+/// The condition of that type, if set.
+pub fn condition<'a>(s: Option<&'a MachineStatus>, type_: &str) -> Option<&'a Condition> {
+    s?.conditions.iter().find(|c| c.type_ == type_)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::jiff::SignedDuration;
+
+    fn t(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_000_000 + secs).expect("valid")
+    }
+
+    #[test]
+    fn an_unchanged_report_and_condition_yield_an_identical_status() {
+        let r = Report::new("Create", "WaitForNode", State::Waiting, "waiting");
+        let c = [Cond::new("Ready", false, "NodeNotReady", "waiting")];
+        let first = next_status(
+            &MachineStatus::default(),
+            Some(MachinePhase::Creating),
+            &c,
+            &r,
+            Some(1),
+            t(0),
+        );
+        let again = next_status(&first, Some(MachinePhase::Creating), &c, &r, Some(1), t(30));
+        assert_eq!(first, again, "nothing to write, nothing to wake");
+    }
+
+    #[test]
+    fn transition_time_moves_only_when_the_status_flips() {
+        let r = Report::new("Create", "x", State::Processing, "");
+        let s1 = next_status(
+            &MachineStatus::default(),
+            None,
+            &[Cond::new("Ready", false, "A", "a")],
+            &r,
+            None,
+            t(0),
+        );
+        let s2 = next_status(
+            &s1,
+            None,
+            &[Cond::new("Ready", false, "B", "b")],
+            &r,
+            None,
+            t(10),
+        );
+        assert_eq!(s2.conditions[0].last_transition_time.0, t(0));
+        assert_eq!(s2.conditions[0].reason, "B");
+        let s3 = next_status(
+            &s2,
+            None,
+            &[Cond::new("Ready", true, "C", "c")],
+            &r,
+            None,
+            t(20),
+        );
+        assert_eq!(s3.conditions[0].last_transition_time.0, t(20));
+        assert_eq!(s3.conditions.len(), 1);
+        assert_eq!(t(20).duration_since(t(0)), SignedDuration::from_secs(20));
+    }
+
+    #[test]
+    fn a_new_report_replaces_the_last_operation() {
+        let s1 = next_status(
+            &MachineStatus::default(),
+            None,
+            &[],
+            &Report::new("Delete", "Cordon", State::Succeeded, "cordoned n1"),
+            None,
+            t(0),
+        );
+        let s2 = next_status(
+            &s1,
+            None,
+            &[],
+            &Report::new("Delete", "Drain", State::Waiting, "2 pods"),
+            None,
+            t(5),
+        );
+        let lo = s2.last_operation.expect("set");
+        assert_eq!((lo.step.as_str(), lo.state.as_str()), ("Drain", "Waiting"));
+        assert_eq!(lo.last_update_time.0, t(5));
+    }
+}

@@ -1,0 +1,342 @@
+//! The `fake` provider: a VM is a ConfigMap `fake-vm-<machine>` in the
+//! Machine's namespace, and "booting" it registers a Node carrying the
+//! Machine's providerID. Its state lives in the cluster, so it survives a
+//! controller restart. It powers the demo and the tests; the Nodes it
+//! registers are annotated so that kwok plays their kubelet and the
+//! attach-detach controller serves their volumes.
+//!
+//! Failures are injected through the class's `providerSpec`:
+//!
+//! ```yaml
+//! providerSpec:
+//!   failCreateTimes: 2      # the first two creates fail (transiently)
+//!   failCreatePermanently: false
+//!   deleteDelay: 5s         # delete reports "in progress" for 5s
+//!   registerNode: true      # false: the VM never registers a Node
+//!   nodeReady: true         # false: the Node never becomes Ready
+//!   nodeLabels: {pool: a}   # extra labels on the Node
+//! ```
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{ConfigMap, Node, NodeSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use serde::Deserialize;
+
+use super::{MachineRequest, Provider, ProviderError, Vm, VmState};
+use crate::api::settings::parse_duration;
+use crate::testbed::{CONTROLLER_MANAGED_ATTACH_ANNOTATION, KWOK_NODE_ANNOTATION};
+
+pub const NAME: &str = "fake";
+const VM_LABEL: &str = "fake.berth.dev/vm";
+const FIELD_MANAGER: &str = "berth-fake-provider";
+
+/// The `providerSpec` the fake driver understands. Unknown fields are
+/// rejected so that a typo is reported instead of ignored.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FakeSpec {
+    #[serde(default)]
+    pub fail_create_times: u32,
+    #[serde(default)]
+    pub fail_create_permanently: bool,
+    #[serde(default)]
+    pub delete_delay: Option<String>,
+    #[serde(default = "yes")]
+    pub register_node: bool,
+    #[serde(default = "yes")]
+    pub node_ready: bool,
+    #[serde(default)]
+    pub node_labels: BTreeMap<String, String>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl FakeSpec {
+    pub fn parse(v: &serde_json::Value) -> Result<(Self, Duration), ProviderError> {
+        let v = if v.is_null() {
+            serde_json::json!({})
+        } else {
+            v.clone()
+        };
+        let spec: FakeSpec =
+            serde_json::from_value(v).map_err(|e| ProviderError::InvalidSpec(e.to_string()))?;
+        let delay = match &spec.delete_delay {
+            None => Duration::ZERO,
+            Some(s) => parse_duration(s).ok_or_else(|| {
+                ProviderError::InvalidSpec(format!("deleteDelay: {s:?} is not a duration"))
+            })?,
+        };
+        Ok((spec, delay))
+    }
+}
+
+pub struct FakeProvider {
+    client: kube::Client,
+}
+
+impl FakeProvider {
+    pub fn new(client: kube::Client) -> Self {
+        Self { client }
+    }
+
+    fn vms(&self, ns: &str) -> Api<ConfigMap> {
+        Api::namespaced(self.client.clone(), ns)
+    }
+
+    /// The providerID of the VM for a Machine.
+    pub fn provider_id(namespace: &str, name: &str) -> String {
+        format!("fake:///{namespace}/{name}")
+    }
+
+    /// The Node name the VM of a Machine registers.
+    pub fn node_name(namespace: &str, name: &str) -> String {
+        format!("{namespace}-{name}")
+    }
+
+    async fn register_node(
+        &self,
+        req: &MachineRequest,
+        spec: &FakeSpec,
+        provider_id: &str,
+    ) -> Result<(), ProviderError> {
+        let name = Self::node_name(&req.namespace, &req.name);
+        let mut annotations = BTreeMap::from([(
+            CONTROLLER_MANAGED_ATTACH_ANNOTATION.0.to_string(),
+            CONTROLLER_MANAGED_ATTACH_ANNOTATION.1.to_string(),
+        )]);
+        if spec.node_ready {
+            annotations.insert(KWOK_NODE_ANNOTATION.0.into(), KWOK_NODE_ANNOTATION.1.into());
+        }
+        let mut labels = spec.node_labels.clone();
+        labels.insert("kubernetes.io/hostname".into(), name.clone());
+        labels.insert("kubernetes.io/os".into(), "linux".into());
+        let node = Node {
+            metadata: ObjectMeta {
+                name: Some(name),
+                annotations: Some(annotations),
+                labels: Some(labels),
+                ..Default::default()
+            },
+            spec: Some(NodeSpec {
+                provider_id: Some(provider_id.to_string()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        match Api::<Node>::all(self.client.clone())
+            .create(&PostParams::default(), &node)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
+            Err(e) => Err(transient(e)),
+        }
+    }
+}
+
+fn transient(e: kube::Error) -> ProviderError {
+    ProviderError::Transient(e.to_string())
+}
+
+fn vm_name(machine: &str) -> String {
+    format!("fake-vm-{machine}")
+}
+
+fn vm_of(cm: &ConfigMap) -> Option<Vm> {
+    let data = cm.data.as_ref()?;
+    let state = match data.get("state").map(String::as_str) {
+        Some("Running") => VmState::Running,
+        Some("Deleting") => VmState::Deleting,
+        _ => VmState::Creating,
+    };
+    Some(Vm {
+        provider_id: data.get("providerID")?.clone(),
+        state,
+    })
+}
+
+#[async_trait::async_trait]
+impl Provider for FakeProvider {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn validate(&self, provider_spec: &serde_json::Value) -> Result<(), ProviderError> {
+        FakeSpec::parse(provider_spec).map(|_| ())
+    }
+
+    async fn create(&self, req: &MachineRequest) -> Result<Vm, ProviderError> {
+        let (spec, _) = FakeSpec::parse(&req.provider_spec)?;
+        let api = self.vms(&req.namespace);
+        let name = vm_name(&req.name);
+        let provider_id = Self::provider_id(&req.namespace, &req.name);
+        let existing = api.get_opt(&name).await.map_err(transient)?;
+        let attempts: u32 = existing
+            .as_ref()
+            .and_then(|cm| cm.data.as_ref()?.get("failedCreates")?.parse().ok())
+            .unwrap_or(0);
+        if let Some(vm) = existing.as_ref().and_then(vm_of)
+            && vm.state == VmState::Running
+        {
+            if spec.register_node {
+                self.register_node(req, &spec, &vm.provider_id).await?;
+            }
+            return Ok(vm);
+        }
+        let failing = spec.fail_create_permanently || attempts < spec.fail_create_times;
+        let data = BTreeMap::from([
+            ("providerID".to_string(), provider_id.clone()),
+            (
+                "state".to_string(),
+                if failing { "Creating" } else { "Running" }.to_string(),
+            ),
+            (
+                "failedCreates".to_string(),
+                (attempts + u32::from(failing)).to_string(),
+            ),
+        ]);
+        let cm = ConfigMap {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                labels: Some(BTreeMap::from([(VM_LABEL.to_string(), "true".to_string())])),
+                ..Default::default()
+            },
+            data: Some(data),
+            ..Default::default()
+        };
+        api.patch(
+            &name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&cm),
+        )
+        .await
+        .map_err(transient)?;
+        if spec.fail_create_permanently {
+            return Err(ProviderError::Permanent(
+                "injected permanent create failure".into(),
+            ));
+        }
+        if failing {
+            return Err(ProviderError::Transient(format!(
+                "injected create failure {} of {}",
+                attempts + 1,
+                spec.fail_create_times
+            )));
+        }
+        if spec.register_node {
+            self.register_node(req, &spec, &provider_id).await?;
+        }
+        Ok(Vm {
+            provider_id,
+            state: VmState::Running,
+        })
+    }
+
+    async fn delete(&self, req: &MachineRequest) -> Result<(), ProviderError> {
+        let (_, delay) = FakeSpec::parse(&req.provider_spec)?;
+        let api = self.vms(&req.namespace);
+        let name = vm_name(&req.name);
+        let Some(cm) = api.get_opt(&name).await.map_err(transient)? else {
+            return Err(ProviderError::NotFound(name));
+        };
+        if !delay.is_zero() {
+            let requested = cm
+                .data
+                .as_ref()
+                .and_then(|d| d.get("deleteRequestedAt"))
+                .and_then(|t| t.parse::<Timestamp>().ok());
+            let now = Timestamp::now();
+            let Some(requested) = requested else {
+                let patch = serde_json::json!({"data": {"state": "Deleting", "deleteRequestedAt": now.to_string()}});
+                api.patch(&name, &PatchParams::default(), &Patch::Merge(patch))
+                    .await
+                    .map_err(transient)?;
+                return Err(ProviderError::InProgress {
+                    what: format!("deleting {name}"),
+                    retry_after: delay,
+                });
+            };
+            let elapsed = Duration::try_from(now.duration_since(requested)).unwrap_or_default();
+            if elapsed < delay {
+                return Err(ProviderError::InProgress {
+                    what: format!("deleting {name}"),
+                    retry_after: delay - elapsed,
+                });
+            }
+        }
+        match api.delete(&name, &DeleteParams::default()).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(e)) if e.code == 404 => Err(ProviderError::NotFound(name)),
+            Err(e) => Err(transient(e)),
+        }
+    }
+
+    async fn get(&self, req: &MachineRequest) -> Result<Vm, ProviderError> {
+        let name = vm_name(&req.name);
+        self.vms(&req.namespace)
+            .get_opt(&name)
+            .await
+            .map_err(transient)?
+            .as_ref()
+            .and_then(vm_of)
+            .ok_or(ProviderError::NotFound(name))
+    }
+
+    async fn list(&self) -> Result<Vec<Vm>, ProviderError> {
+        let cms = Api::<ConfigMap>::all(self.client.clone())
+            .list(&ListParams::default().labels(&format!("{VM_LABEL}=true")))
+            .await
+            .map_err(transient)?;
+        Ok(cms.items.iter().filter_map(vm_of).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_absent_spec_means_a_healthy_vm() {
+        let (spec, delay) = FakeSpec::parse(&serde_json::Value::Null).expect("valid");
+        assert!(spec.register_node && spec.node_ready);
+        assert_eq!(spec.fail_create_times, 0);
+        assert_eq!(delay, Duration::ZERO);
+    }
+
+    #[test]
+    fn injected_failures_are_read_from_the_spec() {
+        let (spec, delay) = FakeSpec::parse(&serde_json::json!({
+            "failCreateTimes": 2, "deleteDelay": "3s", "nodeReady": false
+        }))
+        .expect("valid");
+        assert_eq!(spec.fail_create_times, 2);
+        assert!(!spec.node_ready);
+        assert_eq!(delay, Duration::from_secs(3));
+    }
+
+    #[test]
+    fn typos_and_bad_durations_are_invalid_specs() {
+        for bad in [
+            serde_json::json!({"failCreateTime": 1}),
+            serde_json::json!({"deleteDelay": "soon"}),
+            serde_json::json!({"registerNode": "yes"}),
+        ] {
+            assert!(
+                matches!(FakeSpec::parse(&bad), Err(ProviderError::InvalidSpec(_))),
+                "{bad} must be rejected"
+            );
+        }
+    }
+
+    #[test]
+    fn ids_and_node_names_are_derived_from_the_machine() {
+        assert_eq!(FakeProvider::provider_id("ns", "m1"), "fake:///ns/m1");
+        assert_eq!(FakeProvider::node_name("ns", "m1"), "ns-m1");
+    }
+}

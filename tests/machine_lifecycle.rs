@@ -1,0 +1,385 @@
+//! The Machine lifecycle against a real control plane: creation, deletion,
+//! resumption after a controller restart, and bad input.
+
+mod support;
+
+use berth::api::{Machine, MachineClass, PRE_TERMINATE_HOOK_PREFIX};
+use berth::providers::fake::FakeProvider;
+use berth::testbed::wait;
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use support::*;
+
+async fn create_class(client: &Client, name: &str, provider: &str, spec: serde_json::Value) {
+    let classes: Api<MachineClass> = Api::all(client.clone());
+    classes
+        .create(&PostParams::default(), &class(name, provider, spec))
+        .await
+        .expect("create class");
+}
+
+async fn wait_machine(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    what: &str,
+    f: impl Fn(&Machine) -> bool,
+) -> Machine {
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    let m = wait::for_one(machines, LONG, what, |m| m.name_any() == name && f(m))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    (*m).clone()
+}
+
+async fn events_for(client: &Client, ns: &str, name: &str) -> Vec<(String, String)> {
+    let evs: Api<Event> = Api::namespaced(client.clone(), ns);
+    let list = evs.list(&Default::default()).await.expect("list events");
+    list.items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+        .map(|e| (e.reason.unwrap_or_default(), e.type_.unwrap_or_default()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_machine_is_created_then_deleted_with_its_vm_and_node() {
+    let client = client().await;
+    let ns = "lifecycle-basic";
+    namespace(&client, ns).await;
+    create_class(
+        &client,
+        "basic",
+        "fake",
+        serde_json::json!({"failCreateTimes": 1}),
+    )
+    .await;
+    let ctl = start_controller(&client, ns, "basic").await;
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    machines
+        .create(&PostParams::default(), &machine("m1", "basic"))
+        .await
+        .expect("create machine");
+
+    // One injected transient create failure, then the VM, the Node, Running.
+    let m = wait_machine(&client, ns, "m1", "m1 Running", |m| {
+        phase(m) == Some("Running")
+    })
+    .await;
+    let node_name = FakeProvider::node_name(ns, "m1");
+    assert_eq!(
+        m.spec.provider_id.as_deref(),
+        Some(FakeProvider::provider_id(ns, "m1").as_str())
+    );
+    assert_eq!(
+        m.status
+            .as_ref()
+            .and_then(|s| s.node_ref.as_ref())
+            .map(|r| r.name.as_str()),
+        Some(node_name.as_str())
+    );
+    assert_eq!(
+        condition(&m, "Ready").map(|c| c.status.as_str()),
+        Some("True")
+    );
+    assert!(m.finalizers().iter().any(|f| f == berth::api::FINALIZER));
+    let node = Api::<Node>::all(client.clone())
+        .get(&node_name)
+        .await
+        .expect("node registered");
+    assert_eq!(
+        node.spec.as_ref().and_then(|s| s.provider_id.clone()),
+        m.spec.provider_id
+    );
+    let vms: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
+    let vm = vms.get("fake-vm-m1").await.expect("the fake VM exists");
+    assert_eq!(
+        vm.data
+            .as_ref()
+            .and_then(|d| d.get("failedCreates"))
+            .map(String::as_str),
+        Some("1")
+    );
+
+    // Deletion of a Machine whose Node runs nothing: cordon, no drain,
+    // VM and Node deleted, finalizer removed.
+    machines
+        .delete("m1", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait::for_none(machines.clone(), LONG, "m1 gone", |m| m.name_any() == "m1")
+        .await
+        .expect("the Machine goes away once its finalizer is removed");
+    assert!(
+        vms.get_opt("fake-vm-m1").await.expect("get").is_none(),
+        "VM deleted"
+    );
+    assert!(
+        Api::<Node>::all(client.clone())
+            .get_opt(&node_name)
+            .await
+            .expect("get")
+            .is_none(),
+        "Node deleted"
+    );
+    let reasons: Vec<String> = events_for(&client, ns, "m1")
+        .await
+        .into_iter()
+        .map(|(r, _)| r)
+        .collect();
+    for step in [
+        "CreateVm",
+        "Running",
+        "MarkTerminating",
+        "Cordon",
+        "DeleteVmAndNode",
+    ] {
+        assert!(
+            reasons.iter().any(|r| r == step),
+            "an Event for {step}: {reasons:?}"
+        );
+    }
+    ctl.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deletion_waits_for_pods_and_resumes_after_a_restart() {
+    let client = client().await;
+    let ns = "lifecycle-resume";
+    namespace(&client, ns).await;
+    create_class(
+        &client,
+        "resume",
+        "fake",
+        serde_json::json!({"nodeLabels": {"pool": "resume"}}),
+    )
+    .await;
+    let ctl = start_controller(&client, ns, "resume-1").await;
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    let mut m = machine("m2", "resume");
+    m.annotations_mut().insert(
+        format!("{PRE_TERMINATE_HOOK_PREFIX}backup"),
+        "pending".into(),
+    );
+    machines
+        .create(&PostParams::default(), &m)
+        .await
+        .expect("create");
+    wait_machine(&client, ns, "m2", "m2 Running", |m| {
+        phase(m) == Some("Running")
+    })
+    .await;
+    let node_name = FakeProvider::node_name(ns, "m2");
+
+    // A pod on the Machine's Node holds the drain step.
+    let pod: Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "app"},
+        "spec": {
+            "nodeName": node_name,
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{"name": "main", "image": "registry.invalid/app:1"}]
+        }
+    }))
+    .expect("pod");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    pods.create(&PostParams::default(), &pod)
+        .await
+        .expect("create pod");
+    machines
+        .delete("m2", &DeleteParams::default())
+        .await
+        .expect("delete");
+    let m = wait_machine(&client, ns, "m2", "held at Drain", |m| {
+        last_step(m) == Some(("Drain".into(), "Waiting".into()))
+    })
+    .await;
+    let desc = m
+        .status
+        .as_ref()
+        .and_then(|s| s.last_operation.as_ref())
+        .map(|o| o.description.clone());
+    assert!(
+        desc.as_deref().unwrap_or("").contains(&format!("{ns}/app")),
+        "says which pod: {desc:?}"
+    );
+    assert_eq!(
+        m.status
+            .as_ref()
+            .and_then(|s| s.drain.as_ref())
+            .map(|d| d.pods_remaining),
+        Some(1)
+    );
+    let node = Api::<Node>::all(client.clone())
+        .get(&node_name)
+        .await
+        .expect("node");
+    assert_eq!(
+        node.spec.as_ref().and_then(|s| s.unschedulable),
+        Some(true),
+        "cordoned"
+    );
+    assert!(
+        node.spec
+            .as_ref()
+            .and_then(|s| s.taints.as_ref())
+            .is_some_and(|ts| ts.iter().any(|t| t.key == berth::api::CORDON_TAINT_KEY)),
+        "berth's taint is on the Node"
+    );
+
+    // The pod leaves; the deletion moves on to the pre-terminate hook.
+    pods.delete("app", &DeleteParams::default().grace_period(0))
+        .await
+        .expect("delete pod");
+    wait_machine(&client, ns, "m2", "held by the hook", |m| {
+        last_step(m) == Some(("WaitPreTerminateHooks".into(), "Waiting".into()))
+    })
+    .await;
+
+    // Restart the controller in the middle of the deletion.
+    ctl.stop().await;
+    let ctl = start_controller(&client, ns, "resume-2").await;
+    // The new instance resumes at the same step: it does not start over.
+    let m = wait_machine(&client, ns, "m2", "still held by the hook", |m| {
+        last_step(m) == Some(("WaitPreTerminateHooks".into(), "Waiting".into()))
+    })
+    .await;
+    assert_eq!(phase(&m), Some("Terminating"));
+    assert!(
+        Api::<Node>::all(client.clone())
+            .get_opt(&node_name)
+            .await
+            .expect("get")
+            .is_some()
+    );
+
+    // Remove the hook: the VM and Node go, then the Machine.
+    let hook = format!("{PRE_TERMINATE_HOOK_PREFIX}backup");
+    machines
+        .patch(
+            "m2",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"metadata": {"annotations": {hook: null}}})),
+        )
+        .await
+        .expect("remove hook");
+    wait::for_none(machines.clone(), LONG, "m2 gone", |m| m.name_any() == "m2")
+        .await
+        .expect("deletion completes after the restart");
+    assert!(
+        Api::<Node>::all(client.clone())
+            .get_opt(&node_name)
+            .await
+            .expect("get")
+            .is_none()
+    );
+    ctl.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_becomes_a_condition_and_an_event_and_nothing_is_deleted() {
+    let client = client().await;
+    let ns = "lifecycle-bad";
+    namespace(&client, ns).await;
+    create_class(&client, "unknown-provider", "nimbus", serde_json::json!({})).await;
+    create_class(
+        &client,
+        "typo",
+        "fake",
+        serde_json::json!({"failCreateTime": 1}),
+    )
+    .await;
+    let ctl = start_controller(&client, ns, "bad").await;
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+
+    let mut zero = machine("zero-timeout", "typo");
+    zero.spec.drain = Some(berth::api::DrainSettings {
+        timeout: Some("0s".into()),
+        ..Default::default()
+    });
+    // Fix the class reference of `zero` so that the settings are what fails.
+    create_class(&client, "good", "fake", serde_json::json!({})).await;
+    zero.spec.class_ref.name = "good".into();
+    let cases = [
+        (
+            machine("no-class", "missing"),
+            "ClassNotFound",
+            "does not exist",
+        ),
+        (
+            machine("no-provider", "unknown-provider"),
+            "UnknownProvider",
+            "nimbus",
+        ),
+        (
+            machine("bad-spec", "typo"),
+            "InvalidProviderSpec",
+            "failCreateTime",
+        ),
+        (zero, "InvalidSettings", "drain.timeout"),
+    ];
+    for (m, _, _) in &cases {
+        machines
+            .create(&PostParams::default(), m)
+            .await
+            .expect("create");
+    }
+    for (m, reason, needle) in &cases {
+        let name = m.name_any();
+        let got = wait_machine(&client, ns, &name, reason, |m| {
+            condition(m, "Ready").is_some_and(|c| c.reason == *reason)
+        })
+        .await;
+        let c = condition(&got, "Ready").expect("condition");
+        assert_eq!(c.status, "False");
+        assert!(
+            c.message.contains(needle),
+            "{name}: {:?} mentions {needle}",
+            c.message
+        );
+        assert!(got.spec.provider_id.is_none(), "{name}: no VM was created");
+        let events = events_for(&client, ns, &name).await;
+        assert!(
+            events.iter().any(|(r, t)| r == reason && t == "Warning"),
+            "{name}: a Warning Event {reason}: {events:?}"
+        );
+    }
+    let nodes = Api::<Node>::all(client.clone())
+        .list(&Default::default())
+        .await
+        .expect("list");
+    assert!(
+        !nodes
+            .items
+            .iter()
+            .any(|n| n.name_any().starts_with(&format!("{ns}-"))),
+        "no Node was registered for an invalid Machine"
+    );
+
+    // Syntax the apiserver can check is refused at the door, with the reason.
+    let mut bad = machine("bad-duration", "good");
+    bad.spec.drain = Some(berth::api::DrainSettings {
+        volume_detach_timeout: Some("two minutes".into()),
+        ..Default::default()
+    });
+    match machines.create(&PostParams::default(), &bad).await {
+        Err(kube::Error::Api(e)) => {
+            assert_eq!(e.code, 422);
+            assert!(e.message.contains("must be a duration"), "{}", e.message);
+        }
+        other => panic!("the apiserver must refuse a bad duration, got {other:?}"),
+    }
+
+    // A Machine with invalid input can still be deleted; nothing else is.
+    machines
+        .delete("no-class", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait::for_none(machines.clone(), LONG, "no-class gone", |m| {
+        m.name_any() == "no-class"
+    })
+    .await
+    .expect("a Machine that never had a VM is released");
+    ctl.stop().await;
+}

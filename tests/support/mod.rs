@@ -1,0 +1,168 @@
+//! Shared set-up for tests that run the controller against the test bed.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use berth::api::{Machine, MachineClass};
+use berth::providers::Registry;
+use berth::providers::fake::FakeProvider;
+use berth::testbed::{Options, TestBed, fixtures, wait};
+use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+use kube::api::{Api, PostParams};
+use kube::{Client, ResourceExt};
+use tokio::sync::{OnceCell, oneshot};
+
+pub const LONG: Duration = Duration::from_secs(60);
+
+/// One end-to-end control plane per test binary, with the CRDs installed.
+pub async fn bed() -> &'static TestBed {
+    static BED: OnceCell<TestBed> = OnceCell::const_new();
+    BED.get_or_init(|| async {
+        let bed = TestBed::start(Options::end_to_end())
+            .await
+            .expect("the end-to-end test bed starts");
+        let client = bed.client().await.expect("client");
+        berth::api::install_crds(client, LONG)
+            .await
+            .expect("CRDs installed");
+        bed
+    })
+    .await
+}
+
+/// Logs of the controller under test, shown for failing tests
+/// (`RUST_LOG=berth=debug` for more).
+pub fn init_logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "berth=info".into()),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
+pub async fn client() -> Client {
+    init_logs();
+    bed().await.client().await.expect("admin client")
+}
+
+/// A fresh namespace whose `default` ServiceAccount exists.
+pub async fn namespace(client: &Client, ns: &str) {
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &fixtures::namespace(ns))
+        .await
+        .expect("create namespace");
+    wait::for_one(
+        Api::<ServiceAccount>::namespaced(client.clone(), ns),
+        LONG,
+        "default SA",
+        |sa| sa.name_any() == "default",
+    )
+    .await
+    .expect("default service account");
+}
+
+/// The controller, scoped to one namespace, running in this process.
+pub struct Running {
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Running {
+    /// Graceful shutdown; waits for the controller to finish.
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            let _ = tokio::time::timeout(LONG, t).await;
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
+    }
+}
+
+pub async fn start_controller(client: &Client, ns: &str, instance: &str) -> Running {
+    let providers = Registry::default().with(Arc::new(FakeProvider::new(client.clone())));
+    let (stop, stopped) = oneshot::channel::<()>();
+    let (ready_tx, ready_rx) = oneshot::channel::<()>();
+    let settings = berth::machine::Settings {
+        namespace: Some(ns.to_string()),
+        instance: instance.to_string(),
+        concurrency: 4,
+    };
+    let client = client.clone();
+    let task = tokio::spawn(async move {
+        berth::machine::run(
+            client,
+            providers,
+            settings,
+            async move {
+                let _ = stopped.await;
+            },
+            move || {
+                let _ = ready_tx.send(());
+            },
+        )
+        .await;
+    });
+    tokio::time::timeout(LONG, ready_rx)
+        .await
+        .expect("caches sync in time")
+        .expect("controller reports ready");
+    Running {
+        stop: Some(stop),
+        task: Some(task),
+    }
+}
+
+pub fn class(name: &str, provider: &str, provider_spec: serde_json::Value) -> MachineClass {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "berth.dev/v1alpha1",
+        "kind": "MachineClass",
+        "metadata": {"name": name},
+        "spec": {"provider": provider, "providerSpec": provider_spec, "creationTimeout": "2m"}
+    }))
+    .expect("class")
+}
+
+pub fn machine(name: &str, class: &str) -> Machine {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "berth.dev/v1alpha1",
+        "kind": "Machine",
+        "metadata": {"name": name},
+        "spec": {"classRef": {"name": class}}
+    }))
+    .expect("machine")
+}
+
+pub fn phase(m: &Machine) -> Option<&'static str> {
+    m.status.as_ref().and_then(|s| s.phase).map(|p| p.as_str())
+}
+
+pub fn condition<'a>(
+    m: &'a Machine,
+    type_: &str,
+) -> Option<&'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
+    m.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+}
+
+pub fn last_step(m: &Machine) -> Option<(String, String)> {
+    m.status
+        .as_ref()?
+        .last_operation
+        .as_ref()
+        .map(|o| (o.step.clone(), o.state.clone()))
+}

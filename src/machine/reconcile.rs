@@ -220,6 +220,11 @@ async fn record(
     Ok(())
 }
 
+/// A report that changes no phase or condition.
+async fn note(ctx: &Context, m: &Machine, report: Report) -> Result<(), Error> {
+    record(ctx, m, None, &[], report, |_| {}).await
+}
+
 fn truncate(s: &str, max: usize) -> String {
     if s.len() <= max {
         return s.to_string();
@@ -428,13 +433,10 @@ async fn create_vm(m: &Machine, ctx: &Context, r: &Resolved) -> Result<Action, E
             Ok(Action::await_change())
         }
         Err(ProviderError::InProgress { what, retry_after }) => {
-            record(
+            note(
                 ctx,
                 m,
-                None,
-                &[],
                 Report::new("Create", "CreateVm", State::Waiting, what),
-                |_| {},
             )
             .await?;
             Ok(Action::requeue(retry_after))
@@ -453,18 +455,15 @@ async fn create_vm(m: &Machine, ctx: &Context, r: &Resolved) -> Result<Action, E
             Ok(Action::await_change())
         }
         Err(e) => {
-            record(
+            note(
                 ctx,
                 m,
-                None,
-                &[],
                 Report::new(
                     "Create",
                     "CreateVm",
                     State::Failed,
                     format!("provider {provider}: {e}; retrying"),
                 ),
-                |_| {},
             )
             .await?;
             Err(Error::Provider {
@@ -568,15 +567,7 @@ async fn cleanup(m: &Machine, ctx: &Context) -> Result<Option<Action>, Error> {
                 "waiting for the lifecycle hooks to be removed: {}",
                 hooks.join(", ")
             );
-            record(
-                ctx,
-                m,
-                None,
-                &[],
-                Report::new("Delete", name, State::Waiting, msg),
-                |_| {},
-            )
-            .await?;
+            note(ctx, m, Report::new("Delete", name, State::Waiting, msg)).await?;
             Ok(Some(Action::await_change()))
         }
         DeletionStep::Cordon { node } => {
@@ -587,18 +578,15 @@ async fn cleanup(m: &Machine, ctx: &Context) -> Result<Option<Action>, Error> {
                     .get(&kube::runtime::reflector::ObjectRef::new(&node)),
             )
             .await?;
-            record(
+            note(
                 ctx,
                 m,
-                None,
-                &[],
                 Report::new(
                     "Delete",
                     name,
                     State::Succeeded,
                     format!("cordoned Node {node}"),
                 ),
-                |_| {},
             )
             .await?;
             Ok(Some(Action::await_change()))
@@ -622,15 +610,7 @@ async fn cleanup(m: &Machine, ctx: &Context) -> Result<Option<Action>, Error> {
                 "force-deleting {} pods on Node {node} (forced deletion)",
                 pods.len()
             );
-            record(
-                ctx,
-                m,
-                None,
-                &[],
-                Report::new("Delete", name, State::Processing, msg),
-                |_| {},
-            )
-            .await?;
+            note(ctx, m, Report::new("Delete", name, State::Processing, msg)).await?;
             Ok(Some(Action::await_change()))
         }
         DeletionStep::Drain { node, pods } => {
@@ -778,18 +758,15 @@ async fn delete_vm_and_node(
     let r = match resolved {
         Ok(r) => r,
         Err(_) if !vm_requested => {
-            record(
+            note(
                 ctx,
                 m,
-                None,
-                &[],
                 Report::new(
                     "Delete",
                     "DeleteVmAndNode",
                     State::Succeeded,
                     "no VM was ever requested: nothing to delete",
                 ),
-                |_| {},
             )
             .await?;
             return Ok(None);
@@ -813,26 +790,20 @@ async fn delete_vm_and_node(
     match r.provider.delete(&r.request).await {
         Ok(()) | Err(ProviderError::NotFound(_)) => {}
         Err(ProviderError::InProgress { what, retry_after }) => {
-            record(
+            note(
                 ctx,
                 m,
-                None,
-                &[],
                 Report::new("Delete", "DeleteVm", State::Waiting, what),
-                |_| {},
             )
             .await?;
             return Ok(Some(Action::requeue(retry_after)));
         }
         Err(e @ (ProviderError::Permanent(_) | ProviderError::InvalidSpec(_))) => {
             let msg = format!("provider {provider} cannot delete the VM: {e}");
-            record(
+            note(
                 ctx,
                 m,
-                None,
-                &[],
                 Report::new("Delete", "DeleteVm", State::Failed, msg),
-                |_| {},
             )
             .await?;
             return Ok(Some(Action::requeue(Duration::from_secs(600))));
@@ -858,13 +829,10 @@ async fn delete_vm_and_node(
         }
         None => "VM deleted".to_string(),
     };
-    record(
+    note(
         ctx,
         m,
-        None,
-        &[],
         Report::new("Delete", "DeleteVmAndNode", State::Succeeded, what),
-        |_| {},
     )
     .await?;
     Ok(None)

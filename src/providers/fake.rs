@@ -23,12 +23,13 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, NodeSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde::Deserialize;
 
 use super::{MachineRequest, Provider, ProviderError, Vm, VmState};
 use crate::api::settings::parse_duration;
-use crate::testbed::{CONTROLLER_MANAGED_ATTACH_ANNOTATION, KWOK_NODE_ANNOTATION};
+use crate::testbed::{KWOK_NODE_ANNOTATION, fixtures};
 
 pub const NAME: &str = "fake";
 const VM_LABEL: &str = "fake.berth.dev/vm";
@@ -106,29 +107,19 @@ impl FakeProvider {
         provider_id: &str,
     ) -> Result<(), ProviderError> {
         let name = Self::node_name(&req.namespace, &req.name);
-        let mut annotations = BTreeMap::from([(
-            CONTROLLER_MANAGED_ATTACH_ANNOTATION.0.to_string(),
-            CONTROLLER_MANAGED_ATTACH_ANNOTATION.1.to_string(),
-        )]);
-        if spec.node_ready {
-            annotations.insert(KWOK_NODE_ANNOTATION.0.into(), KWOK_NODE_ANNOTATION.1.into());
+        // The test bed's Node shape: kwok plays its kubelet, the
+        // attach-detach controller serves its volumes.
+        let mut node = fixtures::node(&name);
+        if !spec.node_ready {
+            // Without kwok's annotation nobody ever reports it Ready.
+            node.annotations_mut().remove(KWOK_NODE_ANNOTATION.0);
         }
-        let mut labels = spec.node_labels.clone();
-        labels.insert("kubernetes.io/hostname".into(), name.clone());
-        labels.insert("kubernetes.io/os".into(), "linux".into());
-        let node = Node {
-            metadata: ObjectMeta {
-                name: Some(name),
-                annotations: Some(annotations),
-                labels: Some(labels),
-                ..Default::default()
-            },
-            spec: Some(NodeSpec {
-                provider_id: Some(provider_id.to_string()),
-                ..Default::default()
-            }),
+        node.labels_mut().remove("type");
+        node.labels_mut().extend(spec.node_labels.clone());
+        node.spec = Some(NodeSpec {
+            provider_id: Some(provider_id.to_string()),
             ..Default::default()
-        };
+        });
         match Api::<Node>::all(self.client.clone())
             .create(&PostParams::default(), &node)
             .await

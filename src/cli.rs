@@ -19,6 +19,8 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Run the controller: reconcile Machines and drain their Nodes.
+    Run(Box<crate::wiring::process::RunArgs>),
     /// Print the CustomResourceDefinitions (MachineClass, Machine) as YAML.
     Crd,
     /// Start a local control plane (etcd, kube-apiserver, kube-controller-manager,
@@ -60,6 +62,7 @@ pub fn main() -> ExitCode {
                 .map(|yaml| print!("{yaml}"))
                 .map_err(anyhow::Error::from),
             Command::Testbed(args) => testbed(args).await,
+            Command::Run(args) => crate::wiring::process::run(*args).await,
         }
     });
     match result {

@@ -383,3 +383,107 @@ async fn bad_input_becomes_a_condition_and_an_event_and_nothing_is_deleted() {
     .expect("a Machine that never had a VM is released");
     ctl.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_force_deletion_label_skips_hooks_and_drain_and_force_deletes_pods() {
+    let client = client().await;
+    let ns = "lifecycle-force";
+    namespace(&client, ns).await;
+    create_class(
+        &client,
+        "force",
+        "fake",
+        serde_json::json!({"nodeLabels": {"pool": "force"}}),
+    )
+    .await;
+    let ctl = start_controller(&client, ns, "force-1").await;
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    let mut m = machine("m4", "force");
+    // A pre-drain hook would hold a normal deletion forever.
+    m.annotations_mut().insert(
+        format!("{}backup", berth::api::PRE_DRAIN_HOOK_PREFIX),
+        "pending".into(),
+    );
+    machines
+        .create(&PostParams::default(), &m)
+        .await
+        .expect("create");
+    wait_machine(&client, ns, "m4", "m4 Running", |m| {
+        phase(m) == Some("Running")
+    })
+    .await;
+    let node_name = FakeProvider::node_name(ns, "m4");
+
+    // A pod that would take ten minutes to stop gracefully.
+    let pod: Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "slow"},
+        "spec": {
+            "nodeName": node_name,
+            "terminationGracePeriodSeconds": 600,
+            "containers": [{"name": "main", "image": "registry.invalid/app:1"}]
+        }
+    }))
+    .expect("pod");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    pods.create(&PostParams::default(), &pod)
+        .await
+        .expect("create pod");
+    machines
+        .patch(
+            "m4",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({
+                "metadata": {"labels": {berth::api::FORCE_DELETION_LABEL: "true"}}
+            })),
+        )
+        .await
+        .expect("label");
+    let started = std::time::Instant::now();
+    machines
+        .delete("m4", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait::for_none(machines.clone(), LONG, "m4 gone", |m| m.name_any() == "m4")
+        .await
+        .expect("forced deletion completes despite the hook and the pod");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(60),
+        "the pod's 600s grace period was not honoured"
+    );
+    assert!(
+        pods.get_opt("slow").await.expect("get pod").is_none(),
+        "the pod was force-deleted"
+    );
+    assert!(
+        Api::<Node>::all(client.clone())
+            .get_opt(&node_name)
+            .await
+            .expect("get node")
+            .is_none(),
+        "the Node is gone"
+    );
+    assert!(
+        Api::<ConfigMap>::namespaced(client.clone(), ns)
+            .get_opt("fake-vm-m4")
+            .await
+            .expect("get vm")
+            .is_none(),
+        "the VM is gone"
+    );
+    let reasons: Vec<String> = events_for(&client, ns, "m4")
+        .await
+        .into_iter()
+        .map(|(reason, _)| reason)
+        .collect();
+    assert!(
+        !reasons
+            .iter()
+            .any(|r| r.contains("PreDrain") || r.contains("Cordon")),
+        "no hook wait, no cordon: {reasons:?}"
+    );
+    assert!(
+        reasons.iter().any(|r| r.contains("ForceDeletePods")),
+        "the forced pod deletion is on record: {reasons:?}"
+    );
+    ctl.stop().await;
+}

@@ -30,6 +30,7 @@ use kube::{Client, ResourceExt};
 
 use crate::api::{Machine, MachineClass};
 use crate::providers::Registry;
+use crate::telemetry::Metrics;
 
 pub use reconcile::Error;
 
@@ -48,6 +49,7 @@ pub struct Context {
     pub providers: Registry,
     pub recorder: Recorder,
     pub stores: Stores,
+    pub metrics: Arc<Metrics>,
     /// Per-Machine exponential backoff for transient errors, reset by a
     /// successful reconcile.
     backoff: Mutex<HashMap<ObjectRef<Machine>, backon::ExponentialBackoff>>,
@@ -65,11 +67,13 @@ pub struct Settings {
 }
 
 /// Runs the Machine controller until `shutdown` resolves. `ready` is called
-/// once every cache has synced.
+/// once every cache has synced. Provider calls, reconciles and Machine
+/// phases are recorded in `metrics`.
 pub async fn run(
     client: Client,
     providers: Registry,
     settings: Settings,
+    metrics: Arc<Metrics>,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
     ready: impl FnOnce() + Send + 'static,
 ) {
@@ -149,6 +153,7 @@ pub async fn run(
             machines_of_node(&by_va, &va.spec.node_name, None)
         });
 
+    let providers = providers.instrumented(&metrics);
     let ctx = Arc::new(Context {
         client: client.clone(),
         providers,
@@ -160,6 +165,7 @@ pub async fn run(
             },
         ),
         stores: stores.clone(),
+        metrics: Arc::clone(&metrics),
         backoff: Mutex::new(HashMap::new()),
     });
 
@@ -184,11 +190,15 @@ pub async fn run(
     controller
         .graceful_shutdown_on(shutdown)
         .run(reconcile::reconcile, error_policy, ctx)
-        .for_each(|result| async move {
+        .for_each(|result| {
             match result {
                 Ok((obj, _)) => tracing::debug!(machine = %obj, "reconciled"),
                 Err(e) => tracing::debug!(error = %e, "reconcile failed"),
             }
+            // Every reconcile may have moved a phase: recount from the cache.
+            let gauges = status::Gauges::count(machines.state().iter().map(|m| &**m));
+            gauges.publish(&metrics);
+            futures::future::ready(())
         })
         .await;
 }

@@ -73,14 +73,21 @@ const VOLUMES_DETACHED: &str = "VolumesDetached";
 const VM_REQUESTED: &str = "VMRequested";
 
 pub(super) async fn reconcile(machine: Arc<Machine>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let mut timer = ctx.metrics.reconcile_timer();
+    let result = reconcile_inner(&machine, &ctx).await;
+    timer.record(&result, Error::metric_label);
+    result
+}
+
+async fn reconcile_inner(machine: &Arc<Machine>, ctx: &Context) -> Result<Action, Error> {
     let ns = machine.namespace().ok_or(Error::NoNamespace)?;
     let api: Api<Machine> = Api::namespaced(ctx.client.clone(), &ns);
     let action = finalizer(&api, FINALIZER, machine.clone(), |event| async {
         match event {
-            finalizer::Event::Apply(m) => apply(&m, &ctx).await,
+            finalizer::Event::Apply(m) => apply(&m, ctx).await,
             // kube's finalizer helper removes the finalizer when cleanup
             // returns Ok, so a step that is not done yet leaves as Pending.
-            finalizer::Event::Cleanup(m) => match cleanup(&m, &ctx).await? {
+            finalizer::Event::Cleanup(m) => match cleanup(&m, ctx).await? {
                 Some(action) => Err(Error::Pending(action)),
                 None => Ok(Action::await_change()),
             },
@@ -91,7 +98,7 @@ pub(super) async fn reconcile(machine: Arc<Machine>, ctx: Arc<Context>) -> Resul
         Ok(a) | Err(finalizer::Error::CleanupFailed(Error::Pending(a))) => a,
         Err(e) => return Err(Error::Finalizer(Box::new(e))),
     };
-    ctx.reset_backoff(&machine);
+    ctx.reset_backoff(machine);
     Ok(action)
 }
 

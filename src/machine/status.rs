@@ -146,6 +146,46 @@ pub fn condition<'a>(s: Option<&'a MachineStatus>, type_: &str) -> Option<&'a Co
     s?.conditions.iter().find(|c| c.type_ == type_)
 }
 
+/// What the `berth_machines{phase}` and `berth_node_not_ready_machines`
+/// gauges show, counted from the Machine cache.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Gauges {
+    /// Machines per phase, in the order of [`MachinePhase::ALL`]; a Machine
+    /// without a phase yet counts as `Pending`.
+    pub by_phase: [i64; MachinePhase::ALL.len()],
+    /// Running Machines whose `NodeHealthy` condition is `False`.
+    pub node_not_ready: i64,
+}
+
+impl Gauges {
+    pub fn count<'a>(machines: impl IntoIterator<Item = &'a crate::api::Machine>) -> Self {
+        let mut g = Self::default();
+        for m in machines {
+            let status = m.status.as_ref();
+            let phase = status
+                .and_then(|s| s.phase)
+                .unwrap_or(MachinePhase::Pending);
+            if let Some(i) = MachinePhase::ALL.iter().position(|p| *p == phase) {
+                g.by_phase[i] += 1;
+            }
+            let unhealthy = status
+                .and_then(|s| s.conditions.iter().find(|c| c.type_ == "NodeHealthy"))
+                .is_some_and(|c| c.status == "False");
+            if phase == MachinePhase::Running && unhealthy {
+                g.node_not_ready += 1;
+            }
+        }
+        g
+    }
+
+    pub fn publish(&self, metrics: &crate::telemetry::Metrics) {
+        for (phase, n) in MachinePhase::ALL.iter().zip(self.by_phase) {
+            metrics.machines.with_label_values(&[phase.as_str()]).set(n);
+        }
+        metrics.node_not_ready_machines.set(self.node_not_ready);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,5 +266,39 @@ mod tests {
         let lo = s2.last_operation.expect("set");
         assert_eq!((lo.step.as_str(), lo.state.as_str()), ("Drain", "Waiting"));
         assert_eq!(lo.last_update_time.0, t(5));
+    }
+
+    #[test]
+    fn gauges_count_phases_and_unhealthy_running_machines() {
+        use crate::api::{Machine, MachineSpec};
+        let machine = |phase: Option<MachinePhase>, healthy: Option<bool>| {
+            let mut m = Machine::new("m", MachineSpec::default());
+            let r = Report::new("x", "y", State::Processing, "");
+            let conds: Vec<Cond> = healthy
+                .map(|h| Cond::new("NodeHealthy", h, "R", "m"))
+                .into_iter()
+                .collect();
+            m.status = Some(next_status(
+                &MachineStatus::default(),
+                phase,
+                &conds,
+                &r,
+                None,
+                t(0),
+            ));
+            m
+        };
+        let ms = [
+            Machine::new("no-status", MachineSpec::default()),
+            machine(None, None),
+            machine(Some(MachinePhase::Running), Some(true)),
+            machine(Some(MachinePhase::Running), Some(false)),
+            machine(Some(MachinePhase::Terminating), Some(false)),
+            machine(Some(MachinePhase::Failed), None),
+        ];
+        let g = Gauges::count(ms.iter());
+        // Pending, Creating, Running, Terminating, Failed
+        assert_eq!(g.by_phase, [2, 0, 2, 1, 1]);
+        assert_eq!(g.node_not_ready, 1, "only a Running Machine counts");
     }
 }

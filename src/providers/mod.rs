@@ -6,6 +6,7 @@
 //! failure is worth retrying.
 
 pub mod fake;
+pub mod instrumented;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -100,5 +101,20 @@ impl Registry {
 
     pub fn names(&self) -> Vec<&'static str> {
         self.drivers.keys().copied().collect()
+    }
+
+    /// The same drivers, each wrapped so that its calls are counted and
+    /// timed in `metrics`.
+    pub fn instrumented(self, metrics: &Arc<crate::telemetry::Metrics>) -> Self {
+        let drivers = self
+            .drivers
+            .into_iter()
+            .map(|(name, driver)| {
+                let wrapped: Arc<dyn Provider> =
+                    Arc::new(instrumented::Instrumented::new(driver, Arc::clone(metrics)));
+                (name, wrapped)
+            })
+            .collect();
+        Self { drivers }
     }
 }

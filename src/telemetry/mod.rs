@@ -110,6 +110,7 @@ impl EvictionResult {
 pub struct Metrics {
     registry: Registry,
     names: Vec<String>,
+    docs: Vec<MetricDoc>,
     /// `berth_machines{phase}`: Machines per phase.
     pub machines: IntGaugeVec,
     /// `berth_reconcile_total{result}`: reconciles by result.
@@ -155,12 +156,40 @@ impl std::fmt::Debug for Metrics {
 struct Registrar {
     registry: Registry,
     names: Vec<String>,
+    docs: Vec<MetricDoc>,
+}
+
+/// One metric family as documented in the README's metrics reference.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetricDoc {
+    pub name: String,
+    /// `counter`, `gauge` or `histogram`.
+    pub kind: &'static str,
+    pub labels: Vec<String>,
+    pub help: String,
+}
+
+fn kind_of<C>() -> &'static str {
+    let t = std::any::type_name::<C>();
+    if t.contains("Histogram") {
+        "histogram"
+    } else if t.contains("Counter") {
+        "counter"
+    } else {
+        "gauge"
+    }
 }
 
 impl Registrar {
     fn add<C: Collector + Clone + 'static>(&mut self, collector: C) -> prometheus::Result<C> {
         self.names
             .extend(collector.desc().iter().map(|d| d.fq_name.clone()));
+        self.docs.extend(collector.desc().iter().map(|d| MetricDoc {
+            name: d.fq_name.clone(),
+            kind: kind_of::<C>(),
+            labels: d.variable_labels.clone(),
+            help: d.help.clone(),
+        }));
         self.registry.register(Box::new(collector.clone()))?;
         Ok(collector)
     }
@@ -176,6 +205,7 @@ impl Metrics {
         let mut r = Registrar {
             registry: Registry::new(),
             names: Vec::new(),
+            docs: Vec::new(),
         };
 
         let machines = r.add(IntGaugeVec::new(
@@ -274,6 +304,7 @@ impl Metrics {
         Ok(Self {
             registry: r.registry,
             names: r.names,
+            docs: r.docs,
             machines,
             reconcile_total,
             reconcile_duration,
@@ -301,6 +332,37 @@ impl Metrics {
     /// sample.
     pub fn names(&self) -> Vec<String> {
         self.names.clone()
+    }
+
+    /// Name, type, labels and help of every family, in registration order.
+    pub fn docs(&self) -> &[MetricDoc] {
+        &self.docs
+    }
+
+    /// The README's metrics reference: a Markdown table generated from the
+    /// definitions, so the documentation cannot drift from the code.
+    pub fn reference_markdown(&self) -> String {
+        let mut out =
+            String::from("| Metric | Type | Labels | Meaning |\n| --- | --- | --- | --- |\n");
+        for d in &self.docs {
+            let labels = if d.labels.is_empty() {
+                "".to_string()
+            } else {
+                d.labels
+                    .iter()
+                    .map(|l| format!("`{l}`"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            out.push_str(&format!(
+                "| `{}` | {} | {} | {} |\n",
+                d.name,
+                d.kind,
+                labels,
+                d.help.replace('|', "\\|")
+            ));
+        }
+        out
     }
 
     /// The registry in the Prometheus text exposition format (version

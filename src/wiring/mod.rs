@@ -2,3 +2,4 @@
 //! shutdown are put together.
 
 pub mod leader;
+pub mod process;

@@ -105,6 +105,7 @@ pub async fn start_controller(client: &Client, ns: &str, instance: &str) -> Runn
             client,
             providers,
             settings,
+            Arc::new(berth::telemetry::Metrics::new().expect("metrics")),
             async move {
                 let _ = stopped.await;
             },

@@ -1,0 +1,566 @@
+//! `berth run`: the controller process.
+//!
+//! Start-up order, and why:
+//!
+//! 1. Logs, metrics and the HTTP port first, so that `/healthz` answers and
+//!    every later problem is visible.
+//! 2. The Kubernetes client: retries inside the client are off (a 429 from a
+//!    PodDisruptionBudget must reach the drain, not hide in the client for
+//!    minutes) and requests are rate-limited to `--kube-qps`/`--kube-burst`.
+//! 3. The CRDs: while `machines.berth.dev` or `machineclasses.berth.dev` is
+//!    missing (or RBAC forbids reading them), the process says so in one
+//!    clear log line, how to fix it, and tries again with backoff instead of
+//!    exiting into a crash loop. `/readyz` stays 503 meanwhile.
+//! 4. Leader election on a Lease (unless disabled): a standby replica is
+//!    ready but does nothing. The leader starts the controller; if it ever
+//!    loses the Lease it stops acting at once and the process exits with an
+//!    error, so the replica restarts as a fresh candidate.
+//! 5. SIGTERM or Ctrl-C: the controller stops taking new work, lets the
+//!    reconciles in flight finish (bounded by `--shutdown-timeout`), the
+//!    Lease is released so another replica takes over without waiting for
+//!    expiry, and the HTTP server stops last.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client};
+use tokio::sync::{oneshot, watch};
+
+use super::leader::LeaderElection;
+use crate::api::{Machine, MachineClass};
+use crate::providers::Registry;
+use crate::providers::fake::FakeProvider;
+use crate::telemetry::{HttpState, Metrics};
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Everything `berth run` can be told. Each flag has an environment
+/// variable fallback (shown by `berth run --help`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct RunArgs {
+    /// Path to a kubeconfig file. Unset: in-cluster configuration, else
+    /// `$KUBECONFIG`, else `~/.kube/config`.
+    #[arg(long, env = "BERTH_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Context to use from the kubeconfig (its current context when unset).
+    #[arg(long, env = "BERTH_KUBE_CONTEXT")]
+    pub kube_context: Option<String>,
+    /// Watch Machines in this namespace only (all namespaces when unset).
+    #[arg(long, env = "BERTH_NAMESPACE")]
+    pub namespace: Option<String>,
+    /// Address of the HTTP server for /metrics, /healthz and /readyz.
+    #[arg(long, env = "BERTH_METRICS_ADDR", default_value = "0.0.0.0:8080")]
+    pub metrics_addr: SocketAddr,
+    /// Log format.
+    #[arg(long, env = "BERTH_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+    /// Log filter, in `tracing` env-filter syntax (e.g. `info,berth=debug`).
+    #[arg(long, env = "BERTH_LOG", default_value = "info")]
+    pub log: String,
+    /// Sustained requests per second to the API server.
+    #[arg(long, env = "BERTH_KUBE_QPS", default_value_t = 50)]
+    pub kube_qps: u32,
+    /// Requests that may be sent at once above the sustained rate.
+    #[arg(long, env = "BERTH_KUBE_BURST", default_value_t = 100)]
+    pub kube_burst: u32,
+    /// Elect a leader on a Lease so that only one replica acts. Turn it off
+    /// only when a single replica can ever run.
+    #[arg(long, env = "BERTH_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set)]
+    pub leader_elect: bool,
+    /// Name of the leader election Lease.
+    #[arg(long, env = "BERTH_LEASE_NAME", default_value = "berth-controller")]
+    pub lease_name: String,
+    /// Namespace of the Lease (the pod's namespace in-cluster, else the
+    /// kubeconfig context's namespace).
+    #[arg(long, env = "BERTH_LEASE_NAMESPACE")]
+    pub lease_namespace: Option<String>,
+    /// Lease duration: how long a dead leader blocks a successor.
+    #[arg(long, env = "BERTH_LEASE_DURATION", default_value = "15s", value_parser = humantime::parse_duration)]
+    pub lease_duration: Duration,
+    /// This replica's identity in the Lease and on Events (the pod name is
+    /// a good choice; default `<hostname>-<pid>`).
+    #[arg(long, env = "BERTH_IDENTITY")]
+    pub identity: Option<String>,
+    /// Machines reconciled at the same time.
+    #[arg(long, env = "BERTH_CONCURRENCY", default_value_t = 8)]
+    pub concurrency: u16,
+    /// How long SIGTERM waits for reconciles in flight before exiting.
+    #[arg(long, env = "BERTH_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub shutdown_timeout: Duration,
+    /// Provider drivers to enable, comma-separated (known: fake).
+    #[arg(
+        long,
+        env = "BERTH_PROVIDERS",
+        value_delimiter = ',',
+        default_value = "fake"
+    )]
+    pub providers: Vec<String>,
+}
+
+/// The README's configuration reference: a Markdown table of every
+/// `berth run` flag, its environment variable and default, generated from
+/// the flag definitions so the documentation cannot drift from the code.
+pub fn config_reference_markdown() -> String {
+    use clap::Args as _;
+    let cmd = RunArgs::augment_args(clap::Command::new("run"));
+    let mut out =
+        String::from("| Flag | Environment | Default | Meaning |\n| --- | --- | --- | --- |\n");
+    for arg in cmd.get_arguments() {
+        let Some(long) = arg.get_long() else {
+            continue;
+        };
+        let env = arg
+            .get_env()
+            .map(|e| format!("`{}`", e.to_string_lossy()))
+            .unwrap_or_default();
+        let default = arg
+            .get_default_values()
+            .iter()
+            .map(|v| v.to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+            .join(",");
+        let default = if default.is_empty() {
+            String::new()
+        } else {
+            format!("`{default}`")
+        };
+        let help = arg
+            .get_long_help()
+            .or_else(|| arg.get_help())
+            .map(|h| h.to_string().replace('\n', " "))
+            .unwrap_or_default();
+        out.push_str(&format!("| `--{long}` | {env} | {default} | {help} |\n"));
+    }
+    out
+}
+
+/// Installs the global log subscriber.
+///
+/// # Errors
+/// An invalid filter.
+pub fn init_logs(format: LogFormat, filter: &str) -> anyhow::Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+        .with_context(|| format!("invalid log filter {filter:?}"))?;
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let installed = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    };
+    installed.map_err(|e| anyhow::anyhow!("cannot install the log subscriber: {e}"))
+}
+
+/// Runs the controller process until SIGTERM/Ctrl-C (Ok) or until the
+/// leader Lease is lost (Err).
+///
+/// # Errors
+/// Start-up failures (bad flags, port in use, unusable kubeconfig) and the
+/// loss of leadership.
+pub async fn run(args: RunArgs) -> anyhow::Result<()> {
+    init_logs(args.log_format, &args.log)?;
+    let metrics = Arc::new(Metrics::new().context("creating metrics")?);
+    let http = HttpState::new(Arc::clone(&metrics));
+    let listener = tokio::net::TcpListener::bind(args.metrics_addr)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.metrics_addr))?;
+
+    // `stop` turns true on SIGTERM/Ctrl-C; everything that must stop
+    // watches it.
+    let (stop_tx, stop) = watch::channel(false);
+    tokio::spawn(signals(stop_tx));
+    let (http_stop_tx, http_stop) = oneshot::channel::<()>();
+    let server = tokio::spawn(crate::telemetry::serve(
+        listener,
+        http.clone(),
+        async move {
+            let _ = http_stop.await;
+        },
+    ));
+
+    let result = lead_and_control(&args, &metrics, &http, stop).await;
+
+    let _ = http_stop_tx.send(());
+    match server.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "metrics server failed"),
+        Err(e) => tracing::warn!(error = %e, "metrics server task failed"),
+    }
+    match &result {
+        Ok(()) => tracing::info!("stopped"),
+        Err(e) => tracing::error!(error = format!("{e:#}"), "exiting"),
+    }
+    result
+}
+
+async fn lead_and_control(
+    args: &RunArgs,
+    metrics: &Arc<Metrics>,
+    http: &HttpState,
+    mut stop: watch::Receiver<bool>,
+) -> anyhow::Result<()> {
+    let config = kube_config(args).await?;
+    let lease_namespace = args
+        .lease_namespace
+        .clone()
+        .unwrap_or_else(|| config.default_namespace.clone());
+    // The Lease has its own client: renewals must never queue behind the
+    // controller's requests in the rate limiter.
+    let lease_client = Client::try_from(config.clone()).context("building the Lease client")?;
+    let client = rate_limited_client(config, args.kube_qps, args.kube_burst)?;
+    let providers = providers(&args.providers, &client)?;
+    let identity = args.identity.clone().unwrap_or_else(default_identity);
+
+    tokio::select! {
+        found = wait_for_crds(&client, args.namespace.as_deref()) => found,
+        _ = stop.wait_for(|s| *s) => return Ok(()),
+    }
+
+    let mut election = if args.leader_elect {
+        let mut election = LeaderElection::start(
+            lease_client,
+            &lease_namespace,
+            &args.lease_name,
+            &identity,
+            args.lease_duration,
+        )
+        .await
+        .context("starting leader election")?;
+        tokio::spawn(metrics.follow_leader(election.subscribe()));
+        // A standby replica is healthy and ready; it just waits.
+        http.set_ready(true);
+        tracing::info!(lease = election.lease(), %identity, "waiting to become leader");
+        tokio::select! {
+            acquired = election.acquired() => acquired.context("leader election ended")?,
+            _ = stop.wait_for(|s| *s) => {
+                release(election).await;
+                return Ok(());
+            }
+        }
+        tracing::info!(lease = election.lease(), %identity, "became leader");
+        Some(election)
+    } else {
+        metrics.leader.set(1);
+        None
+    };
+
+    let settings = crate::machine::Settings {
+        namespace: args.namespace.clone(),
+        instance: identity.clone(),
+        concurrency: args.concurrency,
+    };
+    let (controller_stop_tx, controller_stop) = oneshot::channel::<()>();
+    let ready = http.clone();
+    let mut controller = tokio::spawn(crate::machine::run(
+        client,
+        providers,
+        settings,
+        Arc::clone(metrics),
+        async move {
+            let _ = controller_stop.await;
+        },
+        move || {
+            tracing::info!("caches synced; reconciling Machines");
+            ready.set_ready(true);
+        },
+    ));
+
+    let lost = async {
+        match election.as_mut() {
+            Some(e) => e.lost().await,
+            None => std::future::pending().await,
+        }
+    };
+    let outcome = tokio::select! {
+        lost = lost => Err(lost),
+        _ = stop.wait_for(|s| *s) => Ok(()),
+        ended = &mut controller => {
+            return Err(anyhow::anyhow!("the controller stopped unexpectedly: {ended:?}"));
+        }
+    };
+    match outcome {
+        Err(lost) => {
+            // Another replica may act as soon as the Lease expires: stop now,
+            // without waiting for reconciles in flight (every step resumes).
+            controller.abort();
+            metrics.leader.set(0);
+            Err(anyhow::anyhow!(
+                "lost leadership ({lost}); exiting so that this replica restarts as a candidate"
+            ))
+        }
+        Ok(()) => {
+            tracing::info!(timeout = ?args.shutdown_timeout, "shutting down: finishing reconciles in flight");
+            let _ = controller_stop_tx.send(());
+            if tokio::time::timeout(args.shutdown_timeout, &mut controller)
+                .await
+                .is_err()
+            {
+                tracing::warn!("reconciles still running at the shutdown timeout; stopping them");
+                controller.abort();
+            }
+            http.set_ready(false);
+            if let Some(e) = election {
+                release(e).await;
+            }
+            Ok(())
+        }
+    }
+}
+
+async fn release(election: LeaderElection) {
+    if let Err(e) = election.release().await {
+        tracing::warn!(error = %e, "releasing the Lease failed; it will expire");
+    }
+}
+
+/// Resolves once SIGTERM or Ctrl-C arrives, after setting `stop`.
+async fn signals(stop: watch::Sender<bool>) {
+    let term = async {
+        #[cfg(unix)]
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+        #[cfg(not(unix))]
+        std::future::pending::<()>().await;
+    };
+    tokio::select! {
+        _ = term => tracing::info!("SIGTERM received"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("interrupt received"),
+    }
+    let _ = stop.send(true);
+}
+
+async fn kube_config(args: &RunArgs) -> anyhow::Result<kube::Config> {
+    let options = KubeConfigOptions {
+        context: args.kube_context.clone(),
+        ..KubeConfigOptions::default()
+    };
+    let mut config = match &args.kubeconfig {
+        Some(path) => {
+            let kc = Kubeconfig::read_from(path)
+                .with_context(|| format!("cannot read kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &options)
+                .await
+                .with_context(|| format!("unusable kubeconfig {}", path.display()))?
+        }
+        None if args.kube_context.is_some() => kube::Config::from_kubeconfig(&options)
+            .await
+            .context("unusable kubeconfig")?,
+        None => kube::Config::infer().await.context(
+            "no Kubernetes configuration: not in a cluster, no $KUBECONFIG, no ~/.kube/config",
+        )?,
+    };
+    // A 429 from a PodDisruptionBudget must reach the drain engine: kube's
+    // default would retry it inside the client for minutes.
+    config.default_retry = false;
+    Ok(config)
+}
+
+/// A client whose requests are limited to `qps` on average with bursts of
+/// up to `burst` (tower's fixed-window limiter: `burst` requests per
+/// `burst / qps` seconds).
+fn rate_limited_client(config: kube::Config, qps: u32, burst: u32) -> anyhow::Result<Client> {
+    if qps == 0 || burst == 0 {
+        anyhow::bail!("--kube-qps and --kube-burst must be at least 1");
+    }
+    let burst = burst.max(1);
+    let window = Duration::from_secs_f64(f64::from(burst) / f64::from(qps));
+    let layer = tower::limit::RateLimitLayer::new(u64::from(burst), window);
+    let client = kube::client::ClientBuilder::try_from(config)
+        .context("building the Kubernetes client")?
+        .with_layer(&layer)
+        .build();
+    Ok(client)
+}
+
+fn providers(names: &[String], client: &Client) -> anyhow::Result<Registry> {
+    let mut registry = Registry::default();
+    for name in names {
+        match name.trim() {
+            "fake" => registry = registry.with(Arc::new(FakeProvider::new(client.clone()))),
+            "" => {}
+            other => anyhow::bail!("unknown provider {other:?} in --providers (known: fake)"),
+        }
+    }
+    Ok(registry)
+}
+
+fn default_identity() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "berth".into());
+    format!("{host}-{}", std::process::id())
+}
+
+/// What stops the controller from starting when its CRDs cannot be read.
+#[derive(Debug, PartialEq, Eq)]
+pub enum CrdProblem {
+    Missing(&'static str),
+    Forbidden(&'static str, String),
+    Other(&'static str, String),
+}
+
+impl std::fmt::Display for CrdProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CrdProblem::Missing(crd) => write!(
+                f,
+                "the CustomResourceDefinition {crd} is not installed. Install the CRDs with \
+                 `berth crd | kubectl apply --server-side -f -` (or `kubectl apply -f deploy/crds.yaml`, \
+                 or the Helm chart, which ships them); berth starts by itself once they exist"
+            ),
+            CrdProblem::Forbidden(crd, msg) => write!(
+                f,
+                "not allowed to list {crd}: {msg}. Grant this ServiceAccount get/list/watch on it \
+                 (see deploy/rbac.yaml or the Helm chart)"
+            ),
+            CrdProblem::Other(crd, msg) => write!(f, "cannot list {crd}: {msg}"),
+        }
+    }
+}
+
+/// Classifies the error of listing a CRD's objects.
+pub fn crd_problem(crd: &'static str, e: &kube::Error) -> CrdProblem {
+    match e {
+        kube::Error::Api(s) if s.code == 404 => CrdProblem::Missing(crd),
+        kube::Error::Api(s) if s.code == 403 => CrdProblem::Forbidden(crd, s.message.clone()),
+        other => CrdProblem::Other(crd, other.to_string()),
+    }
+}
+
+async fn check_crds(client: &Client, namespace: Option<&str>) -> Result<(), CrdProblem> {
+    let lp = kube::api::ListParams::default().limit(1);
+    let machines: Api<Machine> = match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    machines
+        .list_metadata(&lp)
+        .await
+        .map_err(|e| crd_problem("machines.berth.dev", &e))?;
+    Api::<MachineClass>::all(client.clone())
+        .list_metadata(&lp)
+        .await
+        .map_err(|e| crd_problem("machineclasses.berth.dev", &e))?;
+    Ok(())
+}
+
+/// Returns once both CRDs can be listed, logging one clear line per
+/// failed attempt (backoff 1s doubling to 1 minute).
+async fn wait_for_crds(client: &Client, namespace: Option<&str>) {
+    use backon::BackoffBuilder;
+    let mut backoff = backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_secs(1))
+        .with_max_delay(Duration::from_secs(60))
+        .with_jitter()
+        .without_max_times()
+        .build();
+    loop {
+        match check_crds(client, namespace).await {
+            Ok(()) => return,
+            Err(problem) => {
+                let retry_in = backoff.next().unwrap_or(Duration::from_secs(60));
+                tracing::error!(retry_in = ?retry_in, "{problem}");
+                tokio::time::sleep(retry_in).await;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+
+    #[test]
+    fn flags_have_production_defaults() {
+        let a = Cli::try_parse_from(["berth"])
+            .expect("no flag is required")
+            .run;
+        assert!(a.leader_elect);
+        assert_eq!(a.metrics_addr, "0.0.0.0:8080".parse().expect("addr"));
+        assert_eq!(a.lease_duration, Duration::from_secs(15));
+        assert_eq!(a.providers, vec!["fake".to_string()]);
+        assert_eq!(a.log_format, LogFormat::Text);
+    }
+
+    #[test]
+    fn flags_parse_and_reject_bad_values() {
+        let a = Cli::try_parse_from([
+            "berth",
+            "--leader-elect=false",
+            "--log-format=json",
+            "--lease-duration=30s",
+            "--providers=fake,fake",
+            "--kube-qps=5",
+        ])
+        .expect("valid flags")
+        .run;
+        assert!(!a.leader_elect);
+        assert_eq!(a.log_format, LogFormat::Json);
+        assert_eq!(a.lease_duration, Duration::from_secs(30));
+        assert_eq!(a.providers.len(), 2);
+        assert_eq!(a.kube_qps, 5);
+        assert!(Cli::try_parse_from(["berth", "--log-format=xml"]).is_err());
+        assert!(Cli::try_parse_from(["berth", "--lease-duration=soon"]).is_err());
+        assert!(Cli::try_parse_from(["berth", "--metrics-addr=nowhere"]).is_err());
+    }
+
+    #[tokio::test]
+    async fn unknown_providers_are_refused_by_name() {
+        let err = providers(&["fake".into(), "gcp".into()], &dummy_client())
+            .err()
+            .expect("gcp is unknown");
+        assert!(err.to_string().contains("\"gcp\""), "{err}");
+    }
+
+    #[test]
+    fn crd_problems_say_what_to_do() {
+        let status = |code: u16| {
+            kube::Error::Api(Box::new(kube::core::Status {
+                code,
+                message: "nope".into(),
+                ..Default::default()
+            }))
+        };
+        let missing = crd_problem("machines.berth.dev", &status(404));
+        assert_eq!(missing, CrdProblem::Missing("machines.berth.dev"));
+        assert!(missing.to_string().contains("berth crd | kubectl apply"));
+        let forbidden = crd_problem("machines.berth.dev", &status(403));
+        assert!(matches!(forbidden, CrdProblem::Forbidden(_, _)));
+        assert!(forbidden.to_string().contains("get/list/watch"));
+        assert!(matches!(
+            crd_problem("x", &status(500)),
+            CrdProblem::Other("x", _)
+        ));
+    }
+
+    fn dummy_client() -> Client {
+        let config = kube::Config::new("https://127.0.0.1:1".parse().expect("uri"));
+        Client::try_from(config).expect("client from a static config")
+    }
+}

@@ -4,8 +4,10 @@
 
 pub mod api;
 pub mod cli;
+pub mod drain;
 pub mod machine;
 pub mod providers;
 pub mod telemetry;
 pub mod testbed;
+pub mod volumes;
 pub mod wiring;

@@ -1,0 +1,12 @@
+//! The volume-aware drain: which pods go, in what order, and the engine that
+//! evicts them and waits for their volumes to move.
+
+pub mod deadline;
+pub mod evict;
+pub mod pdb;
+pub mod plan;
+pub mod select;
+pub mod volume;
+
+#[cfg(test)]
+mod fixtures;

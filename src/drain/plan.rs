@@ -1,0 +1,1122 @@
+//! The drain plan: every pod on a Node, what happens to it and in what order,
+//! computed from cached objects in one pure function, [`plan`]. The drain
+//! engine executes it and `berth plan` prints it ([`DrainPlan`]'s `Display`).
+//!
+//! How the plan is made:
+//!
+//! - Only pods whose `spec.nodeName` is the Node are considered; each is
+//!   classified by [`classify`].
+//! - Evictable pods with at least one persistent volume
+//!   ([`VolumeIndex::pod_volumes`]) are **stateful**, the others
+//!   **stateless**.
+//! - Stateless pods are listed by (namespace, name); they are evicted
+//!   concurrently, so the order only makes the plan deterministic.
+//! - Stateful pods are ordered by [`by_priority`]: `spec.priority` highest
+//!   first (missing = 0), ties by (namespace, name) ascending, compared
+//!   byte-wise. The order is total, so the same pods always give the same
+//!   plan.
+//! - A PV is waited on (detach, then reattach) by its **last user** in that
+//!   order only. An earlier user is evicted and waited for until gone; the
+//!   last user waits, before the detach, for every other user to be gone,
+//!   including pods that were already terminating. A PV that a DaemonSet pod
+//!   on the Node also uses stays attached until the VM ends, so nobody waits
+//!   for it to detach. An ephemeral volume's claim dies with its pod, so it
+//!   is waited on to detach but never to reattach.
+//! - Each evictable pod lists the PDBs that cover it
+//!   ([`findings_for`]).
+//! - The critical path is the stateful pods in order with the bound of each
+//!   wait ([`StepBounds`]); its sum is the worst case of the sequence. It
+//!   does not count time spent retrying evictions a PDB refuses, and it is an
+//!   upper bound when `maxParallelVolumeMigrations` is above 1.
+
+use std::cmp::{Ordering, Reverse};
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use humantime::format_duration;
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::api::storage::v1::VolumeAttachment;
+use k8s_openapi::jiff::Timestamp;
+
+use crate::api::settings::ResolvedSettings;
+use crate::drain::deadline::{
+    StepBounds, detach_bound, grace_period, pod_gone_bound, reattach_bound,
+};
+use crate::drain::pdb::{PdbFinding, findings_for};
+use crate::drain::select::{NamespacedName, PodClass, classify, fmt_key, pod_key};
+use crate::drain::volume::{VolumeIndex, VolumeRef, attached_nodes};
+
+/// A pod the drain does not evict: skipped, or deleted outright.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClassifiedPod {
+    pub pod: NamespacedName,
+    pub uid: Option<String>,
+    /// Its class; its `Display` is the reason.
+    pub class: PodClass,
+}
+
+/// A pod that was already being deleted; the drain waits for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TerminatingPod {
+    pub pod: NamespacedName,
+    pub uid: Option<String>,
+    pub since: Timestamp,
+    /// The PVs it uses; their last evicted user waits for this pod first.
+    pub pvs: Vec<String>,
+}
+
+/// What the drain waits for about one volume of a stateful pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VolumeWait {
+    /// The pod is the last user of the volume on the Node: once it is gone,
+    /// wait for the pods in `gone_first` (earlier users and pods that were
+    /// already terminating) to be gone too, then for the volume to detach,
+    /// then, when `reattach`, for it to attach to another Node.
+    Detach {
+        gone_first: Vec<NamespacedName>,
+        reattach: bool,
+    },
+    /// A pod later in the order also uses the volume and waits for it.
+    LeftTo { last_user: NamespacedName },
+    /// DaemonSet pods on the Node use the volume too; it stays attached
+    /// until the VM ends, so no detach is waited for.
+    StaysAttached { pinned_by: Vec<NamespacedName> },
+}
+
+impl VolumeWait {
+    /// Whether this pod waits for the volume to detach.
+    pub fn waits_for_detach(&self) -> bool {
+        matches!(self, Self::Detach { .. })
+    }
+
+    /// Whether this pod waits for the volume to attach elsewhere.
+    pub fn waits_for_reattach(&self) -> bool {
+        matches!(self, Self::Detach { reattach: true, .. })
+    }
+}
+
+/// One persistent volume of a stateful pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlannedVolume {
+    pub volume: VolumeRef,
+    /// Nodes its VolumeAttachments say it is attached to now.
+    pub attached_to: Vec<String>,
+    pub wait: VolumeWait,
+}
+
+/// A pod the drain evicts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlannedPod {
+    pub pod: NamespacedName,
+    pub uid: Option<String>,
+    /// `spec.priority`, 0 when unset.
+    pub priority: i32,
+    /// Termination grace period.
+    pub grace: Duration,
+    /// The bounds of its waits.
+    pub bounds: StepBounds,
+    /// Persistent volumes, in `spec.volumes` order; empty for a stateless pod.
+    pub volumes: Vec<PlannedVolume>,
+    /// PDBs that cover it.
+    pub pdbs: Vec<PdbFinding>,
+    /// Claims that gave no volume, and why.
+    pub notes: Vec<String>,
+}
+
+/// The order of stateful pods: priority highest first, then (namespace,
+/// name) ascending.
+pub fn by_priority(a: &PlannedPod, b: &PlannedPod) -> Ordering {
+    (Reverse(a.priority), &a.pod).cmp(&(Reverse(b.priority), &b.pod))
+}
+
+/// Everything the drain of one Node will do; see the module documentation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DrainPlan {
+    pub node: String,
+    pub settings: ResolvedSettings,
+    /// Mirror and DaemonSet pods, by (namespace, name).
+    pub skipped: Vec<ClassifiedPod>,
+    /// Terminal pods, deleted outright, by (namespace, name).
+    pub to_delete: Vec<ClassifiedPod>,
+    /// Pods already being deleted, by (namespace, name).
+    pub terminating: Vec<TerminatingPod>,
+    /// Pods without persistent volumes, by (namespace, name).
+    pub stateless: Vec<PlannedPod>,
+    /// Pods with persistent volumes, in eviction order.
+    pub stateful: Vec<PlannedPod>,
+}
+
+/// One stateful pod on the critical path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CriticalStep {
+    pub pod: NamespacedName,
+    pub bounds: StepBounds,
+}
+
+/// The stateful pods in sequence with the bounds of their waits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CriticalPath {
+    pub steps: Vec<CriticalStep>,
+    /// The sum of every bound.
+    pub worst_case: Duration,
+}
+
+impl DrainPlan {
+    /// The stateful pods in the order they are evicted.
+    pub fn stateful_order(&self) -> Vec<NamespacedName> {
+        self.stateful.iter().map(|p| p.pod.clone()).collect()
+    }
+
+    /// The stateful pods in sequence with their bounds and the worst case.
+    pub fn critical_path(&self) -> CriticalPath {
+        let steps: Vec<CriticalStep> = self
+            .stateful
+            .iter()
+            .map(|p| CriticalStep {
+                pod: p.pod.clone(),
+                bounds: p.bounds,
+            })
+            .collect();
+        let worst_case = steps.iter().fold(Duration::ZERO, |sum, s| {
+            sum.saturating_add(s.bounds.total())
+        });
+        CriticalPath { steps, worst_case }
+    }
+}
+
+/// Plans the drain of `node` from cached objects. `pods` may include pods of
+/// other Nodes; only those whose `spec.nodeName` is `node` are planned.
+pub fn plan(
+    node: &str,
+    pods: &[Pod],
+    pvcs: &[PersistentVolumeClaim],
+    pvs: &[PersistentVolume],
+    pdbs: &[PodDisruptionBudget],
+    vas: &[VolumeAttachment],
+    settings: &ResolvedSettings,
+) -> DrainPlan {
+    let index = VolumeIndex::new(pvcs, pvs);
+    let mut out = DrainPlan {
+        node: node.to_string(),
+        settings: settings.clone(),
+        skipped: Vec::new(),
+        to_delete: Vec::new(),
+        terminating: Vec::new(),
+        stateless: Vec::new(),
+        stateful: Vec::new(),
+    };
+    // Users of each PV that the evictions do not remove.
+    let mut pinned: BTreeMap<String, Vec<NamespacedName>> = BTreeMap::new();
+    let mut already_going: BTreeMap<String, Vec<NamespacedName>> = BTreeMap::new();
+    let mut stateful: Vec<(PlannedPod, Vec<VolumeRef>)> = Vec::new();
+
+    let on_node = pods
+        .iter()
+        .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node));
+    for pod in on_node {
+        let key = pod_key(pod);
+        let uid = pod.metadata.uid.clone();
+        match classify(pod) {
+            class @ (PodClass::Mirror | PodClass::DaemonSet { .. }) => {
+                for v in index.pod_volumes(pod).refs {
+                    pinned.entry(v.pv).or_default().push(key.clone());
+                }
+                out.skipped.push(ClassifiedPod {
+                    pod: key,
+                    uid,
+                    class,
+                });
+            }
+            class @ PodClass::Terminal { .. } => out.to_delete.push(ClassifiedPod {
+                pod: key,
+                uid,
+                class,
+            }),
+            PodClass::Terminating { since } => {
+                let pvs: Vec<String> = index
+                    .pod_volumes(pod)
+                    .refs
+                    .into_iter()
+                    .map(|v| v.pv)
+                    .collect();
+                for pv in &pvs {
+                    already_going
+                        .entry(pv.clone())
+                        .or_default()
+                        .push(key.clone());
+                }
+                out.terminating.push(TerminatingPod {
+                    pod: key,
+                    uid,
+                    since,
+                    pvs,
+                });
+            }
+            PodClass::Evictable => {
+                let volumes = index.pod_volumes(pod);
+                let grace = grace_period(pod);
+                let planned = PlannedPod {
+                    pod: key,
+                    uid,
+                    priority: pod.spec.as_ref().and_then(|s| s.priority).unwrap_or(0),
+                    grace,
+                    bounds: StepBounds {
+                        pod_gone: pod_gone_bound(grace),
+                        detach: None,
+                        reattach: None,
+                    },
+                    volumes: Vec::new(),
+                    pdbs: findings_for(pod, pdbs),
+                    notes: volumes.notes,
+                };
+                if volumes.refs.is_empty() {
+                    out.stateless.push(planned);
+                } else {
+                    stateful.push((planned, volumes.refs));
+                }
+            }
+        }
+    }
+
+    out.skipped.sort_by(|a, b| a.pod.cmp(&b.pod));
+    out.to_delete.sort_by(|a, b| a.pod.cmp(&b.pod));
+    out.terminating.sort_by(|a, b| a.pod.cmp(&b.pod));
+    out.stateless.sort_by(|a, b| a.pod.cmp(&b.pod));
+    stateful.sort_by(|(a, _), (b, _)| by_priority(a, b));
+
+    // The evicted users of each PV, in eviction order.
+    let mut users: BTreeMap<&str, Vec<NamespacedName>> = BTreeMap::new();
+    for (p, refs) in &stateful {
+        for v in refs {
+            users.entry(&v.pv).or_default().push(p.pod.clone());
+        }
+    }
+    let waits: Vec<Vec<VolumeWait>> = stateful
+        .iter()
+        .map(|(p, refs)| {
+            refs.iter()
+                .map(|v| volume_wait(&p.pod, v, &users, &pinned, &already_going))
+                .collect()
+        })
+        .collect();
+
+    for ((mut p, refs), waits) in stateful.into_iter().zip(waits) {
+        p.volumes = refs
+            .into_iter()
+            .zip(waits)
+            .map(|(volume, wait)| PlannedVolume {
+                attached_to: attached_nodes(&volume.pv, vas),
+                volume,
+                wait,
+            })
+            .collect();
+        if p.volumes.iter().any(|v| v.wait.waits_for_detach()) {
+            p.bounds.detach = Some(detach_bound(p.grace, settings));
+        }
+        if p.volumes.iter().any(|v| v.wait.waits_for_reattach()) {
+            p.bounds.reattach = Some(reattach_bound(settings));
+        }
+        out.stateful.push(p);
+    }
+    out
+}
+
+/// The wait of `pod` on `volume`, given every user of each PV: evicted
+/// users in order, pinned (DaemonSet) users and already terminating users.
+fn volume_wait(
+    pod: &NamespacedName,
+    volume: &VolumeRef,
+    users: &BTreeMap<&str, Vec<NamespacedName>>,
+    pinned: &BTreeMap<String, Vec<NamespacedName>>,
+    already_going: &BTreeMap<String, Vec<NamespacedName>>,
+) -> VolumeWait {
+    if let Some(pinned_by) = pinned.get(&volume.pv) {
+        return VolumeWait::StaysAttached {
+            pinned_by: pinned_by.clone(),
+        };
+    }
+    let evicted = users.get(volume.pv.as_str()).map_or(&[][..], Vec::as_slice);
+    match evicted.last() {
+        Some(last) if last != pod => VolumeWait::LeftTo {
+            last_user: last.clone(),
+        },
+        _ => {
+            let mut gone_first: Vec<NamespacedName> =
+                evicted.iter().filter(|u| *u != pod).cloned().collect();
+            gone_first.extend(already_going.get(&volume.pv).into_iter().flatten().cloned());
+            VolumeWait::Detach {
+                gone_first,
+                reattach: !volume.ephemeral,
+            }
+        }
+    }
+}
+
+fn list(keys: &[NamespacedName]) -> String {
+    keys.iter().map(fmt_key).collect::<Vec<_>>().join(", ")
+}
+
+impl fmt::Display for PlannedVolume {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "PV {} (claim {}",
+            self.volume.pv,
+            fmt_key(&self.volume.claim)
+        )?;
+        if self.volume.ephemeral {
+            f.write_str(", ephemeral")?;
+        }
+        match &self.volume.csi_unique_name {
+            Some(unique) => write!(f, ", {unique})")?,
+            None => f.write_str(", not CSI: recognised by VolumeAttachment only)")?,
+        }
+        if self.attached_to.is_empty() {
+            f.write_str(", attached nowhere per VolumeAttachments")
+        } else {
+            write!(f, ", attached to {}", self.attached_to.join(", "))
+        }
+    }
+}
+
+impl fmt::Display for VolumeWait {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Detach {
+                gone_first,
+                reattach,
+            } => {
+                f.write_str("last user: waits ")?;
+                if !gone_first.is_empty() {
+                    write!(
+                        f,
+                        "until {} {} gone, then ",
+                        list(gone_first),
+                        if gone_first.len() == 1 { "is" } else { "are" }
+                    )?;
+                }
+                f.write_str("for detach")?;
+                if *reattach {
+                    f.write_str(", then for attach to another Node")
+                } else {
+                    f.write_str("; no reattach (ephemeral claim dies with its pod)")
+                }
+            }
+            Self::LeftTo { last_user } => write!(
+                f,
+                "shared: {} uses it later and waits for it",
+                fmt_key(last_user)
+            ),
+            Self::StaysAttached { pinned_by } => write!(
+                f,
+                "stays attached: also used by {}, which end(s) with the VM; no detach wait",
+                list(pinned_by)
+            ),
+        }
+    }
+}
+
+fn write_pdbs_and_notes(f: &mut fmt::Formatter<'_>, p: &PlannedPod, indent: &str) -> fmt::Result {
+    for pdb in &p.pdbs {
+        writeln!(f, "{indent}{pdb}")?;
+    }
+    for note in &p.notes {
+        writeln!(f, "{indent}note: {note}")?;
+    }
+    Ok(())
+}
+
+impl fmt::Display for DrainPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = &self.settings;
+        writeln!(f, "Drain plan for Node {}", self.node)?;
+        writeln!(
+            f,
+            "Deadline: drain.timeout {} from the Machine's deletion; then {}",
+            format_duration(s.drain_timeout),
+            if s.force_after_deadline {
+                "the pods left are force-deleted"
+            } else {
+                "the drain fails and is retried"
+            }
+        )?;
+
+        writeln!(f, "\nSkipped ({}):", self.skipped.len())?;
+        for p in &self.skipped {
+            writeln!(f, "  {}: {}", fmt_key(&p.pod), p.class)?;
+        }
+
+        writeln!(f, "\nDeleted outright ({}):", self.to_delete.len())?;
+        for p in &self.to_delete {
+            writeln!(f, "  {}: {}", fmt_key(&p.pod), p.class)?;
+        }
+
+        writeln!(
+            f,
+            "\nAlready terminating, waited on ({}):",
+            self.terminating.len()
+        )?;
+        for p in &self.terminating {
+            write!(f, "  {}: being deleted since {}", fmt_key(&p.pod), p.since)?;
+            if !p.pvs.is_empty() {
+                write!(f, "; uses PV {}", p.pvs.join(", "))?;
+            }
+            writeln!(f)?;
+        }
+
+        writeln!(
+            f,
+            "\nWithout persistent volumes, evicted concurrently, up to {} at a time ({}):",
+            s.max_concurrent_evictions,
+            self.stateless.len()
+        )?;
+        for p in &self.stateless {
+            writeln!(f, "  {}", fmt_key(&p.pod))?;
+            write_pdbs_and_notes(f, p, "    ")?;
+        }
+
+        let pace = if s.max_parallel_volume_migrations == 1 {
+            "one at a time".to_string()
+        } else {
+            format!("up to {} at a time", s.max_parallel_volume_migrations)
+        };
+        writeln!(
+            f,
+            "\nWith persistent volumes, evicted {pace}, highest priority first ({}):",
+            self.stateful.len()
+        )?;
+        for (i, p) in self.stateful.iter().enumerate() {
+            writeln!(
+                f,
+                "  {}. {} (priority {}, grace {})",
+                i + 1,
+                fmt_key(&p.pod),
+                p.priority,
+                format_duration(p.grace)
+            )?;
+            for v in &p.volumes {
+                writeln!(f, "       {v}")?;
+                writeln!(f, "         {}", v.wait)?;
+            }
+            write_pdbs_and_notes(f, p, "       ")?;
+        }
+
+        let path = self.critical_path();
+        writeln!(
+            f,
+            "\nCritical path: worst case {}, {} drain.timeout {}",
+            format_duration(path.worst_case),
+            if path.worst_case > s.drain_timeout {
+                "exceeds"
+            } else {
+                "within"
+            },
+            format_duration(s.drain_timeout)
+        )?;
+        for (i, step) in path.steps.iter().enumerate() {
+            writeln!(f, "  {}. {}: {}", i + 1, fmt_key(&step.pod), step.bounds)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::drain::fixtures::{
+        NODE, PodFixture, csi_pv, ephemeral_pvc, host_pv, match_labels, pdb, pod, pvc, ts, va,
+    };
+    use crate::drain::pdb::PdbVerdict;
+
+    fn key(ns: &str, name: &str) -> NamespacedName {
+        (ns.to_string(), name.to_string())
+    }
+
+    fn secs(s: u64) -> Duration {
+        Duration::from_secs(s)
+    }
+
+    fn plan_of(
+        pods: &[Pod],
+        pvcs: &[PersistentVolumeClaim],
+        pvs: &[PersistentVolume],
+    ) -> DrainPlan {
+        plan(
+            NODE,
+            pods,
+            pvcs,
+            pvs,
+            &[],
+            &[],
+            &ResolvedSettings::default(),
+        )
+    }
+
+    fn planned(priority: i32, ns: &str, name: &str) -> PlannedPod {
+        PlannedPod {
+            pod: key(ns, name),
+            uid: None,
+            priority,
+            grace: secs(30),
+            bounds: StepBounds {
+                pod_gone: secs(60),
+                detach: None,
+                reattach: None,
+            },
+            volumes: Vec::new(),
+            pdbs: Vec::new(),
+            notes: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn priority_order_is_total() {
+        use Ordering::{Equal, Greater, Less};
+        let cases = [
+            (planned(10, "a", "x"), planned(0, "a", "x"), Less),
+            (planned(0, "a", "x"), planned(10, "a", "x"), Greater),
+            (planned(-5, "a", "x"), planned(0, "a", "x"), Greater),
+            (planned(5, "a", "y"), planned(5, "b", "x"), Less),
+            (planned(5, "b", "a"), planned(5, "a", "z"), Greater),
+            (planned(5, "a", "pg-10"), planned(5, "a", "pg-2"), Less),
+            (planned(5, "a", "x"), planned(5, "a", "x"), Equal),
+        ];
+        for (a, b, want) in cases {
+            assert_eq!(by_priority(&a, &b), want, "{:?} vs {:?}", a.pod, b.pod);
+        }
+    }
+
+    #[test]
+    fn every_pod_lands_in_one_group() {
+        let pods = [
+            pod("kube-system", "etcd").mirror(),
+            pod("kube-system", "fluentd-x").owned_by("DaemonSet", "fluentd", true),
+            pod("batch", "job-1").phase("Succeeded"),
+            pod("batch", "job-0").phase("Failed"),
+            pod("db", "old-0").deleting(ts(10)).claim("d", "data-old"),
+            pod("web", "b"),
+            pod("web", "a").claim("d", "unbound"),
+            pod("db", "pg-0").claim("d", "data-pg-0"),
+            pod("web", "elsewhere").on_node(Some("node-2")),
+            pod("web", "pending").on_node(None),
+        ];
+        let pvcs = [
+            pvc("db", "data-old", Some("pv-old")),
+            pvc("web", "unbound", None),
+            pvc("db", "data-pg-0", Some("pv-pg-0")),
+        ];
+        let pvs = [host_pv("pv-old"), csi_pv("pv-pg-0", "d.csi", "h0")];
+        let p = plan_of(&pods, &pvcs, &pvs);
+
+        let keys = |v: &[ClassifiedPod]| v.iter().map(|p| p.pod.clone()).collect::<Vec<_>>();
+        assert_eq!(
+            keys(&p.skipped),
+            vec![key("kube-system", "etcd"), key("kube-system", "fluentd-x")]
+        );
+        assert_eq!(p.skipped[0].class, PodClass::Mirror);
+        assert_eq!(
+            keys(&p.to_delete),
+            vec![key("batch", "job-0"), key("batch", "job-1")]
+        );
+        assert_eq!(p.to_delete[0].uid.as_deref(), Some("uid-job-0"));
+        assert_eq!(
+            p.terminating,
+            vec![TerminatingPod {
+                pod: key("db", "old-0"),
+                uid: Some("uid-old-0".into()),
+                since: ts(10),
+                pvs: vec!["pv-old".into()],
+            }]
+        );
+        assert_eq!(
+            p.stateless
+                .iter()
+                .map(|p| p.pod.clone())
+                .collect::<Vec<_>>(),
+            vec![key("web", "a"), key("web", "b")]
+        );
+        assert_eq!(p.stateless[0].notes.len(), 1);
+        assert!(p.stateless[0].notes[0].contains("claim web/unbound (volume d) is not bound"));
+        assert_eq!(p.stateless[0].bounds.total(), secs(60));
+        assert_eq!(p.stateful_order(), vec![key("db", "pg-0")]);
+    }
+
+    #[test]
+    fn stateful_pods_by_priority_then_name() {
+        let pods = [
+            pod("b", "low").priority(1).claim("d", "c1"),
+            pod("a", "unset").claim("d", "c2"),
+            pod("z", "high").priority(1000).claim("d", "c3"),
+            pod("a", "tie-2").priority(50).claim("d", "c4"),
+            pod("b", "tie-1").priority(50).claim("d", "c5"),
+            pod("a", "tie-1").priority(50).claim("d", "c6"),
+            pod("a", "negative").priority(-10).claim("d", "c7"),
+        ];
+        let mut pvcs = Vec::new();
+        let mut pvs = Vec::new();
+        for (i, ns) in ["b", "a", "z", "a", "b", "a", "a"].iter().enumerate() {
+            let n = i + 1;
+            pvcs.push(pvc(ns, &format!("c{n}"), Some(&format!("pv-{n}"))));
+            pvs.push(csi_pv(&format!("pv-{n}"), "d.csi", &format!("h{n}")));
+        }
+        let p = plan_of(&pods, &pvcs, &pvs);
+        assert_eq!(
+            p.stateful_order(),
+            vec![
+                key("z", "high"),
+                key("a", "tie-1"),
+                key("a", "tie-2"),
+                key("b", "tie-1"),
+                key("b", "low"),
+                key("a", "unset"),
+                key("a", "negative"),
+            ]
+        );
+        assert_eq!(
+            p.stateful.iter().map(|p| p.priority).collect::<Vec<_>>(),
+            vec![1000, 50, 50, 50, 1, 0, -10]
+        );
+        // Every pod is the only user of its PV, so each waits for both.
+        for sp in &p.stateful {
+            assert_eq!(sp.volumes.len(), 1);
+            assert_eq!(
+                sp.volumes[0].wait,
+                VolumeWait::Detach {
+                    gone_first: vec![],
+                    reattach: true
+                }
+            );
+            assert_eq!(
+                sp.bounds,
+                StepBounds {
+                    pod_gone: secs(60),
+                    detach: Some(secs(150)),
+                    reattach: Some(secs(90)),
+                }
+            );
+        }
+    }
+
+    #[test]
+    fn stateless_pods_are_sorted_by_namespace_then_name() {
+        let pods = [pod("b", "a"), pod("a", "z"), pod("a", "b").priority(100)];
+        let p = plan_of(&pods, &[], &[]);
+        assert_eq!(
+            p.stateless
+                .iter()
+                .map(|p| p.pod.clone())
+                .collect::<Vec<_>>(),
+            vec![key("a", "b"), key("a", "z"), key("b", "a")]
+        );
+    }
+
+    #[test]
+    fn a_shared_pv_is_waited_on_by_its_last_user_only() {
+        let pods = [
+            pod("db", "reader").priority(10).claim("d", "shared"),
+            pod("db", "writer")
+                .priority(100)
+                .claim("d", "shared")
+                .claim("o", "own"),
+            pod("db", "old").deleting(ts(5)).claim("d", "shared"),
+            pod("db", "ds")
+                .owned_by("DaemonSet", "backup", true)
+                .claim("d", "pinned"),
+            pod("db", "user").claim("d", "pinned"),
+        ];
+        let pvcs = [
+            pvc("db", "shared", Some("pv-shared")),
+            pvc("db", "own", Some("pv-own")),
+            pvc("db", "pinned", Some("pv-pinned")),
+        ];
+        let pvs = [
+            csi_pv("pv-shared", "d.csi", "s"),
+            csi_pv("pv-own", "d.csi", "o"),
+            host_pv("pv-pinned"),
+        ];
+        let p = plan_of(&pods, &pvcs, &pvs);
+        assert_eq!(
+            p.stateful_order(),
+            vec![key("db", "writer"), key("db", "reader"), key("db", "user")]
+        );
+        let waits = |i: usize| {
+            p.stateful[i]
+                .volumes
+                .iter()
+                .map(|v| (v.volume.pv.as_str(), v.wait.clone()))
+                .collect::<Vec<_>>()
+        };
+        // (position, volumes and their waits, bounds)
+        let cases = [
+            (
+                0,
+                vec![
+                    (
+                        "pv-shared",
+                        VolumeWait::LeftTo {
+                            last_user: key("db", "reader"),
+                        },
+                    ),
+                    (
+                        "pv-own",
+                        VolumeWait::Detach {
+                            gone_first: vec![],
+                            reattach: true,
+                        },
+                    ),
+                ],
+                (Some(secs(150)), Some(secs(90))),
+            ),
+            (
+                1,
+                vec![(
+                    "pv-shared",
+                    VolumeWait::Detach {
+                        gone_first: vec![key("db", "writer"), key("db", "old")],
+                        reattach: true,
+                    },
+                )],
+                (Some(secs(150)), Some(secs(90))),
+            ),
+            (
+                2,
+                vec![(
+                    "pv-pinned",
+                    VolumeWait::StaysAttached {
+                        pinned_by: vec![key("db", "ds")],
+                    },
+                )],
+                (None, None),
+            ),
+        ];
+        for (i, want, (detach, reattach)) in cases {
+            assert_eq!(waits(i), want, "position {i}");
+            assert_eq!(p.stateful[i].bounds.detach, detach, "position {i}");
+            assert_eq!(p.stateful[i].bounds.reattach, reattach, "position {i}");
+        }
+    }
+
+    #[test]
+    fn shared_pv_order_follows_priority_not_input_order() {
+        let pvcs = [pvc("db", "shared", Some("pv-s"))];
+        let pvs = [csi_pv("pv-s", "d.csi", "s")];
+        for (first, second) in [(5, 1), (1, 5)] {
+            let pods = [
+                pod("db", "a").priority(first).claim("d", "shared"),
+                pod("db", "b").priority(second).claim("d", "shared"),
+            ];
+            let p = plan_of(&pods, &pvcs, &pvs);
+            let (early, late) = if first > second {
+                ("a", "b")
+            } else {
+                ("b", "a")
+            };
+            assert_eq!(p.stateful_order(), vec![key("db", early), key("db", late)]);
+            assert_eq!(
+                p.stateful[0].volumes[0].wait,
+                VolumeWait::LeftTo {
+                    last_user: key("db", late)
+                }
+            );
+            assert!(!p.stateful[0].volumes[0].wait.waits_for_detach());
+            assert_eq!(p.stateful[0].bounds.detach, None);
+            assert_eq!(
+                p.stateful[1].volumes[0].wait,
+                VolumeWait::Detach {
+                    gone_first: vec![key("db", early)],
+                    reattach: true
+                }
+            );
+        }
+    }
+
+    #[test]
+    fn ephemeral_volumes_detach_but_never_reattach() {
+        let pods = [pod("db", "pg-0").ephemeral("scratch").grace(60)];
+        let pvcs = [ephemeral_pvc("db", "pg-0-scratch", "pv-e", "uid-pg-0")];
+        let pvs = [csi_pv("pv-e", "d.csi", "e")];
+        let p = plan_of(&pods, &pvcs, &pvs);
+        let sp = &p.stateful[0];
+        assert_eq!(
+            sp.volumes[0].wait,
+            VolumeWait::Detach {
+                gone_first: vec![],
+                reattach: false
+            }
+        );
+        assert!(sp.volumes[0].wait.waits_for_detach());
+        assert!(!sp.volumes[0].wait.waits_for_reattach());
+        assert_eq!(
+            sp.bounds,
+            StepBounds {
+                pod_gone: secs(90),
+                detach: Some(secs(180)),
+                reattach: None
+            }
+        );
+    }
+
+    #[test]
+    fn volumes_carry_identities_and_attachments() {
+        let pods = [pod("db", "pg-0").claim("d", "data").claim("l", "logs")];
+        let pvcs = [
+            pvc("db", "data", Some("pv-d")),
+            pvc("db", "logs", Some("pv-l")),
+        ];
+        let pvs = [csi_pv("pv-d", "ebs.csi.aws.com", "vol-1"), host_pv("pv-l")];
+        let vas = [
+            va("pv-d", NODE, true),
+            va("pv-d", "node-2", false),
+            va("pv-other", NODE, true),
+        ];
+        let p = plan(
+            NODE,
+            &pods,
+            &pvcs,
+            &pvs,
+            &[],
+            &vas,
+            &ResolvedSettings::default(),
+        );
+        let vols = &p.stateful[0].volumes;
+        assert_eq!(
+            vols[0].volume,
+            VolumeRef {
+                pv: "pv-d".into(),
+                claim: key("db", "data"),
+                csi_unique_name: Some("kubernetes.io/csi/ebs.csi.aws.com^vol-1".into()),
+                ephemeral: false,
+            }
+        );
+        assert_eq!(vols[0].attached_to, vec![NODE.to_string()]);
+        assert_eq!(vols[1].volume.csi_unique_name, None);
+        assert_eq!(vols[1].attached_to, Vec::<String>::new());
+    }
+
+    #[test]
+    fn pdb_findings_are_attached_to_evictable_pods() {
+        let pods = [
+            pod("web", "a").labels(&[("app", "web")]),
+            pod("db", "pg-0")
+                .labels(&[("app", "pg")])
+                .claim("d", "data"),
+            pod("db", "done")
+                .labels(&[("app", "pg")])
+                .phase("Succeeded"),
+        ];
+        let pvcs = [pvc("db", "data", Some("pv-d"))];
+        let pvs = [csi_pv("pv-d", "d.csi", "d")];
+        let pdbs = [
+            pdb(
+                "web",
+                "web",
+                Some(match_labels(&[("app", "web")])),
+                (1, 1, 2, 1, 0),
+            ),
+            pdb(
+                "db",
+                "pg",
+                Some(match_labels(&[("app", "pg")])),
+                (1, 1, 3, 3, 0),
+            ),
+        ];
+        let p = plan(
+            NODE,
+            &pods,
+            &pvcs,
+            &pvs,
+            &pdbs,
+            &[],
+            &ResolvedSettings::default(),
+        );
+        assert_eq!(p.stateless[0].pdbs.len(), 1);
+        assert_eq!(p.stateless[0].pdbs[0].verdict, PdbVerdict::Blocking);
+        assert_eq!(p.stateful[0].pdbs.len(), 1);
+        assert_eq!(p.stateful[0].pdbs[0].verdict, PdbVerdict::Misconfigured);
+        assert_eq!(p.to_delete.len(), 1);
+    }
+
+    #[test]
+    fn critical_path_sums_the_bounds_in_order() {
+        let pods = [
+            pod("db", "a").priority(2).grace(10).claim("d", "ca"),
+            pod("db", "b").priority(1).claim("d", "cb"),
+            pod("db", "c").claim("d", "shared"),
+            pod("db", "d").claim("d", "shared"),
+            pod("web", "x").grace(600),
+        ];
+        let pvcs = [
+            pvc("db", "ca", Some("pv-a")),
+            pvc("db", "cb", Some("pv-b")),
+            pvc("db", "shared", Some("pv-s")),
+        ];
+        let pvs = [
+            csi_pv("pv-a", "d.csi", "a"),
+            csi_pv("pv-b", "d.csi", "b"),
+            csi_pv("pv-s", "d.csi", "s"),
+        ];
+        let p = plan_of(&pods, &pvcs, &pvs);
+        let path = p.critical_path();
+        let want = [
+            (key("db", "a"), 40, Some(130), Some(90)),
+            (key("db", "b"), 60, Some(150), Some(90)),
+            (key("db", "c"), 60, None, None),
+            (key("db", "d"), 60, Some(150), Some(90)),
+        ];
+        assert_eq!(path.steps.len(), want.len());
+        for (step, (pod, gone, detach, reattach)) in path.steps.iter().zip(want) {
+            assert_eq!(step.pod, pod);
+            assert_eq!(
+                step.bounds,
+                StepBounds {
+                    pod_gone: secs(gone),
+                    detach: detach.map(secs),
+                    reattach: reattach.map(secs),
+                },
+                "{pod:?}"
+            );
+        }
+        assert_eq!(path.worst_case, secs(260 + 300 + 60 + 300));
+        assert_eq!(
+            plan_of(&[], &[], &[]).critical_path().worst_case,
+            Duration::ZERO
+        );
+    }
+
+    #[test]
+    fn the_report_names_every_group_and_decision() {
+        let pods = [
+            pod("kube-system", "etcd").mirror(),
+            pod("kube-system", "fluentd-x").owned_by("DaemonSet", "fluentd", true),
+            pod("batch", "job-1").phase("Failed"),
+            pod("db", "old-0").deleting(ts(0)).claim("d", "shared"),
+            pod("web", "a")
+                .labels(&[("app", "web")])
+                .claim("x", "missing"),
+            pod("db", "pg-0")
+                .priority(100)
+                .claim("d", "shared")
+                .labels(&[("app", "pg")]),
+            pod("db", "pg-1").claim("d", "shared").claim("l", "logs"),
+        ];
+        let pvcs = [
+            pvc("db", "shared", Some("pv-s")),
+            pvc("db", "logs", Some("pv-l")),
+        ];
+        let pvs = [csi_pv("pv-s", "ebs.csi.aws.com", "vol-9"), host_pv("pv-l")];
+        let pdbs = [pdb(
+            "db",
+            "pg",
+            Some(match_labels(&[("app", "pg")])),
+            (1, 1, 3, 3, 0),
+        )];
+        let vas = [va("pv-s", NODE, true)];
+        let settings = ResolvedSettings {
+            drain_timeout: secs(600),
+            max_parallel_volume_migrations: 2,
+            force_after_deadline: false,
+            ..Default::default()
+        };
+        let report = plan(NODE, &pods, &pvcs, &pvs, &pdbs, &vas, &settings).to_string();
+        let expected = [
+            "Drain plan for Node node-1",
+            "Deadline: drain.timeout 10m from the Machine's deletion; then the drain fails and is retried",
+            "Skipped (2):",
+            "  kube-system/etcd: mirror of a static pod",
+            "  kube-system/fluentd-x: managed by DaemonSet fluentd",
+            "Deleted outright (1):\n  batch/job-1: phase Failed",
+            "Already terminating, waited on (1):\n  db/old-0: being deleted since 1970-01-01T00:00:00Z; uses PV pv-s",
+            "Without persistent volumes, evicted concurrently, up to 20 at a time (1):\n  web/a\n",
+            "    note: claim web/missing (volume x) not found",
+            "With persistent volumes, evicted up to 2 at a time, highest priority first (2):",
+            "  1. db/pg-0 (priority 100, grace 30s)\n       PV pv-s (claim db/shared, kubernetes.io/csi/ebs.csi.aws.com^vol-9), attached to node-1\n         shared: db/pg-1 uses it later and waits for it",
+            "       PDB db/pg allows 0 disruptions with 3/3 healthy (misconfigured:",
+            "  2. db/pg-1 (priority 0, grace 30s)",
+            "         last user: waits until db/pg-0, db/old-0 are gone, then for detach, then for attach to another Node",
+            "       PV pv-l (claim db/logs, not CSI: recognised by VolumeAttachment only), attached nowhere per VolumeAttachments",
+            "Critical path: worst case 6m, within drain.timeout 10m",
+            "  1. db/pg-0: pod gone ≤ 1m\n",
+            "  2. db/pg-1: pod gone ≤ 1m, detach ≤ 2m 30s, reattach ≤ 1m 30s",
+        ];
+        for want in expected {
+            assert!(report.contains(want), "report lacks {want:?}:\n{report}");
+        }
+        // Groups appear in the order they happen.
+        let at = |s: &str| report.find(s).expect(s);
+        assert!(at("Skipped") < at("Deleted outright"));
+        assert!(at("Deleted outright") < at("Already terminating"));
+        assert!(at("Without persistent") < at("With persistent"));
+        assert!(at("With persistent") < at("Critical path"));
+    }
+
+    #[test]
+    fn volume_waits_read_as_sentences() {
+        let cases = [
+            (
+                VolumeWait::Detach {
+                    gone_first: vec![],
+                    reattach: true,
+                },
+                "last user: waits for detach, then for attach to another Node",
+            ),
+            (
+                VolumeWait::Detach {
+                    gone_first: vec![key("db", "old")],
+                    reattach: false,
+                },
+                "last user: waits until db/old is gone, then for detach; no reattach (ephemeral claim dies with its pod)",
+            ),
+            (
+                VolumeWait::LeftTo {
+                    last_user: key("db", "b"),
+                },
+                "shared: db/b uses it later and waits for it",
+            ),
+            (
+                VolumeWait::StaysAttached {
+                    pinned_by: vec![key("ops", "backup-x"), key("ops", "backup-y")],
+                },
+                "stays attached: also used by ops/backup-x, ops/backup-y, which end(s) with the VM; no detach wait",
+            ),
+        ];
+        for (wait, want) in cases {
+            assert_eq!(wait.to_string(), want);
+        }
+        let ephemeral = PlannedVolume {
+            volume: VolumeRef {
+                pv: "pv-e".into(),
+                claim: key("db", "pg-0-scratch"),
+                csi_unique_name: Some("kubernetes.io/csi/d.csi^e".into()),
+                ephemeral: true,
+            },
+            attached_to: vec![NODE.into(), "node-2".into()],
+            wait: VolumeWait::LeftTo {
+                last_user: key("db", "b"),
+            },
+        };
+        assert_eq!(
+            ephemeral.to_string(),
+            "PV pv-e (claim db/pg-0-scratch, ephemeral, kubernetes.io/csi/d.csi^e), attached to node-1, node-2"
+        );
+    }
+
+    #[test]
+    fn the_report_flags_a_worst_case_beyond_the_deadline() {
+        let pods = [pod("db", "pg-0").grace(3600).claim("d", "data")];
+        let pvcs = [pvc("db", "data", Some("pv"))];
+        let pvs = [host_pv("pv")];
+        let settings = ResolvedSettings {
+            drain_timeout: secs(3600),
+            ..Default::default()
+        };
+        let report = plan(NODE, &pods, &pvcs, &pvs, &[], &[], &settings).to_string();
+        assert!(report.contains("exceeds drain.timeout 1h"), "{report}");
+        assert!(report.contains("evicted one at a time"), "{report}");
+        assert!(
+            report.contains("then the pods left are force-deleted"),
+            "{report}"
+        );
+    }
+}

@@ -1,0 +1,236 @@
+//! Which pods on a Node the drain handles, and how.
+//!
+//! Every pod bound to the Node falls into exactly one [`PodClass`]. The rules
+//! are tried in this order and the first that applies wins:
+//!
+//! 1. **Mirror**: the annotation [`MIRROR_ANNOTATION`] is present. The kubelet
+//!    runs the static pod from a file and the API object only mirrors it, so
+//!    it can be neither evicted nor meaningfully deleted. Skipped.
+//! 2. **DaemonSet**: the controller ownerReference has kind `DaemonSet`. Its
+//!    controller would put it back (DaemonSet pods tolerate the cordon), so it
+//!    is left alone and ends with the VM. Only the kind is compared, as
+//!    `kubectl drain` does, which also covers DaemonSet-like controllers of
+//!    other API groups.
+//! 3. **Terminal**: phase `Succeeded` or `Failed`. The pod runs no containers
+//!    and the attach/detach controller no longer counts it as using its
+//!    volumes, so nothing waits for it: it is deleted outright, even when a
+//!    deletion is already under way (a delete is idempotent, while waiting on
+//!    a finished pod held by a finalizer could stall the drain).
+//! 4. **Terminating**: `metadata.deletionTimestamp` is set. Waited on, not
+//!    evicted again.
+//! 5. **Evictable**: everything else; evicted through the Eviction API.
+
+use std::fmt;
+
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::Timestamp;
+
+/// The annotation the kubelet puts on the API mirror of a static pod.
+pub const MIRROR_ANNOTATION: &str = "kubernetes.io/config.mirror";
+
+/// `(namespace, name)` of a namespaced object.
+pub type NamespacedName = (String, String);
+
+/// The `(namespace, name)` of a pod; a missing field (never the case for a
+/// pod read from the API) is empty.
+pub fn pod_key(pod: &Pod) -> NamespacedName {
+    (
+        pod.metadata.namespace.clone().unwrap_or_default(),
+        pod.metadata.name.clone().unwrap_or_default(),
+    )
+}
+
+/// `namespace/name`, the way the report and conditions name an object.
+pub fn fmt_key((namespace, name): &NamespacedName) -> String {
+    format!("{namespace}/{name}")
+}
+
+/// How the drain treats one pod; see the module documentation for the rules.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PodClass {
+    /// The API mirror of a static pod: skipped.
+    Mirror,
+    /// Controlled by the named DaemonSet: left to end with the VM.
+    DaemonSet { owner: String },
+    /// Finished (`Succeeded` or `Failed`): deleted outright.
+    Terminal { phase: String },
+    /// Already being deleted since the given time: waited on.
+    Terminating { since: Timestamp },
+    /// Evicted through the Eviction API.
+    Evictable,
+}
+
+impl fmt::Display for PodClass {
+    /// The human reason for the pod's treatment.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Mirror => {
+                f.write_str("mirror of a static pod run by the kubelet; cannot be evicted, skipped")
+            }
+            Self::DaemonSet { owner } => write!(
+                f,
+                "managed by DaemonSet {owner}, which would recreate it; ends with the VM"
+            ),
+            Self::Terminal { phase } => {
+                write!(f, "phase {phase}, runs no containers; deleted outright")
+            }
+            Self::Terminating { since } => {
+                write!(
+                    f,
+                    "being deleted since {since}; waited on, not evicted again"
+                )
+            }
+            Self::Evictable => f.write_str("evicted through the Eviction API"),
+        }
+    }
+}
+
+/// Classifies a pod by the first rule of the module documentation that
+/// applies.
+pub fn classify(pod: &Pod) -> PodClass {
+    let meta = &pod.metadata;
+    if meta
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.contains_key(MIRROR_ANNOTATION))
+    {
+        return PodClass::Mirror;
+    }
+    if let Some(owner) = meta
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|r| r.controller == Some(true) && r.kind == "DaemonSet")
+    {
+        return PodClass::DaemonSet {
+            owner: owner.name.clone(),
+        };
+    }
+    if let Some(phase @ ("Succeeded" | "Failed")) =
+        pod.status.as_ref().and_then(|s| s.phase.as_deref())
+    {
+        return PodClass::Terminal {
+            phase: phase.to_string(),
+        };
+    }
+    if let Some(since) = &meta.deletion_timestamp {
+        return PodClass::Terminating { since: since.0 };
+    }
+    PodClass::Evictable
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::drain::fixtures::{PodFixture, pod, ts};
+
+    #[test]
+    fn every_pod_falls_into_exactly_one_class() {
+        let since = ts(1_000);
+        let cases = [
+            ("plain running pod", pod("a", "p"), PodClass::Evictable),
+            ("mirror", pod("a", "p").mirror(), PodClass::Mirror),
+            (
+                "mirror wins over terminal",
+                pod("a", "p").mirror().phase("Failed"),
+                PodClass::Mirror,
+            ),
+            (
+                "daemonset controller",
+                pod("a", "p").owned_by("DaemonSet", "fluentd", true),
+                PodClass::DaemonSet {
+                    owner: "fluentd".into(),
+                },
+            ),
+            (
+                "daemonset wins over terminating",
+                pod("a", "p")
+                    .owned_by("DaemonSet", "fluentd", true)
+                    .deleting(since),
+                PodClass::DaemonSet {
+                    owner: "fluentd".into(),
+                },
+            ),
+            (
+                "daemonset owner that is not the controller",
+                pod("a", "p").owned_by("DaemonSet", "fluentd", false),
+                PodClass::Evictable,
+            ),
+            (
+                "replicaset controller",
+                pod("a", "p").owned_by("ReplicaSet", "web-5d9", true),
+                PodClass::Evictable,
+            ),
+            (
+                "succeeded",
+                pod("a", "p").phase("Succeeded"),
+                PodClass::Terminal {
+                    phase: "Succeeded".into(),
+                },
+            ),
+            (
+                "failed",
+                pod("a", "p").phase("Failed"),
+                PodClass::Terminal {
+                    phase: "Failed".into(),
+                },
+            ),
+            (
+                "terminal wins over terminating",
+                pod("a", "p").phase("Succeeded").deleting(since),
+                PodClass::Terminal {
+                    phase: "Succeeded".into(),
+                },
+            ),
+            (
+                "pending pod",
+                pod("a", "p").phase("Pending"),
+                PodClass::Evictable,
+            ),
+            (
+                "terminating",
+                pod("a", "p").deleting(since),
+                PodClass::Terminating { since },
+            ),
+        ];
+        for (what, pod, want) in cases {
+            assert_eq!(classify(&pod), want, "{what}");
+        }
+    }
+
+    #[test]
+    fn reasons_say_what_happens() {
+        let cases = [
+            (PodClass::Mirror, "static pod"),
+            (
+                PodClass::DaemonSet {
+                    owner: "fluentd".into(),
+                },
+                "DaemonSet fluentd",
+            ),
+            (
+                PodClass::Terminal {
+                    phase: "Failed".into(),
+                },
+                "phase Failed, runs no containers; deleted outright",
+            ),
+            (
+                PodClass::Terminating { since: ts(0) },
+                "being deleted since 1970-01-01T00:00:00Z; waited on",
+            ),
+            (PodClass::Evictable, "Eviction API"),
+        ];
+        for (class, want) in cases {
+            let got = class.to_string();
+            assert!(got.contains(want), "{got:?} should contain {want:?}");
+        }
+    }
+
+    #[test]
+    fn keys_name_namespace_then_pod() {
+        let key = pod_key(&pod("db", "pg-0"));
+        assert_eq!(key, ("db".to_string(), "pg-0".to_string()));
+        assert_eq!(fmt_key(&key), "db/pg-0");
+        assert_eq!(pod_key(&Pod::default()), (String::new(), String::new()));
+    }
+}

@@ -1,0 +1,542 @@
+//! The persistent volumes a pod uses, how each is recognised when attached,
+//! and whether anything is expected to pick a volume up again.
+//!
+//! A pod **has a persistent volume** when one of its `spec.volumes` names a
+//! PersistentVolumeClaim in the pod's namespace that is bound
+//! (`spec.volumeName`) to a PersistentVolume that exists. The claim is named
+//! by `persistentVolumeClaim.claimName`, or, for a generic ephemeral volume,
+//! is `<pod name>-<volume name>` and must have been created for this pod (its
+//! controller ownerReference is the pod). A claim that is missing, unbound,
+//! bound to a missing PV or not created for the pod gives the pod no volume
+//! and leaves a note instead: such a pod cannot be using a volume yet.
+//!
+//! A volume is recognised by two computed identities, never by guessing:
+//!
+//! - its PV name, which VolumeAttachments carry in
+//!   `spec.source.persistentVolumeName`;
+//! - for a CSI PV, the unique name the Node lists in
+//!   `status.volumesAttached[].name`, exactly
+//!   `kubernetes.io/csi/<driver>^<volumeHandle>`. Other PVs have none and are
+//!   recognised by their VolumeAttachments alone.
+//!
+//! All comparisons are exact string equality.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::storage::v1::VolumeAttachment;
+
+use crate::drain::select::{NamespacedName, fmt_key};
+
+/// Prefix of the unique name of a CSI volume in `node.status.volumesAttached`.
+pub const CSI_UNIQUE_NAME_PREFIX: &str = "kubernetes.io/csi/";
+
+/// One persistent volume a pod uses, with the names it is recognised by.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct VolumeRef {
+    /// The PV name (VolumeAttachment `spec.source.persistentVolumeName`).
+    pub pv: String,
+    /// The claim bound to the PV, in the pod's namespace.
+    pub claim: NamespacedName,
+    /// For a CSI PV, `kubernetes.io/csi/<driver>^<volumeHandle>`, the name
+    /// in `node.status.volumesAttached`.
+    pub csi_unique_name: Option<String>,
+    /// The claim belongs to a generic ephemeral volume: it is deleted with
+    /// its pod, so its volume is never attached anywhere again.
+    pub ephemeral: bool,
+}
+
+/// The volumes of one pod, and why some of its claims gave none.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PodVolumes {
+    /// Distinct PVs, in the order of `spec.volumes`.
+    pub refs: Vec<VolumeRef>,
+    /// One line per claim that gave no PV.
+    pub notes: Vec<String>,
+}
+
+/// The unique name of a CSI PV in `node.status.volumesAttached`; `None` for
+/// a PV of another kind.
+pub fn csi_unique_name(pv: &PersistentVolume) -> Option<String> {
+    let csi = pv.spec.as_ref()?.csi.as_ref()?;
+    Some(format!(
+        "{CSI_UNIQUE_NAME_PREFIX}{}^{}",
+        csi.driver, csi.volume_handle
+    ))
+}
+
+/// Looks claims and volumes up by name; built once per plan.
+#[derive(Debug, Clone)]
+pub struct VolumeIndex<'a> {
+    claims: BTreeMap<(&'a str, &'a str), &'a PersistentVolumeClaim>,
+    volumes: BTreeMap<&'a str, &'a PersistentVolume>,
+}
+
+impl<'a> VolumeIndex<'a> {
+    pub fn new(pvcs: &'a [PersistentVolumeClaim], pvs: &'a [PersistentVolume]) -> Self {
+        let claims = pvcs
+            .iter()
+            .filter_map(|c| {
+                let ns = c.metadata.namespace.as_deref()?;
+                let name = c.metadata.name.as_deref()?;
+                Some(((ns, name), c))
+            })
+            .collect();
+        let volumes = pvs
+            .iter()
+            .filter_map(|v| Some((v.metadata.name.as_deref()?, v)))
+            .collect();
+        Self { claims, volumes }
+    }
+
+    /// The persistent volumes `pod` uses; see the module documentation.
+    pub fn pod_volumes(&self, pod: &Pod) -> PodVolumes {
+        let mut out = PodVolumes::default();
+        let ns = pod.metadata.namespace.as_deref().unwrap_or_default();
+        let pod_name = pod.metadata.name.as_deref().unwrap_or_default();
+        let volumes = pod.spec.iter().flat_map(|s| s.volumes.iter().flatten());
+        for volume in volumes {
+            let (claim_name, ephemeral) = if let Some(source) = &volume.persistent_volume_claim {
+                (source.claim_name.clone(), false)
+            } else if volume.ephemeral.is_some() {
+                (format!("{pod_name}-{}", volume.name), true)
+            } else {
+                continue;
+            };
+            let claim: NamespacedName = (ns.to_string(), claim_name);
+            let what = format!("claim {} (volume {})", fmt_key(&claim), volume.name);
+            let Some(pvc) = self.claims.get(&(ns, claim.1.as_str())) else {
+                out.notes
+                    .push(format!("{what} not found; counted as no persistent volume"));
+                continue;
+            };
+            if ephemeral && !created_for(pvc, pod) {
+                out.notes.push(format!(
+                    "{what} was not created for this pod; counted as no persistent volume"
+                ));
+                continue;
+            }
+            let Some(pv_name) = pvc
+                .spec
+                .as_ref()
+                .and_then(|s| s.volume_name.as_deref())
+                .filter(|n| !n.is_empty())
+            else {
+                out.notes.push(format!(
+                    "{what} is not bound to a PV; counted as no persistent volume"
+                ));
+                continue;
+            };
+            let Some(pv) = self.volumes.get(pv_name) else {
+                out.notes.push(format!(
+                    "{what} is bound to PV {pv_name}, which does not exist; counted as no persistent volume"
+                ));
+                continue;
+            };
+            if out.refs.iter().any(|r| r.pv == pv_name) {
+                continue;
+            }
+            out.refs.push(VolumeRef {
+                pv: pv_name.to_string(),
+                claim,
+                csi_unique_name: csi_unique_name(pv),
+                ephemeral,
+            });
+        }
+        out
+    }
+}
+
+/// Whether an ephemeral volume's claim was created for `pod`: its controller
+/// ownerReference is the pod. A pod without a uid (only in synthetic data)
+/// cannot be checked and is trusted.
+fn created_for(pvc: &PersistentVolumeClaim, pod: &Pod) -> bool {
+    let Some(uid) = pod.metadata.uid.as_deref() else {
+        return true;
+    };
+    pvc.metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .any(|r| r.controller == Some(true) && r.uid == uid)
+}
+
+/// The Nodes a PV is attached to according to VolumeAttachments
+/// (`status.attached == true`), sorted and distinct.
+pub fn attached_nodes(pv: &str, vas: &[VolumeAttachment]) -> Vec<String> {
+    let mut nodes: Vec<String> = vas
+        .iter()
+        .filter(|va| names_pv(va, pv) && is_attached(va))
+        .map(|va| va.spec.node_name.clone())
+        .collect();
+    nodes.sort();
+    nodes.dedup();
+    nodes
+}
+
+/// Whether a volume is gone from `node`: the Node no longer lists its CSI
+/// unique name in `status.volumesAttached`, and no VolumeAttachment for
+/// (PV, Node) exists any more, attached or not.
+pub fn detached_from(volume: &VolumeRef, node: &Node, vas: &[VolumeAttachment]) -> bool {
+    let node_name = node.metadata.name.as_deref().unwrap_or_default();
+    let listed = volume.csi_unique_name.as_deref().is_some_and(|unique| {
+        node.status
+            .iter()
+            .flat_map(|s| s.volumes_attached.iter().flatten())
+            .any(|a| a.name == unique)
+    });
+    let attachment = vas
+        .iter()
+        .any(|va| names_pv(va, &volume.pv) && va.spec.node_name == node_name);
+    !listed && !attachment
+}
+
+/// The Node other than `node` the volume is attached to
+/// (`status.attached == true`), if any; the first by name when several.
+pub fn attached_elsewhere(
+    volume: &VolumeRef,
+    node: &str,
+    vas: &[VolumeAttachment],
+) -> Option<String> {
+    attached_nodes(&volume.pv, vas)
+        .into_iter()
+        .find(|n| n != node)
+}
+
+/// Whether a pod other than the evicted one (pending, not yet scheduled or
+/// newly created, including a replacement of the same name) references the
+/// claim through `persistentVolumeClaim.claimName`. Pods that are finished
+/// or being deleted do not count.
+///
+/// When this is false nothing will attach the volume again (a StatefulSet
+/// scaled down, a Job that completed), so a reattach wait can end at once.
+/// An ephemeral volume's claim dies with its pod, so the caller skips the
+/// reattach wait for [`VolumeRef::ephemeral`] volumes instead.
+pub fn replacement_expected(claim: &NamespacedName, pods: &[Pod], evicted_pod_uid: &str) -> bool {
+    let (ns, name) = claim;
+    pods.iter().any(|pod| {
+        pod.metadata.namespace.as_deref() == Some(ns.as_str())
+            && pod.metadata.uid.as_deref() != Some(evicted_pod_uid)
+            && pod.metadata.deletion_timestamp.is_none()
+            && !matches!(
+                pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+                Some("Succeeded" | "Failed")
+            )
+            && pod
+                .spec
+                .iter()
+                .flat_map(|s| s.volumes.iter().flatten())
+                .filter_map(|v| v.persistent_volume_claim.as_ref())
+                .any(|c| c.claim_name == *name)
+    })
+}
+
+fn names_pv(va: &VolumeAttachment, pv: &str) -> bool {
+    va.spec.source.persistent_volume_name.as_deref() == Some(pv)
+}
+
+fn is_attached(va: &VolumeAttachment) -> bool {
+    va.status.as_ref().is_some_and(|s| s.attached)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::drain::fixtures::{
+        NODE, PodFixture, csi_pv, ephemeral_pvc, host_pv, node_with_attached, pod, pvc, ts, va,
+    };
+
+    fn vref(pv: &str, claim: &str, csi: Option<&str>, ephemeral: bool) -> VolumeRef {
+        VolumeRef {
+            pv: pv.into(),
+            claim: ("db".into(), claim.into()),
+            csi_unique_name: csi.map(str::to_string),
+            ephemeral,
+        }
+    }
+
+    #[test]
+    fn csi_unique_name_is_driver_caret_handle() {
+        let cases = [
+            (
+                csi_pv("pv-1", "ebs.csi.aws.com", "vol-0abc"),
+                Some("kubernetes.io/csi/ebs.csi.aws.com^vol-0abc"),
+            ),
+            (
+                csi_pv(
+                    "pv-2",
+                    "pd.csi.storage.gke.io",
+                    "projects/p/zones/z/disks/d",
+                ),
+                Some("kubernetes.io/csi/pd.csi.storage.gke.io^projects/p/zones/z/disks/d"),
+            ),
+            (host_pv("pv-3"), None),
+            (PersistentVolume::default(), None),
+        ];
+        for (pv, want) in cases {
+            assert_eq!(csi_unique_name(&pv).as_deref(), want);
+        }
+    }
+
+    #[test]
+    fn claims_resolve_to_volumes_or_notes() {
+        let pvcs = [
+            pvc("db", "data", Some("pv-csi")),
+            pvc("db", "logs", Some("pv-host")),
+            pvc("db", "unbound", None),
+            pvc("db", "empty-name", Some("")),
+            pvc("db", "dangling", Some("pv-gone")),
+            pvc("other", "elsewhere", Some("pv-csi")),
+            ephemeral_pvc("db", "pg-0-scratch", "pv-eph", "uid-pg-0"),
+            ephemeral_pvc("db", "pg-0-stale", "pv-eph", "uid-old"),
+        ];
+        let pvs = [
+            csi_pv("pv-csi", "ebs.csi.aws.com", "vol-1"),
+            host_pv("pv-host"),
+            csi_pv("pv-eph", "ebs.csi.aws.com", "vol-2"),
+        ];
+        let index = VolumeIndex::new(&pvcs, &pvs);
+        let csi1 = Some("kubernetes.io/csi/ebs.csi.aws.com^vol-1");
+        let csi2 = Some("kubernetes.io/csi/ebs.csi.aws.com^vol-2");
+        let cases: Vec<(&str, Pod, Vec<VolumeRef>, Vec<&str>)> = vec![
+            ("no volumes", pod("db", "pg-0"), vec![], vec![]),
+            (
+                "bound CSI claim",
+                pod("db", "pg-0").claim("d", "data"),
+                vec![vref("pv-csi", "data", csi1, false)],
+                vec![],
+            ),
+            (
+                "bound non-CSI claim",
+                pod("db", "pg-0").claim("l", "logs"),
+                vec![vref("pv-host", "logs", None, false)],
+                vec![],
+            ),
+            (
+                "unbound claim",
+                pod("db", "pg-0").claim("u", "unbound"),
+                vec![],
+                vec!["claim db/unbound (volume u) is not bound to a PV"],
+            ),
+            (
+                "claim with empty volumeName",
+                pod("db", "pg-0").claim("u", "empty-name"),
+                vec![],
+                vec!["claim db/empty-name (volume u) is not bound to a PV"],
+            ),
+            (
+                "missing claim",
+                pod("db", "pg-0").claim("m", "nope"),
+                vec![],
+                vec!["claim db/nope (volume m) not found"],
+            ),
+            (
+                "claim in another namespace is not used",
+                pod("db", "pg-0").claim("e", "elsewhere"),
+                vec![],
+                vec!["claim db/elsewhere (volume e) not found"],
+            ),
+            (
+                "bound to a missing PV",
+                pod("db", "pg-0").claim("x", "dangling"),
+                vec![],
+                vec!["bound to PV pv-gone, which does not exist"],
+            ),
+            (
+                "ephemeral volume",
+                pod("db", "pg-0").ephemeral("scratch"),
+                vec![vref("pv-eph", "pg-0-scratch", csi2, true)],
+                vec![],
+            ),
+            (
+                "ephemeral claim left by another pod",
+                pod("db", "pg-0").ephemeral("stale"),
+                vec![],
+                vec!["claim db/pg-0-stale (volume stale) was not created for this pod"],
+            ),
+            (
+                "ephemeral claim not created yet",
+                pod("db", "pg-0").ephemeral("cache"),
+                vec![],
+                vec!["claim db/pg-0-cache (volume cache) not found"],
+            ),
+            (
+                "same claim twice gives one volume",
+                pod("db", "pg-0").claim("a", "data").claim("b", "data"),
+                vec![vref("pv-csi", "data", csi1, false)],
+                vec![],
+            ),
+            (
+                "mixed, in spec order",
+                pod("db", "pg-0")
+                    .claim("l", "logs")
+                    .claim("u", "unbound")
+                    .claim("d", "data"),
+                vec![
+                    vref("pv-host", "logs", None, false),
+                    vref("pv-csi", "data", csi1, false),
+                ],
+                vec!["claim db/unbound (volume u) is not bound"],
+            ),
+        ];
+        for (what, pod, refs, notes) in cases {
+            let got = index.pod_volumes(&pod);
+            assert_eq!(got.refs, refs, "{what}");
+            assert_eq!(got.notes.len(), notes.len(), "{what}: {:?}", got.notes);
+            for (note, want) in got.notes.iter().zip(notes) {
+                assert!(note.contains(want), "{what}: {note:?} lacks {want:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn attachments_are_read_from_volume_attachments() {
+        let vas = [
+            va("pv-1", "node-b", true),
+            va("pv-1", NODE, true),
+            va("pv-1", "node-c", false),
+            va("pv-10", "node-d", true),
+            va("pv-1", "node-b", true),
+        ];
+        assert_eq!(attached_nodes("pv-1", &vas), vec!["node-1", "node-b"]);
+        assert_eq!(attached_nodes("pv-10", &vas), vec!["node-d"]);
+        assert_eq!(attached_nodes("pv-2", &vas), Vec::<String>::new());
+
+        let v = vref("pv-1", "data", None, false);
+        let cases: [(&[VolumeAttachment], &str, Option<&str>); 5] = [
+            (&vas, NODE, Some("node-b")),
+            (&vas, "node-b", Some("node-1")),
+            (&vas[2..4], NODE, None),
+            (&vas[..2], "node-x", Some("node-1")),
+            (&[], NODE, None),
+        ];
+        for (vas, node, want) in cases {
+            assert_eq!(attached_elsewhere(&v, node, vas).as_deref(), want, "{node}");
+        }
+    }
+
+    #[test]
+    fn detached_needs_both_the_node_list_and_the_attachment_gone() {
+        let unique = "kubernetes.io/csi/ebs.csi.aws.com^vol-1";
+        let csi = vref("pv-1", "data", Some(unique), false);
+        let plain = vref("pv-1", "data", None, false);
+        let listed = node_with_attached(NODE, &[unique]);
+        let other_listed = node_with_attached(NODE, &["kubernetes.io/csi/ebs.csi.aws.com^vol-10"]);
+        let bare = node_with_attached(NODE, &[]);
+        let cases = [
+            (
+                "listed and attached",
+                &csi,
+                &listed,
+                vec![va("pv-1", NODE, true)],
+                false,
+            ),
+            ("listed only", &csi, &listed, vec![], false),
+            (
+                "attachment only",
+                &csi,
+                &bare,
+                vec![va("pv-1", NODE, true)],
+                false,
+            ),
+            (
+                "attachment detaching",
+                &csi,
+                &bare,
+                vec![va("pv-1", NODE, false)],
+                false,
+            ),
+            ("gone", &csi, &bare, vec![], true),
+            (
+                "similar name is not a match",
+                &csi,
+                &other_listed,
+                vec![],
+                true,
+            ),
+            (
+                "attachment on another node",
+                &csi,
+                &bare,
+                vec![va("pv-1", "node-b", true)],
+                true,
+            ),
+            (
+                "non-CSI ignores the node list",
+                &plain,
+                &listed,
+                vec![],
+                true,
+            ),
+            (
+                "non-CSI attached",
+                &plain,
+                &bare,
+                vec![va("pv-1", NODE, true)],
+                false,
+            ),
+        ];
+        for (what, volume, node, vas, want) in cases {
+            assert_eq!(detached_from(volume, node, &vas), want, "{what}");
+        }
+    }
+
+    #[test]
+    fn replacement_is_another_live_pod_on_the_claim() {
+        let claim: NamespacedName = ("db".into(), "data-pg-0".into());
+        let evicted = pod("db", "pg-0").claim("d", "data-pg-0");
+        let cases = [
+            ("only the evicted pod", vec![evicted.clone()], false),
+            ("nothing at all", vec![], false),
+            (
+                "recreated with the same name",
+                vec![
+                    evicted.clone(),
+                    pod("db", "pg-0")
+                        .uid("uid-new")
+                        .claim("d", "data-pg-0")
+                        .phase("Pending")
+                        .on_node(None),
+                ],
+                true,
+            ),
+            (
+                "another pod on the claim",
+                vec![pod("db", "reader").claim("d", "data-pg-0")],
+                true,
+            ),
+            (
+                "same claim name in another namespace",
+                vec![pod("web", "reader").claim("d", "data-pg-0")],
+                false,
+            ),
+            (
+                "another claim",
+                vec![pod("db", "pg-1").claim("d", "data-pg-1")],
+                false,
+            ),
+            (
+                "other user being deleted",
+                vec![pod("db", "reader").claim("d", "data-pg-0").deleting(ts(5))],
+                false,
+            ),
+            (
+                "other user finished",
+                vec![pod("db", "job").claim("d", "data-pg-0").phase("Succeeded")],
+                false,
+            ),
+            (
+                "ephemeral volume of the same name does not count",
+                vec![pod("db", "data").ephemeral("pg-0")],
+                false,
+            ),
+        ];
+        for (what, pods, want) in cases {
+            assert_eq!(
+                replacement_expected(&claim, &pods, "uid-pg-0"),
+                want,
+                "{what}"
+            );
+        }
+    }
+}

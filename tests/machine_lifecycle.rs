@@ -8,6 +8,7 @@ use berth::providers::fake::FakeProvider;
 use berth::testbed::wait;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
 use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use support::*;
@@ -173,9 +174,19 @@ async fn deletion_waits_for_pods_and_resumes_after_a_restart() {
     .await;
     let node_name = FakeProvider::node_name(ns, "m2");
 
-    // A pod on the Machine's Node holds the drain step.
+    // A pod on the Machine's Node, guarded by a PodDisruptionBudget that
+    // allows no disruption: it holds the drain step.
+    let pdb: PodDisruptionBudget = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "app-pdb"},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "resume"}}}
+    }))
+    .expect("pdb");
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), ns);
+    pdbs.create(&PostParams::default(), &pdb)
+        .await
+        .expect("create pdb");
     let pod: Pod = serde_json::from_value(serde_json::json!({
-        "metadata": {"name": "app"},
+        "metadata": {"name": "app", "labels": {"app": "resume"}},
         "spec": {
             "nodeName": node_name,
             "terminationGracePeriodSeconds": 0,
@@ -187,6 +198,15 @@ async fn deletion_waits_for_pods_and_resumes_after_a_restart() {
     pods.create(&PostParams::default(), &pod)
         .await
         .expect("create pod");
+    wait::for_one(pdbs.clone(), LONG, "the PDB counts the pod", |p| {
+        p.status.as_ref().is_some_and(|s| {
+            s.current_healthy.unwrap_or(0) == 1
+                && s.expected_pods.unwrap_or(0) == 1
+                && s.disruptions_allowed.unwrap_or(0) == 0
+        })
+    })
+    .await
+    .expect("the disruption controller computes the PDB");
     machines
         .delete("m2", &DeleteParams::default())
         .await
@@ -228,10 +248,32 @@ async fn deletion_waits_for_pods_and_resumes_after_a_restart() {
         "berth's taint is on the Node"
     );
 
-    // The pod leaves; the deletion moves on to the pre-terminate hook.
-    pods.delete("app", &DeleteParams::default().grace_period(0))
+    let blocked_by = m
+        .status
+        .as_ref()
+        .and_then(|s| s.drain.as_ref())
+        .and_then(|d| d.blocked_by.clone())
+        .unwrap_or_default();
+    assert!(
+        blocked_by.contains("app-pdb") && blocked_by.contains("misconfigured"),
+        "names the PDB and why it can never allow the eviction: {blocked_by}"
+    );
+
+    // Restart the controller in the middle of the drain: the new instance
+    // is blocked by the same PDB and evicts nothing else.
+    ctl.stop().await;
+    let ctl = start_controller(&client, ns, "resume-mid").await;
+    wait_machine(&client, ns, "m2", "still held at Drain", |m| {
+        last_step(m) == Some(("Drain".into(), "Waiting".into()))
+    })
+    .await;
+    assert!(pods.get_opt("app").await.expect("get pod").is_some());
+
+    // Relax the budget: the PDB change wakes the eviction, the pod goes,
+    // and the deletion moves on to the pre-terminate hook.
+    pdbs.delete("app-pdb", &DeleteParams::default())
         .await
-        .expect("delete pod");
+        .expect("delete pdb");
     wait_machine(&client, ns, "m2", "held by the hook", |m| {
         last_step(m) == Some(("WaitPreTerminateHooks".into(), "Waiting".into()))
     })

@@ -2,6 +2,7 @@
 //! evicts them and waits for their volumes to move.
 
 pub mod deadline;
+pub mod engine;
 pub mod evict;
 pub mod pdb;
 pub mod plan;

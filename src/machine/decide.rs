@@ -104,6 +104,9 @@ pub struct DeletionFacts {
     pub pods_to_drain: Vec<String>,
     /// Pods on the Node that are not yet gone at all (force path).
     pub pods_on_node: Vec<String>,
+    /// The drain engine has not finished this Machine's drain yet (it may
+    /// still wait for volumes to move even when no pod is left).
+    pub drain_pending: bool,
     /// VolumeAttachments that still name the Node.
     pub volume_attachments: Vec<String>,
     /// The wait for them has lasted longer than the volume detach timeout:
@@ -180,7 +183,7 @@ pub fn next_deletion_step(f: &DeletionFacts) -> DeletionStep {
                 node: n.name.clone(),
             };
         }
-        if !f.pods_to_drain.is_empty() {
+        if !f.pods_to_drain.is_empty() || f.drain_pending {
             return DeletionStep::Drain {
                 node: n.name.clone(),
                 pods: f.pods_to_drain.clone(),
@@ -567,5 +570,17 @@ mod tests {
         );
         assert_eq!(drain_skip_reason(&pod(false, false, "Running")), None);
         assert_eq!(drain_skip_reason(&pod(false, false, "Pending")), None);
+    }
+
+    #[test]
+    fn a_pending_drain_holds_the_deletion_even_without_pods() {
+        let mut f = terminating();
+        f.drain_pending = true;
+        assert!(matches!(next_deletion_step(&f), DeletionStep::Drain { .. }));
+        f.drain_pending = false;
+        assert!(matches!(
+            next_deletion_step(&f),
+            DeletionStep::DeleteVmAndNode { .. }
+        ));
     }
 }

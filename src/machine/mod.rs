@@ -19,7 +19,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::api::Api;
 use kube::runtime::controller::{Action, Controller};
@@ -29,8 +30,10 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 
 use crate::api::{Machine, MachineClass};
+use crate::drain::engine::{Deps as DrainDeps, Drainer};
 use crate::providers::Registry;
 use crate::telemetry::Metrics;
+use crate::volumes::Tracker;
 
 pub use reconcile::Error;
 
@@ -42,6 +45,9 @@ pub struct Stores {
     pub nodes: Store<Node>,
     pub pods: Store<Pod>,
     pub attachments: Store<VolumeAttachment>,
+    pub pvcs: Store<PersistentVolumeClaim>,
+    pub pvs: Store<PersistentVolume>,
+    pub pdbs: Store<PodDisruptionBudget>,
 }
 
 pub struct Context {
@@ -50,6 +56,7 @@ pub struct Context {
     pub recorder: Recorder,
     pub stores: Stores,
     pub metrics: Arc<Metrics>,
+    pub drainer: Drainer,
     /// Per-Machine exponential backoff for transient errors, reset by a
     /// successful reconcile.
     backoff: Mutex<HashMap<ObjectRef<Machine>, backon::ExponentialBackoff>>,
@@ -90,25 +97,77 @@ pub async fn run(
     )
     .default_backoff()
     .touched_objects();
+    // Nodes and VolumeAttachments also feed the volume tracker, with the raw
+    // watch events (re-lists included) once the store has applied them.
     let (nodes, nodes_w) = reflector::store();
+    let (attachments, vas_w) = reflector::store();
+    let tracker = Tracker::new(
+        attachments.clone(),
+        nodes.clone(),
+        crate::volumes::DEFAULT_CHANNEL_CAPACITY,
+        Some(&metrics),
+    );
+    let node_tracker = tracker.clone();
     let node_events = reflector::reflector(
         nodes_w,
         watcher(Api::<Node>::all(client.clone()), wc.clone()),
     )
+    .inspect(move |ev| {
+        if let Ok(ev) = ev {
+            node_tracker.observe_node_event(ev);
+        }
+    })
     .default_backoff()
     .touched_objects();
-    let (pods, pods_w) = reflector::store();
-    let pod_events =
-        reflector::reflector(pods_w, watcher(Api::<Pod>::all(client.clone()), wc.clone()))
-            .default_backoff()
-            .touched_objects();
-    let (attachments, vas_w) = reflector::store();
+    let va_tracker = tracker.clone();
     let va_events = reflector::reflector(
         vas_w,
         watcher(Api::<VolumeAttachment>::all(client.clone()), wc.clone()),
     )
+    .inspect(move |ev| {
+        if let Ok(ev) = ev {
+            va_tracker.observe_attachment_event(ev);
+        }
+    })
     .default_backoff()
     .touched_objects();
+    // Pod and PodDisruptionBudget events bump a counter the drain's waits
+    // watch: a waiter re-reads the store after each bump, so none is missed.
+    let (pod_changes_tx, pod_changes) = tokio::sync::watch::channel(0u64);
+    let (pods, pods_w) = reflector::store();
+    let pod_events =
+        reflector::reflector(pods_w, watcher(Api::<Pod>::all(client.clone()), wc.clone()))
+            .inspect(move |_| pod_changes_tx.send_modify(|n| *n = n.wrapping_add(1)))
+            .default_backoff()
+            .touched_objects();
+    let (pdb_changes_tx, pdb_changes) = tokio::sync::watch::channel(0u64);
+    let (pdbs, pdbs_w) = reflector::store();
+    let pdb_events = reflector::reflector(
+        pdbs_w,
+        watcher(Api::<PodDisruptionBudget>::all(client.clone()), wc.clone()),
+    )
+    .inspect(move |_| pdb_changes_tx.send_modify(|n| *n = n.wrapping_add(1)));
+    let (pvcs, pvcs_w) = reflector::store();
+    let pvc_events = reflector::reflector(
+        pvcs_w,
+        watcher(
+            Api::<PersistentVolumeClaim>::all(client.clone()),
+            wc.clone(),
+        ),
+    );
+    let (pvs, pvs_w) = reflector::store();
+    let pv_events = reflector::reflector(
+        pvs_w,
+        watcher(Api::<PersistentVolume>::all(client.clone()), wc.clone()),
+    );
+    // These three only fill caches; nothing is woken by them directly.
+    let side_caches = tokio::spawn(async move {
+        tokio::join!(
+            pdb_events.default_backoff().for_each(|_| async {}),
+            pvc_events.default_backoff().for_each(|_| async {}),
+            pv_events.default_backoff().for_each(|_| async {}),
+        );
+    });
 
     let controller = Controller::new(machines_api, wc).with_config(
         kube::runtime::controller::Config::default().concurrency(settings.concurrency),
@@ -120,6 +179,9 @@ pub async fn run(
         nodes: nodes.clone(),
         pods: pods.clone(),
         attachments: attachments.clone(),
+        pvcs: pvcs.clone(),
+        pvs: pvs.clone(),
+        pdbs: pdbs.clone(),
     };
 
     let by_class = machines.clone();
@@ -154,16 +216,36 @@ pub async fn run(
         });
 
     let providers = providers.instrumented(&metrics);
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: "berth".into(),
+            instance: Some(settings.instance.clone()),
+        },
+    );
+    let (drainer, drains_done) = Drainer::new(DrainDeps {
+        client: client.clone(),
+        pods: pods.clone(),
+        pvcs: pvcs.clone(),
+        pvs: pvs.clone(),
+        pdbs: pdbs.clone(),
+        attachments: attachments.clone(),
+        nodes: nodes.clone(),
+        tracker,
+        pod_changes,
+        pdb_changes,
+        metrics: Arc::clone(&metrics),
+        recorder: recorder.clone(),
+    });
+    let controller = controller
+        .reconcile_on(futures::stream::unfold(drains_done, |mut rx| async move {
+            rx.recv().await.map(|m| (m, rx))
+        }));
     let ctx = Arc::new(Context {
         client: client.clone(),
         providers,
-        recorder: Recorder::new(
-            client.clone(),
-            Reporter {
-                controller: "berth".into(),
-                instance: Some(settings.instance.clone()),
-            },
-        ),
+        recorder,
+        drainer,
         stores: stores.clone(),
         metrics: Arc::clone(&metrics),
         backoff: Mutex::new(HashMap::new()),
@@ -181,6 +263,9 @@ pub async fn run(
                 stores.nodes.wait_until_ready(),
                 stores.pods.wait_until_ready(),
                 stores.attachments.wait_until_ready(),
+                stores.pvcs.wait_until_ready(),
+                stores.pvs.wait_until_ready(),
+                stores.pdbs.wait_until_ready(),
             );
             ready();
         }
@@ -189,7 +274,7 @@ pub async fn run(
 
     controller
         .graceful_shutdown_on(shutdown)
-        .run(reconcile::reconcile, error_policy, ctx)
+        .run(reconcile::reconcile, error_policy, Arc::clone(&ctx))
         .for_each(|result| {
             match result {
                 Ok((obj, _)) => tracing::debug!(machine = %obj, "reconciled"),
@@ -201,6 +286,10 @@ pub async fn run(
             futures::future::ready(())
         })
         .await;
+    // Drains stop at a resumable point: the next leader re-plans from the
+    // cluster's state.
+    ctx.drainer.stop_all();
+    side_caches.abort();
 }
 
 /// The Machines whose Node this is: by `status.nodeRef`, or by providerID

@@ -10,6 +10,7 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType};
 use kube::runtime::finalizer::{self, finalizer};
+use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 
 use super::Context;
@@ -23,6 +24,8 @@ use crate::api::{
     CORDON_TAINT_KEY, DrainStatus, FINALIZER, FORCE_DELETION_LABEL, Machine, MachinePhase,
     MachineStatus, NodeReference, PRE_DRAIN_HOOK_PREFIX, PRE_TERMINATE_HOOK_PREFIX,
 };
+use crate::drain::deadline::Deadline;
+use crate::drain::engine::{Job, Outcome, Progress, RETRY_FAILED_AFTER};
 use crate::providers::{MachineRequest, Provider, ProviderError};
 
 #[derive(Debug, thiserror::Error)]
@@ -39,6 +42,8 @@ pub enum Error {
     Finalizer(#[source] Box<finalizer::Error<Error>>),
     #[error("Machine has no namespace")]
     NoNamespace,
+    #[error("encoding status: {0}")]
+    Encode(#[from] serde_json::Error),
     /// Not a failure: a deletion step is under way. Never leaves `reconcile`.
     #[error("deletion step in progress")]
     Pending(Action),
@@ -57,6 +62,7 @@ impl Error {
                 _ => "finalizer",
             },
             Error::NoNamespace => "no_namespace",
+            Error::Encode(_) => "encode",
             Error::Pending(_) => "pending",
         }
     }
@@ -89,7 +95,10 @@ async fn reconcile_inner(machine: &Arc<Machine>, ctx: &Context) -> Result<Action
             // returns Ok, so a step that is not done yet leaves as Pending.
             finalizer::Event::Cleanup(m) => match cleanup(&m, ctx).await? {
                 Some(action) => Err(Error::Pending(action)),
-                None => Ok(Action::await_change()),
+                None => {
+                    ctx.drainer.forget(&ObjectRef::from_obj(&*m));
+                    Ok(Action::await_change())
+                }
             },
         }
     })
@@ -188,12 +197,20 @@ async fn record(
     );
     extra(&mut next);
     if next != current {
+        let mut body = serde_json::to_value(&next)?;
+        // While the drain engine runs, it owns `status.drain`: a merge patch
+        // of this (cached, possibly older) copy would undo its progress.
+        if next.drain == current.drain
+            && let Some(obj) = body.as_object_mut()
+        {
+            obj.remove("drain");
+        }
         let api: Api<Machine> =
             Api::namespaced(ctx.client.clone(), &m.namespace().unwrap_or_default());
         api.patch_status(
             &m.name_any(),
             &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({ "status": next })),
+            &Patch::Merge(serde_json::json!({ "status": body })),
         )
         .await?;
     }
@@ -548,6 +565,7 @@ async fn cleanup(m: &Machine, ctx: &Context) -> Result<Option<Action>, Error> {
         node: node_facts.clone(),
         pods_to_drain,
         pods_on_node,
+        drain_pending: !ctx.drainer.finished(&ObjectRef::from_obj(m)),
         volume_attachments: attachments,
         volume_detach_timed_out: detach_wait.is_some_and(|w| w >= settings.volume_detach_timeout),
     };
@@ -599,6 +617,7 @@ async fn cleanup(m: &Machine, ctx: &Context) -> Result<Option<Action>, Error> {
             Ok(Some(Action::await_change()))
         }
         DeletionStep::ForceDeletePods { node, pods } => {
+            ctx.drainer.forget(&ObjectRef::from_obj(m));
             for p in &pods {
                 let Some((ns, pod)) = p.split_once('/') else {
                     continue;
@@ -621,35 +640,33 @@ async fn cleanup(m: &Machine, ctx: &Context) -> Result<Option<Action>, Error> {
             Ok(Some(Action::await_change()))
         }
         DeletionStep::Drain { node, pods } => {
-            let shown: Vec<&str> = pods.iter().take(5).map(String::as_str).collect();
-            let msg = format!(
-                "{} pods still run on Node {node}: {}{}; the volume-aware drain engine is not in this build yet, \
-                 so berth waits for them to leave before it goes on",
-                pods.len(),
-                shown.join(", "),
-                if pods.len() > shown.len() {
-                    ", …"
-                } else {
-                    ""
-                }
-            );
-            let remaining = u32::try_from(pods.len()).unwrap_or(u32::MAX);
+            let Some(started) = m.metadata.deletion_timestamp.as_ref().map(|t| t.0) else {
+                return Ok(Some(Action::await_change()));
+            };
+            let job = Job {
+                machine: ObjectRef::from_obj(m),
+                machine_ref: m.object_ref(&()),
+                node: node.clone(),
+                settings: settings.clone(),
+                deadline: Deadline::new(started, settings.drain_timeout),
+            };
+            let progress = ctx.drainer.ensure(job, !pods.is_empty());
+            let (reason, state, msg) = drain_report(&node, &pods, &progress);
             record(
                 ctx,
                 m,
                 None,
-                &[Cond::new(DRAINED, false, "PodsRemaining", msg.clone())],
-                Report::new("Delete", name, State::Waiting, msg),
-                |s| {
-                    let d = s.drain.get_or_insert_with(DrainStatus::default);
-                    d.pods_total = d.pods_total.max(remaining + d.pods_evicted);
-                    d.pods_remaining = remaining;
-                    d.progress = Some(format!("{}/{}", d.pods_total - remaining, d.pods_total));
-                    d.waiting_for = Some(format!("{remaining} pods to leave Node {node}"));
-                },
+                &[Cond::new(DRAINED, false, reason, msg.clone())],
+                Report::new("Delete", name, state, msg),
+                |_| {},
             )
             .await?;
-            Ok(Some(Action::await_change()))
+            // The engine's progress writes and its end wake this Machine;
+            // a failed drain is retried after a pause.
+            Ok(Some(match progress.outcome {
+                Some(Outcome::Failed { .. }) => Action::requeue(RETRY_FAILED_AFTER),
+                _ => Action::await_change(),
+            }))
         }
         DeletionStep::WaitVolumesDetached { node, attachments } => {
             let msg = format!(
@@ -688,6 +705,39 @@ async fn cleanup(m: &Machine, ctx: &Context) -> Result<Option<Action>, Error> {
         }
         DeletionStep::DeleteVmAndNode { node } => {
             delete_vm_and_node(m, ctx, resolved, facts, node).await
+        }
+    }
+}
+
+/// What the Drain step says: the condition reason, the report state and a
+/// sentence, from the engine's progress.
+fn drain_report(node: &str, pods: &[String], p: &Progress) -> (&'static str, State, String) {
+    match &p.outcome {
+        Some(Outcome::Failed { message }) => ("DrainFailed", State::Failed, message.clone()),
+        Some(Outcome::Drained | Outcome::Forced { .. }) => (
+            "PodsReturned",
+            State::Processing,
+            format!(
+                "pods came back to Node {node}: {}; draining again",
+                pods.join(", ")
+            ),
+        ),
+        None => {
+            let mut msg = format!(
+                "draining Node {node}: {}/{} pods done",
+                p.pods_total.saturating_sub(p.pods_remaining),
+                p.pods_total
+            );
+            if let Some(w) = &p.waiting_for {
+                msg.push_str(&format!("; waiting for {w}"));
+            }
+            match &p.blocked_by {
+                Some(b) => {
+                    msg.push_str(&format!("; blocked: {b}"));
+                    ("EvictionBlocked", State::Waiting, msg)
+                }
+                None => ("Draining", State::Processing, msg),
+            }
         }
     }
 }

@@ -1,0 +1,1057 @@
+//! The drain engine: executes the [`plan`](super::plan) of a Node against
+//! the cluster.
+//!
+//! One task per draining Machine, started by the reconciler's Drain step
+//! and owned by the [`Drainer`]. The task works in passes: each pass plans
+//! from the informer caches, then
+//!
+//! 1. deletes terminal pods;
+//! 2. evicts the pods without persistent volumes, at most
+//!    `maxConcurrentEvictions` at a time, and waits for each to be gone;
+//! 3. at the same time moves the stateful pods in priority order, at most
+//!    `maxParallelVolumeMigrations` at a time: register with the volume
+//!    tracker → evict → pod gone → its volumes detached from this Node →
+//!    attached on another Node (a warning if not in time, and not waited
+//!    for at all when no pod still references the claim). Before the first
+//!    stateful eviction it waits for volumes still detaching from pods that
+//!    left earlier (a restart mid-drain resumes exactly here);
+//! 4. waits for pods that were already terminating.
+//!
+//! and repeats until a pass finds nothing left to do. Nothing polls: pod
+//! and PodDisruptionBudget waits wake on the informers' change signals,
+//! volume waits on the tracker, and the only timers are bounds, backoff
+//! ceilings and the drain deadline.
+//!
+//! A PodDisruptionBudget is never bypassed before the deadline: a refused
+//! eviction (429) is retried with exponential backoff and jitter, and sooner
+//! when a PDB in the pod's namespace changes. After `maxEvictRetries`
+//! refusals, or at once for a misconfigured PDB, the pod is reported as
+//! blocked, naming the PDB, and retried only when a PDB changes or the
+//! backoff ceiling passes. When the deadline passes, the pods left are
+//! force-deleted if `forceAfterDeadline`, otherwise the drain fails with
+//! the list of pods and why; the reconciler retries it later, with the same
+//! deadline.
+//!
+//! Progress goes to `Machine.status.drain` through one writer task that
+//! coalesces updates; Events record each eviction and each volume move.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{
+    Node, ObjectReference, PersistentVolume, PersistentVolumeClaim, Pod,
+};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::api::storage::v1::VolumeAttachment;
+use k8s_openapi::jiff::Timestamp;
+use kube::Client;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::reflector::{ObjectRef, Store};
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use super::deadline::Deadline;
+use super::evict::{self, Evicted};
+use super::pdb::PdbVerdict;
+use super::plan::{DrainPlan, PlannedPod, VolumeWait, plan};
+use super::select::{NamespacedName, fmt_key};
+use super::volume::replacement_expected;
+use crate::api::Machine;
+use crate::api::settings::ResolvedSettings;
+use crate::telemetry::{EvictionResult, Metrics};
+use crate::volumes::{Interest, Tracker, WaitError};
+
+/// Longest pause between two eviction attempts of a refused pod.
+const MAX_EVICT_BACKOFF: Duration = Duration::from_secs(30);
+/// How long after a failed drain the reconciler may start it again.
+pub const RETRY_FAILED_AFTER: Duration = Duration::from_secs(30);
+
+/// What the engine reads and writes through.
+pub struct Deps {
+    pub client: Client,
+    pub pods: Store<Pod>,
+    pub pvcs: Store<PersistentVolumeClaim>,
+    pub pvs: Store<PersistentVolume>,
+    pub pdbs: Store<PodDisruptionBudget>,
+    pub attachments: Store<VolumeAttachment>,
+    pub nodes: Store<Node>,
+    pub tracker: Tracker,
+    /// Bumped after every pod event, once the pod store has applied it.
+    pub pod_changes: watch::Receiver<u64>,
+    /// Bumped after every PodDisruptionBudget event.
+    pub pdb_changes: watch::Receiver<u64>,
+    pub metrics: Arc<Metrics>,
+    pub recorder: Recorder,
+}
+
+/// How a drain ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every pod that had to go is gone and its volumes have moved.
+    Drained,
+    /// The deadline passed and the pods left were force-deleted.
+    Forced { pods: Vec<String> },
+    /// The deadline passed and forcing is not allowed: these pods are left.
+    Failed { message: String },
+}
+
+impl Outcome {
+    pub fn label(&self) -> &'static str {
+        match self {
+            Outcome::Drained => "drained",
+            Outcome::Forced { .. } => "forced",
+            Outcome::Failed { .. } => "failed",
+        }
+    }
+}
+
+/// A drain's progress, mirrored into `Machine.status.drain`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Progress {
+    pub pods_total: u32,
+    pub pods_evicted: u32,
+    pub pods_remaining: u32,
+    pub current_pod: Option<String>,
+    pub current_volume: Option<String>,
+    pub waiting_for: Option<String>,
+    pub blocked_by: Option<String>,
+    pub outcome: Option<Outcome>,
+}
+
+impl Progress {
+    fn status_patch(&self) -> serde_json::Value {
+        let done = self.pods_total.saturating_sub(self.pods_remaining);
+        serde_json::json!({"status": {"drain": {
+            "podsTotal": self.pods_total,
+            "podsEvicted": self.pods_evicted,
+            "podsRemaining": self.pods_remaining,
+            "progress": format!("{done}/{}", self.pods_total),
+            "currentPod": self.current_pod,
+            "currentVolume": self.current_volume,
+            "waitingFor": self.waiting_for,
+            "blockedBy": self.blocked_by,
+        }}})
+    }
+}
+
+/// One drain to run.
+#[derive(Debug, Clone)]
+pub struct Job {
+    pub machine: ObjectRef<Machine>,
+    /// The Machine, for Events.
+    pub machine_ref: ObjectReference,
+    pub node: String,
+    pub settings: ResolvedSettings,
+    pub deadline: Deadline,
+}
+
+struct Running {
+    progress: watch::Receiver<Progress>,
+    finished_at: Option<Instant>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// The drains of this replica, by Machine.
+pub struct Drainer {
+    deps: Arc<Deps>,
+    running: Mutex<HashMap<ObjectRef<Machine>, Running>>,
+    /// Wakes the reconciler of a Machine whose drain finished.
+    done: mpsc::UnboundedSender<ObjectRef<Machine>>,
+}
+
+impl Drainer {
+    /// A drainer and the stream of Machines whose drain finished (feed it to
+    /// the controller's `reconcile_on`).
+    pub fn new(deps: Deps) -> (Self, mpsc::UnboundedReceiver<ObjectRef<Machine>>) {
+        let (done, finished) = mpsc::unbounded_channel();
+        let drainer = Self {
+            deps: Arc::new(deps),
+            running: Mutex::new(HashMap::new()),
+            done,
+        };
+        (drainer, finished)
+    }
+
+    /// The progress of `job`'s drain, starting it if it is not running: the
+    /// first time, after a controller restart, or when it failed at least
+    /// [`RETRY_FAILED_AFTER`] ago. A finished drain is not started again
+    /// unless `pods_left` says pods came back.
+    pub fn ensure(&self, job: Job, pods_left: bool) -> Progress {
+        let Ok(mut running) = self.running.lock() else {
+            return Progress::default();
+        };
+        if let Some(r) = running.get_mut(&job.machine) {
+            let p = r.progress.borrow().clone();
+            if p.outcome.is_some() && r.finished_at.is_none() {
+                r.finished_at = Some(Instant::now());
+            }
+            let restart = match (&p.outcome, r.finished_at) {
+                (None, _) => false,
+                (Some(Outcome::Failed { .. }), Some(at)) => at.elapsed() >= RETRY_FAILED_AFTER,
+                (Some(_), _) => pods_left,
+            };
+            if !restart {
+                return p;
+            }
+        }
+        let (tx, rx) = watch::channel(Progress::default());
+        let key = job.machine.clone();
+        let deps = Arc::clone(&self.deps);
+        let done = self.done.clone();
+        let span = tracing::info_span!("drain", machine = %job.machine.name, namespace = job.machine.namespace.as_deref().unwrap_or(""), node = %job.node);
+        let task = tokio::spawn(
+            async move {
+                let key = job.machine.clone();
+                run(deps, job, tx).await;
+                let _ = done.send(key);
+            }
+            .instrument(span),
+        );
+        let progress = rx.borrow().clone();
+        if let Some(old) = running.insert(
+            key,
+            Running {
+                progress: rx,
+                finished_at: None,
+                task,
+            },
+        ) {
+            old.task.abort();
+        }
+        progress
+    }
+
+    /// Whether this Machine's drain ran here and ended drained or forced.
+    /// After a restart nothing has run yet, so the drain runs again: it
+    /// finds the pods gone and only waits for volumes still detaching.
+    pub fn finished(&self, machine: &ObjectRef<Machine>) -> bool {
+        self.running.lock().is_ok_and(|running| {
+            running.get(machine).is_some_and(|r| {
+                matches!(
+                    r.progress.borrow().outcome,
+                    Some(Outcome::Drained | Outcome::Forced { .. })
+                )
+            })
+        })
+    }
+
+    /// Forgets a Machine's drain (it was deleted, or its deletion no longer
+    /// needs one), stopping it if it still runs.
+    pub fn forget(&self, machine: &ObjectRef<Machine>) {
+        if let Ok(mut running) = self.running.lock()
+            && let Some(r) = running.remove(machine)
+        {
+            r.task.abort();
+        }
+    }
+
+    /// Stops every drain (shutdown or lost leadership). Every step resumes
+    /// from the cluster's state in the next leader.
+    pub fn stop_all(&self) {
+        if let Ok(mut running) = self.running.lock() {
+            for (_, r) in running.drain() {
+                r.task.abort();
+            }
+        }
+        self.deps.tracker.close();
+    }
+}
+
+impl Drop for Drainer {
+    fn drop(&mut self) {
+        self.stop_all();
+    }
+}
+
+/// Writes progress to the Machine's status, coalescing bursts: it always
+/// writes the latest value and ends when the drain drops its sender.
+async fn write_status(
+    client: Client,
+    machine: ObjectRef<Machine>,
+    mut rx: watch::Receiver<Progress>,
+) {
+    let api: Api<Machine> =
+        Api::namespaced(client, machine.namespace.as_deref().unwrap_or_default());
+    let mut written: Option<serde_json::Value> = None;
+    loop {
+        let patch = rx.borrow_and_update().status_patch();
+        if written.as_ref() != Some(&patch) {
+            match api
+                .patch_status(
+                    &machine.name,
+                    &PatchParams::default(),
+                    &Patch::Merge(&patch),
+                )
+                .await
+            {
+                Ok(_) => written = Some(patch),
+                Err(kube::Error::Api(s)) if s.code == 404 => return,
+                Err(e) => tracing::warn!(error = %e, "could not record drain progress"),
+            }
+        }
+        if rx.changed().await.is_err() {
+            // The drain ended; write its final state if it changed since.
+            let last = rx.borrow().status_patch();
+            if written.as_ref() != Some(&last) {
+                let _ = api
+                    .patch_status(&machine.name, &PatchParams::default(), &Patch::Merge(&last))
+                    .await;
+            }
+            return;
+        }
+    }
+}
+
+/// One drain, from its first pass to its outcome.
+struct Run {
+    deps: Arc<Deps>,
+    job: Job,
+    progress: watch::Sender<Progress>,
+    /// Pods this run has evicted or deleted, to count progress once each.
+    evicted: Mutex<BTreeSet<String>>,
+    /// Volumes whose detach wait timed out: warned about once, not waited
+    /// for again (the reconciler's own volume step still guards the VM).
+    abandoned: Mutex<BTreeSet<String>>,
+}
+
+async fn run(deps: Arc<Deps>, job: Job, progress: watch::Sender<Progress>) {
+    let writer = tokio::spawn(write_status(
+        deps.client.clone(),
+        job.machine.clone(),
+        progress.subscribe(),
+    ));
+    deps.metrics.drains_in_progress.inc();
+    let started = std::time::Instant::now();
+    let r = Run {
+        deps: Arc::clone(&deps),
+        job,
+        progress,
+        evicted: Mutex::new(BTreeSet::new()),
+        abandoned: Mutex::new(BTreeSet::new()),
+    };
+    let outcome = r.passes().await;
+    deps.metrics.drains_in_progress.dec();
+    deps.metrics
+        .record_drain(outcome.label(), started.elapsed());
+    match &outcome {
+        Outcome::Drained => {
+            r.event(
+                EventType::Normal,
+                "Drained",
+                format!("Node {} drained", r.job.node),
+            )
+            .await
+        }
+        Outcome::Forced { pods } => {
+            r.event(
+                EventType::Warning,
+                "DrainForced",
+                format!("drain deadline passed: force-deleted {}", pods.join(", ")),
+            )
+            .await
+        }
+        Outcome::Failed { message } => {
+            r.event(EventType::Warning, "DrainFailed", message.clone())
+                .await
+        }
+    }
+    tracing::info!(outcome = outcome.label(), took = ?started.elapsed(), "drain finished");
+    r.progress.send_modify(|p| {
+        p.outcome = Some(outcome.clone());
+        p.current_pod = None;
+        p.current_volume = None;
+        p.waiting_for = None;
+        if let Outcome::Failed { message } = &outcome {
+            p.blocked_by = Some(message.clone());
+        } else {
+            p.blocked_by = None;
+        }
+    });
+    drop(r);
+    let _ = writer.await;
+}
+
+/// What a pass found and did.
+enum Pass {
+    /// Nothing was left to do.
+    Done,
+    /// Work was done; plan again.
+    Again,
+    /// The deadline passed.
+    Deadline,
+}
+
+impl Run {
+    fn now_instant_of(&self, deadline_left: Duration) -> Instant {
+        Instant::now() + deadline_left
+    }
+
+    /// The deadline as a monotonic instant.
+    fn deadline(&self) -> Instant {
+        self.now_instant_of(self.job.deadline.remaining(Timestamp::now()))
+    }
+
+    /// A step's own bound, cut to the deadline.
+    fn bounded(&self, step: Duration) -> Instant {
+        self.now_instant_of(self.job.deadline.bound(Timestamp::now(), step))
+    }
+
+    fn expired(&self) -> bool {
+        self.job.deadline.expired(Timestamp::now())
+    }
+
+    fn plan(&self) -> DrainPlan {
+        let pods: Vec<Pod> = self
+            .pods_on_node()
+            .into_iter()
+            .map(|p| (*p).clone())
+            .collect();
+        let pvcs: Vec<_> = self
+            .deps
+            .pvcs
+            .state()
+            .iter()
+            .map(|p| (**p).clone())
+            .collect();
+        let pvs: Vec<_> = self
+            .deps
+            .pvs
+            .state()
+            .iter()
+            .map(|p| (**p).clone())
+            .collect();
+        let pdbs: Vec<_> = self
+            .deps
+            .pdbs
+            .state()
+            .iter()
+            .map(|p| (**p).clone())
+            .collect();
+        let vas: Vec<_> = self
+            .deps
+            .attachments
+            .state()
+            .iter()
+            .map(|p| (**p).clone())
+            .collect();
+        plan(
+            &self.job.node,
+            &pods,
+            &pvcs,
+            &pvs,
+            &pdbs,
+            &vas,
+            &self.job.settings,
+        )
+    }
+
+    fn pods_on_node(&self) -> Vec<Arc<Pod>> {
+        self.deps
+            .pods
+            .state()
+            .into_iter()
+            .filter(|p| {
+                p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(self.job.node.as_str())
+            })
+            .collect()
+    }
+
+    fn update(&self, f: impl FnOnce(&mut Progress)) {
+        self.progress.send_if_modified(|p| {
+            let before = p.clone();
+            f(p);
+            *p != before
+        });
+    }
+
+    async fn event(&self, type_: EventType, reason: &str, note: String) {
+        let ev = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(note),
+            action: "Drain".into(),
+            secondary: None,
+        };
+        if let Err(e) = self.deps.recorder.publish(&ev, &self.job.machine_ref).await {
+            tracing::warn!(error = %e, "could not publish an Event");
+        }
+    }
+
+    async fn passes(&self) -> Outcome {
+        loop {
+            match self.pass().await {
+                Pass::Done => return Outcome::Drained,
+                Pass::Again => continue,
+                Pass::Deadline => return self.at_deadline().await,
+            }
+        }
+    }
+
+    async fn pass(&self) -> Pass {
+        if self.expired() {
+            return Pass::Deadline;
+        }
+        let plan = self.plan();
+        let leftover = self.volumes_still_detaching(&plan);
+        let remaining = plan.stateless.len()
+            + plan.stateful.len()
+            + plan.terminating.len()
+            + plan.to_delete.len();
+        self.update(|p| {
+            p.pods_remaining = u32::try_from(remaining).unwrap_or(u32::MAX);
+            p.pods_total = p.pods_total.max(p.pods_evicted + p.pods_remaining);
+        });
+        if remaining == 0 && leftover.is_empty() {
+            return Pass::Done;
+        }
+        tracing::info!(
+            stateless = plan.stateless.len(),
+            stateful = plan.stateful.len(),
+            terminating = plan.terminating.len(),
+            terminal = plan.to_delete.len(),
+            detaching = leftover.len(),
+            "drain pass"
+        );
+
+        for p in &plan.to_delete {
+            if let Some(pod) = self.pod(&p.pod, p.uid.as_deref()) {
+                match evict::delete(&self.deps.client, &pod, None).await {
+                    Evicted::Accepted | Evicted::Gone => {
+                        self.deps.metrics.record_eviction(EvictionResult::Deleted);
+                        self.count_evicted(&p.pod);
+                    }
+                    other => {
+                        tracing::warn!(pod = %fmt_key(&p.pod), result = ?other, "could not delete a finished pod")
+                    }
+                }
+            }
+        }
+
+        // The futures are collected first: a lazy `map` closure inside a
+        // spawned future trips the compiler's higher-ranked lifetime check.
+        let stateless: Vec<_> = plan
+            .stateless
+            .iter()
+            .map(|p| self.evict_and_wait(p))
+            .collect();
+        let migrations: Vec<_> = plan.stateful.iter().map(|p| self.migrate(p)).collect();
+        let terminating: Vec<_> = plan
+            .terminating
+            .iter()
+            .map(|t| self.wait_gone(&t.pod, t.uid.as_deref(), self.deadline()))
+            .collect();
+        let stateless = futures::stream::iter(stateless)
+            .buffer_unordered(self.job.settings.max_concurrent_evictions.max(1) as usize)
+            .collect::<Vec<()>>();
+        let stateful = async {
+            if !leftover.is_empty() {
+                self.wait_leftover(&leftover).await;
+            }
+            futures::stream::iter(migrations)
+                .buffered(self.job.settings.max_parallel_volume_migrations.max(1) as usize)
+                .collect::<Vec<()>>()
+                .await;
+        };
+        let terminating = futures::future::join_all(terminating);
+        tokio::join!(stateless, stateful, terminating);
+        if self.expired() {
+            Pass::Deadline
+        } else {
+            Pass::Again
+        }
+    }
+
+    fn pod(&self, key: &NamespacedName, uid: Option<&str>) -> Option<Arc<Pod>> {
+        let pod = self.deps.pods.get(&ObjectRef::new(&key.1).within(&key.0))?;
+        (uid.is_none() || pod.metadata.uid.as_deref() == uid).then_some(pod)
+    }
+
+    fn count_evicted(&self, key: &NamespacedName) {
+        let first = self
+            .evicted
+            .lock()
+            .map(|mut e| e.insert(fmt_key(key)))
+            .unwrap_or(false);
+        if first {
+            self.update(|p| p.pods_evicted += 1);
+        }
+    }
+
+    /// Volumes attached to this Node that no pod on it uses any more: pods
+    /// that left (perhaps before a restart) and whose volumes are still
+    /// detaching. No stateful pod is evicted before they are gone.
+    fn volumes_still_detaching(&self, plan: &DrainPlan) -> Vec<(String, Option<String>)> {
+        let pods = self.pods_on_node();
+        let pvcs: Vec<_> = self
+            .deps
+            .pvcs
+            .state()
+            .iter()
+            .map(|p| (**p).clone())
+            .collect();
+        let pvs: Vec<_> = self
+            .deps
+            .pvs
+            .state()
+            .iter()
+            .map(|p| (**p).clone())
+            .collect();
+        let index = super::volume::VolumeIndex::new(&pvcs, &pvs);
+        let in_use: BTreeSet<String> = pods
+            .iter()
+            .flat_map(|p| index.pod_volumes(p).refs.into_iter().map(|v| v.pv))
+            .collect();
+        let by_pv: BTreeMap<&str, &PersistentVolume> = pvs
+            .iter()
+            .filter_map(|pv| pv.metadata.name.as_deref().map(|n| (n, pv)))
+            .collect();
+        let attached: Vec<String> = self
+            .deps
+            .attachments
+            .state()
+            .iter()
+            .filter(|va| va.spec.node_name == plan.node)
+            .filter_map(|va| va.spec.source.persistent_volume_name.clone())
+            .collect();
+        let abandoned = self.abandoned.lock().map(|a| a.clone()).unwrap_or_default();
+        leftover_volumes(&attached, &in_use)
+            .into_iter()
+            .filter(|pv| !abandoned.contains(pv))
+            .map(|pv| {
+                let unique = by_pv
+                    .get(pv.as_str())
+                    .and_then(|p| super::volume::csi_unique_name(p));
+                (pv, unique)
+            })
+            .collect()
+    }
+
+    async fn wait_leftover(&self, leftover: &[(String, Option<String>)]) {
+        let interest = leftover
+            .iter()
+            .fold(Interest::new(&self.job.node), |i, (pv, u)| {
+                i.volume(pv.clone(), u.clone())
+            });
+        let names: Vec<&str> = leftover.iter().map(|(pv, _)| pv.as_str()).collect();
+        self.update(|p| {
+            p.current_volume = Some(names.join(", "));
+            p.waiting_for = Some(format!(
+                "volumes of pods that already left to detach from Node {}",
+                self.job.node
+            ));
+        });
+        let mut reg = self.deps.tracker.register(interest);
+        let started = std::time::Instant::now();
+        match reg
+            .wait_detached(self.bounded(self.job.settings.volume_detach_timeout))
+            .await
+        {
+            Ok(()) => {
+                self.deps
+                    .metrics
+                    .volume_detach_wait
+                    .observe(started.elapsed().as_secs_f64());
+                self.event(
+                    EventType::Normal,
+                    "VolumeDetached",
+                    format!("{} detached from Node {}", names.join(", "), self.job.node),
+                )
+                .await;
+            }
+            Err(e) => {
+                self.abandon(leftover.iter().map(|(pv, _)| pv.clone()));
+                self.warn_volume("VolumeDetachTimeout", &e).await;
+            }
+        }
+    }
+
+    fn abandon(&self, pvs: impl IntoIterator<Item = String>) {
+        if let Ok(mut a) = self.abandoned.lock() {
+            a.extend(pvs);
+        }
+    }
+
+    async fn warn_volume(&self, reason: &str, e: &WaitError) {
+        tracing::warn!(reason, error = %e, "volume wait ended without success");
+        self.event(EventType::Warning, reason, e.to_string()).await;
+    }
+
+    /// Evicts one pod, retrying refusals; returns whether the pod is on its
+    /// way out (evicted, or already gone).
+    async fn evict(&self, planned: &PlannedPod) -> bool {
+        let key = fmt_key(&planned.pod);
+        let Some(pod) = self.pod(&planned.pod, planned.uid.as_deref()) else {
+            return true;
+        };
+        let mut backoff = evict_backoff();
+        let mut refusals = 0u32;
+        loop {
+            if self.expired() {
+                return false;
+            }
+            let mut pdb_changes = self.deps.pdb_changes.clone();
+            pdb_changes.borrow_and_update();
+            let pause = match evict::evict(&self.deps.client, &pod).await {
+                Evicted::Accepted => {
+                    self.deps.metrics.record_eviction(EvictionResult::Evicted);
+                    self.count_evicted(&planned.pod);
+                    self.update(|p| {
+                        if p.blocked_by.as_deref().is_some_and(|b| b.contains(&key)) {
+                            p.blocked_by = None;
+                        }
+                    });
+                    self.event(EventType::Normal, "Evicted", format!("evicted pod {key}"))
+                        .await;
+                    return true;
+                }
+                Evicted::Gone => return true,
+                Evicted::Refused { message } => {
+                    refusals += 1;
+                    let pdbs: Vec<_> = self
+                        .deps
+                        .pdbs
+                        .state()
+                        .iter()
+                        .map(|p| (**p).clone())
+                        .collect();
+                    let findings = super::pdb::findings_for(&pod, &pdbs);
+                    let misconfigured = findings
+                        .iter()
+                        .find(|f| f.verdict == PdbVerdict::Misconfigured);
+                    let blocking = misconfigured
+                        .or_else(|| findings.iter().find(|f| f.verdict != PdbVerdict::Allows))
+                        .map(|f| f.description.clone())
+                        .unwrap_or_else(|| message.clone());
+                    let stuck =
+                        misconfigured.is_some() || refusals >= self.job.settings.max_evict_retries;
+                    self.deps
+                        .metrics
+                        .record_eviction(if misconfigured.is_some() {
+                            EvictionResult::MisconfiguredPdb
+                        } else {
+                            EvictionResult::PdbBlocked
+                        });
+                    let why = if misconfigured.is_some() {
+                        format!(
+                            "pod {key}: misconfigured PodDisruptionBudget, eviction can never succeed: {blocking}"
+                        )
+                    } else if stuck {
+                        format!("pod {key}: eviction refused {refusals} times: {blocking}")
+                    } else {
+                        format!("pod {key}: eviction refused: {blocking}")
+                    };
+                    if (stuck && refusals == self.job.settings.max_evict_retries.max(1))
+                        || (misconfigured.is_some() && refusals == 1)
+                    {
+                        self.event(EventType::Warning, "EvictionBlocked", why.clone())
+                            .await;
+                    }
+                    self.update(|p| p.blocked_by = Some(why));
+                    if stuck {
+                        MAX_EVICT_BACKOFF
+                    } else {
+                        backoff.next().unwrap_or(MAX_EVICT_BACKOFF)
+                    }
+                }
+                Evicted::Failed(e) => {
+                    self.deps.metrics.record_eviction(EvictionResult::Error);
+                    tracing::warn!(pod = %key, error = %e, "eviction failed");
+                    backoff.next().unwrap_or(MAX_EVICT_BACKOFF)
+                }
+            };
+            // Retry after the pause, or as soon as a PodDisruptionBudget
+            // changes, or give up at the deadline.
+            let until = Instant::now() + pause;
+            tokio::select! {
+                _ = tokio::time::sleep_until(until.min(self.deadline())) => {}
+                _ = pdb_changes.changed() => {}
+            }
+            if self.pod(&planned.pod, planned.uid.as_deref()).is_none() {
+                return true;
+            }
+        }
+    }
+
+    async fn evict_and_wait(&self, p: &PlannedPod) {
+        if self.evict(p).await {
+            self.wait_gone(&p.pod, p.uid.as_deref(), self.deadline())
+                .await;
+        }
+    }
+
+    /// Waits until the pod (this UID) is gone from the cache, woken by pod
+    /// events; false if `until` passed first.
+    async fn wait_gone(&self, key: &NamespacedName, uid: Option<&str>, until: Instant) -> bool {
+        let mut changes = self.deps.pod_changes.clone();
+        loop {
+            changes.borrow_and_update();
+            if self.pod(key, uid).is_none() {
+                return true;
+            }
+            tokio::select! {
+                changed = changes.changed() => if changed.is_err() { return false },
+                _ = tokio::time::sleep_until(until) => return self.pod(key, uid).is_none(),
+            }
+        }
+    }
+
+    /// Moves one stateful pod: register → evict → gone → detached →
+    /// attached elsewhere.
+    async fn migrate(&self, planned: &PlannedPod) {
+        let key = fmt_key(&planned.pod);
+        let detach: Vec<_> = planned
+            .volumes
+            .iter()
+            .filter(|v| v.wait.waits_for_detach())
+            .collect();
+        let interest = detach.iter().fold(Interest::new(&self.job.node), |i, v| {
+            i.volume(v.volume.pv.clone(), v.volume.csi_unique_name.clone())
+        });
+        let pvs: Vec<String> = detach.iter().map(|v| v.volume.pv.clone()).collect();
+        // Registered before the eviction: no event can slip between them.
+        let mut reg = self.deps.tracker.register(interest);
+        let span = tracing::info_span!("migrate", pod = %key, pvs = %pvs.join(","));
+        async {
+            self.update(|p| {
+                p.current_pod = Some(key.clone());
+                p.current_volume = (!pvs.is_empty()).then(|| pvs.join(", "));
+                p.waiting_for = Some(format!("eviction of {key}"));
+            });
+            if !self.evict(planned).await {
+                return;
+            }
+            self.update(|p| p.waiting_for = Some(format!("pod {key} to terminate")));
+            let evicted_at = std::time::Instant::now();
+            if !self.wait_gone(&planned.pod, planned.uid.as_deref(), self.bounded(planned.bounds.pod_gone)).await {
+                self.event(
+                    EventType::Warning,
+                    "PodTerminationSlow",
+                    format!("pod {key} is still terminating after its grace period and slack; waiting until the drain deadline"),
+                )
+                .await;
+                if !self.wait_gone(&planned.pod, planned.uid.as_deref(), self.deadline()).await {
+                    return;
+                }
+            }
+            if pvs.is_empty() {
+                return;
+            }
+            self.update(|p| p.waiting_for = Some(format!("{} to detach from Node {}", pvs.join(", "), self.job.node)));
+            let detach_bound = planned.bounds.detach.unwrap_or(self.job.settings.volume_detach_timeout);
+            match reg.wait_detached(self.bounded(detach_bound)).await {
+                Ok(()) => {
+                    let took = evicted_at.elapsed();
+                    self.deps.metrics.volume_detach_wait.observe(took.as_secs_f64());
+                    self.event(
+                        EventType::Normal,
+                        "VolumeDetached",
+                        format!("{} detached from Node {} {:.1}s after pod {key} was evicted", pvs.join(", "), self.job.node, took.as_secs_f64()),
+                    )
+                    .await;
+                }
+                Err(e) => {
+                    self.abandon(pvs.iter().cloned());
+                    self.warn_volume("VolumeDetachTimeout", &e).await;
+                    return;
+                }
+            }
+            // Reattach: only for claims some pod still needs.
+            let pods: Vec<Pod> = self.deps.pods.state().iter().map(|p| (**p).clone()).collect();
+            let uid = planned.uid.clone().unwrap_or_default();
+            let (expected, orphaned): (Vec<_>, Vec<_>) = planned
+                .volumes
+                .iter()
+                .filter(|v| matches!(v.wait, VolumeWait::Detach { reattach: true, .. }))
+                .partition(|v| replacement_expected(&v.volume.claim, &pods, &uid));
+            for v in &orphaned {
+                self.event(
+                    EventType::Normal,
+                    "NoReplacement",
+                    format!(
+                        "no pod references claim {} any more (scaled down?): not waiting for {} to attach elsewhere",
+                        fmt_key(&v.volume.claim),
+                        v.volume.pv
+                    ),
+                )
+                .await;
+            }
+            if expected.is_empty() {
+                return;
+            }
+            let keep: BTreeSet<&str> = expected.iter().map(|v| v.volume.pv.as_str()).collect();
+            reg.retain_volumes(|pv| keep.contains(pv));
+            let names: Vec<&str> = keep.iter().copied().collect();
+            self.update(|p| p.waiting_for = Some(format!("{} to attach on another Node", names.join(", "))));
+            let detached_at = std::time::Instant::now();
+            match reg.wait_attached_elsewhere(self.bounded(self.job.settings.volume_reattach_timeout)).await {
+                Ok(moved) => {
+                    self.deps.metrics.volume_reattach_wait.observe(detached_at.elapsed().as_secs_f64());
+                    for (pv, node) in moved {
+                        self.event(
+                            EventType::Normal,
+                            "VolumeAttached",
+                            format!("{pv} attached on Node {node} after {:.1}s (moved from {})", detached_at.elapsed().as_secs_f64(), self.job.node),
+                        )
+                        .await;
+                    }
+                }
+                Err(e) => self.warn_volume("VolumeReattachTimeout", &e).await,
+            }
+        }
+        .instrument(span)
+        .await;
+        self.update(|p| {
+            if p.current_pod.as_deref() == Some(key.as_str()) {
+                p.current_pod = None;
+                p.current_volume = None;
+                p.waiting_for = None;
+            }
+        });
+    }
+
+    /// The deadline passed: force what is left, or fail saying what.
+    async fn at_deadline(&self) -> Outcome {
+        let plan = self.plan();
+        let left: Vec<(NamespacedName, Option<String>, String)> = plan
+            .stateless
+            .iter()
+            .chain(plan.stateful.iter())
+            .map(|p| {
+                let why = p
+                    .pdbs
+                    .iter()
+                    .find(|f| f.verdict != PdbVerdict::Allows)
+                    .map(|f| f.description.clone())
+                    .unwrap_or_else(|| "not evicted in time".into());
+                (p.pod.clone(), p.uid.clone(), why)
+            })
+            .chain(
+                plan.terminating
+                    .iter()
+                    .map(|t| (t.pod.clone(), t.uid.clone(), "still terminating".into())),
+            )
+            .chain(plan.to_delete.iter().map(|t| {
+                (
+                    t.pod.clone(),
+                    t.uid.clone(),
+                    "finished, not yet deleted".into(),
+                )
+            }))
+            .collect();
+        if left.is_empty() {
+            return Outcome::Drained;
+        }
+        if !self.job.settings.force_after_deadline {
+            let list: Vec<String> = left
+                .iter()
+                .map(|(k, _, why)| format!("{} ({why})", fmt_key(k)))
+                .collect();
+            return Outcome::Failed {
+                message: format!(
+                    "drain deadline of {} passed with {} pods left and forceAfterDeadline=false: {}",
+                    humantime::format_duration(self.job.deadline.timeout),
+                    left.len(),
+                    list.join(", ")
+                ),
+            };
+        }
+        let mut forced = Vec::new();
+        for (k, uid, _) in &left {
+            if let Some(pod) = self.pod(k, uid.as_deref()) {
+                match evict::delete(&self.deps.client, &pod, Some(0)).await {
+                    Evicted::Accepted | Evicted::Gone => {
+                        self.deps.metrics.record_eviction(EvictionResult::Forced);
+                        self.count_evicted(k);
+                        forced.push(fmt_key(k));
+                    }
+                    other => {
+                        tracing::warn!(pod = %fmt_key(k), result = ?other, "force delete failed")
+                    }
+                }
+            }
+        }
+        Outcome::Forced { pods: forced }
+    }
+}
+
+/// PVs attached to the Node that no pod on it uses any more, each once.
+pub fn leftover_volumes(attached: &[String], in_use: &BTreeSet<String>) -> Vec<String> {
+    let mut out: Vec<String> = attached
+        .iter()
+        .filter(|pv| !in_use.contains(*pv))
+        .cloned()
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+fn evict_backoff() -> backon::ExponentialBackoff {
+    use backon::BackoffBuilder;
+    backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(500))
+        .with_max_delay(MAX_EVICT_BACKOFF)
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn leftover_volumes_are_those_no_pod_uses() {
+        let attached = vec![
+            "pv-b".to_string(),
+            "pv-a".into(),
+            "pv-b".into(),
+            "pv-c".into(),
+        ];
+        let in_use: BTreeSet<String> = ["pv-c".to_string()].into();
+        assert_eq!(leftover_volumes(&attached, &in_use), vec!["pv-a", "pv-b"]);
+        assert!(leftover_volumes(&[], &in_use).is_empty());
+    }
+
+    #[test]
+    fn progress_patch_names_the_fields_of_the_drain_status() {
+        let p = Progress {
+            pods_total: 9,
+            pods_evicted: 4,
+            pods_remaining: 5,
+            current_pod: Some("db/pg-0".into()),
+            current_volume: Some("pv-0".into()),
+            waiting_for: Some("pv-0 to detach".into()),
+            blocked_by: None,
+            outcome: None,
+        };
+        let patch = p.status_patch();
+        let d = &patch["status"]["drain"];
+        assert_eq!(d["progress"], "4/9");
+        assert_eq!(d["currentPod"], "db/pg-0");
+        assert!(
+            d["blockedBy"].is_null(),
+            "a cleared block is removed by the merge patch"
+        );
+        let parsed: crate::api::DrainStatus =
+            serde_json::from_value(d.clone()).expect("the API type reads it");
+        assert_eq!(parsed.pods_remaining, 5);
+    }
+
+    #[test]
+    fn outcomes_have_metric_labels() {
+        assert_eq!(Outcome::Drained.label(), "drained");
+        assert_eq!(Outcome::Forced { pods: vec![] }.label(), "forced");
+        assert_eq!(
+            Outcome::Failed {
+                message: String::new()
+            }
+            .label(),
+            "failed"
+        );
+    }
+}

@@ -23,9 +23,23 @@ pub enum Command {
     Run(Box<crate::wiring::process::RunArgs>),
     /// Print the CustomResourceDefinitions (MachineClass, Machine) as YAML.
     Crd,
+    /// Print the drain that would happen now for a Machine (read-only): the
+    /// pods in each group and their order, each stateful pod's volumes and
+    /// where they are attached, blocking PDBs, skipped pods, critical path.
+    Plan(PlanArgs),
     /// Start a local control plane (etcd, kube-apiserver, kube-controller-manager,
     /// kube-scheduler, kwok) and keep it running until interrupted.
     Testbed(TestbedArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PlanArgs {
+    /// The Machine, as `<namespace>/<name>`.
+    pub machine: String,
+    /// Path to a kubeconfig file (default: in-cluster, `$KUBECONFIG`, or
+    /// `~/.kube/config`).
+    #[arg(long, env = "BERTH_KUBECONFIG")]
+    pub kubeconfig: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -63,6 +77,7 @@ pub fn main() -> ExitCode {
                 .map_err(anyhow::Error::from),
             Command::Testbed(args) => testbed(args).await,
             Command::Run(args) => crate::wiring::process::run(*args).await,
+            Command::Plan(args) => plan(args).await,
         }
     });
     match result {
@@ -90,5 +105,25 @@ async fn testbed(args: TestbedArgs) -> anyhow::Result<()> {
     println!("  logs: {}/logs", bed.dir().display());
     println!("Ctrl-C stops it and removes its directory.");
     tokio::signal::ctrl_c().await?;
+    Ok(())
+}
+
+async fn plan(args: PlanArgs) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    let Some((ns, name)) = args.machine.split_once('/') else {
+        anyhow::bail!("expected <namespace>/<machine>, got {:?}", args.machine);
+    };
+    let config = match &args.kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("cannot read kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?
+        }
+        None => kube::Config::infer().await?,
+    };
+    let client = kube::Client::try_from(config)?;
+    let live = crate::drain::live::plan_machine(&client, ns, name).await?;
+    println!("Machine {ns}/{name}");
+    print!("{}", live.plan);
     Ok(())
 }

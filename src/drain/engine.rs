@@ -343,6 +343,7 @@ async fn run(deps: Arc<Deps>, job: Job, progress: watch::Sender<Progress>) {
                 EventType::Normal,
                 "Drained",
                 format!("Node {} drained", r.job.node),
+                None,
             )
             .await
         }
@@ -351,11 +352,12 @@ async fn run(deps: Arc<Deps>, job: Job, progress: watch::Sender<Progress>) {
                 EventType::Warning,
                 "DrainForced",
                 format!("drain deadline passed: force-deleted {}", pods.join(", ")),
+                None,
             )
             .await
         }
         Outcome::Failed { message } => {
-            r.event(EventType::Warning, "DrainFailed", message.clone())
+            r.event(EventType::Warning, "DrainFailed", message.clone(), None)
                 .await
         }
     }
@@ -468,13 +470,23 @@ impl Run {
         });
     }
 
-    async fn event(&self, type_: EventType, reason: &str, note: String) {
+    /// Publishes an Event about the Machine. `related` (the pod or volume
+    /// concerned) also keeps Events about different objects apart: the
+    /// recorder folds Events with the same reason and related object into
+    /// one series.
+    async fn event(
+        &self,
+        type_: EventType,
+        reason: &str,
+        note: String,
+        related: Option<ObjectReference>,
+    ) {
         let ev = Event {
             type_,
             reason: reason.into(),
             note: Some(note),
             action: "Drain".into(),
-            secondary: None,
+            secondary: related,
         };
         if let Err(e) = self.deps.recorder.publish(&ev, &self.job.machine_ref).await {
             tracing::warn!(error = %e, "could not publish an Event");
@@ -659,6 +671,7 @@ impl Run {
                     EventType::Normal,
                     "VolumeDetached",
                     format!("{} detached from Node {}", names.join(", "), self.job.node),
+                    leftover.first().map(|(pv, _)| pv_ref(pv)),
                 )
                 .await;
             }
@@ -677,7 +690,8 @@ impl Run {
 
     async fn warn_volume(&self, reason: &str, e: &WaitError) {
         tracing::warn!(reason, error = %e, "volume wait ended without success");
-        self.event(EventType::Warning, reason, e.to_string()).await;
+        self.event(EventType::Warning, reason, e.to_string(), None)
+            .await;
     }
 
     /// Evicts one pod, retrying refusals; returns whether the pod is on its
@@ -704,8 +718,13 @@ impl Run {
                             p.blocked_by = None;
                         }
                     });
-                    self.event(EventType::Normal, "Evicted", format!("evicted pod {key}"))
-                        .await;
+                    self.event(
+                        EventType::Normal,
+                        "Evicted",
+                        format!("evicted pod {key}"),
+                        Some(pod_ref(&pod)),
+                    )
+                    .await;
                     return true;
                 }
                 Evicted::Gone => return true,
@@ -747,8 +766,13 @@ impl Run {
                     if (stuck && refusals == self.job.settings.max_evict_retries.max(1))
                         || (misconfigured.is_some() && refusals == 1)
                     {
-                        self.event(EventType::Warning, "EvictionBlocked", why.clone())
-                            .await;
+                        self.event(
+                            EventType::Warning,
+                            "EvictionBlocked",
+                            why.clone(),
+                            Some(pod_ref(&pod)),
+                        )
+                        .await;
                     }
                     self.update(|p| p.blocked_by = Some(why));
                     if stuck {
@@ -830,7 +854,7 @@ impl Run {
                 self.event(
                     EventType::Warning,
                     "PodTerminationSlow",
-                    format!("pod {key} is still terminating after its grace period and slack; waiting until the drain deadline"),
+                    format!("pod {key} is still terminating after its grace period and slack; waiting until the drain deadline"), Some(pod_ref_key(&planned.pod))
                 )
                 .await;
                 if !self.wait_gone(&planned.pod, planned.uid.as_deref(), self.deadline()).await {
@@ -849,7 +873,7 @@ impl Run {
                     self.event(
                         EventType::Normal,
                         "VolumeDetached",
-                        format!("{} detached from Node {} {:.1}s after pod {key} was evicted", pvs.join(", "), self.job.node, took.as_secs_f64()),
+                        format!("{} detached from Node {} {:.1}s after pod {key} was evicted", pvs.join(", "), self.job.node, took.as_secs_f64()), pvs.first().map(|pv| pv_ref(pv))
                     )
                     .await;
                 }
@@ -875,7 +899,7 @@ impl Run {
                         "no pod references claim {} any more (scaled down?): not waiting for {} to attach elsewhere",
                         fmt_key(&v.volume.claim),
                         v.volume.pv
-                    ),
+                    ), Some(pv_ref(&v.volume.pv))
                 )
                 .await;
             }
@@ -894,7 +918,7 @@ impl Run {
                         self.event(
                             EventType::Normal,
                             "VolumeAttached",
-                            format!("{pv} attached on Node {node} after {:.1}s (moved from {})", detached_at.elapsed().as_secs_f64(), self.job.node),
+                            format!("{pv} attached on Node {node} after {:.1}s (moved from {})", detached_at.elapsed().as_secs_f64(), self.job.node), Some(pv_ref(&pv))
                         )
                         .await;
                     }
@@ -975,6 +999,36 @@ impl Run {
             }
         }
         Outcome::Forced { pods: forced }
+    }
+}
+
+fn pod_ref(pod: &Pod) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Pod".into()),
+        namespace: pod.metadata.namespace.clone(),
+        name: pod.metadata.name.clone(),
+        uid: pod.metadata.uid.clone(),
+        ..Default::default()
+    }
+}
+
+fn pod_ref_key(key: &NamespacedName) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Pod".into()),
+        namespace: Some(key.0.clone()),
+        name: Some(key.1.clone()),
+        ..Default::default()
+    }
+}
+
+fn pv_ref(pv: &str) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("PersistentVolume".into()),
+        name: Some(pv.to_string()),
+        ..Default::default()
     }
 }
 

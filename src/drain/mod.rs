@@ -4,6 +4,7 @@
 pub mod deadline;
 pub mod engine;
 pub mod evict;
+pub mod live;
 pub mod pdb;
 pub mod plan;
 pub mod select;

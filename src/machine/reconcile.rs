@@ -722,6 +722,11 @@ fn drain_report(node: &str, pods: &[String], p: &Progress) -> (&'static str, Sta
                 pods.join(", ")
             ),
         ),
+        None if p.pods_total == 0 && p.waiting_for.is_none() => (
+            "Draining",
+            State::Processing,
+            format!("draining Node {node}: planning"),
+        ),
         None => {
             let mut msg = format!(
                 "draining Node {node}: {}/{} pods done",

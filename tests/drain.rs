@@ -1,0 +1,422 @@
+//! The volume-aware drain end to end: real kube-apiserver, controller-
+//! manager (StatefulSet, ReplicaSet, DaemonSet, disruption, attach-detach
+//! and PV controllers), scheduler and kwok, with simulated CSI attach and
+//! detach delays. Every assertion is read from the cluster or from the
+//! Events berth recorded, with their timestamps.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use berth::api::Machine;
+use berth::providers::fake::FakeProvider;
+use berth::testbed::fixtures::{csi_pv, stateful_set};
+use berth::testbed::stages::COMPLETE_AFTER_ANNOTATION;
+use berth::testbed::{Options, TestBed, wait};
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::api::scheduling::v1::PriorityClass;
+use k8s_openapi::api::storage::v1::VolumeAttachment;
+use kube::api::{Api, DeleteParams, PostParams};
+use kube::{Client, ResourceExt};
+use support::{LONG, class, machine, phase, start_controller};
+use tokio::sync::OnceCell;
+
+const POOL: &str = "testbed.berth.dev/pool";
+const ATTACH_DELAY: Duration = Duration::from_millis(1500);
+const DETACH_DELAY: Duration = Duration::from_millis(1500);
+
+/// One control plane for this file, with slow enough attach/detach that an
+/// overlap would show.
+async fn client() -> Client {
+    static BED: OnceCell<TestBed> = OnceCell::const_new();
+    support::init_logs();
+    let bed = BED
+        .get_or_init(|| async {
+            let bed = TestBed::start(
+                Options::end_to_end()
+                    .attach_delay(ATTACH_DELAY)
+                    .detach_delay(DETACH_DELAY),
+            )
+            .await
+            .expect("the end-to-end test bed starts");
+            let client = bed.client().await.expect("client");
+            berth::api::install_crds(client, LONG)
+                .await
+                .expect("CRDs installed");
+            bed
+        })
+        .await;
+    bed.client().await.expect("admin client")
+}
+
+fn json<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> T {
+    serde_json::from_value(v).expect("valid object")
+}
+
+async fn create<K>(api: Api<K>, obj: K)
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + serde::Serialize
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    match api.create(&PostParams::default(), &obj).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(e) => panic!("create {}: {e}", obj.name_any()),
+    }
+}
+
+/// A pool of fake Machines: class `pool` whose Nodes carry the pool label.
+async fn pool_class(client: &Client, pool: &str, drain: serde_json::Value) {
+    let mut c = class(
+        pool,
+        "fake",
+        serde_json::json!({"nodeLabels": {POOL: pool}}),
+    );
+    c.spec.drain = Some(serde_json::from_value(drain).expect("drain settings"));
+    create(Api::all(client.clone()), c).await;
+}
+
+async fn running_machine(client: &Client, ns: &str, name: &str, class: &str) -> String {
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    machines
+        .create(&PostParams::default(), &machine(name, class))
+        .await
+        .expect("create machine");
+    wait::for_one(machines, LONG, "Machine Running", |m| {
+        m.name_any() == name && phase(m) == Some("Running")
+    })
+    .await
+    .expect("the Machine runs");
+    FakeProvider::node_name(ns, name)
+}
+
+fn on_node(p: &Pod, node: &str) -> bool {
+    p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)
+}
+
+fn running(p: &Pod) -> bool {
+    p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+}
+
+async fn priority_classes(client: &Client) {
+    for (name, value) in [("berth-e2e-high", 1000), ("berth-e2e-low", 100)] {
+        create(
+            Api::all(client.clone()),
+            json::<PriorityClass>(serde_json::json!({
+                "metadata": {"name": name}, "value": value
+            })),
+        )
+        .await;
+    }
+}
+
+/// A StatefulSet with one pre-bound CSI PV per replica.
+async fn stateful(client: &Client, ns: &str, name: &str, replicas: i32, priority: Option<&str>) {
+    for i in 0..replicas {
+        let pv = format!("{ns}-{name}-{i}");
+        create(
+            Api::all(client.clone()),
+            csi_pv(&pv, &format!("vol-{pv}"), ns, &format!("data-{name}-{i}")),
+        )
+        .await;
+    }
+    let mut sts = stateful_set(name, replicas, 1);
+    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        spec.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
+        spec.priority_class_name = priority.map(String::from);
+    }
+    create(Api::namespaced(client.clone(), ns), sts).await;
+}
+
+/// Berth's Events about a Machine, oldest first: (time, reason, note).
+async fn events(
+    client: &Client,
+    ns: &str,
+    machine: &str,
+) -> Vec<(k8s_openapi::jiff::Timestamp, String, String)> {
+    let list = Api::<Event>::namespaced(client.clone(), ns)
+        .list(&Default::default())
+        .await
+        .expect("list events");
+    let mut out: Vec<_> = list
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(machine))
+        .filter_map(|e| {
+            let t = e.event_time.as_ref().map(|t| t.0)?;
+            Some((t, e.reason.unwrap_or_default(), e.note.unwrap_or_default()))
+        })
+        .collect();
+    out.sort_by_key(|(t, _, _)| *t);
+    out
+}
+
+fn first<'a>(
+    evs: &'a [(k8s_openapi::jiff::Timestamp, String, String)],
+    reason: &str,
+    needle: &str,
+) -> Option<&'a (k8s_openapi::jiff::Timestamp, String, String)> {
+    evs.iter()
+        .find(|(_, r, n)| r == reason && n.contains(needle))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_is_drained_in_volume_aware_order() {
+    let client = client().await;
+    let ns = "drain-main";
+    support::namespace(&client, ns).await;
+    priority_classes(&client).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
+    let ctl = start_controller(&client, ns, "drain-main").await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+
+    // Stateful: `cache` (high priority) and `db` (3 replicas, low priority).
+    stateful(&client, ns, "cache", 1, Some("berth-e2e-high")).await;
+    stateful(&client, ns, "db", 3, Some("berth-e2e-low")).await;
+    // Stateless: 5 replicas behind a PDB that allows 3 disruptions.
+    create(
+        Api::namespaced(client.clone(), ns),
+        json::<Deployment>(serde_json::json!({
+            "metadata": {"name": "web"},
+            "spec": {
+                "replicas": 5,
+                "selector": {"matchLabels": {"app": "web"}},
+                "template": {
+                    "metadata": {"labels": {"app": "web"}},
+                    "spec": {
+                        "nodeSelector": {POOL: ns},
+                        "terminationGracePeriodSeconds": 1,
+                        "containers": [{"name": "main", "image": "registry.invalid/web:1"}]
+                    }
+                }
+            }
+        })),
+    )
+    .await;
+    create(
+        Api::namespaced(client.clone(), ns),
+        json::<PodDisruptionBudget>(serde_json::json!({
+            "metadata": {"name": "web"},
+            "spec": {"maxUnavailable": 3, "selector": {"matchLabels": {"app": "web"}}}
+        })),
+    )
+    .await;
+    // A DaemonSet pod, which stays until the VM goes.
+    create(
+        Api::namespaced(client.clone(), ns),
+        json::<DaemonSet>(serde_json::json!({
+            "metadata": {"name": "agent"},
+            "spec": {
+                "selector": {"matchLabels": {"app": "agent"}},
+                "template": {
+                    "metadata": {"labels": {"app": "agent"}},
+                    "spec": {
+                        "nodeSelector": {POOL: ns},
+                        "containers": [{"name": "main", "image": "registry.invalid/agent:1"}]
+                    }
+                }
+            }
+        })),
+    )
+    .await;
+    // A finished pod, which is deleted outright.
+    create(
+        Api::namespaced(client.clone(), ns),
+        json::<Pod>(serde_json::json!({
+            "metadata": {"name": "job", "annotations": {COMPLETE_AFTER_ANNOTATION: "0s"}},
+            "spec": {
+                "nodeName": node_a,
+                "restartPolicy": "Never",
+                "containers": [{"name": "main", "image": "registry.invalid/job:1"}]
+            }
+        })),
+    )
+    .await;
+
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    wait::until(pods.clone(), LONG, "all pods running on A", |ps| {
+        let count = |prefix: &str| {
+            ps.iter()
+                .filter(|p| p.name_any().starts_with(prefix) && on_node(p, &node_a) && running(p))
+                .count()
+        };
+        count("cache-") == 1
+            && count("db-") == 3
+            && count("web-") == 5
+            && count("agent-") == 1
+            && ps.iter().any(|p| {
+                p.name_any() == "job"
+                    && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded")
+            })
+    })
+    .await
+    .expect("the workloads run on A");
+    let vas: Api<VolumeAttachment> = Api::all(client.clone());
+    wait::until(vas.clone(), LONG, "4 volumes attached to A", |all| {
+        all.iter()
+            .filter(|va| {
+                va.spec.node_name == node_a && va.status.as_ref().is_some_and(|s| s.attached)
+            })
+            .count()
+            == 4
+    })
+    .await
+    .expect("the volumes attach");
+    wait::for_one(
+        Api::<PodDisruptionBudget>::namespaced(client.clone(), ns),
+        LONG,
+        "the web PDB observed",
+        |p| {
+            p.status
+                .as_ref()
+                .is_some_and(|s| s.current_healthy.unwrap_or(0) == 5)
+        },
+    )
+    .await
+    .expect("the disruption controller computes the PDB");
+
+    // The replacement Node, then the plan, then the deletion.
+    let node_b = running_machine(&client, ns, "b", ns).await;
+    let live = berth::drain::live::plan_machine(&client, ns, "a")
+        .await
+        .expect("plan");
+    let planned: Vec<String> = live
+        .plan
+        .stateful_order()
+        .iter()
+        .map(|(_, n)| n.clone())
+        .collect();
+    assert_eq!(
+        planned,
+        ["cache-0", "db-0", "db-1", "db-2"],
+        "priority first, then name:\n{}",
+        live.plan
+    );
+    assert_eq!(live.plan.stateless.len(), 5, "{}", live.plan);
+    assert_eq!(live.plan.to_delete.len(), 1, "{}", live.plan);
+    assert_eq!(
+        live.plan.skipped.len(),
+        1,
+        "the DaemonSet pod: {}",
+        live.plan
+    );
+
+    let started = std::time::Instant::now();
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    machines
+        .delete("a", &DeleteParams::default())
+        .await
+        .expect("delete a");
+    wait::for_none(machines.clone(), Duration::from_secs(240), "a gone", |m| {
+        m.name_any() == "a"
+    })
+    .await
+    .expect("the deletion completes");
+    let took = started.elapsed();
+    let evs = events(&client, ns, "a").await;
+    let log: Vec<String> = evs
+        .iter()
+        .map(|(t, r, n)| format!("{t} {r}: {n}"))
+        .collect();
+    let log = log.join("\n");
+    eprintln!("drain of a took {took:?}; events:\n{log}");
+
+    // Stateful pods: evicted in the planned order, and each one's volume
+    // detached from A and attached elsewhere before the next eviction.
+    let evicted: Vec<String> = evs
+        .iter()
+        .filter(|(_, r, _)| r == "Evicted")
+        .filter_map(|(_, _, n)| {
+            n.strip_prefix(&format!("evicted pod {ns}/"))
+                .map(String::from)
+        })
+        .collect();
+    let stateful_evicted: Vec<&String> = evicted
+        .iter()
+        .filter(|n| n.starts_with("cache-") || n.starts_with("db-"))
+        .collect();
+    assert_eq!(
+        stateful_evicted,
+        planned.iter().collect::<Vec<_>>(),
+        "{log}"
+    );
+    for pair in planned.windows(2) {
+        let (pod, next) = (&pair[0], &pair[1]);
+        let pv = format!("{ns}-{pod}");
+        let detached =
+            first(&evs, "VolumeDetached", &pv).unwrap_or_else(|| panic!("{pv} detached: {log}"));
+        let attached =
+            first(&evs, "VolumeAttached", &pv).unwrap_or_else(|| panic!("{pv} attached: {log}"));
+        let next_evicted = first(&evs, "Evicted", &format!("{ns}/{next}")).expect("next evicted");
+        assert!(
+            detached.0 <= attached.0 && attached.0 <= next_evicted.0,
+            "{pv} must detach from A and attach elsewhere before {next} is evicted:\n{log}"
+        );
+        assert!(
+            attached.2.contains(&node_b),
+            "{pv} moved to B: {}",
+            attached.2
+        );
+    }
+
+    // Stateless pods: evicted concurrently (three allowed by the PDB at once).
+    let web: Vec<k8s_openapi::jiff::Timestamp> = evs
+        .iter()
+        .filter(|(_, r, n)| r == "Evicted" && n.contains("/web-"))
+        .map(|(t, _, _)| *t)
+        .collect();
+    assert!(web.len() >= 5, "every web pod evicted: {log}");
+    let window = web[2].duration_since(web[0]);
+    assert!(
+        window < k8s_openapi::jiff::SignedDuration::from_secs(2),
+        "the first three web evictions were concurrent (within {window:?}): {log}"
+    );
+    let db1_evicted = first(&evs, "Evicted", &format!("{ns}/db-1"))
+        .expect("db-1 evicted")
+        .0;
+    assert!(
+        web.iter().all(|t| *t < db1_evicted),
+        "stateless pods do not queue behind the stateful sequence: {log}"
+    );
+
+    // The finished pod was deleted, the VM and the Node are gone, and every
+    // volume is attached on B.
+    assert!(
+        pods.get_opt("job").await.expect("get").is_none(),
+        "job deleted"
+    );
+    assert!(
+        Api::<Node>::all(client.clone())
+            .get_opt(&node_a)
+            .await
+            .expect("get node")
+            .is_none()
+    );
+    assert!(
+        Api::<ConfigMap>::namespaced(client.clone(), ns)
+            .get_opt("fake-vm-a")
+            .await
+            .expect("get vm")
+            .is_none()
+    );
+    let on_b: BTreeMap<String, String> = vas
+        .list(&Default::default())
+        .await
+        .expect("list VAs")
+        .items
+        .into_iter()
+        .filter(|va| va.status.as_ref().is_some_and(|s| s.attached))
+        .filter_map(|va| Some((va.spec.source.persistent_volume_name?, va.spec.node_name)))
+        .filter(|(pv, _)| pv.starts_with(ns))
+        .collect();
+    assert_eq!(on_b.len(), 4, "{on_b:?}");
+    assert!(on_b.values().all(|n| *n == node_b), "{on_b:?}");
+    ctl.stop().await;
+}

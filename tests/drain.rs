@@ -420,3 +420,330 @@ async fn a_node_is_drained_in_volume_aware_order() {
     assert!(on_b.values().all(|n| *n == node_b), "{on_b:?}");
     ctl.stop().await;
 }
+
+/// A bare pod on `node` guarded by a PDB that can never allow its eviction
+/// (minAvailable 1 of 1: "misconfigured").
+async fn guarded_pod(client: &Client, ns: &str, node: &str) {
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), ns);
+    create(
+        pdbs.clone(),
+        json(serde_json::json!({
+            "metadata": {"name": "guard"},
+            "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "guarded"}}}
+        })),
+    )
+    .await;
+    create(
+        Api::namespaced(client.clone(), ns),
+        json::<Pod>(serde_json::json!({
+            "metadata": {"name": "guarded", "labels": {"app": "guarded"}},
+            "spec": {
+                "nodeName": node,
+                "terminationGracePeriodSeconds": 1,
+                "containers": [{"name": "main", "image": "registry.invalid/app:1"}]
+            }
+        })),
+    )
+    .await;
+    wait::for_one(pdbs, LONG, "the PDB counts the pod", |p| {
+        p.status.as_ref().is_some_and(|s| {
+            s.current_healthy.unwrap_or(0) == 1 && s.disruptions_allowed.unwrap_or(0) == 0
+        })
+    })
+    .await
+    .expect("the disruption controller computes the PDB");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_passed_deadline_force_deletes_what_a_pdb_holds() {
+    let client = client().await;
+    let ns = "drain-force";
+    support::namespace(&client, ns).await;
+    pool_class(
+        &client,
+        ns,
+        serde_json::json!({"timeout": "12s", "forceAfterDeadline": true}),
+    )
+    .await;
+    let ctl = start_controller(&client, ns, "drain-force").await;
+    let node = running_machine(&client, ns, "f", ns).await;
+    guarded_pod(&client, ns, &node).await;
+
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    let started = std::time::Instant::now();
+    machines
+        .delete("f", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait::for_none(machines, LONG, "f gone", |m| m.name_any() == "f")
+        .await
+        .expect("the deadline forces the drain through");
+    assert!(
+        started.elapsed() >= Duration::from_secs(11),
+        "nothing was forced before the deadline ({:?})",
+        started.elapsed()
+    );
+    let evs = events(&client, ns, "f").await;
+    let log: Vec<String> = evs
+        .iter()
+        .map(|(t, r, n)| format!("{t} {r}: {n}"))
+        .collect();
+    let log = log.join("\n");
+    let blocked = first(&evs, "EvictionBlocked", "guarded").unwrap_or_else(|| panic!("{log}"));
+    assert!(
+        blocked.2.contains("misconfigured") && blocked.2.contains(&format!("{ns}/guard")),
+        "names the PDB and why: {log}"
+    );
+    assert!(
+        first(&evs, "DrainForced", &format!("{ns}/guarded")).is_some(),
+        "{log}"
+    );
+    assert!(
+        Api::<Pod>::namespaced(client.clone(), ns)
+            .get_opt("guarded")
+            .await
+            .expect("get")
+            .is_none()
+    );
+    ctl.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_forcing_a_passed_deadline_fails_the_drain_until_the_pdb_is_relaxed() {
+    let client = client().await;
+    let ns = "drain-noforce";
+    support::namespace(&client, ns).await;
+    pool_class(
+        &client,
+        ns,
+        serde_json::json!({"timeout": "8s", "forceAfterDeadline": false}),
+    )
+    .await;
+    let ctl = start_controller(&client, ns, "drain-noforce").await;
+    let node = running_machine(&client, ns, "n", ns).await;
+    guarded_pod(&client, ns, &node).await;
+
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    machines
+        .delete("n", &DeleteParams::default())
+        .await
+        .expect("delete");
+    let m = wait::for_one(machines.clone(), LONG, "drain failed", |m| {
+        m.name_any() == "n"
+            && support::condition(m, "Drained").is_some_and(|c| c.reason == "DrainFailed")
+    })
+    .await
+    .expect("the drain fails at its deadline");
+    let msg = support::condition(&m, "Drained")
+        .map(|c| c.message.clone())
+        .unwrap_or_default();
+    assert!(
+        msg.contains(&format!("{ns}/guarded")) && msg.contains("forceAfterDeadline=false"),
+        "says which pods are left and why: {msg}"
+    );
+    assert!(
+        Api::<Node>::all(client.clone())
+            .get_opt(&node)
+            .await
+            .expect("get node")
+            .is_some(),
+        "nothing is deleted while the drain has failed"
+    );
+    assert!(
+        Api::<Pod>::namespaced(client.clone(), ns)
+            .get_opt("guarded")
+            .await
+            .expect("get pod")
+            .is_some(),
+        "the pod was not forced"
+    );
+
+    // Relaxing the budget lets the retried drain evict it, and the deletion
+    // completes.
+    Api::<PodDisruptionBudget>::namespaced(client.clone(), ns)
+        .delete("guard", &DeleteParams::default())
+        .await
+        .expect("delete pdb");
+    wait::for_none(machines, Duration::from_secs(120), "n gone", |m| {
+        m.name_any() == "n"
+    })
+    .await
+    .expect("the retried drain completes");
+    ctl.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_no_pod_needs_any_more_is_not_waited_for() {
+    let client = client().await;
+    let ns = "drain-orphan";
+    support::namespace(&client, ns).await;
+    pool_class(
+        &client,
+        ns,
+        serde_json::json!({"volumeReattachTimeout": "5m"}),
+    )
+    .await;
+    let ctl = start_controller(&client, ns, "drain-orphan").await;
+    let node = running_machine(&client, ns, "o", ns).await;
+    let pv = format!("{ns}-pv");
+    create(
+        Api::all(client.clone()),
+        csi_pv(&pv, &format!("vol-{pv}"), ns, "data"),
+    )
+    .await;
+    create(
+        Api::namespaced(client.clone(), ns),
+        json::<k8s_openapi::api::core::v1::PersistentVolumeClaim>(serde_json::json!({
+            "metadata": {"name": "data"},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "",
+                "volumeName": pv,
+                "resources": {"requests": {"storage": "1Gi"}}
+            }
+        })),
+    )
+    .await;
+    // A pod no controller will recreate: once evicted, nothing needs the
+    // claim (what a scaled-down StatefulSet leaves behind).
+    create(
+        Api::namespaced(client.clone(), ns),
+        json::<Pod>(serde_json::json!({
+            "metadata": {"name": "lonely"},
+            "spec": {
+                "nodeName": node,
+                "terminationGracePeriodSeconds": 1,
+                "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}],
+                "containers": [{"name": "main", "image": "registry.invalid/app:1",
+                    "volumeMounts": [{"name": "data", "mountPath": "/data"}]}]
+            }
+        })),
+    )
+    .await;
+    wait::for_one(
+        Api::<VolumeAttachment>::all(client.clone()),
+        LONG,
+        "the volume attached",
+        |va| {
+            va.spec.source.persistent_volume_name.as_deref() == Some(pv.as_str())
+                && va.status.as_ref().is_some_and(|s| s.attached)
+        },
+    )
+    .await
+    .expect("the volume attaches");
+
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    let started = std::time::Instant::now();
+    machines
+        .delete("o", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait::for_none(machines, LONG, "o gone", |m| m.name_any() == "o")
+        .await
+        .expect("the drain does not wait 5m for a reattach nobody needs");
+    let took = started.elapsed();
+    let evs = events(&client, ns, "o").await;
+    let log: Vec<String> = evs
+        .iter()
+        .map(|(t, r, n)| format!("{t} {r}: {n}"))
+        .collect();
+    let log = log.join("\n");
+    assert!(first(&evs, "VolumeDetached", &pv).is_some(), "{log}");
+    assert!(first(&evs, "NoReplacement", &pv).is_some(), "{log}");
+    assert!(
+        first(&evs, "VolumeReattachTimeout", "").is_none(),
+        "no reattach wait: {log}"
+    );
+    assert!(took < Duration::from_secs(45), "took {took:?}: {log}");
+    ctl.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_mid_drain_never_evicts_while_a_volume_is_detaching() {
+    let client = client().await;
+    let ns = "drain-restart";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
+    let ctl = start_controller(&client, ns, "restart-1").await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    // Two replicas that take 6 s to stop: the first is still terminating
+    // (its volume still attached) when the controller restarts.
+    for i in 0..2 {
+        let pv = format!("{ns}-db-{i}");
+        create(
+            Api::all(client.clone()),
+            csi_pv(&pv, &format!("vol-{pv}"), ns, &format!("data-db-{i}")),
+        )
+        .await;
+    }
+    let mut sts = stateful_set("db", 2, 6);
+    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        spec.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
+    }
+    create(Api::namespaced(client.clone(), ns), sts).await;
+    wait::until(
+        Api::<VolumeAttachment>::all(client.clone()),
+        LONG,
+        "2 volumes attached to A",
+        |all| {
+            all.iter()
+                .filter(|va| {
+                    va.spec.node_name == node_a && va.status.as_ref().is_some_and(|s| s.attached)
+                })
+                .count()
+                == 2
+        },
+    )
+    .await
+    .expect("the volumes attach");
+    running_machine(&client, ns, "b", ns).await;
+
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    machines
+        .delete("a", &DeleteParams::default())
+        .await
+        .expect("delete a");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    wait::for_one(pods.clone(), LONG, "db-0 evicted", |p| {
+        p.name_any() == "db-0" && on_node(p, &node_a) && p.metadata.deletion_timestamp.is_some()
+    })
+    .await
+    .expect("the first eviction");
+    // Restart while db-0 terminates and its volume is attached to A.
+    ctl.stop().await;
+    let ctl = start_controller(&client, ns, "restart-2").await;
+    wait::for_none(machines, Duration::from_secs(180), "a gone", |m| {
+        m.name_any() == "a"
+    })
+    .await
+    .expect("the resumed drain completes");
+
+    let evs = events(&client, ns, "a").await;
+    let log: Vec<String> = evs
+        .iter()
+        .map(|(t, r, n)| format!("{t} {r}: {n}"))
+        .collect();
+    let log = log.join("\n");
+    let evicted: Vec<&str> = evs
+        .iter()
+        .filter(|(_, r, _)| r == "Evicted")
+        .map(|(_, _, n)| n.as_str())
+        .collect();
+    assert_eq!(
+        evicted,
+        [
+            format!("evicted pod {ns}/db-0"),
+            format!("evicted pod {ns}/db-1")
+        ],
+        "each pod evicted once: {log}"
+    );
+    let pv0 = format!("{ns}-db-0");
+    let detached = first(&evs, "VolumeDetached", &pv0).unwrap_or_else(|| panic!("{log}"));
+    let attached = first(&evs, "VolumeAttached", &pv0).unwrap_or_else(|| panic!("{log}"));
+    let next = first(&evs, "Evicted", &format!("{ns}/db-1")).unwrap_or_else(|| panic!("{log}"));
+    assert!(
+        detached.0 <= attached.0 && attached.0 <= next.0,
+        "after the restart, db-1 waited for db-0's volume to move: {log}"
+    );
+    ctl.stop().await;
+}

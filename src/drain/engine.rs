@@ -120,6 +120,8 @@ pub struct Progress {
     pub waiting_for: Option<String>,
     pub blocked_by: Option<String>,
     pub outcome: Option<Outcome>,
+    /// When the outcome was reached.
+    pub finished_at: Option<Instant>,
 }
 
 impl Progress {
@@ -151,7 +153,6 @@ pub struct Job {
 
 struct Running {
     progress: watch::Receiver<Progress>,
-    finished_at: Option<Instant>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -184,12 +185,9 @@ impl Drainer {
         let Ok(mut running) = self.running.lock() else {
             return Progress::default();
         };
-        if let Some(r) = running.get_mut(&job.machine) {
+        if let Some(r) = running.get(&job.machine) {
             let p = r.progress.borrow().clone();
-            if p.outcome.is_some() && r.finished_at.is_none() {
-                r.finished_at = Some(Instant::now());
-            }
-            let restart = match (&p.outcome, r.finished_at) {
+            let restart = match (&p.outcome, p.finished_at) {
                 (None, _) => false,
                 (Some(Outcome::Failed { .. }), Some(at)) => at.elapsed() >= RETRY_FAILED_AFTER,
                 (Some(_), _) => pods_left,
@@ -212,17 +210,16 @@ impl Drainer {
             .instrument(span),
         );
         let progress = rx.borrow().clone();
-        if let Some(old) = running.insert(
-            key,
-            Running {
-                progress: rx,
-                finished_at: None,
-                task,
-            },
-        ) {
+        if let Some(old) = running.insert(key, Running { progress: rx, task }) {
             old.task.abort();
         }
         progress
+    }
+
+    /// Asks for a reconcile of `machine` (through the same trigger stream
+    /// as finished drains).
+    pub fn wake(&self, machine: ObjectRef<Machine>) {
+        let _ = self.done.send(machine);
     }
 
     /// Whether this Machine's drain ran here and ended drained or forced.
@@ -364,6 +361,7 @@ async fn run(deps: Arc<Deps>, job: Job, progress: watch::Sender<Progress>) {
     tracing::info!(outcome = outcome.label(), took = ?started.elapsed(), "drain finished");
     r.progress.send_modify(|p| {
         p.outcome = Some(outcome.clone());
+        p.finished_at = Some(Instant::now());
         p.current_pod = None;
         p.current_volume = None;
         p.waiting_for = None;
@@ -412,34 +410,10 @@ impl Run {
             .into_iter()
             .map(|p| (*p).clone())
             .collect();
-        let pvcs: Vec<_> = self
-            .deps
-            .pvcs
-            .state()
-            .iter()
-            .map(|p| (**p).clone())
-            .collect();
-        let pvs: Vec<_> = self
-            .deps
-            .pvs
-            .state()
-            .iter()
-            .map(|p| (**p).clone())
-            .collect();
-        let pdbs: Vec<_> = self
-            .deps
-            .pdbs
-            .state()
-            .iter()
-            .map(|p| (**p).clone())
-            .collect();
-        let vas: Vec<_> = self
-            .deps
-            .attachments
-            .state()
-            .iter()
-            .map(|p| (**p).clone())
-            .collect();
+        let pvcs: Vec<_> = owned(&self.deps.pvcs);
+        let pvs: Vec<_> = owned(&self.deps.pvs);
+        let pdbs: Vec<_> = owned(&self.deps.pdbs);
+        let vas: Vec<_> = owned(&self.deps.attachments);
         plan(
             &self.job.node,
             &pods,
@@ -560,6 +534,27 @@ impl Run {
             .buffer_unordered(self.job.settings.max_concurrent_evictions.max(1) as usize)
             .collect::<Vec<()>>();
         let stateful = async {
+            // Stateful pods that were already terminating (evicted before a
+            // restart, or by someone else) come first: their volumes must be
+            // gone from this Node before the next stateful eviction.
+            let going: Vec<_> = plan
+                .terminating
+                .iter()
+                .filter(|t| !t.pvs.is_empty())
+                .collect();
+            for t in &going {
+                self.update(|p| {
+                    p.current_pod = Some(fmt_key(&t.pod));
+                    p.waiting_for = Some(format!("pod {} to terminate", fmt_key(&t.pod)));
+                });
+                self.wait_gone(&t.pod, t.uid.as_deref(), self.deadline())
+                    .await;
+            }
+            let leftover = if going.is_empty() {
+                leftover
+            } else {
+                self.volumes_still_detaching(&plan)
+            };
             if !leftover.is_empty() {
                 self.wait_leftover(&leftover).await;
             }
@@ -598,20 +593,8 @@ impl Run {
     /// detaching. No stateful pod is evicted before they are gone.
     fn volumes_still_detaching(&self, plan: &DrainPlan) -> Vec<(String, Option<String>)> {
         let pods = self.pods_on_node();
-        let pvcs: Vec<_> = self
-            .deps
-            .pvcs
-            .state()
-            .iter()
-            .map(|p| (**p).clone())
-            .collect();
-        let pvs: Vec<_> = self
-            .deps
-            .pvs
-            .state()
-            .iter()
-            .map(|p| (**p).clone())
-            .collect();
+        let pvcs: Vec<_> = owned(&self.deps.pvcs);
+        let pvs: Vec<_> = owned(&self.deps.pvs);
         let index = super::volume::VolumeIndex::new(&pvcs, &pvs);
         let in_use: BTreeSet<String> = pods
             .iter()
@@ -678,7 +661,48 @@ impl Run {
             Err(e) => {
                 self.abandon(leftover.iter().map(|(pv, _)| pv.clone()));
                 self.warn_volume("VolumeDetachTimeout", &e).await;
+                return;
             }
+        }
+        // And attached where a pod still needs them.
+        let pods = owned(&self.deps.pods);
+        let needed: BTreeSet<String> = owned(&self.deps.pvs)
+            .into_iter()
+            .filter(|pv| names.contains(&pv.metadata.name.as_deref().unwrap_or_default()))
+            .filter_map(|pv| {
+                let claim = pv.spec.as_ref()?.claim_ref.as_ref()?;
+                let key = (claim.namespace.clone()?, claim.name.clone()?);
+                replacement_expected(&key, &pods, "").then(|| pv.metadata.name.clone())?
+            })
+            .collect();
+        if needed.is_empty() {
+            return;
+        }
+        reg.retain_volumes(|pv| needed.contains(pv));
+        let detached_at = std::time::Instant::now();
+        match reg
+            .wait_attached_elsewhere(self.bounded(self.job.settings.volume_reattach_timeout))
+            .await
+        {
+            Ok(moved) => {
+                self.deps
+                    .metrics
+                    .volume_reattach_wait
+                    .observe(detached_at.elapsed().as_secs_f64());
+                for (pv, node) in moved {
+                    self.event(
+                        EventType::Normal,
+                        "VolumeAttached",
+                        format!(
+                            "{pv} attached on Node {node} (moved from {})",
+                            self.job.node
+                        ),
+                        Some(pv_ref(&pv)),
+                    )
+                    .await;
+                }
+            }
+            Err(e) => self.warn_volume("VolumeReattachTimeout", &e).await,
         }
     }
 
@@ -730,13 +754,7 @@ impl Run {
                 Evicted::Gone => return true,
                 Evicted::Refused { message } => {
                     refusals += 1;
-                    let pdbs: Vec<_> = self
-                        .deps
-                        .pdbs
-                        .state()
-                        .iter()
-                        .map(|p| (**p).clone())
-                        .collect();
+                    let pdbs: Vec<_> = owned(&self.deps.pdbs);
                     let findings = super::pdb::findings_for(&pod, &pdbs);
                     let misconfigured = findings
                         .iter()
@@ -884,7 +902,7 @@ impl Run {
                 }
             }
             // Reattach: only for claims some pod still needs.
-            let pods: Vec<Pod> = self.deps.pods.state().iter().map(|p| (**p).clone()).collect();
+            let pods: Vec<Pod> = owned(&self.deps.pods);
             let uid = planned.uid.clone().unwrap_or_default();
             let (expected, orphaned): (Vec<_>, Vec<_>) = planned
                 .volumes
@@ -970,6 +988,38 @@ impl Run {
             return Outcome::Drained;
         }
         if !self.job.settings.force_after_deadline {
+            // No forcing: one more polite attempt per pod (a budget may have
+            // been relaxed since), then fail with what is left. The
+            // reconciler runs the drain again later.
+            let mut still = Vec::new();
+            for (k, uid, why) in left {
+                let terminating = plan.terminating.iter().any(|t| t.pod == k);
+                let Some(pod) = self.pod(&k, uid.as_deref()) else {
+                    continue;
+                };
+                let leaving = terminating
+                    || match evict::evict(&self.deps.client, &pod).await {
+                        Evicted::Accepted | Evicted::Gone => {
+                            self.deps.metrics.record_eviction(EvictionResult::Evicted);
+                            self.count_evicted(&k);
+                            true
+                        }
+                        _ => false,
+                    };
+                // A pod on its way out gets its grace period to finish.
+                let bound = super::deadline::pod_gone_bound(super::deadline::grace_period(&pod));
+                let gone = leaving
+                    && self
+                        .wait_gone(&k, uid.as_deref(), Instant::now() + bound)
+                        .await;
+                if !gone {
+                    still.push((k, uid, why));
+                }
+            }
+            let left = still;
+            if left.is_empty() {
+                return Outcome::Drained;
+            }
             let list: Vec<String> = left
                 .iter()
                 .map(|(k, _, why)| format!("{} ({why})", fmt_key(k)))
@@ -1000,6 +1050,14 @@ impl Run {
         }
         Outcome::Forced { pods: forced }
     }
+}
+
+/// A copy of a cache's objects, for the pure functions that take slices.
+fn owned<K: Clone + kube::Resource>(store: &Store<K>) -> Vec<K>
+where
+    K::DynamicType: std::hash::Hash + Eq + Clone,
+{
+    store.state().iter().map(|o| (**o).clone()).collect()
 }
 
 fn pod_ref(pod: &Pod) -> ObjectReference {
@@ -1082,6 +1140,7 @@ mod tests {
             waiting_for: Some("pv-0 to detach".into()),
             blocked_by: None,
             outcome: None,
+            finished_at: None,
         };
         let patch = p.status_patch();
         let d = &patch["status"]["drain"];

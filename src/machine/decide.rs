@@ -248,25 +248,13 @@ pub fn node_facts(node: &Node, now: k8s_openapi::jiff::Timestamp) -> NodeFacts {
 /// move it. (The drain engine's own selection refines this; this is the gate
 /// that keeps the lifecycle from going past the drain while such pods run.)
 pub fn drain_skip_reason(pod: &Pod) -> Option<&'static str> {
-    let meta = &pod.metadata;
-    if meta
-        .annotations
-        .as_ref()
-        .is_some_and(|a| a.contains_key("kubernetes.io/config.mirror"))
-    {
-        return Some("mirror pod");
+    use crate::drain::select::{PodClass, classify};
+    match classify(pod) {
+        PodClass::Mirror => Some("mirror pod"),
+        PodClass::DaemonSet { .. } => Some("DaemonSet pod"),
+        PodClass::Terminal { .. } => Some("terminal pod"),
+        PodClass::Terminating { .. } | PodClass::Evictable => None,
     }
-    if meta.owner_references.as_ref().is_some_and(|o| {
-        o.iter()
-            .any(|r| r.kind == "DaemonSet" && r.controller == Some(true))
-    }) {
-        return Some("DaemonSet pod");
-    }
-    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-    if matches!(phase, Some("Succeeded") | Some("Failed")) {
-        return Some("terminal pod");
-    }
-    None
 }
 
 #[cfg(test)]

@@ -57,6 +57,8 @@ pub struct Context {
     pub stores: Stores,
     pub metrics: Arc<Metrics>,
     pub drainer: Drainer,
+    /// Every auxiliary cache has synced; reconciles act only after that.
+    pub synced: std::sync::atomic::AtomicBool,
     /// Per-Machine exponential backoff for transient errors, reset by a
     /// successful reconcile.
     backoff: Mutex<HashMap<ObjectRef<Machine>, backon::ExponentialBackoff>>,
@@ -246,6 +248,7 @@ pub async fn run(
         providers,
         recorder,
         drainer,
+        synced: std::sync::atomic::AtomicBool::new(false),
         stores: stores.clone(),
         metrics: Arc::clone(&metrics),
         backoff: Mutex::new(HashMap::new()),
@@ -253,6 +256,7 @@ pub async fn run(
 
     let readiness = {
         let stores = stores.clone();
+        let ctx = Arc::clone(&ctx);
         async move {
             // The controller's own Machine store is not awaited: after a
             // restart with existing Machines its readiness was observed not
@@ -267,6 +271,11 @@ pub async fn run(
                 stores.pvs.wait_until_ready(),
                 stores.pdbs.wait_until_ready(),
             );
+            ctx.synced.store(true, std::sync::atomic::Ordering::Release);
+            // Machines seen before the sync did nothing: look at them again.
+            for m in stores.machines.state() {
+                ctx.drainer.wake(ObjectRef::from_obj(&*m));
+            }
             ready();
         }
     };

@@ -79,6 +79,12 @@ const VOLUMES_DETACHED: &str = "VolumesDetached";
 const VM_REQUESTED: &str = "VMRequested";
 
 pub(super) async fn reconcile(machine: Arc<Machine>, ctx: Arc<Context>) -> Result<Action, Error> {
+    // Decisions read the caches: an empty cache would look like a Node with
+    // no pods, or no Node at all. Until every cache has synced, nothing is
+    // done; the end of the sync reconciles every Machine again.
+    if !ctx.synced.load(std::sync::atomic::Ordering::Acquire) {
+        return Ok(Action::await_change());
+    }
     let mut timer = ctx.metrics.reconcile_timer();
     let result = reconcile_inner(&machine, &ctx).await;
     timer.record(&result, Error::metric_label);
@@ -266,6 +272,22 @@ fn elapsed_since(t: Option<&k8s_openapi::apimachinery::pkg::apis::meta::v1::Time
 }
 
 /// The Machine's Node: by `status.nodeRef`, else by providerID.
+async fn node_from_api(m: &Machine, ctx: &Context) -> Result<Option<Arc<Node>>, Error> {
+    let Some(name) = m
+        .status
+        .as_ref()
+        .and_then(|s| s.node_ref.as_ref())
+        .map(|r| &r.name)
+    else {
+        return Ok(None);
+    };
+    let node = Api::<Node>::all(ctx.client.clone()).get_opt(name).await?;
+    if node.is_some() {
+        tracing::warn!(node = %name, "Node missing from the cache but present in the API server");
+    }
+    Ok(node.map(Arc::new))
+}
+
 fn find_node(m: &Machine, ctx: &Context) -> Option<Arc<Node>> {
     if let Some(name) = m
         .status
@@ -520,7 +542,12 @@ async fn cleanup(m: &Machine, ctx: &Context) -> Result<Option<Action>, Error> {
         .map(|r| r.settings.clone())
         .unwrap_or_default();
     let now = Timestamp::now();
-    let node = find_node(m, ctx);
+    let node = match find_node(m, ctx) {
+        Some(n) => Some(n),
+        // Deleting needs certainty: a Node missing from the cache is asked
+        // for once more before the deletion acts as if it were gone.
+        None => node_from_api(m, ctx).await?,
+    };
     let node_facts = node.as_deref().map(|n| decide::node_facts(n, now));
     let (pods_to_drain, pods_on_node) = match &node_facts {
         Some(n) => {

@@ -21,6 +21,10 @@ pub struct Cli {
 pub enum Command {
     /// Run the controller: reconcile Machines and drain their Nodes.
     Run(Box<crate::wiring::process::RunArgs>),
+    /// The main job in one command: a local control plane, the controller
+    /// with the fake provider, three Machines with stateful and stateless
+    /// workloads, and the volume-aware drain of one of them, shown live.
+    Demo(crate::demo::DemoArgs),
     /// Print the CustomResourceDefinitions (MachineClass, Machine) as YAML.
     Crd,
     /// Print the drain that would happen now for a Machine (read-only): the
@@ -78,6 +82,7 @@ pub fn main() -> ExitCode {
             Command::Testbed(args) => testbed(args).await,
             Command::Run(args) => crate::wiring::process::run(*args).await,
             Command::Plan(args) => plan(args).await,
+            Command::Demo(args) => crate::demo::run(args).await,
         }
     });
     match result {

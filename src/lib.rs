@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod cli;
+pub mod demo;
 pub mod drain;
 pub mod machine;
 pub mod providers;

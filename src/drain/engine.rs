@@ -584,7 +584,10 @@ impl Run {
             .map(|mut e| e.insert(fmt_key(key)))
             .unwrap_or(false);
         if first {
-            self.update(|p| p.pods_evicted += 1);
+            self.update(|p| {
+                p.pods_evicted += 1;
+                p.pods_remaining = p.pods_remaining.saturating_sub(1);
+            });
         }
     }
 

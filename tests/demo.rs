@@ -1,0 +1,37 @@
+//! The README's first command, `berth demo`, run as a newcomer would: the
+//! real binary, its own control plane, and a drain shown live.
+
+#[test]
+fn the_demo_drains_a_machine_and_cleans_up() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args([
+            "demo",
+            "--metrics-addr=127.0.0.1:0",
+            "--attach-delay=1s",
+            "--detach-delay=1s",
+        ])
+        .output()
+        .expect("berth demo runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "exit {:?}\n{stdout}\n{stderr}",
+        out.status
+    );
+    let lines = |reason: &str| stdout.lines().filter(|l| l.contains(reason)).count();
+    assert_eq!(lines(" Evicted "), 9, "3 stateful + 6 stateless:\n{stdout}");
+    assert_eq!(lines(" VolumeDetached "), 3, "{stdout}");
+    assert_eq!(lines(" VolumeAttached "), 3, "{stdout}");
+    assert!(stdout.contains("DeleteVmAndNode"), "{stdout}");
+    assert!(stdout.contains("--- summary ---"), "{stdout}");
+    assert!(
+        stdout.contains("evictions: 9   volumes detached: 3   volumes re-attached elsewhere: 3"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("/metrics"),
+        "says where to scrape: {stdout}"
+    );
+    assert!(stdout.contains("cleaned up"), "{stdout}");
+}

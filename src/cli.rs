@@ -25,6 +25,9 @@ pub enum Command {
     /// with the fake provider, three Machines with stateful and stateless
     /// workloads, and the volume-aware drain of one of them, shown live.
     Demo(crate::demo::DemoArgs),
+    /// Drain benchmark on the local control plane: controller-added latency,
+    /// wall time against its floor, API cost, and peers side by side.
+    Bench(crate::bench::BenchArgs),
     /// Print the CustomResourceDefinitions (MachineClass, Machine) as YAML.
     Crd,
     /// Print the drain that would happen now for a Machine (read-only): the
@@ -83,6 +86,7 @@ pub fn main() -> ExitCode {
             Command::Run(args) => crate::wiring::process::run(*args).await,
             Command::Plan(args) => plan(args).await,
             Command::Demo(args) => crate::demo::run(args).await,
+            Command::Bench(args) => crate::bench::run(args).await,
         }
     });
     match result {

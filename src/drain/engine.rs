@@ -519,10 +519,10 @@ impl Run {
 
         // The futures are collected first: a lazy `map` closure inside a
         // spawned future trips the compiler's higher-ranked lifetime check.
-        let stateless: Vec<_> = plan
+        let evictions: Vec<_> = plan
             .stateless
             .iter()
-            .map(|p| self.evict_and_wait(p))
+            .map(|p| async move { (p, self.evict(p).await) })
             .collect();
         let migrations: Vec<_> = plan.stateful.iter().map(|p| self.migrate(p)).collect();
         let terminating: Vec<_> = plan
@@ -530,9 +530,21 @@ impl Run {
             .iter()
             .map(|t| self.wait_gone(&t.pod, t.uid.as_deref(), self.deadline()))
             .collect();
-        let stateless = futures::stream::iter(stateless)
-            .buffer_unordered(self.job.settings.max_concurrent_evictions.max(1) as usize)
-            .collect::<Vec<()>>();
+        // The bound is on eviction requests in flight; waiting for the
+        // evicted pods to go costs nothing but a watch receiver each, so
+        // every evicted pod is waited for at once.
+        let stateless = async {
+            let evicted: Vec<(&PlannedPod, bool)> = futures::stream::iter(evictions)
+                .buffer_unordered(self.job.settings.max_concurrent_evictions.max(1) as usize)
+                .collect()
+                .await;
+            let gone: Vec<_> = evicted
+                .into_iter()
+                .filter(|(_, ok)| *ok)
+                .map(|(p, _)| self.wait_gone(&p.pod, p.uid.as_deref(), self.deadline()))
+                .collect();
+            futures::future::join_all(gone).await;
+        };
         let stateful = async {
             // Stateful pods that were already terminating (evicted before a
             // restart, or by someone else) come first: their volumes must be
@@ -818,13 +830,6 @@ impl Run {
             if self.pod(&planned.pod, planned.uid.as_deref()).is_none() {
                 return true;
             }
-        }
-    }
-
-    async fn evict_and_wait(&self, p: &PlannedPod) {
-        if self.evict(p).await {
-            self.wait_gone(&p.pod, p.uid.as_deref(), self.deadline())
-                .await;
         }
     }
 

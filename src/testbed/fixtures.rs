@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::apps::v1::{StatefulSet, StatefulSetSpec};
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, StatefulSet, StatefulSetSpec};
 use k8s_openapi::api::core::v1::{
     CSIPersistentVolumeSource, Container, Namespace, Node, NodeSpec, ObjectReference,
     PersistentVolume, PersistentVolumeClaim, PersistentVolumeClaimSpec, PersistentVolumeSpec,
@@ -153,4 +153,60 @@ pub fn stateful_set(name: &str, replicas: i32, grace_seconds: i64) -> StatefulSe
 /// `node.status.volumesAttached` for a CSI volume.
 pub fn csi_unique_name(driver: &str, volume_handle: &str) -> String {
     format!("kubernetes.io/csi/{driver}^{volume_handle}")
+}
+
+/// Nodes of a test pool carry this label; workloads select it.
+pub const POOL_LABEL: &str = "testbed.berth.dev/pool";
+
+/// [`stateful_set`] kept to the Nodes of `pool`, with an optional priority
+/// class.
+pub fn stateful_set_in_pool(
+    name: &str,
+    replicas: i32,
+    grace_seconds: i64,
+    pool: &str,
+    priority_class: Option<&str>,
+) -> StatefulSet {
+    let mut sts = stateful_set(name, replicas, grace_seconds);
+    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        spec.node_selector = Some(labels(&[(POOL_LABEL, pool)]));
+        spec.priority_class_name = priority_class.map(String::from);
+    }
+    sts
+}
+
+/// A Deployment of pods without volumes, kept to the Nodes of `pool`.
+pub fn deployment(name: &str, replicas: i32, grace_seconds: i64, pool: &str) -> Deployment {
+    let sel = labels(&[("app", name)]);
+    Deployment {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        spec: Some(DeploymentSpec {
+            replicas: Some(replicas),
+            selector: LabelSelector {
+                match_labels: Some(sel.clone()),
+                ..Default::default()
+            },
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(sel),
+                    ..Default::default()
+                }),
+                spec: Some(PodSpec {
+                    node_selector: Some(labels(&[(POOL_LABEL, pool)])),
+                    termination_grace_period_seconds: Some(grace_seconds),
+                    containers: vec![Container {
+                        name: "main".into(),
+                        image: Some("registry.invalid/app:1".into()),
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                }),
+            },
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
 }

@@ -1,0 +1,860 @@
+//! `berth bench`: drain scenarios on the local control plane, measured by
+//! the API server's audit log (what each client sent, and when) rather than
+//! by the controller itself.
+//!
+//! Scenarios, each on its own pool of Nodes of one test bed with the
+//! configured CSI attach/detach delays:
+//!
+//! - **stateful**: a StatefulSet of N pods, each with its own CSI volume,
+//!   on a Machine that is deleted; a second Machine receives the pods.
+//!   Reported: drain wall time against its floor, N times (grace period plus
+//!   detach delay plus attach delay), the critical path of a one-at-a-time
+//!   volume-aware drain; and the controller-added latency: for each step
+//!   that completes on a watch event (pod gone, volume detached, volume
+//!   attached on the new Node) the gap until the controller's next API write.
+//! - **stateless**: a Deployment of M pods without volumes: wall time
+//!   against the grace period.
+//! - **API cost**: every request the controller (its own ServiceAccount)
+//!   sent during each drain, by verb and resource, per drained pod.
+//! - **peers**: the stateful scenario again with `kubectl drain` (the test
+//!   bed's kubectl, built from the same Kubernetes release) and, when its
+//!   driver is built, Gardener machine-controller-manager's drain package.
+
+pub mod audit;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
+use k8s_openapi::api::storage::v1::VolumeAttachment;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde::Serialize;
+
+use self::audit::Request;
+use crate::api::{Machine, MachineClass};
+use crate::providers::Registry;
+use crate::providers::fake::FakeProvider;
+use crate::telemetry::Metrics;
+use crate::testbed::{Options, TestBed, fixtures, wait};
+
+const NS: &str = "bench";
+const SA: &str = "berth-bench";
+const LONG: Duration = Duration::from_secs(300);
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// Stateful pods (each with its own volume) in the stateful scenario.
+    #[arg(long, default_value_t = 10)]
+    pub stateful: u32,
+    /// Pods without volumes in the stateless scenario.
+    #[arg(long, default_value_t = 100)]
+    pub stateless: u32,
+    /// Termination grace period of every pod, in seconds.
+    #[arg(long, default_value_t = 1)]
+    pub grace: u32,
+    /// Simulated CSI attach latency.
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    pub attach_delay: Duration,
+    /// Simulated CSI detach latency.
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    pub detach_delay: Duration,
+    /// Also run the peers (kubectl drain; MCM's drain when built).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub peers: bool,
+    /// Where to write the JSON result.
+    #[arg(long, default_value = "bench/results/latest.json")]
+    pub out: PathBuf,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub when: String,
+    pub hardware: String,
+    pub settings: Settings,
+    pub runs: Vec<Run>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Settings {
+    pub stateful_pods: u32,
+    pub stateless_pods: u32,
+    pub grace_seconds: u32,
+    pub attach_delay_seconds: f64,
+    pub detach_delay_seconds: f64,
+}
+
+#[derive(Debug, Serialize, Default)]
+pub struct Run {
+    pub scenario: String,
+    pub drainer: String,
+    pub pods: u32,
+    pub wall_seconds: Option<f64>,
+    pub floor_seconds: f64,
+    /// Controller-added latency, milliseconds, by step.
+    pub gaps_ms: BTreeMap<String, Gaps>,
+    /// Requests by `verb resource`, during the drain.
+    pub api_requests: BTreeMap<String, u32>,
+    pub api_requests_per_pod: f64,
+    pub reads_during_drain: u32,
+    pub note: Option<String>,
+}
+
+#[derive(Debug, Serialize, Default)]
+pub struct Gaps {
+    pub n: usize,
+    pub p50: Option<f64>,
+    pub p99: Option<f64>,
+    pub max: Option<f64>,
+}
+
+impl Gaps {
+    fn of(values: &[f64]) -> Self {
+        Self {
+            n: values.len(),
+            p50: audit::percentile(values, 50.0),
+            p99: audit::percentile(values, 99.0),
+            max: values.iter().copied().reduce(f64::max),
+        }
+    }
+}
+
+/// Runs every scenario and writes the report.
+///
+/// # Errors
+/// A scenario that cannot be set up or does not finish.
+pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let bed = TestBed::start(
+        Options::end_to_end()
+            .attach_delay(args.attach_delay)
+            .detach_delay(args.detach_delay)
+            .audit(true),
+    )
+    .await?;
+    let admin = bed.client().await?;
+    crate::api::install_crds(admin.clone(), LONG).await?;
+    create(
+        Api::<Namespace>::all(admin.clone()),
+        fixtures::namespace(NS),
+    )
+    .await?;
+    let (controller, user) = controller_client(&bed, &admin).await?;
+
+    let metrics = Arc::new(Metrics::new()?);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(crate::machine::run(
+        controller.clone(),
+        Registry::default().with(Arc::new(FakeProvider::new(controller.clone()))),
+        crate::machine::Settings {
+            namespace: Some(NS.into()),
+            instance: "berth-bench".into(),
+            concurrency: 8,
+        },
+        Arc::clone(&metrics),
+        async move {
+            let _ = stop_rx.await;
+        },
+        move || {
+            let _ = ready_tx.send(());
+        },
+    ));
+    ready_rx.await.context("the controller did not start")?;
+
+    let mut runs = Vec::new();
+    let audit_log = bed.dir().join("audit.log");
+    runs.push(stateful_berth(&admin, &args, &audit_log, &user).await?);
+    runs.push(stateless_berth(&admin, &args, &audit_log, &user).await?);
+    if args.peers {
+        runs.push(stateful_kubectl(&admin, &bed, &args, &audit_log).await?);
+        runs.push(stateful_mcm(&admin, &bed, &args, &audit_log).await);
+    }
+    let _ = stop_tx.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(30), task).await;
+
+    let report = Report {
+        when: Timestamp::now().to_string(),
+        hardware: hardware(),
+        settings: Settings {
+            stateful_pods: args.stateful,
+            stateless_pods: args.stateless,
+            grace_seconds: args.grace,
+            attach_delay_seconds: args.attach_delay.as_secs_f64(),
+            detach_delay_seconds: args.detach_delay.as_secs_f64(),
+        },
+        runs,
+    };
+    if let Some(dir) = args.out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&args.out, serde_json::to_string_pretty(&report)? + "\n")?;
+    print!("{}", table(&report));
+    println!("written to {}", args.out.display());
+    Ok(())
+}
+
+/// A client for the controller with an identity of its own (a
+/// ServiceAccount token), so the audit log tells its requests apart.
+async fn controller_client(bed: &TestBed, admin: &Client) -> anyhow::Result<(Client, String)> {
+    create(
+        Api::<ServiceAccount>::namespaced(admin.clone(), NS),
+        serde_json::from_value(serde_json::json!({"metadata": {"name": SA}}))?,
+    )
+    .await?;
+    create(
+        Api::<ClusterRoleBinding>::all(admin.clone()),
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": SA},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
+            "subjects": [{"kind": "ServiceAccount", "name": SA, "namespace": NS}]
+        }))?,
+    )
+    .await?;
+    let token = Api::<ServiceAccount>::namespaced(admin.clone(), NS)
+        .create_token_request(
+            SA,
+            &PostParams::default(),
+            &serde_json::from_value(
+                serde_json::json!({"spec": {"audiences": [], "expirationSeconds": 7200}}),
+            )?,
+        )
+        .await?
+        .status
+        .map(|s| s.token)
+        .context("no token issued")?;
+    let kubeconfig = bed.dir().join("bench-controller.kubeconfig");
+    let ca = base64::Engine::encode(&base64::engine::general_purpose::STANDARD, bed.ca_pem()?);
+    std::fs::write(
+        &kubeconfig,
+        serde_yaml_ng::to_string(&serde_json::json!({
+            "apiVersion": "v1", "kind": "Config", "current-context": "bench",
+            "clusters": [{"name": "bed", "cluster": {"server": bed.server(), "certificate-authority-data": ca}}],
+            "users": [{"name": SA, "user": {"token": token}}],
+            "contexts": [{"name": "bench", "context": {"cluster": "bed", "user": SA, "namespace": NS}}]
+        }))?,
+    )?;
+    let kc = kube::config::Kubeconfig::read_from(&kubeconfig)?;
+    let mut config = kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?;
+    config.default_retry = false;
+    Ok((
+        Client::try_from(config)?,
+        format!("system:serviceaccount:{NS}:{SA}"),
+    ))
+}
+
+async fn pool_class(admin: &Client, pool: &str) -> anyhow::Result<()> {
+    create(
+        Api::<MachineClass>::all(admin.clone()),
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "berth.dev/v1alpha1", "kind": "MachineClass",
+            "metadata": {"name": pool},
+            "spec": {"provider": "fake", "providerSpec": {"nodeLabels": {fixtures::POOL_LABEL: pool}},
+                     "drain": {"timeout": "30m"}}
+        }))?,
+    )
+    .await
+}
+
+async fn machine(admin: &Client, name: &str, class: &str) -> anyhow::Result<String> {
+    let machines: Api<Machine> = Api::namespaced(admin.clone(), NS);
+    create(
+        machines.clone(),
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "berth.dev/v1alpha1", "kind": "Machine",
+            "metadata": {"name": name}, "spec": {"classRef": {"name": class}}
+        }))?,
+    )
+    .await?;
+    wait::for_one(machines, LONG, "Machine Running", |m| {
+        m.name_any() == name
+            && m.status.as_ref().and_then(|s| s.phase) == Some(crate::api::MachinePhase::Running)
+    })
+    .await?;
+    Ok(FakeProvider::node_name(NS, name))
+}
+
+/// A StatefulSet `name` of `n` pods with a CSI volume each, all running on
+/// `node` with their volumes attached there.
+async fn stateful_on(
+    admin: &Client,
+    name: &str,
+    n: u32,
+    grace: u32,
+    pool: &str,
+    node: &str,
+) -> anyhow::Result<()> {
+    for i in 0..n {
+        let pv = format!("{pool}-{name}-{i}");
+        create(
+            Api::all(admin.clone()),
+            fixtures::csi_pv(&pv, &format!("vol-{pv}"), NS, &format!("data-{name}-{i}")),
+        )
+        .await?;
+    }
+    create(
+        Api::namespaced(admin.clone(), NS),
+        fixtures::stateful_set_in_pool(name, i32::try_from(n)?, i64::from(grace), pool, None),
+    )
+    .await?;
+    running_on(admin, node, &format!("{name}-"), n).await?;
+    wait::until(
+        Api::<VolumeAttachment>::all(admin.clone()),
+        LONG,
+        "volumes attached",
+        |vas| {
+            vas.iter()
+                .filter(|va| {
+                    va.spec.node_name == node && va.status.as_ref().is_some_and(|s| s.attached)
+                })
+                .count()
+                >= n as usize
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+async fn running_on(admin: &Client, node: &str, prefix: &str, n: u32) -> anyhow::Result<()> {
+    wait::until(
+        Api::<Pod>::namespaced(admin.clone(), NS),
+        LONG,
+        "pods running",
+        |ps| {
+            ps.iter()
+                .filter(|p| {
+                    p.name_any().starts_with(prefix)
+                        && p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)
+                        && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+                })
+                .count()
+                >= n as usize
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+/// VolumeAttachment names by PV, on `node`.
+async fn attachments_on(admin: &Client, node: &str) -> anyhow::Result<BTreeMap<String, String>> {
+    Ok(Api::<VolumeAttachment>::all(admin.clone())
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|va| va.spec.node_name == node)
+        .filter_map(|va| {
+            Some((
+                va.spec.source.persistent_volume_name.clone()?,
+                va.name_any(),
+            ))
+        })
+        .collect())
+}
+
+fn read_audit(path: &std::path::Path) -> anyhow::Result<Vec<Request>> {
+    Ok(audit::parse(&std::fs::read_to_string(path).with_context(
+        || format!("reading the audit log {}", path.display()),
+    )?))
+}
+
+/// When the object's last write by a client whose user agent contains
+/// `agent` completed (optionally only writes to `subresource`).
+fn last_write_by(log: &[Request], agent: &str, resource: &str, name: &str) -> Option<Timestamp> {
+    log.iter()
+        .filter(|r| r.user_agent.contains(agent) && r.is_write())
+        .filter(|r| r.resource == resource && r.name.as_deref() == Some(name))
+        .map(|r| r.completed)
+        .max()
+}
+
+/// When the object's first write (to `subresource`) by a client whose user
+/// agent contains `agent` completed.
+fn first_write_by(
+    log: &[Request],
+    agent: &str,
+    resource: &str,
+    name: &str,
+    subresource: &str,
+) -> Option<Timestamp> {
+    log.iter()
+        .filter(|r| r.user_agent.contains(agent) && r.is_write())
+        .filter(|r| r.resource == resource && r.name.as_deref() == Some(name))
+        .filter(|r| r.subresource.as_deref() == Some(subresource))
+        .map(|r| r.completed)
+        .min()
+}
+
+fn secs(from: Timestamp, to: Timestamp) -> f64 {
+    to.duration_since(from).as_secs_f64()
+}
+
+/// The moments each stateful pod's steps completed, read from the audit
+/// log: pod gone (kwok deleted it), volume detached (kwok released the
+/// old VolumeAttachment), volume attached (kwok marked the new one
+/// attached).
+struct Steps {
+    gone: Vec<Timestamp>,
+    detached: Vec<Timestamp>,
+    attached: Vec<Timestamp>,
+}
+
+fn steps(
+    log: &[Request],
+    pods: &[String],
+    pvs: &[String],
+    old: &BTreeMap<String, String>,
+    new: &BTreeMap<String, String>,
+    start: Timestamp,
+) -> Steps {
+    let mut s = Steps {
+        gone: vec![],
+        detached: vec![],
+        attached: vec![],
+    };
+    for (pod, pv) in pods.iter().zip(pvs) {
+        if let Some(t) = log
+            .iter()
+            .filter(|r| r.user_agent.contains("kwok") && r.verb == "delete" && r.resource == "pods")
+            .filter(|r| r.name.as_deref() == Some(pod.as_str()) && r.completed > start)
+            .map(|r| r.completed)
+            .min()
+        {
+            s.gone.push(t);
+        }
+        if let Some(t) = old
+            .get(pv)
+            .and_then(|va| last_write_by(log, "kwok", "volumeattachments", va))
+        {
+            s.detached.push(t);
+        }
+        // The attacher's first status write is the one that sets
+        // `attached: true`.
+        if let Some(t) = new
+            .get(pv)
+            .and_then(|va| first_write_by(log, "kwok", "volumeattachments", va, "status"))
+        {
+            s.attached.push(t);
+        }
+    }
+    s
+}
+
+fn gaps(log: &[Request], user: &str, moments: &[Timestamp]) -> Vec<f64> {
+    moments
+        .iter()
+        .filter_map(|t| audit::next_write(log, user, *t).map(|w| secs(*t, w.received) * 1000.0))
+        .collect()
+}
+
+/// The admin's `delete machines/<name>` in the audit log.
+fn deleted_at(log: &[Request], resource: &str, name: &str) -> Option<Timestamp> {
+    log.iter()
+        .filter(|r| r.verb == "delete" && r.resource == resource && r.name.as_deref() == Some(name))
+        .map(|r| r.received)
+        .min()
+}
+
+async fn stateful_berth(
+    admin: &Client,
+    args: &BenchArgs,
+    audit_log: &std::path::Path,
+    user: &str,
+) -> anyhow::Result<Run> {
+    let pool = "bench-stateful";
+    pool_class(admin, pool).await?;
+    let a = machine(admin, "stateful-a", pool).await?;
+    stateful_on(admin, "db", args.stateful, args.grace, pool, &a).await?;
+    let b = machine(admin, "stateful-b", pool).await?;
+    let old = attachments_on(admin, &a).await?;
+    let machines: Api<Machine> = Api::namespaced(admin.clone(), NS);
+    let t = Instant::now();
+    machines
+        .delete("stateful-a", &DeleteParams::default())
+        .await?;
+    wait::for_none(
+        machines,
+        Duration::from_secs(1800),
+        "stateful-a gone",
+        |m| m.name_any() == "stateful-a",
+    )
+    .await?;
+    eprintln!("berth stateful drain: {:.1}s", t.elapsed().as_secs_f64());
+    let new = attachments_on(admin, &b).await?;
+    let log = read_audit(audit_log)?;
+    let start =
+        deleted_at(&log, "machines", "stateful-a").context("the delete is in the audit log")?;
+    let mut pods: Vec<String> = (0..args.stateful).map(|i| format!("db-{i}")).collect();
+    pods.sort();
+    let pvs: Vec<String> = pods.iter().map(|p| format!("{pool}-{p}")).collect();
+    let s = steps(&log, &pods, &pvs, &old, &new, start);
+    let end = s
+        .attached
+        .iter()
+        .copied()
+        .max()
+        .context("no reattach observed")?;
+    let mut run = Run {
+        scenario: "stateful".into(),
+        drainer: "berth".into(),
+        pods: args.stateful,
+        wall_seconds: Some(secs(start, end)),
+        floor_seconds: f64::from(args.stateful)
+            * (f64::from(args.grace)
+                + args.detach_delay.as_secs_f64()
+                + args.attach_delay.as_secs_f64()),
+        ..Default::default()
+    };
+    for (step, moments) in [
+        ("pod_gone", &s.gone),
+        ("detached", &s.detached),
+        ("reattached", &s.attached),
+    ] {
+        run.gaps_ms
+            .insert(step.into(), Gaps::of(&gaps(&log, user, moments)));
+    }
+    cost_into(&mut run, &log, user, start, end);
+    Ok(run)
+}
+
+fn cost_into(run: &mut Run, log: &[Request], user: &str, start: Timestamp, end: Timestamp) {
+    run.api_requests = audit::cost(log, user, start, end);
+    let total: u32 = run.api_requests.values().sum();
+    run.api_requests_per_pod = f64::from(total) / f64::from(run.pods.max(1));
+    run.reads_during_drain = log
+        .iter()
+        .filter(|r| r.user == user && r.is_read() && r.received >= start && r.received <= end)
+        .count() as u32;
+}
+
+async fn stateless_berth(
+    admin: &Client,
+    args: &BenchArgs,
+    audit_log: &std::path::Path,
+    user: &str,
+) -> anyhow::Result<Run> {
+    let pool = "bench-stateless";
+    pool_class(admin, pool).await?;
+    let c = machine(admin, "stateless-a", pool).await?;
+    create(
+        Api::namespaced(admin.clone(), NS),
+        fixtures::deployment(
+            "web",
+            i32::try_from(args.stateless)?,
+            i64::from(args.grace),
+            pool,
+        ),
+    )
+    .await?;
+    running_on(admin, &c, "web-", args.stateless).await?;
+    machine(admin, "stateless-b", pool).await?;
+    let machines: Api<Machine> = Api::namespaced(admin.clone(), NS);
+    machines
+        .delete("stateless-a", &DeleteParams::default())
+        .await?;
+    wait::for_none(machines, LONG, "stateless-a gone", |m| {
+        m.name_any() == "stateless-a"
+    })
+    .await?;
+    let log = read_audit(audit_log)?;
+    let start =
+        deleted_at(&log, "machines", "stateless-a").context("the delete is in the audit log")?;
+    let drained = Api::<Event>::namespaced(admin.clone(), NS)
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("stateless-a"))
+        .filter(|e| e.reason.as_deref() == Some("Drained"))
+        .find_map(|e| e.event_time.map(|t| t.0))
+        .context("no Drained event")?;
+    let mut run = Run {
+        scenario: "stateless".into(),
+        drainer: "berth".into(),
+        pods: args.stateless,
+        wall_seconds: Some(secs(start, drained)),
+        floor_seconds: f64::from(args.grace),
+        ..Default::default()
+    };
+    cost_into(&mut run, &log, user, start, drained);
+    Ok(run)
+}
+
+/// Two bare kwok Nodes in `pool` and the stateful workload on the first.
+async fn peer_nodes(
+    admin: &Client,
+    pool: &str,
+    args: &BenchArgs,
+) -> anyhow::Result<(String, String)> {
+    let (a, b) = (format!("{pool}-a"), format!("{pool}-b"));
+    let nodes: Api<Node> = Api::all(admin.clone());
+    let mut na = fixtures::node(&a);
+    na.labels_mut()
+        .insert(fixtures::POOL_LABEL.into(), pool.into());
+    create(nodes.clone(), na).await?;
+    let sts = format!("{}-db", pool.trim_start_matches("bench-"));
+    stateful_on(admin, &sts, args.stateful, args.grace, pool, &a).await?;
+    let mut nb = fixtures::node(&b);
+    nb.labels_mut()
+        .insert(fixtures::POOL_LABEL.into(), pool.into());
+    create(nodes, nb).await?;
+    Ok((a, b))
+}
+
+async fn peer_run(
+    admin: &Client,
+    args: &BenchArgs,
+    audit_log: &std::path::Path,
+    pool: &str,
+    drainer: &str,
+    agent: &str,
+    command: std::process::Command,
+) -> anyhow::Result<Run> {
+    let (a, b) = peer_nodes(admin, pool, args).await?;
+    let old = attachments_on(admin, &a).await?;
+    let sts = format!("{}-db", pool.trim_start_matches("bench-"));
+    let mut command = command;
+    command.arg(&a);
+    let started = Timestamp::now();
+    let t = Instant::now();
+    let out = tokio::task::spawn_blocking(move || command.output()).await??;
+    let exited = t.elapsed();
+    let mut run = Run {
+        scenario: "stateful".into(),
+        drainer: drainer.into(),
+        pods: args.stateful,
+        floor_seconds: f64::from(args.stateful)
+            * (f64::from(args.grace)
+                + args.detach_delay.as_secs_f64()
+                + args.attach_delay.as_secs_f64()),
+        ..Default::default()
+    };
+    if !out.status.success() {
+        run.note = Some(format!(
+            "exited {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+                .chars()
+                .take(400)
+                .collect::<String>()
+        ));
+        return Ok(run);
+    }
+    // The peer returns when its pods are gone; the volumes settle later.
+    let pvs: Vec<String> = (0..args.stateful)
+        .map(|i| format!("{pool}-{sts}-{i}"))
+        .collect();
+    wait::until(
+        Api::<VolumeAttachment>::all(admin.clone()),
+        LONG,
+        "volumes on B",
+        |vas| {
+            pvs.iter().all(|pv| {
+                vas.iter().any(|va| {
+                    va.spec.node_name == b
+                        && va.spec.source.persistent_volume_name.as_deref() == Some(pv.as_str())
+                        && va.status.as_ref().is_some_and(|s| s.attached)
+                })
+            })
+        },
+    )
+    .await?;
+    let new = attachments_on(admin, &b).await?;
+    let log = read_audit(audit_log)?;
+    let mut pods: Vec<String> = (0..args.stateful).map(|i| format!("{sts}-{i}")).collect();
+    pods.sort();
+    let s = steps(&log, &pods, &pvs, &old, &new, started);
+    let end = s.attached.iter().copied().max();
+    run.wall_seconds = end.map(|e| secs(started, e));
+    run.note = Some(format!(
+        "{drainer} returned after {:.1}s (pods gone); wall time is until the last volume attached on the new Node",
+        exited.as_secs_f64()
+    ));
+    let users: Vec<&str> = log
+        .iter()
+        .filter(|r| r.user_agent.contains(agent) && r.received >= started)
+        .map(|r| r.user.as_str())
+        .collect();
+    if let (Some(user), Some(end)) = (users.first(), end) {
+        let mut cost = BTreeMap::new();
+        for r in log.iter().filter(|r| {
+            r.user == *user
+                && r.user_agent.contains(agent)
+                && r.received >= started
+                && r.received <= end
+        }) {
+            *cost.entry(r.kind()).or_insert(0) += 1;
+        }
+        run.api_requests_per_pod =
+            f64::from(cost.values().sum::<u32>()) / f64::from(run.pods.max(1));
+        run.reads_during_drain = log
+            .iter()
+            .filter(|r| {
+                r.user == *user
+                    && r.user_agent.contains(agent)
+                    && r.is_read()
+                    && r.received >= started
+                    && r.received <= end
+            })
+            .count() as u32;
+        run.api_requests = cost;
+    }
+    Ok(run)
+}
+
+async fn stateful_kubectl(
+    admin: &Client,
+    bed: &TestBed,
+    args: &BenchArgs,
+    audit_log: &std::path::Path,
+) -> anyhow::Result<Run> {
+    let mut cmd = std::process::Command::new(crate::testbed::bin_dir()?.join("kubectl"));
+    cmd.arg("--kubeconfig").arg(bed.kubeconfig_path()).args([
+        "drain",
+        "--ignore-daemonsets",
+        "--delete-emptydir-data",
+        "--timeout=30m",
+    ]);
+    peer_run(
+        admin,
+        args,
+        audit_log,
+        "bench-kubectl",
+        "kubectl drain",
+        "kubectl",
+        cmd,
+    )
+    .await
+}
+
+async fn stateful_mcm(
+    admin: &Client,
+    bed: &TestBed,
+    args: &BenchArgs,
+    audit_log: &std::path::Path,
+) -> Run {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("hack/bench/build.sh");
+    let not_driven = |why: String| Run {
+        scenario: "stateful".into(),
+        drainer: "machine-controller-manager drain".into(),
+        pods: args.stateful,
+        note: Some(format!("not driven: {why}")),
+        ..Default::default()
+    };
+    if !script.exists() {
+        return not_driven("hack/bench/build.sh (the MCM driver) is not in this build".into());
+    }
+    let dir = match std::process::Command::new("bash")
+        .arg(&script)
+        .arg("--bin-dir")
+        .output()
+    {
+        Ok(o) if o.status.success() => PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()),
+        Ok(o) => {
+            return not_driven(format!(
+                "building the MCM driver failed: {}",
+                String::from_utf8_lossy(&o.stderr)
+                    .chars()
+                    .take(400)
+                    .collect::<String>()
+            ));
+        }
+        Err(e) => return not_driven(format!("cannot run {}: {e}", script.display())),
+    };
+    let mut cmd = std::process::Command::new(dir.join("mcm-drain"));
+    cmd.arg("--kubeconfig")
+        .arg(bed.kubeconfig_path())
+        .arg("--timeout=30m")
+        .arg("--node");
+    match peer_run(
+        admin,
+        args,
+        audit_log,
+        "bench-mcm",
+        "machine-controller-manager drain",
+        "mcm-drain",
+        cmd,
+    )
+    .await
+    {
+        Ok(run) => run,
+        Err(e) => not_driven(format!("{e:#}")),
+    }
+}
+
+fn hardware() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .next()
+                .map(|l| l.split_whitespace().nth(1).unwrap_or("0").to_string())
+        })
+        .and_then(|kb| kb.parse::<u64>().ok())
+        .map(|kb| format!("{} GiB", kb / 1024 / 1024))
+        .unwrap_or_default();
+    format!("{cpu}, {cores} cores, {mem}")
+}
+
+/// The short table printed after a run.
+pub fn table(r: &Report) -> String {
+    let mut out = format!("berth bench — {} — {}\n", r.when, r.hardware);
+    out.push_str("scenario   drainer                           pods  wall(s)  floor(s)  gap p50/p99/max ms (reattached)  req/pod  reads\n");
+    for run in &r.runs {
+        let g = run.gaps_ms.get("reattached");
+        let gap = g
+            .map(|g| {
+                format!(
+                    "{:.0}/{:.0}/{:.0}",
+                    g.p50.unwrap_or(f64::NAN),
+                    g.p99.unwrap_or(f64::NAN),
+                    g.max.unwrap_or(f64::NAN)
+                )
+            })
+            .unwrap_or_else(|| "-".into());
+        out.push_str(&format!(
+            "{:<10} {:<33} {:>4}  {:>7}  {:>8.1}  {:>31}  {:>7.1}  {:>5}\n",
+            run.scenario,
+            run.drainer,
+            run.pods,
+            run.wall_seconds
+                .map(|w| format!("{w:.1}"))
+                .unwrap_or_else(|| "-".into()),
+            run.floor_seconds,
+            gap,
+            run.api_requests_per_pod,
+            run.reads_during_drain,
+        ));
+        if let Some(n) = &run.note {
+            out.push_str(&format!("           note: {n}\n"));
+        }
+    }
+    out
+}
+
+async fn create<K>(api: Api<K>, obj: K) -> anyhow::Result<()>
+where
+    K: kube::Resource + Clone + Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    match api.create(&PostParams::default(), &obj).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
+        Err(e) => Err(anyhow::anyhow!("creating {}: {e}", obj.name_any())),
+    }
+}

@@ -94,7 +94,6 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", args.metrics_addr))?;
     let metrics_addr = listener.local_addr().unwrap_or(args.metrics_addr);
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let (http_stop_tx, http_stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(crate::telemetry::serve(
         listener,
@@ -103,26 +102,17 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             let _ = http_stop_rx.await;
         },
     ));
-    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<()>();
     let providers = Registry::default().with(Arc::new(FakeProvider::new(client.clone())));
     let settings = crate::machine::Settings {
         namespace: Some(NS.into()),
         instance: "berth-demo".into(),
         concurrency: 4,
     };
-    let controller = tokio::spawn(crate::machine::run(
-        client.clone(),
-        providers,
-        settings,
-        Arc::clone(&metrics),
-        async move {
-            let _ = stop_rx.await;
-        },
-        move || {
-            let _ = ready_tx.send(());
-        },
-    ));
-    ready_rx.await.context("the controller did not start")?;
+    let mut controller =
+        crate::machine::spawn(client.clone(), providers, settings, Arc::clone(&metrics));
+    (&mut controller.ready)
+        .await
+        .context("the controller did not start")?;
     http.set_ready(true);
     clock.say(format!(
         "controller running (fake provider); metrics at http://{metrics_addr}/metrics"
@@ -138,8 +128,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         );
         let _ = tokio::signal::ctrl_c().await;
     }
-    let _ = stop_tx.send(());
-    let _ = tokio::time::timeout(Duration::from_secs(30), controller).await;
+    controller.stop(Duration::from_secs(30)).await;
     let _ = http_stop_tx.send(());
     let _ = server.await;
     drop(bed);

@@ -24,8 +24,6 @@ mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
@@ -44,9 +42,8 @@ use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde::Deserialize as _;
 use serde_json::{Value, json};
+use support::process::Berth;
 use support::{LONG, class, machine, phase};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::sync::Notify;
 
 const RELEASE: &str = "berth";
 const RELEASE_NS: &str = "berth-system";
@@ -1183,145 +1180,6 @@ fn the_dashboard_is_a_grafana_dashboard_over_a_prometheus_datasource_variable() 
 
 // ---------------------------------------------------------------------------
 // End to end: install, run as the chart's ServiceAccount, drain, upgrade.
-
-/// A `berth run` child process, its stderr captured.
-struct Berth {
-    child: tokio::process::Child,
-    port: u16,
-    logs: Arc<Mutex<Vec<String>>>,
-    logged: Arc<Notify>,
-}
-
-impl Berth {
-    fn spawn(kubeconfig: &Path, extra: &[&str]) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free port");
-        let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_berth"))
-            .arg("run")
-            .arg("--kubeconfig")
-            .arg(kubeconfig)
-            .arg(format!("--metrics-addr=127.0.0.1:{port}"))
-            .args(extra)
-            .env("BERTH_LOG", "info,berth=debug")
-            .env_remove("KUBECONFIG")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("berth starts");
-        let logs = Arc::new(Mutex::new(Vec::new()));
-        let logged = Arc::new(Notify::new());
-        let stderr = child.stderr.take().expect("stderr");
-        let (l, n) = (Arc::clone(&logs), Arc::clone(&logged));
-        tokio::spawn(async move {
-            let mut lines = BufReader::new(stderr).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                eprintln!("[berth] {line}");
-                l.lock().expect("log lock").push(line);
-                n.notify_waiters();
-            }
-        });
-        Self {
-            child,
-            port,
-            logs,
-            logged,
-        }
-    }
-
-    fn log_lines_matching(&self, needle: &str) -> Vec<String> {
-        let needle = needle.to_lowercase();
-        self.logs
-            .lock()
-            .expect("log lock")
-            .iter()
-            .filter(|l| l.to_lowercase().contains(&needle))
-            .cloned()
-            .collect()
-    }
-
-    async fn wait_log(&self, needle: &str) {
-        let wait = async {
-            loop {
-                let notified = self.logged.notified();
-                if !self.log_lines_matching(needle).is_empty() {
-                    return;
-                }
-                notified.await;
-            }
-        };
-        tokio::time::timeout(LONG, wait)
-            .await
-            .unwrap_or_else(|_| panic!("no log line containing {needle:?}"));
-    }
-
-    /// Runs `step`, failing at once if the controller logs that the API
-    /// server refused it something (a missing RBAC rule), instead of letting
-    /// `step` time out.
-    async fn unforbidden<T>(&self, what: &str, step: impl std::future::Future<Output = T>) -> T {
-        let refused = async {
-            loop {
-                let notified = self.logged.notified();
-                let lines = self.log_lines_matching("forbidden");
-                if !lines.is_empty() {
-                    return lines;
-                }
-                notified.await;
-            }
-        };
-        tokio::select! {
-            done = step => done,
-            lines = refused => panic!(
-                "RBAC refused the controller something while {what}:\n{}",
-                lines.join("\n")
-            ),
-        }
-    }
-
-    async fn get(&self, path: &str) -> Option<(u16, String)> {
-        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.port))
-            .await
-            .ok()?;
-        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
-            .await
-            .ok()?;
-        let mut buf = String::new();
-        s.read_to_string(&mut buf).await.ok()?;
-        let status = buf.split_whitespace().nth(1)?.parse().ok()?;
-        let body = buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string())?;
-        Some((status, body))
-    }
-
-    /// The HTTP port has no watch: probe it the way a kubelet would.
-    async fn wait_http(&self, path: &str, status: u16) {
-        let wait = async {
-            loop {
-                if self.get(path).await.is_some_and(|(s, _)| s == status) {
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        };
-        tokio::time::timeout(LONG, wait)
-            .await
-            .unwrap_or_else(|_| panic!("{path} never answered {status}"));
-    }
-
-    async fn terminate(mut self) -> std::process::ExitStatus {
-        let pid = self.child.id().expect("running");
-        let sent = std::process::Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
-            .status()
-            .expect("kill runs");
-        assert!(sent.success());
-        tokio::time::timeout(LONG, self.child.wait())
-            .await
-            .expect("exits after SIGTERM")
-            .expect("exit status")
-    }
-}
 
 /// A kubeconfig that authenticates with the chart's ServiceAccount token.
 async fn service_account_kubeconfig(bed: &TestBed, client: &Client, path: &Path) -> Client {

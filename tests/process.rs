@@ -2,9 +2,7 @@
 //! a real kube-apiserver, observed through its logs, its HTTP port and the
 //! cluster.
 
-use std::process::Stdio;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+mod support;
 
 use berth::api::{Machine, MachineClass};
 use berth::testbed::{Options, TestBed, fixtures, wait};
@@ -13,151 +11,9 @@ use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::sync::Notify;
+use support::process::Berth;
 
-const LONG: Duration = Duration::from_secs(60);
-
-/// A running `berth run` child process.
-struct Berth {
-    child: tokio::process::Child,
-    port: u16,
-    logs: Arc<Mutex<Vec<String>>>,
-    logged: Arc<Notify>,
-}
-
-impl Berth {
-    fn spawn(bed: &TestBed, extra: &[&str]) -> Self {
-        let port = free_port();
-        let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_berth"))
-            .arg("run")
-            .arg("--kubeconfig")
-            .arg(bed.kubeconfig_path())
-            .arg(format!("--metrics-addr=127.0.0.1:{port}"))
-            .args(extra)
-            .env("BERTH_LOG", "info,berth=debug")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("berth starts");
-        let logs = Arc::new(Mutex::new(Vec::new()));
-        let logged = Arc::new(Notify::new());
-        let stderr = child.stderr.take().expect("stderr is piped");
-        let (l, n) = (Arc::clone(&logs), Arc::clone(&logged));
-        tokio::spawn(async move {
-            let mut lines = BufReader::new(stderr).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                eprintln!("[berth:{port}] {line}");
-                l.lock().expect("log lock").push(line);
-                n.notify_waiters();
-            }
-        });
-        Self {
-            child,
-            port,
-            logs,
-            logged,
-        }
-    }
-
-    fn logs_contain(&self, needle: &str) -> bool {
-        self.logs
-            .lock()
-            .expect("log lock")
-            .iter()
-            .any(|l| l.contains(needle))
-    }
-
-    /// Waits for a log line containing `needle` (driven by the log reader).
-    async fn wait_log(&self, needle: &str) {
-        let wait = async {
-            loop {
-                let notified = self.logged.notified();
-                if self.logs_contain(needle) {
-                    return;
-                }
-                notified.await;
-            }
-        };
-        tokio::time::timeout(LONG, wait)
-            .await
-            .unwrap_or_else(|_| panic!("no log line containing {needle:?}"));
-    }
-
-    async fn get(&self, path: &str) -> Option<(u16, String)> {
-        http_get(self.port, path).await
-    }
-
-    /// Waits until `path` answers `status`. The HTTP port has no watch, so
-    /// this probes it the way a kubelet would.
-    async fn wait_http(&self, path: &str, status: u16) {
-        let wait = async {
-            loop {
-                if self.get(path).await.is_some_and(|(s, _)| s == status) {
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        };
-        tokio::time::timeout(LONG, wait)
-            .await
-            .unwrap_or_else(|_| panic!("{path} never answered {status}"));
-    }
-
-    /// Waits until `/metrics` contains every one of `lines`.
-    async fn wait_metrics(&self, lines: &[&str]) {
-        let wait = async {
-            loop {
-                if let Some((_, body)) = self.get("/metrics").await
-                    && lines.iter().all(|l| body.contains(l))
-                {
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        };
-        if tokio::time::timeout(LONG, wait).await.is_err() {
-            let body = self.get("/metrics").await.map(|(_, b)| b);
-            panic!("/metrics never showed {lines:?}: {body:?}");
-        }
-    }
-
-    /// SIGTERM, then the exit status.
-    async fn terminate(mut self) -> std::process::ExitStatus {
-        let pid = self.child.id().expect("running");
-        let sent = std::process::Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
-            .status()
-            .expect("kill runs");
-        assert!(sent.success());
-        tokio::time::timeout(LONG, self.child.wait())
-            .await
-            .expect("exits after SIGTERM")
-            .expect("exit status")
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
-async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
-    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .ok()?;
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
-        .await
-        .ok()?;
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).await.ok()?;
-    let status = buf.split_whitespace().nth(1)?.parse().ok()?;
-    let body = buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string())?;
-    Some((status, body))
-}
+use support::LONG;
 
 fn init_logs() {
     let _ = tracing_subscriber::fmt()
@@ -235,7 +91,7 @@ async fn missing_crds_get_a_clear_message_then_berth_starts_by_itself() {
     let bed = TestBed::start(Options::integration()).await.expect("bed");
     let client = bed.client().await.expect("client");
 
-    let berth = Berth::spawn(&bed, &["--leader-elect=false"]);
+    let berth = Berth::spawn(bed.kubeconfig_path(), &["--leader-elect=false"]);
     berth.wait_log("machines.berth.dev is not installed").await;
     assert!(berth.logs_contain("berth crd | kubectl apply"));
     berth.wait_http("/healthz", 200).await;
@@ -288,8 +144,8 @@ async fn two_replicas_only_the_leader_acts_and_sigterm_hands_over() {
             ns,
         ]
     };
-    let a = Berth::spawn(&bed, &flags("replica-a"));
-    let b = Berth::spawn(&bed, &flags("replica-b"));
+    let a = Berth::spawn(bed.kubeconfig_path(), &flags("replica-a"));
+    let b = Berth::spawn(bed.kubeconfig_path(), &flags("replica-b"));
     let first = holder(&client, ns).await;
     let (leader, standby) = if first == "replica-a" { (a, b) } else { (b, a) };
     let second = if first == "replica-a" {

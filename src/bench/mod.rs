@@ -147,9 +147,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let (controller, user) = controller_client(&bed, &admin).await?;
 
     let metrics = Arc::new(Metrics::new()?);
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(crate::machine::run(
+    let mut controller = crate::machine::spawn(
         controller.clone(),
         Registry::default().with(Arc::new(FakeProvider::new(controller.clone()))),
         crate::machine::Settings {
@@ -158,14 +156,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             concurrency: 8,
         },
         Arc::clone(&metrics),
-        async move {
-            let _ = stop_rx.await;
-        },
-        move || {
-            let _ = ready_tx.send(());
-        },
-    ));
-    ready_rx.await.context("the controller did not start")?;
+    );
+    (&mut controller.ready)
+        .await
+        .context("the controller did not start")?;
 
     let mut runs = Vec::new();
     let audit_log = bed.dir().join("audit.log");
@@ -175,8 +169,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         runs.push(stateful_kubectl(&admin, &bed, &args, &audit_log).await?);
         runs.push(stateful_mcm(&admin, &bed, &args, &audit_log).await);
     }
-    let _ = stop_tx.send(());
-    let _ = tokio::time::timeout(Duration::from_secs(30), task).await;
+    controller.stop(Duration::from_secs(30)).await;
 
     let report = Report {
         when: Timestamp::now().to_string(),

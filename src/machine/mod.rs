@@ -301,6 +301,55 @@ pub async fn run(
     side_caches.abort();
 }
 
+/// A controller started by [`spawn`]: stop it with [`Spawned::stop`].
+pub struct Spawned {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+    /// Resolves once every cache has synced.
+    pub ready: tokio::sync::oneshot::Receiver<()>,
+}
+
+impl Spawned {
+    /// Graceful shutdown, waiting at most `grace` for reconciles in flight.
+    pub async fn stop(mut self, grace: Duration) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if tokio::time::timeout(grace, &mut self.task).await.is_err() {
+            self.task.abort();
+        }
+    }
+}
+
+/// [`run`] on its own task, for the processes that embed the controller
+/// (`berth demo`, `berth bench`, tests).
+pub fn spawn(
+    client: Client,
+    providers: Registry,
+    settings: Settings,
+    metrics: Arc<Metrics>,
+) -> Spawned {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (ready_tx, ready) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(run(
+        client,
+        providers,
+        settings,
+        metrics,
+        async move {
+            let _ = stopped.await;
+        },
+        move || {
+            let _ = ready_tx.send(());
+        },
+    ));
+    Spawned {
+        stop: Some(stop),
+        task,
+        ready,
+    }
+}
+
 /// The Machines whose Node this is: by `status.nodeRef`, or by providerID
 /// for a Node that has just registered.
 fn machines_of_node(

@@ -1,6 +1,8 @@
 //! Shared set-up for tests that run the controller against the test bed.
 #![allow(dead_code)]
 
+pub mod process;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,7 +13,7 @@ use berth::testbed::{Options, TestBed, fixtures, wait};
 use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
-use tokio::sync::{OnceCell, oneshot};
+use tokio::sync::OnceCell;
 
 pub const LONG: Duration = Duration::from_secs(60);
 
@@ -65,64 +67,29 @@ pub async fn namespace(client: &Client, ns: &str) {
 }
 
 /// The controller, scoped to one namespace, running in this process.
-pub struct Running {
-    stop: Option<oneshot::Sender<()>>,
-    task: Option<tokio::task::JoinHandle<()>>,
-}
+pub struct Running(berth::machine::Spawned);
 
 impl Running {
     /// Graceful shutdown; waits for the controller to finish.
-    pub async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.task.take() {
-            let _ = tokio::time::timeout(LONG, t).await;
-        }
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        if let Some(t) = self.task.take() {
-            t.abort();
-        }
+    pub async fn stop(self) {
+        self.0.stop(LONG).await;
     }
 }
 
 pub async fn start_controller(client: &Client, ns: &str, instance: &str) -> Running {
     let providers = Registry::default().with(Arc::new(FakeProvider::new(client.clone())));
-    let (stop, stopped) = oneshot::channel::<()>();
-    let (ready_tx, ready_rx) = oneshot::channel::<()>();
     let settings = berth::machine::Settings {
         namespace: Some(ns.to_string()),
         instance: instance.to_string(),
         concurrency: 4,
     };
-    let client = client.clone();
-    let task = tokio::spawn(async move {
-        berth::machine::run(
-            client,
-            providers,
-            settings,
-            Arc::new(berth::telemetry::Metrics::new().expect("metrics")),
-            async move {
-                let _ = stopped.await;
-            },
-            move || {
-                let _ = ready_tx.send(());
-            },
-        )
-        .await;
-    });
-    tokio::time::timeout(LONG, ready_rx)
+    let metrics = Arc::new(berth::telemetry::Metrics::new().expect("metrics"));
+    let mut spawned = berth::machine::spawn(client.clone(), providers, settings, metrics);
+    tokio::time::timeout(LONG, &mut spawned.ready)
         .await
         .expect("caches sync in time")
         .expect("controller reports ready");
-    Running {
-        stop: Some(stop),
-        task: Some(task),
-    }
+    Running(spawned)
 }
 
 pub fn class(name: &str, provider: &str, provider_spec: serde_json::Value) -> MachineClass {

@@ -211,8 +211,14 @@ async fn deletion_waits_for_pods_and_resumes_after_a_restart() {
         .delete("m2", &DeleteParams::default())
         .await
         .expect("delete");
+    // The step's report and the engine's progress (written at most once a
+    // second) both say so.
     let m = wait_machine(&client, ns, "m2", "held at Drain", |m| {
         last_step(m) == Some(("Drain".into(), "Waiting".into()))
+            && m.status
+                .as_ref()
+                .and_then(|s| s.drain.as_ref())
+                .is_some_and(|d| d.blocked_by.is_some() && d.pods_remaining == 1)
     })
     .await;
     let desc = m

@@ -67,6 +67,8 @@ use crate::volumes::{Interest, Tracker, WaitError};
 
 /// Longest pause between two eviction attempts of a refused pod.
 const MAX_EVICT_BACKOFF: Duration = Duration::from_secs(30);
+/// Shortest time between two writes of a drain's progress.
+const STATUS_WRITE_INTERVAL: Duration = Duration::from_secs(1);
 /// How long after a failed drain the reconciler may start it again.
 pub const RETRY_FAILED_AFTER: Duration = Duration::from_secs(30);
 
@@ -285,7 +287,12 @@ async fn write_status(
                 )
                 .await
             {
-                Ok(_) => written = Some(patch),
+                Ok(_) => {
+                    written = Some(patch);
+                    // Progress written at most once per interval: the
+                    // changes made meanwhile go out together.
+                    tokio::time::sleep(STATUS_WRITE_INTERVAL).await;
+                }
                 Err(kube::Error::Api(s)) if s.code == 404 => return,
                 Err(e) => tracing::warn!(error = %e, "could not record drain progress"),
             }
@@ -371,8 +378,10 @@ async fn run(deps: Arc<Deps>, job: Job, progress: watch::Sender<Progress>) {
             p.blocked_by = None;
         }
     });
+    // The writer flushes the final state on its own; the reconciler learns
+    // the outcome from memory and does not wait for it.
     drop(r);
-    let _ = writer.await;
+    drop(writer);
 }
 
 /// What a pass found and did.

@@ -47,6 +47,7 @@ use crate::testbed::{Options, TestBed, fixtures, wait};
 const NS: &str = "bench";
 const SA: &str = "berth-bench";
 const LONG: Duration = Duration::from_secs(300);
+const PEER_TIMEOUT: Duration = Duration::from_secs(600);
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
@@ -166,7 +167,17 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     runs.push(stateful_berth(&admin, &args, &audit_log, &user).await?);
     runs.push(stateless_berth(&admin, &args, &audit_log, &user).await?);
     if args.peers {
-        runs.push(stateful_kubectl(&admin, &bed, &args, &audit_log).await?);
+        runs.push(
+            stateful_kubectl(&admin, &bed, &args, &audit_log)
+                .await
+                .unwrap_or_else(|e| Run {
+                    scenario: "stateful".into(),
+                    drainer: "kubectl drain".into(),
+                    pods: args.stateful,
+                    note: Some(format!("failed: {e:#}")),
+                    ..Default::default()
+                }),
+        );
         runs.push(stateful_mcm(&admin, &bed, &args, &audit_log).await);
     }
     controller.stop(Duration::from_secs(30)).await;
@@ -615,7 +626,18 @@ async fn peer_run(
     command.arg(&a);
     let started = Timestamp::now();
     let t = Instant::now();
-    let out = tokio::task::spawn_blocking(move || command.output()).await??;
+    // A peer gets ten minutes; one that hangs is killed and reported.
+    let mut command = tokio::process::Command::from(command);
+    command.kill_on_drop(true);
+    let out = match tokio::time::timeout(PEER_TIMEOUT, command.output()).await {
+        Ok(out) => out?,
+        Err(_) => {
+            anyhow::bail!(
+                "{drainer} did not finish within {}",
+                humantime::format_duration(PEER_TIMEOUT)
+            )
+        }
+    };
     let exited = t.elapsed();
     let mut run = Run {
         scenario: "stateful".into(),

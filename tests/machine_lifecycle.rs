@@ -387,11 +387,21 @@ async fn bad_input_becomes_a_condition_and_an_event_and_nothing_is_deleted() {
             c.message
         );
         assert!(got.spec.provider_id.is_none(), "{name}: no VM was created");
-        let events = events_for(&client, ns, &name).await;
-        assert!(
-            events.iter().any(|(r, t)| r == reason && t == "Warning"),
-            "{name}: a Warning Event {reason}: {events:?}"
-        );
+        // The Event is published just after the status is written.
+        wait::until(
+            Api::<Event>::namespaced(client.clone(), ns),
+            LONG,
+            &format!("{name}: a Warning Event {reason}"),
+            |evs| {
+                evs.iter().any(|e| {
+                    e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name.as_str())
+                        && e.reason.as_deref() == Some(*reason)
+                        && e.type_.as_deref() == Some("Warning")
+                })
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     }
     let nodes = Api::<Node>::all(client.clone())
         .list(&Default::default())

@@ -643,7 +643,7 @@ impl Run {
             .map(|pv| {
                 let unique = by_pv
                     .get(pv.as_str())
-                    .and_then(|p| super::volume::csi_unique_name(p));
+                    .and_then(|p| crate::volumes::unique_name_of(p));
                 (pv, unique)
             })
             .collect()

@@ -3,9 +3,9 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    AttachedVolume, CSIPersistentVolumeSource, EphemeralVolumeSource, HostPathVolumeSource, Node,
-    NodeStatus, PersistentVolume, PersistentVolumeClaim, PersistentVolumeClaimSpec,
-    PersistentVolumeClaimVolumeSource, PersistentVolumeSpec, Pod, PodSpec, PodStatus, Volume,
+    CSIPersistentVolumeSource, EphemeralVolumeSource, HostPathVolumeSource, PersistentVolume,
+    PersistentVolumeClaim, PersistentVolumeClaimSpec, PersistentVolumeClaimVolumeSource,
+    PersistentVolumeSpec, Pod, PodSpec, PodStatus, Volume,
 };
 use k8s_openapi::api::policy::v1::{
     PodDisruptionBudget, PodDisruptionBudgetSpec, PodDisruptionBudgetStatus,
@@ -221,25 +221,6 @@ pub fn va(pv: &str, node: &str, attached: bool) -> VolumeAttachment {
         },
         status: Some(VolumeAttachmentStatus {
             attached,
-            ..Default::default()
-        }),
-    }
-}
-
-pub fn node_with_attached(name: &str, unique_names: &[&str]) -> Node {
-    Node {
-        metadata: meta(None, name),
-        spec: None,
-        status: Some(NodeStatus {
-            volumes_attached: Some(
-                unique_names
-                    .iter()
-                    .map(|n| AttachedVolume {
-                        name: n.to_string(),
-                        device_path: String::new(),
-                    })
-                    .collect(),
-            ),
             ..Default::default()
         }),
     }

@@ -23,13 +23,11 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 
 use crate::drain::select::{NamespacedName, fmt_key};
-
-/// Prefix of the unique name of a CSI volume in `node.status.volumesAttached`.
-pub const CSI_UNIQUE_NAME_PREFIX: &str = "kubernetes.io/csi/";
+use crate::volumes::{is_attached, pv_of, unique_name_of};
 
 /// One persistent volume a pod uses, with the names it is recognised by.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -53,16 +51,6 @@ pub struct PodVolumes {
     pub refs: Vec<VolumeRef>,
     /// One line per claim that gave no PV.
     pub notes: Vec<String>,
-}
-
-/// The unique name of a CSI PV in `node.status.volumesAttached`; `None` for
-/// a PV of another kind.
-pub fn csi_unique_name(pv: &PersistentVolume) -> Option<String> {
-    let csi = pv.spec.as_ref()?.csi.as_ref()?;
-    Some(format!(
-        "{CSI_UNIQUE_NAME_PREFIX}{}^{}",
-        csi.driver, csi.volume_handle
-    ))
 }
 
 /// Looks claims and volumes up by name; built once per plan.
@@ -139,7 +127,7 @@ impl<'a> VolumeIndex<'a> {
             out.refs.push(VolumeRef {
                 pv: pv_name.to_string(),
                 claim,
-                csi_unique_name: csi_unique_name(pv),
+                csi_unique_name: unique_name_of(pv),
                 ephemeral,
             });
         }
@@ -166,41 +154,12 @@ fn created_for(pvc: &PersistentVolumeClaim, pod: &Pod) -> bool {
 pub fn attached_nodes(pv: &str, vas: &[VolumeAttachment]) -> Vec<String> {
     let mut nodes: Vec<String> = vas
         .iter()
-        .filter(|va| names_pv(va, pv) && is_attached(va))
+        .filter(|va| pv_of(va) == Some(pv) && is_attached(va))
         .map(|va| va.spec.node_name.clone())
         .collect();
     nodes.sort();
     nodes.dedup();
     nodes
-}
-
-/// Whether a volume is gone from `node`: the Node no longer lists its CSI
-/// unique name in `status.volumesAttached`, and no VolumeAttachment for
-/// (PV, Node) exists any more, attached or not.
-pub fn detached_from(volume: &VolumeRef, node: &Node, vas: &[VolumeAttachment]) -> bool {
-    let node_name = node.metadata.name.as_deref().unwrap_or_default();
-    let listed = volume.csi_unique_name.as_deref().is_some_and(|unique| {
-        node.status
-            .iter()
-            .flat_map(|s| s.volumes_attached.iter().flatten())
-            .any(|a| a.name == unique)
-    });
-    let attachment = vas
-        .iter()
-        .any(|va| names_pv(va, &volume.pv) && va.spec.node_name == node_name);
-    !listed && !attachment
-}
-
-/// The Node other than `node` the volume is attached to
-/// (`status.attached == true`), if any; the first by name when several.
-pub fn attached_elsewhere(
-    volume: &VolumeRef,
-    node: &str,
-    vas: &[VolumeAttachment],
-) -> Option<String> {
-    attached_nodes(&volume.pv, vas)
-        .into_iter()
-        .find(|n| n != node)
 }
 
 /// Whether a pod other than the evicted one (pending, not yet scheduled or
@@ -231,19 +190,11 @@ pub fn replacement_expected(claim: &NamespacedName, pods: &[Pod], evicted_pod_ui
     })
 }
 
-fn names_pv(va: &VolumeAttachment, pv: &str) -> bool {
-    va.spec.source.persistent_volume_name.as_deref() == Some(pv)
-}
-
-fn is_attached(va: &VolumeAttachment) -> bool {
-    va.status.as_ref().is_some_and(|s| s.attached)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::drain::fixtures::{
-        NODE, PodFixture, csi_pv, ephemeral_pvc, host_pv, node_with_attached, pod, pvc, ts, va,
+        NODE, PodFixture, csi_pv, ephemeral_pvc, host_pv, pod, pvc, ts, va,
     };
 
     fn vref(pv: &str, claim: &str, csi: Option<&str>, ephemeral: bool) -> VolumeRef {
@@ -274,7 +225,7 @@ mod tests {
             (PersistentVolume::default(), None),
         ];
         for (pv, want) in cases {
-            assert_eq!(csi_unique_name(&pv).as_deref(), want);
+            assert_eq!(unique_name_of(&pv).as_deref(), want);
         }
     }
 
@@ -401,84 +352,6 @@ mod tests {
         assert_eq!(attached_nodes("pv-1", &vas), vec!["node-1", "node-b"]);
         assert_eq!(attached_nodes("pv-10", &vas), vec!["node-d"]);
         assert_eq!(attached_nodes("pv-2", &vas), Vec::<String>::new());
-
-        let v = vref("pv-1", "data", None, false);
-        let cases: [(&[VolumeAttachment], &str, Option<&str>); 5] = [
-            (&vas, NODE, Some("node-b")),
-            (&vas, "node-b", Some("node-1")),
-            (&vas[2..4], NODE, None),
-            (&vas[..2], "node-x", Some("node-1")),
-            (&[], NODE, None),
-        ];
-        for (vas, node, want) in cases {
-            assert_eq!(attached_elsewhere(&v, node, vas).as_deref(), want, "{node}");
-        }
-    }
-
-    #[test]
-    fn detached_needs_both_the_node_list_and_the_attachment_gone() {
-        let unique = "kubernetes.io/csi/ebs.csi.aws.com^vol-1";
-        let csi = vref("pv-1", "data", Some(unique), false);
-        let plain = vref("pv-1", "data", None, false);
-        let listed = node_with_attached(NODE, &[unique]);
-        let other_listed = node_with_attached(NODE, &["kubernetes.io/csi/ebs.csi.aws.com^vol-10"]);
-        let bare = node_with_attached(NODE, &[]);
-        let cases = [
-            (
-                "listed and attached",
-                &csi,
-                &listed,
-                vec![va("pv-1", NODE, true)],
-                false,
-            ),
-            ("listed only", &csi, &listed, vec![], false),
-            (
-                "attachment only",
-                &csi,
-                &bare,
-                vec![va("pv-1", NODE, true)],
-                false,
-            ),
-            (
-                "attachment detaching",
-                &csi,
-                &bare,
-                vec![va("pv-1", NODE, false)],
-                false,
-            ),
-            ("gone", &csi, &bare, vec![], true),
-            (
-                "similar name is not a match",
-                &csi,
-                &other_listed,
-                vec![],
-                true,
-            ),
-            (
-                "attachment on another node",
-                &csi,
-                &bare,
-                vec![va("pv-1", "node-b", true)],
-                true,
-            ),
-            (
-                "non-CSI ignores the node list",
-                &plain,
-                &listed,
-                vec![],
-                true,
-            ),
-            (
-                "non-CSI attached",
-                &plain,
-                &bare,
-                vec![va("pv-1", NODE, true)],
-                false,
-            ),
-        ];
-        for (what, volume, node, vas, want) in cases {
-            assert_eq!(detached_from(volume, node, &vas), want, "{what}");
-        }
     }
 
     #[test]

@@ -17,7 +17,7 @@ use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::scheduling::v1::PriorityClass;
-use kube::api::{Api, DeleteParams, PostParams};
+use kube::api::{Api, DeleteParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 
@@ -142,12 +142,12 @@ async fn scenario(
     args: &DemoArgs,
     metrics: &Metrics,
 ) -> anyhow::Result<()> {
-    create(
+    crate::testbed::create_or_keep(
         Api::<Namespace>::all(client.clone()),
         fixtures::namespace(NS),
     )
     .await?;
-    create(
+    crate::testbed::create_or_keep(
         Api::<MachineClass>::all(client.clone()),
         json(serde_json::json!({
             "apiVersion": "berth.dev/v1alpha1", "kind": "MachineClass",
@@ -162,7 +162,7 @@ async fn scenario(
 
     // Workloads, all on machine-a's Node (the only one so far).
     for (name, value) in [("demo-critical", 1000), ("demo-normal", 100)] {
-        create(
+        crate::testbed::create_or_keep(
             Api::<PriorityClass>::all(client.clone()),
             json(serde_json::json!({"metadata": {"name": name}, "value": value}))?,
         )
@@ -170,7 +170,7 @@ async fn scenario(
     }
     for i in 0..args.stateful {
         let pv = format!("demo-db-{i}");
-        create(
+        crate::testbed::create_or_keep(
             Api::all(client.clone()),
             fixtures::csi_pv(&pv, &format!("vol-{pv}"), NS, &format!("data-db-{i}")),
         )
@@ -181,8 +181,8 @@ async fn scenario(
         spec.node_selector = Some([(POOL.to_string(), NS.to_string())].into());
         spec.priority_class_name = Some("demo-critical".into());
     }
-    create(Api::namespaced(client.clone(), NS), sts).await?;
-    create(
+    crate::testbed::create_or_keep(Api::namespaced(client.clone(), NS), sts).await?;
+    crate::testbed::create_or_keep(
         Api::<Deployment>::namespaced(client.clone(), NS),
         json(serde_json::json!({
             "metadata": {"name": "web"},
@@ -202,7 +202,7 @@ async fn scenario(
         }))?,
     )
     .await?;
-    create(
+    crate::testbed::create_or_keep(
         Api::<PodDisruptionBudget>::namespaced(client.clone(), NS),
         json(serde_json::json!({
             "metadata": {"name": "web"},
@@ -210,7 +210,7 @@ async fn scenario(
         }))?,
     )
     .await?;
-    create(
+    crate::testbed::create_or_keep(
         Api::<DaemonSet>::namespaced(client.clone(), NS),
         json(serde_json::json!({
             "metadata": {"name": "node-agent"},
@@ -402,7 +402,7 @@ async fn summary(client: &Client, log: &[(String, String)], took: Duration, metr
 
 async fn machine(client: &Client, clock: &Clock, name: &str) -> anyhow::Result<String> {
     let machines: Api<Machine> = Api::namespaced(client.clone(), NS);
-    create(
+    crate::testbed::create_or_keep(
         machines.clone(),
         json(serde_json::json!({
             "apiVersion": "berth.dev/v1alpha1", "kind": "Machine",
@@ -422,15 +422,4 @@ async fn machine(client: &Client, clock: &Clock, name: &str) -> anyhow::Result<S
 
 fn json<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> anyhow::Result<T> {
     serde_json::from_value(v).context("building a demo object")
-}
-
-async fn create<K>(api: Api<K>, obj: K) -> anyhow::Result<()>
-where
-    K: kube::Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
-{
-    match api.create(&PostParams::default(), &obj).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
-        Err(e) => Err(anyhow::anyhow!("creating {}: {e}", obj.name_any())),
-    }
 }

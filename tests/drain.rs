@@ -65,11 +65,10 @@ where
         + serde::de::DeserializeOwned
         + std::fmt::Debug,
 {
-    match api.create(&PostParams::default(), &obj).await {
-        Ok(_) => {}
-        Err(kube::Error::Api(e)) if e.code == 409 => {}
-        Err(e) => panic!("create {}: {e}", obj.name_any()),
-    }
+    let name = obj.name_any();
+    berth::testbed::create_or_keep(api, obj)
+        .await
+        .unwrap_or_else(|e| panic!("create {name}: {e}"));
 }
 
 /// A pool of fake Machines: class `pool` whose Nodes carry the pool label.

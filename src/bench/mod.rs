@@ -140,7 +140,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     .await?;
     let admin = bed.client().await?;
     crate::api::install_crds(admin.clone(), LONG).await?;
-    create(
+    crate::testbed::create_or_keep(
         Api::<Namespace>::all(admin.clone()),
         fixtures::namespace(NS),
     )
@@ -206,12 +206,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
 /// A client for the controller with an identity of its own (a
 /// ServiceAccount token), so the audit log tells its requests apart.
 async fn controller_client(bed: &TestBed, admin: &Client) -> anyhow::Result<(Client, String)> {
-    create(
+    crate::testbed::create_or_keep(
         Api::<ServiceAccount>::namespaced(admin.clone(), NS),
         serde_json::from_value(serde_json::json!({"metadata": {"name": SA}}))?,
     )
     .await?;
-    create(
+    crate::testbed::create_or_keep(
         Api::<ClusterRoleBinding>::all(admin.clone()),
         serde_json::from_value(serde_json::json!({
             "metadata": {"name": SA},
@@ -253,7 +253,7 @@ async fn controller_client(bed: &TestBed, admin: &Client) -> anyhow::Result<(Cli
 }
 
 async fn pool_class(admin: &Client, pool: &str) -> anyhow::Result<()> {
-    create(
+    crate::testbed::create_or_keep(
         Api::<MachineClass>::all(admin.clone()),
         serde_json::from_value(serde_json::json!({
             "apiVersion": "berth.dev/v1alpha1", "kind": "MachineClass",
@@ -262,12 +262,13 @@ async fn pool_class(admin: &Client, pool: &str) -> anyhow::Result<()> {
                      "drain": {"timeout": "30m"}}
         }))?,
     )
-    .await
+    .await?;
+    Ok(())
 }
 
 async fn machine(admin: &Client, name: &str, class: &str) -> anyhow::Result<String> {
     let machines: Api<Machine> = Api::namespaced(admin.clone(), NS);
-    create(
+    crate::testbed::create_or_keep(
         machines.clone(),
         serde_json::from_value(serde_json::json!({
             "apiVersion": "berth.dev/v1alpha1", "kind": "Machine",
@@ -295,13 +296,13 @@ async fn stateful_on(
 ) -> anyhow::Result<()> {
     for i in 0..n {
         let pv = format!("{pool}-{name}-{i}");
-        create(
+        crate::testbed::create_or_keep(
             Api::all(admin.clone()),
             fixtures::csi_pv(&pv, &format!("vol-{pv}"), NS, &format!("data-{name}-{i}")),
         )
         .await?;
     }
-    create(
+    crate::testbed::create_or_keep(
         Api::namespaced(admin.clone(), NS),
         fixtures::stateful_set_in_pool(name, i32::try_from(n)?, i64::from(grace), pool, None),
     )
@@ -545,7 +546,7 @@ async fn stateless_berth(
     let pool = "bench-stateless";
     pool_class(admin, pool).await?;
     let c = machine(admin, "stateless-a", pool).await?;
-    create(
+    crate::testbed::create_or_keep(
         Api::namespaced(admin.clone(), NS),
         fixtures::deployment(
             "web",
@@ -600,13 +601,13 @@ async fn peer_nodes(
     let mut na = fixtures::node(&a);
     na.labels_mut()
         .insert(fixtures::POOL_LABEL.into(), pool.into());
-    create(nodes.clone(), na).await?;
+    crate::testbed::create_or_keep(nodes.clone(), na).await?;
     let sts = format!("{}-db", pool.trim_start_matches("bench-"));
     stateful_on(admin, &sts, args.stateful, args.grace, pool, &a).await?;
     let mut nb = fixtures::node(&b);
     nb.labels_mut()
         .insert(fixtures::POOL_LABEL.into(), pool.into());
-    create(nodes, nb).await?;
+    crate::testbed::create_or_keep(nodes, nb).await?;
     Ok((a, b))
 }
 
@@ -861,15 +862,4 @@ pub fn table(r: &Report) -> String {
         }
     }
     out
-}
-
-async fn create<K>(api: Api<K>, obj: K) -> anyhow::Result<()>
-where
-    K: kube::Resource + Clone + Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
-{
-    match api.create(&PostParams::default(), &obj).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
-        Err(e) => Err(anyhow::anyhow!("creating {}: {e}", obj.name_any())),
-    }
 }

@@ -552,3 +552,20 @@ fn kubeconfig_json(server: &str, pki: &pki::Pki) -> String {
     })
     .to_string()
 }
+
+/// Creates `obj`, or leaves the one that already exists (409) as it is:
+/// the set-up step of the demo, the benchmark and the tests, which may run
+/// again on the same control plane.
+///
+/// # Errors
+/// Any other API error.
+pub async fn create_or_keep<K>(api: kube::Api<K>, obj: K) -> Result<(), kube::Error>
+where
+    K: kube::Resource + Clone + serde::Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    match api.create(&kube::api::PostParams::default(), &obj).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
+        Err(e) => Err(e),
+    }
+}

@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod bench;
+pub mod cache;
 pub mod cli;
 pub mod demo;
 pub mod drain;

@@ -62,6 +62,7 @@ use super::select::{NamespacedName, fmt_key};
 use super::volume::replacement_expected;
 use crate::api::Machine;
 use crate::api::settings::ResolvedSettings;
+use crate::cache::{Indexes, claim_key};
 use crate::telemetry::{EvictionResult, Metrics};
 use crate::volumes::{Interest, Tracker, WaitError};
 
@@ -81,6 +82,7 @@ pub struct Deps {
     pub pdbs: Store<PodDisruptionBudget>,
     pub attachments: Store<VolumeAttachment>,
     pub nodes: Store<Node>,
+    pub indexes: Indexes,
     pub tracker: Tracker,
     /// Bumped after every pod event, once the pod store has applied it.
     pub pod_changes: watch::Receiver<u64>,
@@ -419,10 +421,9 @@ impl Run {
             .into_iter()
             .map(|p| (*p).clone())
             .collect();
-        let pvcs: Vec<_> = owned(&self.deps.pvcs);
-        let pvs: Vec<_> = owned(&self.deps.pvs);
-        let pdbs: Vec<_> = owned(&self.deps.pdbs);
-        let vas: Vec<_> = owned(&self.deps.attachments);
+        let (pvcs, pvs) = self.volume_objects(&pods, &[]);
+        let pdbs = self.pdbs_for(&pods);
+        let vas = self.attachments_of(&pvs);
         plan(
             &self.job.node,
             &pods,
@@ -436,13 +437,88 @@ impl Run {
 
     fn pods_on_node(&self) -> Vec<Arc<Pod>> {
         self.deps
-            .pods
-            .state()
+            .indexes
+            .pods_by_node
+            .get(&self.deps.pods, &self.job.node)
+    }
+
+    /// Copies of the claims `pods` name and of the volumes bound to them,
+    /// plus the volumes named in `more_pvs`: the part of the PVC and PV
+    /// caches a plan of these pods reads.
+    fn volume_objects(
+        &self,
+        pods: &[Pod],
+        more_pvs: &[String],
+    ) -> (Vec<PersistentVolumeClaim>, Vec<PersistentVolume>) {
+        let mut pvcs: BTreeMap<String, PersistentVolumeClaim> = BTreeMap::new();
+        for pod in pods {
+            let ns = pod.metadata.namespace.as_deref().unwrap_or_default();
+            for key in crate::cache::pod_claims(pod) {
+                let claim = key.strip_prefix(&format!("{ns}/")).unwrap_or(&key);
+                if let Some(pvc) = self.deps.pvcs.get(&ObjectRef::new(claim).within(ns)) {
+                    pvcs.insert(key, (*pvc).clone());
+                }
+            }
+        }
+        let names: BTreeSet<&str> = pvcs
+            .values()
+            .filter_map(|c| c.spec.as_ref()?.volume_name.as_deref())
+            .chain(more_pvs.iter().map(String::as_str))
+            .collect();
+        let pvs = names
             .into_iter()
-            .filter(|p| {
-                p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(self.job.node.as_str())
+            .filter_map(|n| self.deps.pvs.get(&ObjectRef::new(n)))
+            .map(|pv| (*pv).clone())
+            .collect();
+        (pvcs.into_values().collect(), pvs)
+    }
+
+    /// Copies of the PodDisruptionBudgets in the namespaces of `pods`.
+    fn pdbs_for(&self, pods: &[Pod]) -> Vec<PodDisruptionBudget> {
+        let namespaces: BTreeSet<&str> = pods
+            .iter()
+            .filter_map(|p| p.metadata.namespace.as_deref())
+            .collect();
+        self.deps
+            .pdbs
+            .state_filter(|pdb| {
+                pdb.metadata
+                    .namespace
+                    .as_deref()
+                    .is_some_and(|ns| namespaces.contains(ns))
             })
+            .iter()
+            .map(|pdb| (**pdb).clone())
             .collect()
+    }
+
+    /// Copies of the VolumeAttachments to this Node and of those of `pvs`
+    /// anywhere.
+    fn attachments_of(&self, pvs: &[PersistentVolume]) -> Vec<VolumeAttachment> {
+        let ix = &self.deps.indexes;
+        let store = &self.deps.attachments;
+        let mut vas: BTreeMap<String, VolumeAttachment> = BTreeMap::new();
+        let on_node = ix.attachments_by_node.get(store, &self.job.node);
+        let of_pvs = pvs
+            .iter()
+            .filter_map(|pv| pv.metadata.name.as_deref())
+            .flat_map(|n| ix.attachments_by_pv.get(store, n));
+        for va in on_node.into_iter().chain(of_pvs) {
+            vas.entry(va.metadata.name.clone().unwrap_or_default())
+                .or_insert_with(|| (*va).clone());
+        }
+        vas.into_values().collect()
+    }
+
+    /// Whether a pod other than `evicted_uid` still needs `claim` (see
+    /// [`replacement_expected`]), read from the claim index.
+    fn replacement_expected(&self, claim: &NamespacedName, evicted_uid: &str) -> bool {
+        let users = self
+            .deps
+            .indexes
+            .pods_by_claim
+            .get(&self.deps.pods, &claim_key(&claim.0, &claim.1));
+        replacement_expected(claim, users.iter().map(|p| &**p), evicted_uid)
     }
 
     fn update(&self, f: impl FnOnce(&mut Progress)) {
@@ -616,9 +692,20 @@ impl Run {
     /// that left (perhaps before a restart) and whose volumes are still
     /// detaching. No stateful pod is evicted before they are gone.
     fn volumes_still_detaching(&self, plan: &DrainPlan) -> Vec<(String, Option<String>)> {
-        let pods = self.pods_on_node();
-        let pvcs: Vec<_> = owned(&self.deps.pvcs);
-        let pvs: Vec<_> = owned(&self.deps.pvs);
+        let pods: Vec<Pod> = self
+            .pods_on_node()
+            .into_iter()
+            .map(|p| (*p).clone())
+            .collect();
+        let attached: Vec<String> = self
+            .deps
+            .indexes
+            .attachments_by_node
+            .get(&self.deps.attachments, &plan.node)
+            .iter()
+            .filter_map(|va| va.spec.source.persistent_volume_name.clone())
+            .collect();
+        let (pvcs, pvs) = self.volume_objects(&pods, &attached);
         let index = super::volume::VolumeIndex::new(&pvcs, &pvs);
         let in_use: BTreeSet<String> = pods
             .iter()
@@ -627,14 +714,6 @@ impl Run {
         let by_pv: BTreeMap<&str, &PersistentVolume> = pvs
             .iter()
             .filter_map(|pv| pv.metadata.name.as_deref().map(|n| (n, pv)))
-            .collect();
-        let attached: Vec<String> = self
-            .deps
-            .attachments
-            .state()
-            .iter()
-            .filter(|va| va.spec.node_name == plan.node)
-            .filter_map(|va| va.spec.source.persistent_volume_name.clone())
             .collect();
         let abandoned = self.abandoned.lock().map(|a| a.clone()).unwrap_or_default();
         leftover_volumes(&attached, &in_use)
@@ -689,14 +768,14 @@ impl Run {
             }
         }
         // And attached where a pod still needs them.
-        let pods = owned(&self.deps.pods);
-        let needed: BTreeSet<String> = owned(&self.deps.pvs)
-            .into_iter()
-            .filter(|pv| names.contains(&pv.metadata.name.as_deref().unwrap_or_default()))
+        let needed: BTreeSet<String> = names
+            .iter()
+            .filter_map(|n| self.deps.pvs.get(&ObjectRef::new(n)))
             .filter_map(|pv| {
                 let claim = pv.spec.as_ref()?.claim_ref.as_ref()?;
                 let key = (claim.namespace.clone()?, claim.name.clone()?);
-                replacement_expected(&key, &pods, "").then(|| pv.metadata.name.clone())?
+                self.replacement_expected(&key, "")
+                    .then(|| pv.metadata.name.clone())?
             })
             .collect();
         if needed.is_empty() {
@@ -778,7 +857,7 @@ impl Run {
                 Evicted::Gone => return true,
                 Evicted::Refused { message } => {
                     refusals += 1;
-                    let pdbs: Vec<_> = owned(&self.deps.pdbs);
+                    let pdbs = self.pdbs_for(std::slice::from_ref(&*pod));
                     let findings = super::pdb::findings_for(&pod, &pdbs);
                     let misconfigured = findings
                         .iter()
@@ -919,13 +998,12 @@ impl Run {
                 }
             }
             // Reattach: only for claims some pod still needs.
-            let pods: Vec<Pod> = owned(&self.deps.pods);
             let uid = planned.uid.clone().unwrap_or_default();
             let (expected, orphaned): (Vec<_>, Vec<_>) = planned
                 .volumes
                 .iter()
                 .filter(|v| matches!(v.wait, VolumeWait::Detach { reattach: true, .. }))
-                .partition(|v| replacement_expected(&v.volume.claim, &pods, &uid));
+                .partition(|v| self.replacement_expected(&v.volume.claim, &uid));
             for v in &orphaned {
                 self.event(
                     EventType::Normal,
@@ -1067,14 +1145,6 @@ impl Run {
         }
         Outcome::Forced { pods: forced }
     }
-}
-
-/// A copy of a cache's objects, for the pure functions that take slices.
-fn owned<K: Clone + kube::Resource>(store: &Store<K>) -> Vec<K>
-where
-    K::DynamicType: std::hash::Hash + Eq + Clone,
-{
-    store.state().iter().map(|o| (**o).clone()).collect()
 }
 
 fn pod_ref(pod: &Pod) -> ObjectReference {

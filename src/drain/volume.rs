@@ -171,9 +171,13 @@ pub fn attached_nodes(pv: &str, vas: &[VolumeAttachment]) -> Vec<String> {
 /// scaled down, a Job that completed), so a reattach wait can end at once.
 /// An ephemeral volume's claim dies with its pod, so the caller skips the
 /// reattach wait for [`VolumeRef::ephemeral`] volumes instead.
-pub fn replacement_expected(claim: &NamespacedName, pods: &[Pod], evicted_pod_uid: &str) -> bool {
+pub fn replacement_expected<'a>(
+    claim: &NamespacedName,
+    pods: impl IntoIterator<Item = &'a Pod>,
+    evicted_pod_uid: &str,
+) -> bool {
     let (ns, name) = claim;
-    pods.iter().any(|pod| {
+    pods.into_iter().any(|pod| {
         pod.metadata.namespace.as_deref() == Some(ns.as_str())
             && pod.metadata.uid.as_deref() != Some(evicted_pod_uid)
             && pod.metadata.deletion_timestamp.is_none()

@@ -30,6 +30,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 
 use crate::api::{Machine, MachineClass};
+use crate::cache::Indexes;
 use crate::drain::engine::{Deps as DrainDeps, Drainer};
 use crate::providers::Registry;
 use crate::telemetry::Metrics;
@@ -48,6 +49,8 @@ pub struct Stores {
     pub pvcs: Store<PersistentVolumeClaim>,
     pub pvs: Store<PersistentVolume>,
     pub pdbs: Store<PodDisruptionBudget>,
+    /// Lookups by Node, claim, PV and providerID over those caches.
+    pub indexes: Indexes,
 }
 
 pub struct Context {
@@ -95,7 +98,7 @@ pub async fn run(
     let (classes, classes_w) = reflector::store();
     let class_events = reflector::reflector(
         classes_w,
-        watcher(Api::<MachineClass>::all(client.clone()), wc.clone()),
+        watcher(Api::<MachineClass>::all(client.clone()), wc.clone()).modify(trim),
     )
     .default_backoff()
     .touched_objects();
@@ -109,25 +112,30 @@ pub async fn run(
         crate::volumes::DEFAULT_CHANNEL_CAPACITY,
         Some(&metrics),
     );
+    let indexes = Indexes::default();
     let node_tracker = tracker.clone();
+    let node_index = indexes.clone();
     let node_events = reflector::reflector(
         nodes_w,
-        watcher(Api::<Node>::all(client.clone()), wc.clone()),
+        watcher(Api::<Node>::all(client.clone()), wc.clone()).modify(trim),
     )
     .inspect(move |ev| {
         if let Ok(ev) = ev {
+            node_index.observe_node(ev);
             node_tracker.observe_node_event(ev);
         }
     })
     .default_backoff()
     .touched_objects();
     let va_tracker = tracker.clone();
+    let va_index = indexes.clone();
     let va_events = reflector::reflector(
         vas_w,
-        watcher(Api::<VolumeAttachment>::all(client.clone()), wc.clone()),
+        watcher(Api::<VolumeAttachment>::all(client.clone()), wc.clone()).modify(trim),
     )
     .inspect(move |ev| {
         if let Ok(ev) = ev {
+            va_index.observe_attachment(ev);
             va_tracker.observe_attachment_event(ev);
         }
     })
@@ -137,16 +145,24 @@ pub async fn run(
     // watch: a waiter re-reads the store after each bump, so none is missed.
     let (pod_changes_tx, pod_changes) = tokio::sync::watch::channel(0u64);
     let (pods, pods_w) = reflector::store();
-    let pod_events =
-        reflector::reflector(pods_w, watcher(Api::<Pod>::all(client.clone()), wc.clone()))
-            .inspect(move |_| pod_changes_tx.send_modify(|n| *n = n.wrapping_add(1)))
-            .default_backoff()
-            .touched_objects();
+    let pod_index = indexes.clone();
+    let pod_events = reflector::reflector(
+        pods_w,
+        watcher(Api::<Pod>::all(client.clone()), wc.clone()).modify(trim),
+    )
+    .inspect(move |ev| {
+        if let Ok(ev) = ev {
+            pod_index.observe_pod(ev);
+        }
+        pod_changes_tx.send_modify(|n| *n = n.wrapping_add(1));
+    })
+    .default_backoff()
+    .touched_objects();
     let (pdb_changes_tx, pdb_changes) = tokio::sync::watch::channel(0u64);
     let (pdbs, pdbs_w) = reflector::store();
     let pdb_events = reflector::reflector(
         pdbs_w,
-        watcher(Api::<PodDisruptionBudget>::all(client.clone()), wc.clone()),
+        watcher(Api::<PodDisruptionBudget>::all(client.clone()), wc.clone()).modify(trim),
     )
     .inspect(move |_| pdb_changes_tx.send_modify(|n| *n = n.wrapping_add(1)));
     let (pvcs, pvcs_w) = reflector::store();
@@ -155,12 +171,13 @@ pub async fn run(
         watcher(
             Api::<PersistentVolumeClaim>::all(client.clone()),
             wc.clone(),
-        ),
+        )
+        .modify(trim),
     );
     let (pvs, pvs_w) = reflector::store();
     let pv_events = reflector::reflector(
         pvs_w,
-        watcher(Api::<PersistentVolume>::all(client.clone()), wc.clone()),
+        watcher(Api::<PersistentVolume>::all(client.clone()), wc.clone()).modify(trim),
     );
     // These three only fill caches; nothing is woken by them directly.
     let side_caches = tokio::spawn(async move {
@@ -184,6 +201,7 @@ pub async fn run(
         pvcs: pvcs.clone(),
         pvs: pvs.clone(),
         pdbs: pdbs.clone(),
+        indexes: indexes.clone(),
     };
 
     let by_class = machines.clone();
@@ -207,14 +225,17 @@ pub async fn run(
                 node.spec.as_ref().and_then(|s| s.provider_id.as_deref()),
             )
         })
+        // Pods and VolumeAttachments matter only to a Machine being
+        // deleted (its drain and its wait for detach): a Running Machine
+        // is not woken by the churn of its Node's pods.
         .watches_stream(pod_events, move |pod: Pod| {
             match pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) {
-                Some(node) => machines_of_node(&by_pod, node, None),
+                Some(node) => deleting_machines_of_node(&by_pod, node),
                 None => Vec::new(),
             }
         })
         .watches_stream(va_events, move |va: VolumeAttachment| {
-            machines_of_node(&by_va, &va.spec.node_name, None)
+            deleting_machines_of_node(&by_va, &va.spec.node_name)
         });
 
     let providers = providers.instrumented(&metrics);
@@ -233,6 +254,7 @@ pub async fn run(
         pdbs: pdbs.clone(),
         attachments: attachments.clone(),
         nodes: nodes.clone(),
+        indexes,
         tracker,
         pod_changes,
         pdb_changes,
@@ -358,9 +380,7 @@ fn machines_of_node(
     provider_id: Option<&str>,
 ) -> Vec<ObjectRef<Machine>> {
     machines
-        .state()
-        .into_iter()
-        .filter(|m| {
+        .state_filter(|m| {
             let by_ref = m
                 .status
                 .as_ref()
@@ -369,8 +389,35 @@ fn machines_of_node(
             let by_id = provider_id.is_some() && m.spec.provider_id.as_deref() == provider_id;
             by_ref || by_id
         })
-        .map(|m| ObjectRef::from_obj(&*m))
+        .iter()
+        .map(|m| ObjectRef::from_obj(&**m))
         .collect()
+}
+
+/// The Machines being deleted whose Node this is.
+fn deleting_machines_of_node(machines: &Store<Machine>, node: &str) -> Vec<ObjectRef<Machine>> {
+    machines
+        .state_filter(|m| {
+            m.metadata.deletion_timestamp.is_some()
+                && m.status
+                    .as_ref()
+                    .and_then(|s| s.node_ref.as_ref())
+                    .is_some_and(|r| r.name == node)
+        })
+        .iter()
+        .map(|m| ObjectRef::from_obj(&**m))
+        .collect()
+}
+
+/// Drops what no decision reads before an object enters a cache:
+/// `managedFields` (often the largest part of a Pod) and the last-applied
+/// annotation of `kubectl apply`, which repeats the whole object.
+fn trim<K: kube::Resource>(obj: &mut K) {
+    let meta = obj.meta_mut();
+    meta.managed_fields = None;
+    if let Some(a) = meta.annotations.as_mut() {
+        a.remove("kubectl.kubernetes.io/last-applied-configuration");
+    }
 }
 
 fn error_policy(machine: Arc<Machine>, error: &Error, ctx: Arc<Context>) -> Action {

@@ -303,10 +303,11 @@ fn find_node(m: &Machine, ctx: &Context) -> Option<Arc<Node>> {
     }
     let id = m.spec.provider_id.as_deref()?;
     ctx.stores
-        .nodes
-        .state()
+        .indexes
+        .nodes_by_provider_id
+        .get(&ctx.stores.nodes, id)
         .into_iter()
-        .find(|n| n.spec.as_ref().and_then(|s| s.provider_id.as_deref()) == Some(id))
+        .next()
 }
 
 async fn apply(m: &Machine, ctx: &Context) -> Result<Action, Error> {
@@ -521,12 +522,7 @@ async fn create_vm(m: &Machine, ctx: &Context, r: &Resolved) -> Result<Action, E
 }
 
 fn pods_on(ctx: &Context, node: &str) -> Vec<Arc<Pod>> {
-    ctx.stores
-        .pods
-        .state()
-        .into_iter()
-        .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node))
-        .collect()
+    ctx.stores.indexes.pods_by_node.get(&ctx.stores.pods, node)
 }
 
 fn key(p: &Pod) -> String {
@@ -569,10 +565,10 @@ async fn cleanup(m: &Machine, ctx: &Context) -> Result<Option<Action>, Error> {
     let attachments: Vec<String> = match &node_facts {
         Some(n) => ctx
             .stores
-            .attachments
-            .state()
+            .indexes
+            .attachments_by_node
+            .get(&ctx.stores.attachments, &n.name)
             .iter()
-            .filter(|va| va.spec.node_name == n.name)
             .map(|va| va.name_any())
             .collect(),
         None => vec![],

@@ -60,3 +60,30 @@ fn readme_references_match_the_code() {
         );
     }
 }
+
+/// The code layout table names every folder of `src/`, so a new part of the
+/// design cannot go unmentioned.
+#[test]
+fn readme_layout_names_every_source_folder() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
+    let layout = readme
+        .split("## Code layout")
+        .nth(1)
+        .and_then(|s| s.split("\n## ").next())
+        .expect("README.md has a \"Code layout\" section");
+    let mut missing = Vec::new();
+    for entry in std::fs::read_dir(root.join("src")).expect("src/") {
+        let entry = entry.expect("src/ entry");
+        if entry.file_type().expect("file type").is_dir() {
+            let name = format!("`{}/`", entry.file_name().to_string_lossy());
+            if !layout.contains(&name) {
+                missing.push(name);
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "README.md's code layout does not mention {missing:?}"
+    );
+}

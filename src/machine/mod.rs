@@ -65,6 +65,7 @@ pub struct Context {
     /// Per-Machine exponential backoff for transient errors, reset by a
     /// successful reconcile.
     backoff: Mutex<HashMap<ObjectRef<Machine>, backon::ExponentialBackoff>>,
+    provider_ids: reconcile::WrittenProviderIds,
 }
 
 /// How the controller runs.
@@ -274,6 +275,7 @@ pub async fn run(
         stores: stores.clone(),
         metrics: Arc::clone(&metrics),
         backoff: Mutex::new(HashMap::new()),
+        provider_ids: Default::default(),
     });
 
     let readiness = {

@@ -1,7 +1,8 @@
 //! Observe, decide, act, record. Every step here is idempotent and safe to
 //! cancel at any await point (the contract of kube-runtime's `finalizer`).
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Pod, Taint};
@@ -85,6 +86,7 @@ pub(super) async fn reconcile(machine: Arc<Machine>, ctx: Arc<Context>) -> Resul
     if !ctx.synced.load(std::sync::atomic::Ordering::Acquire) {
         return Ok(Action::await_change());
     }
+    let machine = ctx.provider_ids.fill_in(machine);
     let mut timer = ctx.metrics.reconcile_timer();
     let result = reconcile_inner(&machine, &ctx).await;
     timer.record(&result, Error::metric_label);
@@ -103,6 +105,7 @@ async fn reconcile_inner(machine: &Arc<Machine>, ctx: &Context) -> Result<Action
                 Some(action) => Err(Error::Pending(action)),
                 None => {
                     ctx.drainer.forget(&ObjectRef::from_obj(&*m));
+                    ctx.provider_ids.forget(&m);
                     Ok(Action::await_change())
                 }
             },
@@ -476,6 +479,7 @@ async fn create_vm(m: &Machine, ctx: &Context, r: &Resolved) -> Result<Action, E
                 &Patch::Merge(serde_json::json!({"spec": {"providerID": vm.provider_id}})),
             )
             .await?;
+            ctx.provider_ids.written(m, &vm.provider_id);
             // The spec change wakes the next step.
             Ok(Action::await_change())
         }
@@ -915,4 +919,95 @@ async fn delete_vm_and_node(
     )
     .await?;
     Ok(None)
+}
+
+/// The providerIDs this controller wrote that its Machine cache may not show
+/// yet, by Machine UID.
+///
+/// Writing the VM request into the status wakes the Machine again, and that
+/// reconcile can read a cached copy from before the providerID was written:
+/// without this it would ask the provider for a second VM (measured: 110
+/// creates for 60 Machines). An entry lives until the cache shows the
+/// providerID or the Machine is gone.
+#[derive(Default)]
+pub(super) struct WrittenProviderIds(Mutex<HashMap<String, String>>);
+
+impl WrittenProviderIds {
+    /// `m`, or a copy with the providerID this controller wrote for it.
+    fn fill_in(&self, m: Arc<Machine>) -> Arc<Machine> {
+        let Some(uid) = m.metadata.uid.as_deref() else {
+            return m;
+        };
+        let mut ids = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if m.spec.provider_id.is_some() {
+            ids.remove(uid);
+            return m;
+        }
+        match ids.get(uid) {
+            Some(id) => {
+                let mut copy = (*m).clone();
+                copy.spec.provider_id = Some(id.clone());
+                Arc::new(copy)
+            }
+            None => m,
+        }
+    }
+
+    fn written(&self, m: &Machine, provider_id: &str) {
+        if let Some(uid) = m.metadata.uid.clone() {
+            self.0
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(uid, provider_id.to_owned());
+        }
+    }
+
+    fn forget(&self, m: &Machine) {
+        if let Some(uid) = m.metadata.uid.as_deref() {
+            self.0.lock().unwrap_or_else(|e| e.into_inner()).remove(uid);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn machine(uid: &str, provider_id: Option<&str>) -> Arc<Machine> {
+        Arc::new(
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "berth.dev/v1alpha1", "kind": "Machine",
+                "metadata": {"name": "m", "namespace": "ns", "uid": uid},
+                "spec": {"classRef": {"name": "c"}, "providerID": provider_id}
+            }))
+            .expect("machine"),
+        )
+    }
+
+    #[test]
+    fn a_written_provider_id_fills_in_a_stale_copy_until_the_cache_has_it() {
+        let ids = WrittenProviderIds::default();
+        let stale = machine("u1", None);
+        assert_eq!(ids.fill_in(Arc::clone(&stale)).spec.provider_id, None);
+
+        ids.written(&stale, "fake://ns/m");
+        let filled = ids.fill_in(Arc::clone(&stale));
+        assert_eq!(filled.spec.provider_id.as_deref(), Some("fake://ns/m"));
+        // Another Machine of the same name (a new UID) is not confused with it.
+        assert_eq!(ids.fill_in(machine("u2", None)).spec.provider_id, None);
+
+        // The cache caught up: the entry goes, and the cached copy is used as is.
+        let fresh = machine("u1", Some("fake://ns/m"));
+        assert!(Arc::ptr_eq(&ids.fill_in(Arc::clone(&fresh)), &fresh));
+        assert_eq!(ids.fill_in(stale).spec.provider_id, None, "entry dropped");
+    }
+
+    #[test]
+    fn a_deleted_machine_is_forgotten() {
+        let ids = WrittenProviderIds::default();
+        let m = machine("u1", None);
+        ids.written(&m, "fake://ns/m");
+        ids.forget(&m);
+        assert_eq!(ids.fill_in(m).spec.provider_id, None);
+    }
 }

@@ -11,6 +11,8 @@
 //! are read from it on lookup, so an index costs a few strings per object
 //! and can never hand out a version older than the store's.
 
+pub mod trim;
+
 use std::collections::{HashMap, HashSet};
 use std::hash::Hash;
 use std::sync::{Arc, RwLock};

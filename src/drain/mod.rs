@@ -11,4 +11,4 @@ pub mod select;
 pub mod volume;
 
 #[cfg(test)]
-mod fixtures;
+pub(crate) mod fixtures;

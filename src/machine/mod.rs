@@ -30,7 +30,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 
 use crate::api::{Machine, MachineClass};
-use crate::cache::Indexes;
+use crate::cache::{Indexes, trim};
 use crate::drain::engine::{Deps as DrainDeps, Drainer};
 use crate::providers::Registry;
 use crate::telemetry::Metrics;
@@ -99,7 +99,7 @@ pub async fn run(
     let (classes, classes_w) = reflector::store();
     let class_events = reflector::reflector(
         classes_w,
-        watcher(Api::<MachineClass>::all(client.clone()), wc.clone()).modify(trim),
+        watcher(Api::<MachineClass>::all(client.clone()), wc.clone()).modify(trim::metadata),
     )
     .default_backoff()
     .touched_objects();
@@ -118,7 +118,7 @@ pub async fn run(
     let node_index = indexes.clone();
     let node_events = reflector::reflector(
         nodes_w,
-        watcher(Api::<Node>::all(client.clone()), wc.clone()).modify(trim),
+        watcher(Api::<Node>::all(client.clone()), wc.clone()).modify(trim::node),
     )
     .inspect(move |ev| {
         if let Ok(ev) = ev {
@@ -132,7 +132,7 @@ pub async fn run(
     let va_index = indexes.clone();
     let va_events = reflector::reflector(
         vas_w,
-        watcher(Api::<VolumeAttachment>::all(client.clone()), wc.clone()).modify(trim),
+        watcher(Api::<VolumeAttachment>::all(client.clone()), wc.clone()).modify(trim::metadata),
     )
     .inspect(move |ev| {
         if let Ok(ev) = ev {
@@ -149,7 +149,7 @@ pub async fn run(
     let pod_index = indexes.clone();
     let pod_events = reflector::reflector(
         pods_w,
-        watcher(Api::<Pod>::all(client.clone()), wc.clone()).modify(trim),
+        watcher(Api::<Pod>::all(client.clone()), wc.clone()).modify(trim::pod),
     )
     .inspect(move |ev| {
         if let Ok(ev) = ev {
@@ -163,7 +163,7 @@ pub async fn run(
     let (pdbs, pdbs_w) = reflector::store();
     let pdb_events = reflector::reflector(
         pdbs_w,
-        watcher(Api::<PodDisruptionBudget>::all(client.clone()), wc.clone()).modify(trim),
+        watcher(Api::<PodDisruptionBudget>::all(client.clone()), wc.clone()).modify(trim::metadata),
     )
     .inspect(move |_| pdb_changes_tx.send_modify(|n| *n = n.wrapping_add(1)));
     let (pvcs, pvcs_w) = reflector::store();
@@ -173,12 +173,12 @@ pub async fn run(
             Api::<PersistentVolumeClaim>::all(client.clone()),
             wc.clone(),
         )
-        .modify(trim),
+        .modify(trim::metadata),
     );
     let (pvs, pvs_w) = reflector::store();
     let pv_events = reflector::reflector(
         pvs_w,
-        watcher(Api::<PersistentVolume>::all(client.clone()), wc.clone()).modify(trim),
+        watcher(Api::<PersistentVolume>::all(client.clone()), wc.clone()).modify(trim::metadata),
     );
     // These three only fill caches; nothing is woken by them directly.
     let side_caches = tokio::spawn(async move {
@@ -409,17 +409,6 @@ fn deleting_machines_of_node(machines: &Store<Machine>, node: &str) -> Vec<Objec
         .iter()
         .map(|m| ObjectRef::from_obj(&**m))
         .collect()
-}
-
-/// Drops what no decision reads before an object enters a cache:
-/// `managedFields` (often the largest part of a Pod) and the last-applied
-/// annotation of `kubectl apply`, which repeats the whole object.
-fn trim<K: kube::Resource>(obj: &mut K) {
-    let meta = obj.meta_mut();
-    meta.managed_fields = None;
-    if let Some(a) = meta.annotations.as_mut() {
-        a.remove("kubectl.kubernetes.io/last-applied-configuration");
-    }
 }
 
 fn error_policy(machine: Arc<Machine>, error: &Error, ctx: Arc<Context>) -> Action {

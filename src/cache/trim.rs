@@ -1,0 +1,210 @@
+//! What is dropped from objects before they enter the caches.
+//!
+//! The caches hold every pod of the cluster; a Pod as the API server sends
+//! it carries containers, their environment, probes and statuses, projected
+//! token volumes and `managedFields`, none of which a decision reads. At
+//! 20,000 pods the difference is the controller's memory budget. Each
+//! function below keeps exactly the fields the reconciler, the drain and the
+//! volume tracker read; a test checks that the drain plans the same from
+//! trimmed and untrimmed pods. A decision that starts reading another field
+//! must keep it here too.
+
+use k8s_openapi::api::core::v1::{Node, Pod, PodSpec, PodStatus};
+use kube::Resource;
+
+/// Every object: `managedFields` (often the largest part of an object) and
+/// the last-applied annotation of `kubectl apply`, a second copy of the
+/// object.
+pub fn metadata<K: Resource>(obj: &mut K) {
+    let meta = obj.meta_mut();
+    meta.managed_fields = None;
+    if let Some(a) = meta.annotations.as_mut() {
+        a.remove("kubectl.kubernetes.io/last-applied-configuration");
+    }
+}
+
+/// A pod keeps its metadata (labels for PodDisruptionBudgets, owners, the
+/// mirror annotation, UID, deletion timestamp), of its spec the Node, the
+/// priority, the grace period and its claim-backed volumes
+/// (`persistentVolumeClaim` and generic `ephemeral`), and of its status the
+/// phase.
+pub fn pod(pod: &mut Pod) {
+    metadata(pod);
+    if let Some(spec) = pod.spec.as_mut() {
+        let volumes = spec.volumes.take().map(|vs| {
+            vs.into_iter()
+                .filter(|v| v.persistent_volume_claim.is_some() || v.ephemeral.is_some())
+                .collect::<Vec<_>>()
+        });
+        *spec = PodSpec {
+            node_name: spec.node_name.take(),
+            priority: spec.priority,
+            termination_grace_period_seconds: spec.termination_grace_period_seconds,
+            volumes: volumes.filter(|v| !v.is_empty()),
+            ..PodSpec::default()
+        };
+    }
+    if let Some(status) = pod.status.as_mut() {
+        *status = PodStatus {
+            phase: status.phase.take(),
+            ..PodStatus::default()
+        };
+    }
+}
+
+/// A Node drops its list of container images (the largest part of a real
+/// Node's status, read by nothing here).
+pub fn node(node: &mut Node) {
+    metadata(node);
+    if let Some(status) = node.status.as_mut() {
+        status.images = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::settings::ResolvedSettings;
+    use crate::drain::fixtures::{
+        PodFixture, csi_pv, match_labels, pdb, pod as fixture_pod, pvc, va,
+    };
+    use crate::drain::plan::plan;
+
+    /// A pod as the API server sends it, with everything a kubelet and the
+    /// admission plugins add.
+    fn full_pod(name: &str, claim: Option<&str>) -> Pod {
+        let mut volumes = vec![serde_json::json!({
+            "name": "kube-api-access-x",
+            "projected": {"sources": [{"serviceAccountToken": {"path": "token"}}]}
+        })];
+        if let Some(c) = claim {
+            volumes.push(
+                serde_json::json!({"name": "data", "persistentVolumeClaim": {"claimName": c}}),
+            );
+        }
+        serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "namespace": "db", "name": name, "uid": format!("uid-{name}"),
+                "labels": {"app": "db"},
+                "annotations": {
+                    "kubectl.kubernetes.io/last-applied-configuration": "{...}",
+                    "note": "kept"
+                },
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "db",
+                                     "uid": "ss", "controller": true}],
+                "managedFields": [{"manager": "kubectl", "operation": "Apply"}]
+            },
+            "spec": {
+                "nodeName": "node-1",
+                "priority": 100,
+                "terminationGracePeriodSeconds": 30,
+                "containers": [{"name": "c", "image": "db:1", "env": [{"name": "A", "value": "b"}]}],
+                "tolerations": [{"key": "k", "operator": "Exists"}],
+                "volumes": volumes
+            },
+            "status": {
+                "phase": "Running",
+                "podIP": "10.0.0.1",
+                "conditions": [{"type": "Ready", "status": "True"}],
+                "containerStatuses": [{"name": "c", "image": "db:1", "imageID": "x", "ready": true,
+                                       "restartCount": 0}]
+            }
+        }))
+        .expect("pod")
+    }
+
+    #[test]
+    fn a_pod_keeps_what_decisions_read_and_nothing_else() {
+        let mut p = full_pod("pg-0", Some("data-pg-0"));
+        pod(&mut p);
+        assert_eq!(p.metadata.managed_fields, None);
+        let annotations = p.metadata.annotations.as_ref().expect("annotations");
+        assert_eq!(annotations.len(), 1, "{annotations:?}");
+        assert_eq!(annotations["note"], "kept");
+        assert_eq!(p.metadata.owner_references.as_ref().map(Vec::len), Some(1));
+        assert_eq!(p.metadata.uid.as_deref(), Some("uid-pg-0"));
+        let spec = p.spec.as_ref().expect("spec");
+        assert_eq!(spec.node_name.as_deref(), Some("node-1"));
+        assert_eq!(spec.priority, Some(100));
+        assert_eq!(spec.termination_grace_period_seconds, Some(30));
+        assert!(spec.containers.is_empty());
+        assert_eq!(spec.tolerations, None);
+        let volumes = spec.volumes.as_ref().expect("the claim's volume");
+        assert_eq!(volumes.len(), 1);
+        assert_eq!(volumes[0].name, "data");
+        let status = p.status.as_ref().expect("status");
+        assert_eq!(status.phase.as_deref(), Some("Running"));
+        assert_eq!(status.pod_ip, None);
+        assert_eq!(status.container_statuses, None);
+
+        let mut no_claims = full_pod("web", None);
+        pod(&mut no_claims);
+        assert_eq!(no_claims.spec.and_then(|s| s.volumes), None);
+    }
+
+    #[test]
+    fn the_drain_plans_the_same_from_trimmed_pods() {
+        let pods = vec![
+            full_pod("pg-0", Some("data-pg-0")),
+            full_pod("pg-1", Some("data-pg-1")),
+            full_pod("web", None),
+            fixture_pod("db", "old")
+                .on_node(Some("node-1"))
+                .phase("Succeeded"),
+            fixture_pod("kube-system", "static")
+                .on_node(Some("node-1"))
+                .mirror(),
+            fixture_pod("db", "ds")
+                .on_node(Some("node-1"))
+                .owned_by("DaemonSet", "agent", true),
+        ];
+        let pvcs = [
+            pvc("db", "data-pg-0", Some("pv-0")),
+            pvc("db", "data-pg-1", Some("pv-1")),
+        ];
+        let pvs = [csi_pv("pv-0", "d.csi", "h0"), csi_pv("pv-1", "d.csi", "h1")];
+        let pdbs = [pdb(
+            "db",
+            "db",
+            Some(match_labels(&[("app", "db")])),
+            (1, 1, 2, 2, 1),
+        )];
+        let vas = [va("pv-0", "node-1", true), va("pv-1", "node-1", true)];
+        let settings = ResolvedSettings::default();
+        let trimmed: Vec<Pod> = pods
+            .iter()
+            .cloned()
+            .map(|mut p| {
+                pod(&mut p);
+                p
+            })
+            .collect();
+        let before = plan("node-1", &pods, &pvcs, &pvs, &pdbs, &vas, &settings);
+        let after = plan("node-1", &trimmed, &pvcs, &pvs, &pdbs, &vas, &settings);
+        assert_eq!(before.to_string(), after.to_string());
+        assert_eq!(before.stateful.len(), 2, "{before}");
+    }
+
+    #[test]
+    fn a_node_drops_its_images() {
+        let mut n: Node = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "n"},
+            "spec": {"providerID": "fake://n"},
+            "status": {
+                "images": [{"names": ["db:1"], "sizeBytes": 1}],
+                "volumesAttached": [{"name": "kubernetes.io/csi/d^h", "devicePath": ""}],
+                "conditions": [{"type": "Ready", "status": "True"}]
+            }
+        }))
+        .expect("node");
+        node(&mut n);
+        let status = n.status.expect("status");
+        assert_eq!(status.images, None);
+        assert_eq!(status.volumes_attached.map(|v| v.len()), Some(1));
+        assert_eq!(status.conditions.map(|c| c.len()), Some(1));
+        assert_eq!(
+            n.spec.and_then(|s| s.provider_id).as_deref(),
+            Some("fake://n")
+        );
+    }
+}

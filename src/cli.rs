@@ -26,7 +26,8 @@ pub enum Command {
     /// workloads, and the volume-aware drain of one of them, shown live.
     Demo(crate::demo::DemoArgs),
     /// Drain benchmark on the local control plane: controller-added latency,
-    /// wall time against its floor, API cost, and peers side by side.
+    /// wall time against its floor, API cost, and peers side by side; and
+    /// at scale, the controller's memory and CPU under concurrent drains.
     Bench(crate::bench::BenchArgs),
     /// Print the CustomResourceDefinitions (MachineClass, Machine) as YAML.
     Crd,

@@ -19,8 +19,17 @@
 //! - **peers**: the stateful scenario again with `kubectl drain` (the test
 //!   bed's kubectl, built from the same Kubernetes release) and, when its
 //!   driver is built, Gardener machine-controller-manager's drain package.
+//! - **scale** (see [`scale`]): on a test bed of its own, after the others,
+//!   so that its load does not disturb them: 1,000 Machines, 20,000 pods and
+//!   5,000 VolumeAttachments in the caches and 20 concurrent drains, with
+//!   the controller as a separate process: its peak memory and CPU time by
+//!   phase, and each drain's wall time against its floor.
+//!
+//! `--scenarios` picks which run, e.g. `--scenarios scale` alone.
 
 pub mod audit;
+pub mod compare;
+pub mod scale;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -72,6 +81,41 @@ pub struct BenchArgs {
     /// Where to write the JSON result.
     #[arg(long, default_value = "bench/results/latest.json")]
     pub out: PathBuf,
+    /// Scenarios to run, comma-separated.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_values_t = [Scenario::Stateful, Scenario::Stateless, Scenario::Peers, Scenario::Scale]
+    )]
+    pub scenarios: Vec<Scenario>,
+    /// Machines (and so Nodes) in the scale scenario.
+    #[arg(long, default_value_t = 1000)]
+    pub scale_machines: u32,
+    /// Pods in the scale scenario.
+    #[arg(long, default_value_t = 20_000)]
+    pub scale_pods: u32,
+    /// VolumeAttachments in the scale scenario.
+    #[arg(long, default_value_t = 5000)]
+    pub scale_attachments: u32,
+    /// Machines drained at once in the scale scenario.
+    #[arg(long, default_value_t = 20)]
+    pub scale_drains: u32,
+}
+
+/// The benchmark's scenarios.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Scenario {
+    /// berth drains a StatefulSet, one volume at a time.
+    Stateful,
+    /// berth drains a Deployment without volumes.
+    Stateless,
+    /// `kubectl drain` and MCM's drain on the stateful workload (also needs
+    /// `--peers`).
+    Peers,
+    /// Many Machines, pods and VolumeAttachments; concurrent drains;
+    /// the controller's memory and CPU.
+    Scale,
 }
 
 #[derive(Debug, Serialize)]
@@ -80,6 +124,10 @@ pub struct Report {
     pub hardware: String,
     pub settings: Settings,
     pub runs: Vec<Run>,
+    /// Each peer against berth in the same scenario.
+    pub ratios: Vec<compare::Ratio>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scale: Option<scale::Scale>,
 }
 
 #[derive(Debug, Serialize)]
@@ -126,11 +174,56 @@ impl Gaps {
     }
 }
 
-/// Runs every scenario and writes the report.
+/// Runs the chosen scenarios and writes the report.
 ///
 /// # Errors
-/// A scenario that cannot be set up or does not finish.
+/// A scenario that cannot be set up or does not finish (the scale scenario
+/// reports its failure in the report instead).
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let wants = |s: Scenario| args.scenarios.contains(&s);
+    let runs = if wants(Scenario::Stateful)
+        || wants(Scenario::Stateless)
+        || (args.peers && wants(Scenario::Peers))
+    {
+        drains(&args).await?
+    } else {
+        Vec::new()
+    };
+    // After the others, on a test bed of its own.
+    let scale = if wants(Scenario::Scale) {
+        Some(scale::run(&args).await)
+    } else {
+        None
+    };
+
+    let report = Report {
+        when: Timestamp::now().to_string(),
+        hardware: hardware(),
+        settings: Settings {
+            stateful_pods: args.stateful,
+            stateless_pods: args.stateless,
+            grace_seconds: args.grace,
+            attach_delay_seconds: args.attach_delay.as_secs_f64(),
+            detach_delay_seconds: args.detach_delay.as_secs_f64(),
+        },
+        ratios: compare::ratios(&runs),
+        runs,
+        scale,
+    };
+    if let Some(dir) = args.out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&args.out, serde_json::to_string_pretty(&report)? + "\n")?;
+    print!("{}", table(&report));
+    println!("written to {}", args.out.display());
+    Ok(())
+}
+
+/// The stateful, stateless and peer scenarios that were chosen, on one
+/// test bed with the audit log on and the controller in this process. The
+/// test bed is gone when this returns.
+async fn drains(args: &BenchArgs) -> anyhow::Result<Vec<Run>> {
+    let wants = |s: Scenario| args.scenarios.contains(&s);
     let bed = TestBed::start(
         Options::end_to_end()
             .attach_delay(args.attach_delay)
@@ -164,11 +257,15 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
 
     let mut runs = Vec::new();
     let audit_log = bed.dir().join("audit.log");
-    runs.push(stateful_berth(&admin, &args, &audit_log, &user).await?);
-    runs.push(stateless_berth(&admin, &args, &audit_log, &user).await?);
-    if args.peers {
+    if wants(Scenario::Stateful) {
+        runs.push(stateful_berth(&admin, args, &audit_log, &user).await?);
+    }
+    if wants(Scenario::Stateless) {
+        runs.push(stateless_berth(&admin, args, &audit_log, &user).await?);
+    }
+    if args.peers && wants(Scenario::Peers) {
         runs.push(
-            stateful_kubectl(&admin, &bed, &args, &audit_log)
+            stateful_kubectl(&admin, &bed, args, &audit_log)
                 .await
                 .unwrap_or_else(|e| Run {
                     scenario: "stateful".into(),
@@ -178,29 +275,20 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                     ..Default::default()
                 }),
         );
-        runs.push(stateful_mcm(&admin, &bed, &args, &audit_log).await);
+        runs.push(stateful_mcm(&admin, &bed, args, &audit_log).await);
     }
     controller.stop(Duration::from_secs(30)).await;
+    Ok(runs)
+}
 
-    let report = Report {
-        when: Timestamp::now().to_string(),
-        hardware: hardware(),
-        settings: Settings {
-            stateful_pods: args.stateful,
-            stateless_pods: args.stateless,
-            grace_seconds: args.grace,
-            attach_delay_seconds: args.attach_delay.as_secs_f64(),
-            detach_delay_seconds: args.detach_delay.as_secs_f64(),
-        },
-        runs,
-    };
-    if let Some(dir) = args.out.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    std::fs::write(&args.out, serde_json::to_string_pretty(&report)? + "\n")?;
-    print!("{}", table(&report));
-    println!("written to {}", args.out.display());
-    Ok(())
+/// The controller's user name on the API server.
+fn controller_user() -> String {
+    format!("system:serviceaccount:{NS}:{SA}")
+}
+
+/// Where [`controller_client`] writes the controller's kubeconfig.
+fn controller_kubeconfig(bed: &TestBed) -> PathBuf {
+    bed.dir().join("bench-controller.kubeconfig")
 }
 
 /// A client for the controller with an identity of its own (a
@@ -232,7 +320,7 @@ async fn controller_client(bed: &TestBed, admin: &Client) -> anyhow::Result<(Cli
         .status
         .map(|s| s.token)
         .context("no token issued")?;
-    let kubeconfig = bed.dir().join("bench-controller.kubeconfig");
+    let kubeconfig = controller_kubeconfig(bed);
     let ca = base64::Engine::encode(&base64::engine::general_purpose::STANDARD, bed.ca_pem()?);
     std::fs::write(
         &kubeconfig,
@@ -246,10 +334,7 @@ async fn controller_client(bed: &TestBed, admin: &Client) -> anyhow::Result<(Cli
     let kc = kube::config::Kubeconfig::read_from(&kubeconfig)?;
     let mut config = kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?;
     config.default_retry = false;
-    Ok((
-        Client::try_from(config)?,
-        format!("system:serviceaccount:{NS}:{SA}"),
-    ))
+    Ok((Client::try_from(config)?, controller_user()))
 }
 
 async fn pool_class(admin: &Client, pool: &str) -> anyhow::Result<()> {
@@ -266,16 +351,17 @@ async fn pool_class(admin: &Client, pool: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A Machine of `class` in the bench namespace.
+fn machine_object(name: &str, class: &str) -> anyhow::Result<Machine> {
+    Ok(serde_json::from_value(serde_json::json!({
+        "apiVersion": "berth.dev/v1alpha1", "kind": "Machine",
+        "metadata": {"name": name, "namespace": NS}, "spec": {"classRef": {"name": class}}
+    }))?)
+}
+
 async fn machine(admin: &Client, name: &str, class: &str) -> anyhow::Result<String> {
     let machines: Api<Machine> = Api::namespaced(admin.clone(), NS);
-    crate::testbed::create_or_keep(
-        machines.clone(),
-        serde_json::from_value(serde_json::json!({
-            "apiVersion": "berth.dev/v1alpha1", "kind": "Machine",
-            "metadata": {"name": name}, "spec": {"classRef": {"name": class}}
-        }))?,
-    )
-    .await?;
+    crate::testbed::create_or_keep(machines.clone(), machine_object(name, class)?).await?;
     wait::for_one(machines, LONG, "Machine Running", |m| {
         m.name_any() == name
             && m.status.as_ref().and_then(|s| s.phase) == Some(crate::api::MachinePhase::Running)
@@ -506,7 +592,7 @@ async fn stateful_berth(
         .context("no reattach observed")?;
     let mut run = Run {
         scenario: "stateful".into(),
-        drainer: "berth".into(),
+        drainer: compare::BERTH.into(),
         pods: args.stateful,
         wall_seconds: Some(secs(start, end)),
         floor_seconds: f64::from(args.stateful)
@@ -580,7 +666,7 @@ async fn stateless_berth(
         .context("no Drained event")?;
     let mut run = Run {
         scenario: "stateless".into(),
-        drainer: "berth".into(),
+        drainer: compare::BERTH.into(),
         pods: args.stateless,
         wall_seconds: Some(secs(start, drained)),
         floor_seconds: f64::from(args.grace),
@@ -831,7 +917,9 @@ fn hardware() -> String {
 /// The short table printed after a run.
 pub fn table(r: &Report) -> String {
     let mut out = format!("berth bench — {} — {}\n", r.when, r.hardware);
-    out.push_str("scenario   drainer                           pods  wall(s)  floor(s)  gap p50/p99/max ms (reattached)  req/pod  reads\n");
+    if !r.runs.is_empty() {
+        out.push_str("scenario   drainer                           pods  wall(s)  floor(s)  gap p50/p99/max ms (reattached)  req/pod  reads\n");
+    }
     for run in &r.runs {
         let g = run.gaps_ms.get("reattached");
         let gap = g
@@ -861,5 +949,85 @@ pub fn table(r: &Report) -> String {
             out.push_str(&format!("           note: {n}\n"));
         }
     }
+    for ratio in &r.ratios {
+        let x = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.2} ×"));
+        out.push_str(&format!(
+            "{:<10} {:<33} vs berth: wall {}, requests per pod {}, {:+} reads\n",
+            ratio.scenario,
+            ratio.drainer,
+            x(ratio.wall),
+            x(ratio.api_requests_per_pod),
+            ratio.extra_reads_during_drain,
+        ));
+    }
+    if let Some(s) = &r.scale {
+        out.push_str(&scale::table(s));
+    }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        bench: BenchArgs,
+    }
+
+    #[test]
+    fn every_scenario_runs_by_default_and_one_can_run_alone() {
+        let all = Cli::try_parse_from(["bench"]).expect("defaults").bench;
+        assert_eq!(
+            all.scenarios,
+            [
+                Scenario::Stateful,
+                Scenario::Stateless,
+                Scenario::Peers,
+                Scenario::Scale
+            ]
+        );
+        assert_eq!(
+            (
+                all.scale_machines,
+                all.scale_pods,
+                all.scale_attachments,
+                all.scale_drains
+            ),
+            (1000, 20_000, 5000, 20)
+        );
+        let one = Cli::try_parse_from(["bench", "--scenarios", "scale", "--scale-drains", "4"])
+            .expect("valid flags")
+            .bench;
+        assert_eq!(one.scenarios, [Scenario::Scale]);
+        assert_eq!(one.scale_drains, 4);
+        let two = Cli::try_parse_from(["bench", "--scenarios=stateful,peers"])
+            .expect("a list")
+            .bench;
+        assert_eq!(two.scenarios, [Scenario::Stateful, Scenario::Peers]);
+        assert!(Cli::try_parse_from(["bench", "--scenarios=huge"]).is_err());
+    }
+
+    #[test]
+    fn a_report_without_the_scale_scenario_keeps_its_shape() {
+        let report = Report {
+            when: "now".into(),
+            hardware: "hw".into(),
+            settings: Settings {
+                stateful_pods: 1,
+                stateless_pods: 1,
+                grace_seconds: 1,
+                attach_delay_seconds: 1.0,
+                detach_delay_seconds: 1.0,
+            },
+            runs: vec![],
+            ratios: vec![],
+            scale: None,
+        };
+        let json = serde_json::to_value(&report).expect("JSON");
+        assert!(json.get("scale").is_none());
+        assert!(json.get("runs").is_some());
+    }
 }

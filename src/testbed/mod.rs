@@ -92,6 +92,9 @@ pub struct Options {
     /// Write an audit log (metadata level, every request) to `audit.log` in
     /// the test bed's directory, for counting API calls per user.
     pub audit: bool,
+    /// With [`Options::audit`]: log only the requests of these users (all
+    /// users when empty), to keep the log small on a large test bed.
+    pub audit_users: Vec<String>,
     /// How long to wait for each component to become ready.
     pub ready_timeout: Duration,
 }
@@ -103,6 +106,7 @@ impl Options {
             attach_delay: Duration::from_millis(500),
             detach_delay: Duration::from_millis(500),
             audit: false,
+            audit_users: Vec::new(),
             ready_timeout: Duration::from_secs(90),
         }
     }
@@ -126,6 +130,13 @@ impl Options {
 
     pub fn audit(mut self, on: bool) -> Self {
         self.audit = on;
+        self
+    }
+
+    /// Audit only the requests of `users` (and turn the audit log on).
+    pub fn audit_only(mut self, users: &[&str]) -> Self {
+        self.audit = true;
+        self.audit_users = users.iter().map(|u| u.to_string()).collect();
         self
     }
 }
@@ -225,7 +236,7 @@ impl TestBed {
         if options.audit {
             std::fs::write(
                 path.join("audit-policy.yaml"),
-                "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n- level: Metadata\n",
+                audit_policy(&options.audit_users),
             )?;
             apiserver.push(format!("--audit-policy-file={}", p("audit-policy.yaml")));
             apiserver.push(format!("--audit-log-path={}", p("audit.log")));
@@ -534,6 +545,17 @@ fn tail(path: &Path) -> String {
     lines[lines.len().saturating_sub(25)..].join("\n")
 }
 
+/// The audit policy: every request at Metadata level, or only those of
+/// `users` when there are any.
+fn audit_policy(users: &[String]) -> String {
+    let head = "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n";
+    if users.is_empty() {
+        return format!("{head}- level: Metadata\n");
+    }
+    let users = serde_json::to_string(users).unwrap_or_else(|_| "[]".into());
+    format!("{head}- level: Metadata\n  users: {users}\n- level: None\n")
+}
+
 fn kubeconfig_json(server: &str, pki: &pki::Pki) -> String {
     let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
     serde_json::json!({
@@ -567,5 +589,29 @@ where
         Ok(_) => Ok(()),
         Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
         Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_audit_policy_logs_everyone_or_only_the_users_named() {
+        let all = audit_policy(&[]);
+        assert!(all.ends_with("rules:\n- level: Metadata\n"), "{all}");
+        let some = audit_policy(&["system:serviceaccount:ns:sa".into()]);
+        assert!(
+            some.contains(
+                "- level: Metadata\n  users: [\"system:serviceaccount:ns:sa\"]\n- level: None\n"
+            ),
+            "{some}"
+        );
+        let parsed: serde_json::Value = serde_yaml_ng::from_str(&some).expect("YAML");
+        assert_eq!(
+            parsed["rules"][0]["users"][0],
+            "system:serviceaccount:ns:sa"
+        );
+        assert_eq!(parsed["rules"][1]["level"], "None");
     }
 }

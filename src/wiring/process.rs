@@ -72,6 +72,13 @@ pub struct RunArgs {
     /// Requests that may be sent at once above the sustained rate.
     #[arg(long, env = "BERTH_KUBE_BURST", default_value_t = 100)]
     pub kube_burst: u32,
+    /// Sustained Events per second. Events have a rate limit of their own,
+    /// so that they never hold up evictions and status writes.
+    #[arg(long, env = "BERTH_KUBE_EVENTS_QPS", default_value_t = 25)]
+    pub kube_events_qps: u32,
+    /// Events that may be sent at once above their sustained rate.
+    #[arg(long, env = "BERTH_KUBE_EVENTS_BURST", default_value_t = 100)]
+    pub kube_events_burst: u32,
     /// Elect a leader on a Lease so that only one replica acts. Turn it off
     /// only when a single replica can ever run.
     #[arg(long, env = "BERTH_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set)]
@@ -216,6 +223,8 @@ async fn lead_and_control(
     // The Lease has its own client: renewals must never queue behind the
     // controller's requests in the rate limiter.
     let lease_client = Client::try_from(config.clone()).context("building the Lease client")?;
+    let events_client =
+        rate_limited_client(config.clone(), args.kube_events_qps, args.kube_events_burst)?;
     let client = rate_limited_client(config, args.kube_qps, args.kube_burst)?;
     let providers = providers(&args.providers, &client)?;
     let identity = args.identity.clone().unwrap_or_else(default_identity);
@@ -261,7 +270,10 @@ async fn lead_and_control(
     let (controller_stop_tx, controller_stop) = oneshot::channel::<()>();
     let ready = http.clone();
     let mut controller = tokio::spawn(crate::machine::run(
-        client,
+        crate::machine::Clients {
+            api: client,
+            events: events_client,
+        },
         providers,
         settings,
         Arc::clone(metrics),
@@ -376,7 +388,9 @@ async fn kube_config(args: &RunArgs) -> anyhow::Result<kube::Config> {
 /// `burst / qps` seconds).
 fn rate_limited_client(config: kube::Config, qps: u32, burst: u32) -> anyhow::Result<Client> {
     if qps == 0 || burst == 0 {
-        anyhow::bail!("--kube-qps and --kube-burst must be at least 1");
+        anyhow::bail!(
+            "--kube-qps, --kube-burst, --kube-events-qps and --kube-events-burst must each be at least 1"
+        );
     }
     let burst = burst.max(1);
     let window = Duration::from_secs_f64(f64::from(burst) / f64::from(qps));

@@ -114,10 +114,38 @@ async fn reconcile_inner(machine: &Arc<Machine>, ctx: &Context) -> Result<Action
     .await;
     let action = match action {
         Ok(a) | Err(finalizer::Error::CleanupFailed(Error::Pending(a))) => a,
+        Err(e) if is_not_found(&e) && machine_is_gone(&api, machine).await => {
+            // A wake-up that raced the removal of the finalizer: the cached
+            // copy still showed it, the Machine is gone. Nothing to do.
+            tracing::debug!(machine = %machine.name_any(), "Machine already gone");
+            return Ok(Action::await_change());
+        }
         Err(e) => return Err(Error::Finalizer(Box::new(e))),
     };
     ctx.reset_backoff(machine);
     Ok(action)
+}
+
+/// Whether the API server answered 404 somewhere in `e`.
+fn is_not_found(e: &finalizer::Error<Error>) -> bool {
+    let kube_404 = |k: &kube::Error| matches!(k, kube::Error::Api(s) if s.code == 404);
+    match e {
+        finalizer::Error::ApplyFailed(Error::Kube(k))
+        | finalizer::Error::CleanupFailed(Error::Kube(k))
+        | finalizer::Error::AddFinalizer(k)
+        | finalizer::Error::RemoveFinalizer(k) => kube_404(k),
+        _ => false,
+    }
+}
+
+/// Asks the API server (not the cache) whether this Machine, by UID, is
+/// gone.
+async fn machine_is_gone(api: &Api<Machine>, machine: &Machine) -> bool {
+    match api.get_opt(&machine.name_any()).await {
+        Ok(None) => true,
+        Ok(Some(live)) => live.metadata.uid != machine.metadata.uid,
+        Err(_) => false,
+    }
 }
 
 /// A Machine's class, driver and settings, or why they cannot be had.

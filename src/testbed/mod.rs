@@ -97,6 +97,12 @@ pub struct Options {
     pub audit_users: Vec<String>,
     /// How long to wait for each component to become ready.
     pub ready_timeout: Duration,
+    /// How often the simulated kubelets refresh a Node's status (kwok's
+    /// heartbeat Stage). Longer than the default, the Node Leases are also
+    /// renewed less often and the node lifecycle controller waits longer
+    /// before it calls a Node unreachable, so that a bed of 1,000 Nodes
+    /// spends its 2 cores on the work measured rather than on heartbeats.
+    pub node_heartbeat: Duration,
 }
 
 impl Options {
@@ -108,6 +114,7 @@ impl Options {
             audit: false,
             audit_users: Vec::new(),
             ready_timeout: Duration::from_secs(90),
+            node_heartbeat: stages::DEFAULT_HEARTBEAT,
         }
     }
 
@@ -131,6 +138,16 @@ impl Options {
     pub fn audit(mut self, on: bool) -> Self {
         self.audit = on;
         self
+    }
+
+    pub fn node_heartbeat(mut self, every: Duration) -> Self {
+        self.node_heartbeat = every;
+        self
+    }
+
+    /// Seconds of kwok's Node Leases (renewed every quarter of that).
+    fn lease_seconds(&self) -> u64 {
+        (self.node_heartbeat.as_secs() * 2).max(40)
     }
 
     /// Audit only the requests of `users` (and turn the audit log on).
@@ -249,19 +266,29 @@ impl TestBed {
 
         if options.profile == Profile::EndToEnd {
             let kc = kubeconfig.display().to_string();
+            let mut kcm = vec![format!("--kubeconfig={kc}")];
+            if options.node_heartbeat != stages::DEFAULT_HEARTBEAT {
+                // A Node is unreachable when neither its Lease nor its
+                // status was renewed for this long.
+                kcm.push(format!(
+                    "--node-monitor-grace-period={}s",
+                    options.lease_seconds() + 30
+                ));
+            }
             bed.spawn(
                 &bin,
                 "kube-controller-manager",
-                vec![
-                    format!("--kubeconfig={kc}"),
-                    "--leader-elect=false".into(),
-                    "--secure-port=0".into(),
-                    "--controllers=*".into(),
-                    "--use-service-account-credentials=false".into(),
-                    format!("--service-account-private-key-file={}", p("sa.key")),
-                    format!("--root-ca-file={}", p("ca.crt")),
-                    "--cluster-name=berth-testbed".into(),
-                ],
+                kcm.into_iter()
+                    .chain([
+                        "--leader-elect=false".into(),
+                        "--secure-port=0".into(),
+                        "--controllers=*".into(),
+                        "--use-service-account-credentials=false".into(),
+                        format!("--service-account-private-key-file={}", p("sa.key")),
+                        format!("--root-ca-file={}", p("ca.crt")),
+                        "--cluster-name=berth-testbed".into(),
+                    ])
+                    .collect(),
             )?;
             bed.spawn(
                 &bin,
@@ -276,7 +303,11 @@ impl TestBed {
             )?;
             std::fs::write(
                 path.join("kwok.yaml"),
-                stages::kwok_config(options.attach_delay, options.detach_delay),
+                stages::kwok_config(
+                    options.attach_delay,
+                    options.detach_delay,
+                    options.node_heartbeat,
+                ),
             )?;
             let (ak, av) = KWOK_NODE_ANNOTATION;
             bed.spawn(
@@ -288,7 +319,7 @@ impl TestBed {
                     "--manage-all-nodes=false".into(),
                     format!("--manage-nodes-with-annotation-selector={ak}={av}"),
                     format!("--server-address=127.0.0.1:{kwok_port}"),
-                    "--node-lease-duration-seconds=40".into(),
+                    format!("--node-lease-duration-seconds={}", options.lease_seconds()),
                     "--cidr=10.244.0.0/16".into(),
                 ],
             )?;

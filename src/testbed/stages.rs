@@ -23,6 +23,9 @@
 
 use std::time::Duration;
 
+/// How often kwok refreshes a Ready Node's status unless told otherwise.
+pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(20);
+
 /// CSI driver name that the test bed's attacher serves.
 pub const CSI_DRIVER: &str = "csi.testbed.berth.dev";
 /// Finalizer the simulated attacher puts on VolumeAttachments it attached.
@@ -34,10 +37,14 @@ pub const COMPLETE_AFTER_ANNOTATION: &str = "testbed.berth.dev/complete-after";
 /// that long instead of at the end of its grace period.
 pub const TERMINATE_AFTER_ANNOTATION: &str = "testbed.berth.dev/terminate-after";
 
-/// The kwok configuration (a multi-document YAML of Stages).
-pub fn kwok_config(attach_delay: Duration, detach_delay: Duration) -> String {
+/// The kwok configuration (a multi-document YAML of Stages). A Ready Node's
+/// status is refreshed every `heartbeat` plus up to 1.25 times that again
+/// (jitter, so that many Nodes do not beat together).
+pub fn kwok_config(attach_delay: Duration, detach_delay: Duration, heartbeat: Duration) -> String {
     let attach_ms = attach_delay.as_millis();
     let detach_ms = detach_delay.as_millis();
+    let heartbeat_ms = heartbeat.as_millis();
+    let jitter_ms = heartbeat.as_millis() * 5 / 4;
     format!(
         r#"apiVersion: kwok.x-k8s.io/v1alpha1
 kind: Stage
@@ -119,8 +126,8 @@ spec:
       operator: In
       values: ['True']
   delay:
-    durationMilliseconds: 20000
-    jitterDurationMilliseconds: 25000
+    durationMilliseconds: {heartbeat_ms}
+    jitterDurationMilliseconds: {jitter_ms}
   next:
     statusTemplate: |
       {{{{ $now := Now }}}}
@@ -306,7 +313,11 @@ mod tests {
 
     #[test]
     fn delays_are_rendered_in_milliseconds() {
-        let cfg = kwok_config(Duration::from_millis(1500), Duration::from_secs(2));
+        let cfg = kwok_config(
+            Duration::from_millis(1500),
+            Duration::from_secs(2),
+            DEFAULT_HEARTBEAT,
+        );
         assert!(cfg.contains("durationMilliseconds: 1500\n  next:\n    finalizers:\n      add:"));
         assert!(
             cfg.contains("durationMilliseconds: 2000\n  next:\n    finalizers:\n      remove:")
@@ -315,7 +326,7 @@ mod tests {
 
     #[test]
     fn go_template_braces_survive_formatting() {
-        let cfg = kwok_config(Duration::ZERO, Duration::ZERO);
+        let cfg = kwok_config(Duration::ZERO, Duration::ZERO, DEFAULT_HEARTBEAT);
         assert!(cfg.contains("{{ $now := Now }}"));
         assert!(!cfg.contains("{{{{"));
         assert_eq!(cfg.matches("\n---\n").count(), 6, "seven Stage documents");

@@ -139,6 +139,14 @@ pub struct Scale {
     pub drains: Vec<ScaleDrain>,
     /// The slowest drain's wall time minus its floor.
     pub max_over_floor_seconds: Option<f64>,
+    /// Where the drains' time went, step by step, from the audit log (API
+    /// server times), over every drained pod: `evicted → gone` (grace
+    /// period, then kwok deleting the pod), `gone → detached` (the
+    /// attach-detach controller and the simulated detach delay), `detached →
+    /// attached elsewhere` (scheduling, attach-detach controller, attach
+    /// delay): the cluster's part; and `attached → next eviction`: the
+    /// controller's part on a volume-aware drain's critical path. Seconds.
+    pub steps_seconds: BTreeMap<String, super::Gaps>,
     pub targets: Targets,
     pub clock_ticks_per_second: f64,
     /// The fresh controller's counters at the end (histogram buckets left
@@ -528,6 +536,9 @@ async fn measure(args: &BenchArgs, s: &mut Scale) -> anyhow::Result<()> {
     c.stop().await;
 
     let log = super::read_audit(&bed.dir().join("audit.log"))?;
+    if let Ok(routes) = &drained {
+        s.steps_seconds = step_times(&log, &user, routes);
+    }
     for p in &mut s.phases {
         p.api_requests = super::audit::cost(&log, &user, p.from, p.to);
         p.api_writes = log
@@ -537,7 +548,7 @@ async fn measure(args: &BenchArgs, s: &mut Scale) -> anyhow::Result<()> {
             })
             .count() as u32;
     }
-    drained
+    drained.map(|_| ())
 }
 
 impl Phase {
@@ -929,7 +940,8 @@ async fn count_cluster(admin: &Client) -> anyhow::Result<Counted> {
 
 /// Deletes every drained Machine at once and fills in each drain's wall
 /// time (to its `Drained` Event) and time until the Machine is gone.
-async fn drain_all(admin: &Client, drains: &mut [ScaleDrain]) -> anyhow::Result<()> {
+async fn drain_all(admin: &Client, drains: &mut [ScaleDrain]) -> anyhow::Result<Vec<Route>> {
+    let mut routes = routes_before(admin, drains).await?;
     let machines: Api<Machine> = Api::namespaced(admin.clone(), NS);
     let names: BTreeSet<String> = drains.iter().map(|d| d.machine.clone()).collect();
     let (listed_tx, listed) = tokio::sync::oneshot::channel();
@@ -989,7 +1001,169 @@ async fn drain_all(admin: &Client, drains: &mut [ScaleDrain]) -> anyhow::Result<
         }
         d.gone_seconds = gone.get(&d.machine).map(|t| super::secs(start, *t));
     }
-    Ok(())
+    let vas = Api::<VolumeAttachment>::all(admin.clone())
+        .list(&ListParams::default())
+        .await?
+        .items;
+    for r in &mut routes {
+        r.start = starts.get(&r.machine).copied();
+        for va in &vas {
+            if let Some(pv) = va.spec.source.persistent_volume_name.as_deref()
+                && va.spec.node_name != r.node
+                && r.pvs.iter().any(|p| p == pv)
+            {
+                r.new.insert(pv.to_owned(), va.name_any());
+            }
+        }
+    }
+    Ok(routes)
+}
+
+/// What a drained Machine's steps are named by in the audit log.
+#[derive(Debug, Default)]
+pub struct Route {
+    machine: String,
+    node: String,
+    start: Option<Timestamp>,
+    /// Every pod on the Node when the drain started.
+    pods: Vec<String>,
+    /// The stateful ones, and their PVs, pairwise.
+    stateful: Vec<String>,
+    pvs: Vec<String>,
+    /// PV → its VolumeAttachment to the drained Node, and (after the drain)
+    /// to the Node its pod moved to.
+    old: BTreeMap<String, String>,
+    new: BTreeMap<String, String>,
+}
+
+/// The pods, volumes and attachments of each drained Node, before deletion.
+async fn routes_before(admin: &Client, drains: &[ScaleDrain]) -> anyhow::Result<Vec<Route>> {
+    let pods = Api::<Pod>::namespaced(admin.clone(), NS)
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let claims =
+        Api::<k8s_openapi::api::core::v1::PersistentVolumeClaim>::namespaced(admin.clone(), NS)
+            .list(&ListParams::default())
+            .await?
+            .items;
+    let vas = Api::<VolumeAttachment>::all(admin.clone())
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let volume_of = |claim: &str| {
+        claims
+            .iter()
+            .find(|c| c.name_any() == claim)
+            .and_then(|c| c.spec.as_ref()?.volume_name.clone())
+    };
+    Ok(drains
+        .iter()
+        .map(|d| {
+            let mut r = Route {
+                machine: d.machine.clone(),
+                node: d.node.clone(),
+                ..Default::default()
+            };
+            for p in pods
+                .iter()
+                .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(&d.node))
+            {
+                r.pods.push(p.name_any());
+                let claim = p
+                    .spec
+                    .iter()
+                    .flat_map(|s| s.volumes.iter().flatten())
+                    .find_map(|v| v.persistent_volume_claim.as_ref());
+                if let Some(pv) = claim.and_then(|c| volume_of(&c.claim_name)) {
+                    r.stateful.push(p.name_any());
+                    if let Some(va) = vas.iter().find(|va| {
+                        va.spec.node_name == d.node
+                            && va.spec.source.persistent_volume_name.as_deref() == Some(&pv)
+                    }) {
+                        r.old.insert(pv.clone(), va.name_any());
+                    }
+                    r.pvs.push(pv);
+                }
+            }
+            r
+        })
+        .collect())
+}
+
+/// The step durations of every route (see [`Scale::steps_seconds`]).
+fn step_times(
+    log: &[super::audit::Request],
+    user: &str,
+    routes: &[Route],
+) -> BTreeMap<String, super::Gaps> {
+    let mut out: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for r in routes {
+        let Some(start) = r.start else { continue };
+        let evicted = |pod: &str| {
+            log.iter()
+                .filter(|q| q.user == user && q.verb == "create" && q.resource == "pods")
+                .filter(|q| q.subresource.as_deref() == Some("eviction"))
+                .filter(|q| q.name.as_deref() == Some(pod) && q.received > start)
+                .filter(|q| q.code < 300)
+                .map(|q| q.received)
+                .min()
+        };
+        let gone = |pod: &str| {
+            log.iter()
+                .filter(|q| q.user_agent.contains("kwok") && q.verb == "delete")
+                .filter(|q| q.resource == "pods" && q.name.as_deref() == Some(pod))
+                .filter(|q| q.completed > start)
+                .map(|q| q.completed)
+                .min()
+        };
+        for pod in &r.pods {
+            if let (Some(e), Some(g)) = (evicted(pod), gone(pod)) {
+                out.entry("evicted → gone")
+                    .or_default()
+                    .push(super::secs(e, g));
+            }
+        }
+        // In the order the controller evicted them.
+        let mut order: Vec<(Option<Timestamp>, &String, &String)> = r
+            .stateful
+            .iter()
+            .zip(&r.pvs)
+            .map(|(pod, pv)| (evicted(pod), pod, pv))
+            .collect();
+        order.sort();
+        for (i, (_, pod, pv)) in order.iter().enumerate() {
+            let gone = gone(pod);
+            let detached = r
+                .old
+                .get(*pv)
+                .and_then(|va| super::last_write_by(log, "kwok", "volumeattachments", va));
+            let attached = r.new.get(*pv).and_then(|va| {
+                super::first_write_by(log, "kwok", "volumeattachments", va, "status")
+            });
+            if let (Some(g), Some(d)) = (gone, detached) {
+                out.entry("gone → detached")
+                    .or_default()
+                    .push(super::secs(g, d));
+            }
+            if let (Some(d), Some(a)) = (detached, attached) {
+                out.entry("detached → attached elsewhere")
+                    .or_default()
+                    .push(super::secs(d, a));
+            }
+            // The controller's turn: the next stateful pod's eviction.
+            if let (Some(a), Some((Some(e), _, _))) = (attached, order.get(i + 1))
+                && *e >= a
+            {
+                out.entry("attached → next eviction (controller)")
+                    .or_default()
+                    .push(super::secs(a, *e));
+            }
+        }
+    }
+    out.into_iter()
+        .map(|(k, v)| (k.to_owned(), super::Gaps::of(&v)))
+        .collect()
 }
 
 /// When each of `names` disappeared, watched from before their deletion
@@ -1329,6 +1503,19 @@ pub fn table(s: &Scale) -> String {
         s.targets.over_floor_seconds,
         verdict(s.targets.drains_pass),
     ));
+    if !s.steps_seconds.is_empty() {
+        out.push_str("  where the time went, per pod (s): step  n  p50 / p99 / max\n");
+    }
+    for (step, g) in &s.steps_seconds {
+        out.push_str(&format!(
+            "    {:<40} {:>4}  {} / {} / {}\n",
+            step,
+            g.n,
+            opt(g.p50, 3),
+            opt(g.p99, 3),
+            opt(g.max, 3)
+        ));
+    }
     for d in &s.drains {
         out.push_str(&format!(
             "    {:<14} stateful {:>2}  stateless {:>3}  floor {:>5.1} s  wall {:>6} s  over {:>5} s  gone {:>6} s  {}\n",

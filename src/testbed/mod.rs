@@ -578,13 +578,24 @@ fn tail(path: &Path) -> String {
 
 /// The audit policy: every request at Metadata level, or only those of
 /// `users` when there are any.
+///
+/// With users named, the steps of a drain that other clients complete are
+/// logged too, whoever sends them: pod deletions (kwok's, once a grace
+/// period is over) and VolumeAttachment writes (the attach-detach
+/// controller's and the simulated attacher's), so that the time a drain
+/// spends waiting on the cluster can be told from the controller's.
 fn audit_policy(users: &[String]) -> String {
     let head = "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n";
     if users.is_empty() {
         return format!("{head}- level: Metadata\n");
     }
     let users = serde_json::to_string(users).unwrap_or_else(|_| "[]".into());
-    format!("{head}- level: Metadata\n  users: {users}\n- level: None\n")
+    format!(
+        "{head}- level: Metadata\n  users: {users}\n\
+         - level: Metadata\n  verbs: [delete]\n  resources: [{{group: \"\", resources: [pods]}}]\n\
+         - level: Metadata\n  verbs: [update, patch, delete]\n  resources: [{{group: storage.k8s.io, resources: [volumeattachments, volumeattachments/status]}}]\n\
+         - level: None\n"
+    )
 }
 
 fn kubeconfig_json(server: &str, pki: &pki::Pki) -> String {
@@ -632,17 +643,17 @@ mod tests {
         let all = audit_policy(&[]);
         assert!(all.ends_with("rules:\n- level: Metadata\n"), "{all}");
         let some = audit_policy(&["system:serviceaccount:ns:sa".into()]);
-        assert!(
-            some.contains(
-                "- level: Metadata\n  users: [\"system:serviceaccount:ns:sa\"]\n- level: None\n"
-            ),
-            "{some}"
-        );
         let parsed: serde_json::Value = serde_yaml_ng::from_str(&some).expect("YAML");
+        let rules = parsed["rules"].as_array().expect("rules");
+        assert_eq!(rules.len(), 4, "{some}");
+        assert_eq!(rules[0]["users"][0], "system:serviceaccount:ns:sa");
+        assert_eq!(rules[1]["verbs"][0], "delete");
+        assert_eq!(rules[1]["resources"][0]["resources"][0], "pods");
+        assert_eq!(rules[2]["resources"][0]["group"], "storage.k8s.io");
         assert_eq!(
-            parsed["rules"][0]["users"][0],
-            "system:serviceaccount:ns:sa"
+            rules[2]["resources"][0]["resources"][1],
+            "volumeattachments/status"
         );
-        assert_eq!(parsed["rules"][1]["level"], "None");
+        assert_eq!(rules[3]["level"], "None");
     }
 }

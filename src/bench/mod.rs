@@ -231,13 +231,7 @@ async fn drains(args: &BenchArgs) -> anyhow::Result<Vec<Run>> {
             .audit(true),
     )
     .await?;
-    let admin = bed.client().await?;
-    crate::api::install_crds(admin.clone(), LONG).await?;
-    crate::testbed::create_or_keep(
-        Api::<Namespace>::all(admin.clone()),
-        fixtures::namespace(NS),
-    )
-    .await?;
+    let admin = admin_client(&bed).await?;
     let (controller, user) = controller_client(&bed, &admin).await?;
 
     let metrics = Arc::new(Metrics::new()?);
@@ -289,6 +283,19 @@ fn controller_user() -> String {
 /// Where [`controller_client`] writes the controller's kubeconfig.
 fn controller_kubeconfig(bed: &TestBed) -> PathBuf {
     bed.dir().join("bench-controller.kubeconfig")
+}
+
+/// The admin client of a fresh bench test bed, with the CRDs installed and
+/// the bench namespace created.
+async fn admin_client(bed: &TestBed) -> anyhow::Result<Client> {
+    let admin = bed.client().await?;
+    crate::api::install_crds(admin.clone(), LONG).await?;
+    crate::testbed::create_or_keep(
+        Api::<Namespace>::all(admin.clone()),
+        fixtures::namespace(NS),
+    )
+    .await?;
+    Ok(admin)
 }
 
 /// A client for the controller with an identity of its own (a

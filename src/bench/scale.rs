@@ -45,7 +45,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use futures::{StreamExt, TryStreamExt};
-use k8s_openapi::api::core::v1::{Namespace, Node, PersistentVolume, Pod};
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, Pod};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -55,7 +55,6 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::{BenchArgs, LONG, NS};
 use crate::api::{Machine, MachinePhase};
@@ -459,13 +458,7 @@ async fn measure(args: &BenchArgs, s: &mut Scale) -> anyhow::Result<()> {
     )
     .await?;
     eprintln!("scale: test bed ready at {}", bed.dir().display());
-    let admin = bed.client().await?;
-    crate::api::install_crds(admin.clone(), LONG).await?;
-    crate::testbed::create_or_keep(
-        Api::<Namespace>::all(admin.clone()),
-        fixtures::namespace(NS),
-    )
-    .await?;
+    let admin = super::admin_client(&bed).await?;
     super::controller_client(&bed, &admin).await?;
     let kubeconfig = super::controller_kubeconfig(&bed);
 
@@ -1333,19 +1326,9 @@ impl Controller {
         cpu.unwrap_or(cpu_before)
     }
 
-    /// A plain HTTP/1.0 GET on the controller's port: status and body.
+    /// A GET on the controller's HTTP port: status and body.
     async fn get(&self, path: &str) -> Option<(u16, String)> {
-        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.port))
-            .await
-            .ok()?;
-        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
-            .await
-            .ok()?;
-        let mut buf = String::new();
-        s.read_to_string(&mut buf).await.ok()?;
-        let status = buf.split_whitespace().nth(1)?.parse().ok()?;
-        let body = buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string())?;
-        Some((status, body))
+        crate::testbed::http_get(self.port, path).await
     }
 
     async fn reconciles(&self) -> Option<f64> {
@@ -1358,7 +1341,7 @@ impl Controller {
             anyhow::bail!(
                 "the controller exited ({status}); last lines of {}:\n{}",
                 self.log.display(),
-                tail(&self.log)
+                crate::testbed::tail(&self.log)
             );
         }
         Ok(())
@@ -1376,7 +1359,7 @@ impl Controller {
                 anyhow::bail!(
                     "the controller was not ready after {timeout:?}; last lines of {}:\n{}",
                     self.log.display(),
-                    tail(&self.log)
+                    crate::testbed::tail(&self.log)
                 );
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -1436,12 +1419,6 @@ async fn sample_rss(pid: u32, samples: Arc<Mutex<Vec<(Instant, u64)>>>) {
             s.push((Instant::now(), kib));
         }
     }
-}
-
-fn tail(path: &Path) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(25)..].join("\n")
 }
 
 fn opt(v: Option<f64>, precision: usize) -> String {

@@ -193,22 +193,29 @@ pub fn pod_node(pod: &Pod) -> Vec<String> {
         .collect()
 }
 
-/// Pods by the claims their volumes name, as `namespace/claim`: a
-/// `persistentVolumeClaim` volume's claim, and a generic ephemeral volume's
-/// claim (`<pod>-<volume>`).
+/// Pods by the claims their volumes name, as `namespace/claim` (see
+/// [`claim_names`]).
 pub fn pod_claims(pod: &Pod) -> Vec<String> {
     let ns = pod.metadata.namespace.as_deref().unwrap_or_default();
+    claim_names(pod)
+        .iter()
+        .map(|claim| claim_key(ns, claim))
+        .collect()
+}
+
+/// The claims a pod's volumes name, in its namespace: a
+/// `persistentVolumeClaim` volume's claim, and a generic ephemeral volume's
+/// claim (`<pod>-<volume>`).
+pub fn claim_names(pod: &Pod) -> Vec<String> {
     let name = pod.metadata.name.as_deref().unwrap_or_default();
     pod.spec
         .iter()
         .flat_map(|s| s.volumes.iter().flatten())
         .filter_map(|v| {
             if let Some(c) = &v.persistent_volume_claim {
-                Some(claim_key(ns, &c.claim_name))
+                Some(c.claim_name.clone())
             } else {
-                v.ephemeral
-                    .as_ref()
-                    .map(|_| claim_key(ns, &format!("{name}-{}", v.name)))
+                v.ephemeral.as_ref().map(|_| format!("{name}-{}", v.name))
             }
         })
         .collect()

@@ -453,10 +453,9 @@ impl Run {
         let mut pvcs: BTreeMap<String, PersistentVolumeClaim> = BTreeMap::new();
         for pod in pods {
             let ns = pod.metadata.namespace.as_deref().unwrap_or_default();
-            for key in crate::cache::pod_claims(pod) {
-                let claim = key.strip_prefix(&format!("{ns}/")).unwrap_or(&key);
-                if let Some(pvc) = self.deps.pvcs.get(&ObjectRef::new(claim).within(ns)) {
-                    pvcs.insert(key, (*pvc).clone());
+            for claim in crate::cache::claim_names(pod) {
+                if let Some(pvc) = self.deps.pvcs.get(&ObjectRef::new(&claim).within(ns)) {
+                    pvcs.insert(claim_key(ns, &claim), (*pvc).clone());
                 }
             }
         }

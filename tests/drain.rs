@@ -657,6 +657,125 @@ async fn a_claim_no_pod_needs_any_more_is_not_waited_for() {
     ctl.stop().await;
 }
 
+/// A claim and its CSI volume, for the tests that place pods by hand.
+async fn claim_and_volume(client: &Client, ns: &str, pv: &str) {
+    create(
+        Api::all(client.clone()),
+        csi_pv(pv, &format!("vol-{pv}"), ns, "data"),
+    )
+    .await;
+    create(
+        Api::namespaced(client.clone(), ns),
+        json::<k8s_openapi::api::core::v1::PersistentVolumeClaim>(serde_json::json!({
+            "metadata": {"name": "data"},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "",
+                "volumeName": pv,
+                "resources": {"requests": {"storage": "1Gi"}}
+            }
+        })),
+    )
+    .await;
+}
+
+/// A pod on `node` that mounts claim `data`, controlled by `owner`.
+fn claim_user(name: &str, node: &str, owner: &ConfigMap) -> Pod {
+    json(serde_json::json!({
+        "metadata": {"name": name, "ownerReferences": [{
+            "apiVersion": "v1", "kind": "ConfigMap", "name": owner.name_any(),
+            "uid": owner.uid().expect("created"), "controller": true
+        }]},
+        "spec": {
+            "nodeName": node,
+            "terminationGracePeriodSeconds": 1,
+            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}],
+            "containers": [{"name": "main", "image": "registry.invalid/app:1",
+                "volumeMounts": [{"name": "data", "mountPath": "/data"}]}]
+        }
+    }))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_controlled_pod_whose_replacement_comes_late_is_still_waited_for() {
+    let client = client().await;
+    let ns = "drain-late";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
+    let ctl = start_controller(&client, ns, "drain-late").await;
+    let old = running_machine(&client, ns, "old", ns).await;
+    let new = running_machine(&client, ns, "new", ns).await;
+    let pv = format!("{ns}-pv");
+    claim_and_volume(&client, ns, &pv).await;
+    // The controller is played by the test: a ConfigMap owns the pods (the
+    // garbage collector only needs the owner to exist), and the replacement
+    // is created seconds after the volume detached, as a busy
+    // kube-controller-manager would.
+    let owner = Api::<ConfigMap>::namespaced(client.clone(), ns)
+        .create(
+            &PostParams::default(),
+            &json(serde_json::json!({"metadata": {"name": "controller"}})),
+        )
+        .await
+        .expect("owner");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    create(pods.clone(), claim_user("first", &old, &owner)).await;
+    let attached_on = |node: String| {
+        let pv = pv.clone();
+        move |va: &VolumeAttachment| {
+            va.spec.source.persistent_volume_name.as_deref() == Some(pv.as_str())
+                && va.spec.node_name == node
+                && va.status.as_ref().is_some_and(|s| s.attached)
+        }
+    };
+    let vas = Api::<VolumeAttachment>::all(client.clone());
+    wait::for_one(
+        vas.clone(),
+        LONG,
+        "attached to the old Node",
+        attached_on(old.clone()),
+    )
+    .await
+    .expect("the volume attaches");
+
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    machines
+        .delete("old", &DeleteParams::default())
+        .await
+        .expect("delete");
+    let on_old = {
+        let (pv, old) = (pv.clone(), old.clone());
+        move |va: &VolumeAttachment| {
+            va.spec.source.persistent_volume_name.as_deref() == Some(pv.as_str())
+                && va.spec.node_name == old
+        }
+    };
+    wait::for_none(vas.clone(), LONG, "detached from the old Node", on_old)
+        .await
+        .expect("the volume detaches");
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(
+        machines.get_opt("old").await.expect("get").is_some(),
+        "the Machine must wait for the replacement, not leave before it"
+    );
+    create(pods.clone(), claim_user("second", &new, &owner)).await;
+    wait::for_none(machines, LONG, "old gone", |m| m.name_any() == "old")
+        .await
+        .expect("the drain ends once the volume attached on the new Node");
+    let evs = events(&client, ns, "old").await;
+    let log: Vec<String> = evs
+        .iter()
+        .map(|(t, r, n)| format!("{t} {r}: {n}"))
+        .collect();
+    let log = log.join("\n");
+    assert!(first(&evs, "NoReplacement", "").is_none(), "{log}");
+    let attached = first(&evs, "VolumeAttached", &pv).expect("a VolumeAttached Event");
+    assert!(attached.2.contains(&new), "{log}");
+    let drained = first(&evs, "Drained", "").expect("a Drained Event");
+    assert!(drained.0 >= attached.0, "{log}");
+    ctl.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_mid_drain_never_evicts_while_a_volume_is_detaching() {
     let client = client().await;

@@ -57,7 +57,7 @@ use tracing::Instrument;
 use super::deadline::Deadline;
 use super::evict::{self, Evicted};
 use super::pdb::PdbVerdict;
-use super::plan::{DrainPlan, PlannedPod, VolumeWait, plan};
+use super::plan::{DrainPlan, PlannedPod, PlannedVolume, VolumeWait, plan};
 use super::select::{NamespacedName, fmt_key};
 use super::volume::replacement_expected;
 use crate::api::Machine;
@@ -68,8 +68,14 @@ use crate::volumes::{Interest, Tracker, WaitError};
 
 /// Longest pause between two eviction attempts of a refused pod.
 const MAX_EVICT_BACKOFF: Duration = Duration::from_secs(30);
-/// Shortest time between two writes of a drain's progress.
+/// Shortest time between two writes of a drain's progress, unless a step
+/// of a volume migration completed (see [`Progress::steps_done`]).
 const STATUS_WRITE_INTERVAL: Duration = Duration::from_secs(1);
+/// How long a drain waits, after a controlled stateful pod's volumes have
+/// detached, for its controller to create the pod that will use them again
+/// (at most the reattach timeout). A StatefulSet recreates its pod at once;
+/// none after this long means it was scaled down meanwhile.
+const REPLACEMENT_WAIT: Duration = Duration::from_secs(30);
 /// How long after a failed drain the reconciler may start it again.
 pub const RETRY_FAILED_AFTER: Duration = Duration::from_secs(30);
 
@@ -126,6 +132,12 @@ pub struct Progress {
     pub outcome: Option<Outcome>,
     /// When the outcome was reached.
     pub finished_at: Option<Instant>,
+    /// Steps of volume migrations completed so far (a stateful pod
+    /// evicted, gone, its volumes detached). Not written itself: a change
+    /// of it makes the status writer write at once instead of at its pace,
+    /// so that `status.drain` names what the drain waits for now, not
+    /// what it waited for a second ago.
+    pub steps_done: u64,
 }
 
 impl Progress {
@@ -268,8 +280,10 @@ impl Drop for Drainer {
     }
 }
 
-/// Writes progress to the Machine's status, coalescing bursts: it always
-/// writes the latest value and ends when the drain drops its sender.
+/// Writes progress to the Machine's status. Bursts are coalesced (at most
+/// one write per [`STATUS_WRITE_INTERVAL`], always of the latest value),
+/// except that a completed migration step is written at once. Ends when
+/// the drain drops its sender, after writing the final state.
 async fn write_status(
     client: Client,
     machine: ObjectRef<Machine>,
@@ -278,8 +292,12 @@ async fn write_status(
     let api: Api<Machine> =
         Api::namespaced(client, machine.namespace.as_deref().unwrap_or_default());
     let mut written: Option<serde_json::Value> = None;
-    loop {
-        let patch = rx.borrow_and_update().status_patch();
+    let mut last_write: Option<Instant> = None;
+    'writing: loop {
+        let (patch, steps) = {
+            let p = rx.borrow_and_update();
+            (p.status_patch(), p.steps_done)
+        };
         if written.as_ref() != Some(&patch) {
             match api
                 .patch_status(
@@ -291,25 +309,44 @@ async fn write_status(
             {
                 Ok(_) => {
                     written = Some(patch);
-                    // Progress written at most once per interval: the
-                    // changes made meanwhile go out together.
-                    tokio::time::sleep(STATUS_WRITE_INTERVAL).await;
+                    last_write = Some(Instant::now());
                 }
                 Err(kube::Error::Api(s)) if s.code == 404 => return,
                 Err(e) => tracing::warn!(error = %e, "could not record drain progress"),
             }
         }
+        // The next change: a step goes out at once, anything else once the
+        // interval since the last write has passed.
         if rx.changed().await.is_err() {
-            // The drain ended; write its final state if it changed since.
-            let last = rx.borrow().status_patch();
-            if written.as_ref() != Some(&last) {
-                let _ = api
-                    .patch_status(&machine.name, &PatchParams::default(), &Patch::Merge(&last))
-                    .await;
+            break;
+        }
+        loop {
+            let step = rx.borrow().steps_done != steps;
+            let Some(due) = hold_until(last_write, step, Instant::now()) else {
+                break;
+            };
+            tokio::select! {
+                () = tokio::time::sleep_until(due) => break,
+                changed = rx.changed() => if changed.is_err() { break 'writing },
             }
-            return;
         }
     }
+    // The drain ended; write its final state if it changed since.
+    let last = rx.borrow().status_patch();
+    if written.as_ref() != Some(&last) {
+        let _ = api
+            .patch_status(&machine.name, &PatchParams::default(), &Patch::Merge(&last))
+            .await;
+    }
+}
+
+/// Until when the status writer holds a change back: never for a step or
+/// before the first write, otherwise until the interval since the last
+/// write has passed.
+fn hold_until(last_write: Option<Instant>, step: bool, now: Instant) -> Option<Instant> {
+    last_write
+        .map(|t| t + STATUS_WRITE_INTERVAL)
+        .filter(|due| !step && *due > now)
 }
 
 /// One drain, from its first pass to its outcome.
@@ -525,6 +562,15 @@ impl Run {
             let before = p.clone();
             f(p);
             *p != before
+        });
+    }
+
+    /// A step of a volume migration completed: the change is written at
+    /// once (see [`Progress::steps_done`]).
+    fn step(&self, f: impl FnOnce(&mut Progress)) {
+        self.progress.send_modify(|p| {
+            f(p);
+            p.steps_done += 1;
         });
     }
 
@@ -923,15 +969,22 @@ impl Run {
     /// Waits until the pod (this UID) is gone from the cache, woken by pod
     /// events; false if `until` passed first.
     async fn wait_gone(&self, key: &NamespacedName, uid: Option<&str>, until: Instant) -> bool {
+        self.wait_pods_until(until, || self.pod(key, uid).is_none())
+            .await
+    }
+
+    /// Waits until `done` holds over the pod cache, checked after every pod
+    /// event, or `until`. Returns whether it held.
+    async fn wait_pods_until(&self, until: Instant, done: impl Fn() -> bool) -> bool {
         let mut changes = self.deps.pod_changes.clone();
         loop {
             changes.borrow_and_update();
-            if self.pod(key, uid).is_none() {
+            if done() {
                 return true;
             }
             tokio::select! {
                 changed = changes.changed() => if changed.is_err() { return false },
-                _ = tokio::time::sleep_until(until) => return self.pod(key, uid).is_none(),
+                _ = tokio::time::sleep_until(until) => return done(),
             }
         }
     }
@@ -961,7 +1014,7 @@ impl Run {
             if !self.evict(planned).await {
                 return;
             }
-            self.update(|p| p.waiting_for = Some(format!("pod {key} to terminate")));
+            self.step(|p| p.waiting_for = Some(format!("pod {key} to terminate")));
             let evicted_at = std::time::Instant::now();
             if !self.wait_gone(&planned.pod, planned.uid.as_deref(), self.bounded(planned.bounds.pod_gone)).await {
                 self.event(
@@ -977,7 +1030,7 @@ impl Run {
             if pvs.is_empty() {
                 return;
             }
-            self.update(|p| p.waiting_for = Some(format!("{} to detach from Node {}", pvs.join(", "), self.job.node)));
+            self.step(|p| p.waiting_for = Some(format!("{} to detach from Node {}", pvs.join(", "), self.job.node)));
             let detach_bound = planned.bounds.detach.unwrap_or(self.job.settings.volume_detach_timeout);
             match reg.wait_detached(self.bounded(detach_bound)).await {
                 Ok(()) => {
@@ -996,19 +1049,36 @@ impl Run {
                     return;
                 }
             }
-            // Reattach: only for claims some pod still needs.
+            // Reattach: only for claims some pod still needs. A pod with a
+            // controller gets a replacement, but the controller may not have
+            // created it yet (a busy kube-controller-manager takes seconds):
+            // wait for it, on pod events, before concluding none is coming.
             let uid = planned.uid.clone().unwrap_or_default();
-            let (expected, orphaned): (Vec<_>, Vec<_>) = planned
+            let reattach: Vec<&PlannedVolume> = planned
                 .volumes
                 .iter()
                 .filter(|v| matches!(v.wait, VolumeWait::Detach { reattach: true, .. }))
-                .partition(|v| self.replacement_expected(&v.volume.claim, &uid));
+                .collect();
+            let missing = |v: &&PlannedVolume| !self.replacement_expected(&v.volume.claim, &uid);
+            if let Some(controller) = &planned.controller
+                && reattach.iter().any(missing)
+            {
+                self.update(|p| p.waiting_for = Some(format!("{controller} to create the replacement of pod {key}")));
+                let bound = REPLACEMENT_WAIT.min(self.job.settings.volume_reattach_timeout);
+                self.wait_pods_until(self.bounded(bound), || !reattach.iter().any(missing)).await;
+            }
+            let (expected, orphaned): (Vec<_>, Vec<_>) =
+                reattach.into_iter().partition(|v| !missing(v));
             for v in &orphaned {
+                let why = match &planned.controller {
+                    Some(c) => format!("{c} created no pod for it within {}s (scaled down?)", REPLACEMENT_WAIT.min(self.job.settings.volume_reattach_timeout).as_secs()),
+                    None => "scaled down?".to_string(),
+                };
                 self.event(
                     EventType::Normal,
                     "NoReplacement",
                     format!(
-                        "no pod references claim {} any more (scaled down?): not waiting for {} to attach elsewhere",
+                        "no pod references claim {} any more ({why}): not waiting for {} to attach elsewhere",
                         fmt_key(&v.volume.claim),
                         v.volume.pv
                     ), Some(pv_ref(&v.volume.pv))
@@ -1021,7 +1091,7 @@ impl Run {
             let keep: BTreeSet<&str> = expected.iter().map(|v| v.volume.pv.as_str()).collect();
             reg.retain_volumes(|pv| keep.contains(pv));
             let names: Vec<&str> = keep.iter().copied().collect();
-            self.update(|p| p.waiting_for = Some(format!("{} to attach on another Node", names.join(", "))));
+            self.step(|p| p.waiting_for = Some(format!("{} to attach on another Node", names.join(", "))));
             let detached_at = std::time::Instant::now();
             match reg.wait_attached_elsewhere(self.bounded(self.job.settings.volume_reattach_timeout)).await {
                 Ok(moved) => {
@@ -1203,6 +1273,26 @@ mod tests {
     use super::*;
 
     #[test]
+    fn progress_waits_for_the_interval_but_a_step_does_not() {
+        let t0 = Instant::now();
+        let soon = t0 + Duration::from_millis(300);
+        // Nothing written yet: write now.
+        assert_eq!(hold_until(None, false, t0), None);
+        // A count changed 300 ms after a write: held until a second after it.
+        assert_eq!(
+            hold_until(Some(t0), false, soon),
+            Some(t0 + STATUS_WRITE_INTERVAL)
+        );
+        // A step (pod gone, volume detached) goes out at once.
+        assert_eq!(hold_until(Some(t0), true, soon), None);
+        // Past the interval nothing is held.
+        assert_eq!(
+            hold_until(Some(t0), false, t0 + STATUS_WRITE_INTERVAL),
+            None
+        );
+    }
+
+    #[test]
     fn leftover_volumes_are_those_no_pod_uses() {
         let attached = vec![
             "pv-b".to_string(),
@@ -1227,6 +1317,7 @@ mod tests {
             blocked_by: None,
             outcome: None,
             finished_at: None,
+            steps_done: 3,
         };
         let patch = p.status_patch();
         let d = &patch["status"]["drain"];
@@ -1239,6 +1330,8 @@ mod tests {
         let parsed: crate::api::DrainStatus =
             serde_json::from_value(d.clone()).expect("the API type reads it");
         assert_eq!(parsed.pods_remaining, 5);
+        // The step count only paces the writer; it is not status.
+        assert!(d.get("stepsDone").is_none() && d.get("steps_done").is_none());
     }
 
     #[test]

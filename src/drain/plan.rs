@@ -123,6 +123,19 @@ pub struct PlannedPod {
     pub pdbs: Vec<PdbFinding>,
     /// Claims that gave no volume, and why.
     pub notes: Vec<String>,
+    /// Its controller (`Kind/name` of the ownerReference with
+    /// `controller: true`), which is expected to replace it.
+    pub controller: Option<String>,
+}
+
+/// The `Kind/name` of a pod's controlling owner, if it has one.
+pub fn controller_of(pod: &Pod) -> Option<String> {
+    pod.metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.controller == Some(true))
+        .map(|o| format!("{}/{}", o.kind, o.name))
 }
 
 /// The order of stateful pods: priority highest first, then (namespace,
@@ -270,6 +283,7 @@ pub fn plan(
                     volumes: Vec::new(),
                     pdbs: findings_for(pod, pdbs),
                     notes: volumes.notes,
+                    controller: controller_of(pod),
                 };
                 if volumes.refs.is_empty() {
                     out.stateless.push(planned);
@@ -568,6 +582,7 @@ mod tests {
             volumes: Vec::new(),
             pdbs: Vec::new(),
             notes: Vec::new(),
+            controller: None,
         }
     }
 

@@ -214,7 +214,7 @@ fn resolve_machine(m: &Machine, ctx: &Context) -> Result<Resolved, Invalid> {
 }
 
 /// Writes the status the step implies (only if it differs) and, when the
-/// report is new, an Event.
+/// report is new, an Event. Returns the Machine as written, if it was.
 async fn record(
     ctx: &Context,
     m: &Machine,
@@ -222,7 +222,7 @@ async fn record(
     conds: &[Cond],
     report: Report,
     extra: impl FnOnce(&mut MachineStatus),
-) -> Result<(), Error> {
+) -> Result<Option<Machine>, Error> {
     let current = m.status.clone().unwrap_or_default();
     let mut next = next_status(
         &current,
@@ -233,6 +233,7 @@ async fn record(
         Timestamp::now(),
     );
     extra(&mut next);
+    let mut written = None;
     if next != current {
         let mut body = serde_json::to_value(&next)?;
         // While the drain engine runs, it owns `status.drain`: a merge patch
@@ -244,12 +245,14 @@ async fn record(
         }
         let api: Api<Machine> =
             Api::namespaced(ctx.client.clone(), &m.namespace().unwrap_or_default());
-        api.patch_status(
-            &m.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({ "status": body })),
-        )
-        .await?;
+        written = Some(
+            api.patch_status(
+                &m.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({ "status": body })),
+            )
+            .await?,
+        );
     }
     if !report.recorded_in(current.last_operation.as_ref()) {
         let type_ = if report.state == State::Failed {
@@ -278,11 +281,12 @@ async fn record(
             tracing::warn!(error = %e, "could not publish an Event");
         }
     }
-    Ok(())
+    Ok(written)
 }
 
-/// A report that changes no phase or condition.
-async fn note(ctx: &Context, m: &Machine, report: Report) -> Result<(), Error> {
+/// A report that changes no phase or condition. Returns the Machine as
+/// written, if it was.
+async fn note(ctx: &Context, m: &Machine, report: Report) -> Result<Option<Machine>, Error> {
     record(ctx, m, None, &[], report, |_| {}).await
 }
 
@@ -563,14 +567,63 @@ fn key(p: &Pod) -> String {
 
 /// The next deletion step. `Some(action)`: not done, come back on `action`;
 /// `None`: every step is done and the finalizer can go.
+/// Steps of a deletion taken in one reconcile at most: marking the Machine
+/// Terminating, cordoning its Node, starting the drain.
+const STEPS_PER_RECONCILE: usize = 3;
+
+/// What one deletion step left to do.
+enum Stepped {
+    /// Wait (or not: `None` means the Machine may go).
+    Done(Option<Action>),
+    /// The step wrote what the next one reads: go on from these copies
+    /// rather than wait for the watches to bring them back.
+    Advanced {
+        machine: Option<Box<Machine>>,
+        node: Option<Arc<Node>>,
+    },
+}
+
+/// The deletion, one step after another. The first steps (marking the
+/// Machine Terminating, cordoning its Node) are each followed at once by
+/// the next, on the objects the API server answered with: with many
+/// Machines deleted together, a wait for each write's watch event and a
+/// turn in the work queue between steps would delay every drain's first
+/// eviction by seconds.
 async fn cleanup(m: &Machine, ctx: &Context) -> Result<Option<Action>, Error> {
+    let mut machine = std::borrow::Cow::Borrowed(m);
+    let mut node = None;
+    for _ in 0..STEPS_PER_RECONCILE {
+        match cleanup_step(&machine, node.take(), ctx).await? {
+            Stepped::Done(action) => return Ok(action),
+            Stepped::Advanced {
+                machine: written,
+                node: n,
+            } => {
+                if let Some(w) = written {
+                    machine = std::borrow::Cow::Owned(*w);
+                }
+                node = n;
+            }
+        }
+    }
+    // The writes above wake this Machine again.
+    Ok(Some(Action::await_change()))
+}
+
+/// Takes the next deletion step. `known_node` is a fresher copy of the
+/// Machine's Node than the cache's, when a previous step wrote it.
+async fn cleanup_step(
+    m: &Machine,
+    known_node: Option<Arc<Node>>,
+    ctx: &Context,
+) -> Result<Stepped, Error> {
     let resolved = resolve_machine(m, ctx);
     let settings = resolved
         .as_ref()
         .map(|r| r.settings.clone())
         .unwrap_or_default();
     let now = Timestamp::now();
-    let node = match find_node(m, ctx) {
+    let node = match known_node.or_else(|| find_node(m, ctx)) {
         Some(n) => Some(n),
         // Deleting needs certainty: a Node missing from the cache is asked
         // for once more before the deletion acts as if it were gone.
@@ -626,10 +679,10 @@ async fn cleanup(m: &Machine, ctx: &Context) -> Result<Option<Action>, Error> {
     };
     let step = next_deletion_step(&facts);
     let name = step.name();
-    match step {
+    let action: Result<Option<Action>, Error> = match step {
         DeletionStep::MarkTerminating => {
             let started = m.metadata.deletion_timestamp.clone();
-            record(
+            let written = record(
                 ctx,
                 m,
                 Some(MachinePhase::Terminating),
@@ -640,7 +693,15 @@ async fn cleanup(m: &Machine, ctx: &Context) -> Result<Option<Action>, Error> {
                 },
             )
             .await?;
-            Ok(Some(Action::await_change()))
+            match written {
+                Some(w) => {
+                    return Ok(Stepped::Advanced {
+                        machine: Some(Box::new(w)),
+                        node,
+                    });
+                }
+                None => Ok(Some(Action::await_change())),
+            }
         }
         DeletionStep::WaitPreDrainHooks(hooks) | DeletionStep::WaitPreTerminateHooks(hooks) => {
             let msg = format!(
@@ -650,26 +711,31 @@ async fn cleanup(m: &Machine, ctx: &Context) -> Result<Option<Action>, Error> {
             note(ctx, m, Report::new("Delete", name, State::Waiting, msg)).await?;
             Ok(Some(Action::await_change()))
         }
-        DeletionStep::Cordon { node } => {
-            cordon(
-                ctx,
-                ctx.stores
-                    .nodes
-                    .get(&kube::runtime::reflector::ObjectRef::new(&node)),
-            )
-            .await?;
-            note(
+        DeletionStep::Cordon { node: node_name } => {
+            let cordoned = match node {
+                Some(n) => Some(Arc::new(cordon(ctx, &n).await?)),
+                None => None,
+            };
+            let written = note(
                 ctx,
                 m,
                 Report::new(
                     "Delete",
                     name,
                     State::Succeeded,
-                    format!("cordoned Node {node}"),
+                    format!("cordoned Node {node_name}"),
                 ),
             )
             .await?;
-            Ok(Some(Action::await_change()))
+            match cordoned {
+                Some(n) => {
+                    return Ok(Stepped::Advanced {
+                        machine: written.map(Box::new),
+                        node: Some(n),
+                    });
+                }
+                None => Ok(Some(Action::await_change())),
+            }
         }
         DeletionStep::ForceDeletePods { node, pods } => {
             ctx.drainer.forget(&ObjectRef::from_obj(m));
@@ -696,7 +762,7 @@ async fn cleanup(m: &Machine, ctx: &Context) -> Result<Option<Action>, Error> {
         }
         DeletionStep::Drain { node, pods } => {
             let Some(started) = m.metadata.deletion_timestamp.as_ref().map(|t| t.0) else {
-                return Ok(Some(Action::await_change()));
+                return Ok(Stepped::Done(Some(Action::await_change())));
             };
             let job = Job {
                 machine: ObjectRef::from_obj(m),
@@ -761,7 +827,8 @@ async fn cleanup(m: &Machine, ctx: &Context) -> Result<Option<Action>, Error> {
         DeletionStep::DeleteVmAndNode { node } => {
             delete_vm_and_node(m, ctx, resolved, facts, node).await
         }
-    }
+    };
+    action.map(Stepped::Done)
 }
 
 /// What the Drain step says: the condition reason, the report state and a
@@ -799,8 +866,8 @@ fn drain_report(node: &str, pods: &[String], p: &Progress) -> (&'static str, Sta
 /// `spec.unschedulable` plus berth's NoSchedule taint. The resourceVersion
 /// in the patch makes it a compare-and-swap, so a taint another writer
 /// added in between is never lost.
-async fn cordon(ctx: &Context, node: Option<Arc<Node>>) -> Result<(), Error> {
-    let Some(node) = node else { return Ok(()) };
+/// Marks the Node unschedulable and taints it; returns it as written.
+async fn cordon(ctx: &Context, node: &Node) -> Result<Node, Error> {
     let mut taints: Vec<Taint> = node
         .spec
         .as_ref()
@@ -821,14 +888,13 @@ async fn cordon(ctx: &Context, node: Option<Arc<Node>>) -> Result<(), Error> {
         "metadata": {"resourceVersion": node.resource_version()},
         "spec": {"unschedulable": true, "taints": taints},
     });
-    Api::<Node>::all(ctx.client.clone())
+    Ok(Api::<Node>::all(ctx.client.clone())
         .patch(
             &node.name_any(),
             &PatchParams::default(),
             &Patch::Merge(patch),
         )
-        .await?;
-    Ok(())
+        .await?)
 }
 
 async fn delete_vm_and_node(

@@ -21,6 +21,7 @@
 //!    expiry, and the HTTP server stops last.
 
 use std::net::SocketAddr;
+use std::num::NonZeroU32;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,6 +32,7 @@ use kube::{Api, Client};
 use tokio::sync::{oneshot, watch};
 
 use super::leader::LeaderElection;
+use super::ratelimit::TokenBucketLayer;
 use crate::api::{Machine, MachineClass};
 use crate::providers::Registry;
 use crate::providers::fake::FakeProvider;
@@ -67,10 +69,10 @@ pub struct RunArgs {
     #[arg(long, env = "BERTH_LOG", default_value = "info")]
     pub log: String,
     /// Sustained requests per second to the API server.
-    #[arg(long, env = "BERTH_KUBE_QPS", default_value_t = 50)]
+    #[arg(long, env = "BERTH_KUBE_QPS", default_value_t = 100)]
     pub kube_qps: u32,
     /// Requests that may be sent at once above the sustained rate.
-    #[arg(long, env = "BERTH_KUBE_BURST", default_value_t = 100)]
+    #[arg(long, env = "BERTH_KUBE_BURST", default_value_t = 200)]
     pub kube_burst: u32,
     /// Sustained Events per second. Events have a rate limit of their own,
     /// so that they never hold up evictions and status writes.
@@ -384,17 +386,14 @@ async fn kube_config(args: &RunArgs) -> anyhow::Result<kube::Config> {
 }
 
 /// A client whose requests are limited to `qps` on average with bursts of
-/// up to `burst` (tower's fixed-window limiter: `burst` requests per
-/// `burst / qps` seconds).
+/// up to `burst` (a token bucket, [`TokenBucketLayer`]).
 fn rate_limited_client(config: kube::Config, qps: u32, burst: u32) -> anyhow::Result<Client> {
-    if qps == 0 || burst == 0 {
+    let (Some(qps), Some(burst)) = (NonZeroU32::new(qps), NonZeroU32::new(burst)) else {
         anyhow::bail!(
             "--kube-qps, --kube-burst, --kube-events-qps and --kube-events-burst must each be at least 1"
         );
-    }
-    let burst = burst.max(1);
-    let window = Duration::from_secs_f64(f64::from(burst) / f64::from(qps));
-    let layer = tower::limit::RateLimitLayer::new(u64::from(burst), window);
+    };
+    let layer = TokenBucketLayer::new(qps, burst);
     let client = kube::client::ClientBuilder::try_from(config)
         .context("building the Kubernetes client")?
         .with_layer(&layer)

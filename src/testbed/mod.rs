@@ -266,7 +266,15 @@ impl TestBed {
 
         if options.profile == Profile::EndToEnd {
             let kc = kubeconfig.display().to_string();
-            let mut kcm = vec![format!("--kubeconfig={kc}")];
+            // client-go's 20 requests a second per controller (KCM's
+            // default) would pace the ReplicaSet controller's replacement
+            // pods and the attach-detach controller's writes when many
+            // Nodes drain at once; large clusters raise it too.
+            let mut kcm = vec![
+                format!("--kubeconfig={kc}"),
+                "--kube-api-qps=100".into(),
+                "--kube-api-burst=200".into(),
+            ];
             if options.node_heartbeat != stages::DEFAULT_HEARTBEAT {
                 // A Node is unreachable when neither its Lease nor its
                 // status was renewed for this long.

@@ -37,16 +37,42 @@ pub const COMPLETE_AFTER_ANNOTATION: &str = "testbed.berth.dev/complete-after";
 /// that long instead of at the end of its grace period.
 pub const TERMINATE_AFTER_ANNOTATION: &str = "testbed.berth.dev/terminate-after";
 
-/// The kwok configuration (a multi-document YAML of Stages). A Ready Node's
-/// status is refreshed every `heartbeat` plus up to 1.25 times that again
-/// (jitter, so that many Nodes do not beat together).
+/// Pod Stages kwok plays at once (its default is 4). Each play is an API
+/// request; with 20 Machines drained together, 4 workers queued pod
+/// deletions seconds behind their grace periods.
+pub const POD_STAGE_WORKERS: u32 = 16;
+/// Node Stages kwok plays at once (its default is 4).
+pub const NODE_STAGE_WORKERS: u32 = 8;
+
+/// The kwok configuration (a multi-document YAML: kwok's own settings, then
+/// the Stages). kwok applies no defaults to a KwokConfiguration it reads,
+/// so every option it would default is spelled out, at kwok's defaults
+/// where not said otherwise; the flags the test bed passes win over these. A Ready Node's status is refreshed every `heartbeat` plus up
+/// to 1.25 times that again (jitter, so that many Nodes do not beat
+/// together).
 pub fn kwok_config(attach_delay: Duration, detach_delay: Duration, heartbeat: Duration) -> String {
     let attach_ms = attach_delay.as_millis();
     let detach_ms = detach_delay.as_millis();
     let heartbeat_ms = heartbeat.as_millis();
     let jitter_ms = heartbeat.as_millis() * 5 / 4;
     format!(
-        r#"apiVersion: kwok.x-k8s.io/v1alpha1
+        r#"apiVersion: config.kwok.x-k8s.io/v1alpha1
+kind: KwokConfiguration
+options:
+  cidr: 10.0.0.0/24
+  manageAllNodes: false
+  enableDebuggingHandlers: true
+  enableContentionProfiling: false
+  enableProfilingHandler: false
+  podPlayStageParallelism: {POD_STAGE_WORKERS}
+  nodePlayStageParallelism: {NODE_STAGE_WORKERS}
+  nodeLeaseParallelism: 4
+  nodeLeaseDurationSeconds: 40
+  podsOnNodeSyncParallelism: 1
+  enablePodsOnNodeSyncListPager: true
+  enablePodsOnNodeSyncStreamWatch: false
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
 kind: Stage
 metadata:
   name: node-initialize
@@ -329,6 +355,14 @@ mod tests {
         let cfg = kwok_config(Duration::ZERO, Duration::ZERO, DEFAULT_HEARTBEAT);
         assert!(cfg.contains("{{ $now := Now }}"));
         assert!(!cfg.contains("{{{{"));
-        assert_eq!(cfg.matches("\n---\n").count(), 6, "seven Stage documents");
+        assert_eq!(
+            cfg.matches("\n---\n").count(),
+            7,
+            "kwok's settings and seven Stage documents"
+        );
+        assert!(
+            cfg.starts_with("apiVersion: config.kwok.x-k8s.io/v1alpha1\nkind: KwokConfiguration\n")
+        );
+        assert!(cfg.contains(&format!("podPlayStageParallelism: {POD_STAGE_WORKERS}\n")));
     }
 }

@@ -232,6 +232,10 @@ pub struct DrainStatus {
     /// What blocks it, if anything (a PDB, a deadline), in words.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub blocked_by: Option<String>,
+    /// When the drain ended, whatever its outcome (the `Drained`,
+    /// `DrainForced` or `DrainFailed` Event says which).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<Time>,
 }
 
 fn free_form_object(_: &mut schemars::SchemaGenerator) -> schemars::Schema {

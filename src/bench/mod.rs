@@ -652,25 +652,39 @@ async fn stateless_berth(
     running_on(admin, &c, "web-", args.stateless).await?;
     machine(admin, "stateless-b", pool).await?;
     let machines: Api<Machine> = Api::namespaced(admin.clone(), NS);
+    // The drain's end is its `status.drain.finishedAt`, seen by a watch
+    // from before the delete (the Machine is gone soon after).
+    let (listed_tx, listed) = tokio::sync::oneshot::channel();
+    let seen = tokio::spawn(scale::gone_times(
+        machines.clone(),
+        ["stateless-a".to_string()].into(),
+        listed_tx,
+    ));
+    listed
+        .await
+        .context("the Machine watch ended before listing")?;
     machines
         .delete("stateless-a", &DeleteParams::default())
         .await?;
-    wait::for_none(machines, LONG, "stateless-a gone", |m| {
-        m.name_any() == "stateless-a"
-    })
-    .await?;
+    let seen = tokio::time::timeout(LONG, seen)
+        .await
+        .context("stateless-a not gone in time")?
+        .context("the Machine watch failed")??;
     let log = read_audit(audit_log)?;
     let start =
         deleted_at(&log, "machines", "stateless-a").context("the delete is in the audit log")?;
-    let drained = Api::<Event>::namespaced(admin.clone(), NS)
+    Api::<Event>::namespaced(admin.clone(), NS)
         .list(&Default::default())
         .await?
         .items
         .into_iter()
         .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("stateless-a"))
-        .filter(|e| e.reason.as_deref() == Some("Drained"))
-        .find_map(|e| e.event_time.map(|t| t.0))
+        .find(|e| e.reason.as_deref() == Some("Drained"))
         .context("no Drained event")?;
+    let drained = *seen
+        .finished
+        .get("stateless-a")
+        .context("no status.drain.finishedAt seen")?;
     let mut run = Run {
         scenario: "stateless".into(),
         drainer: compare::BERTH.into(),

@@ -24,9 +24,9 @@
 //!    second have fallen below [`settled_rate`]).
 //! 3. **Idle** for [`IDLE`]: nothing changes but kwok's Node heartbeats.
 //! 4. **Drains**: every drained Machine deleted at once. A drain's wall
-//!    time runs from its delete request to its `Drained` Event (as in the
-//!    stateless scenario; for stateful pods that follows the last volume
-//!    attached on the new Node); its floor comes from the pods that were on
+//!    time runs from its delete request to its end, `status.drain.finishedAt`
+//!    with outcome `Drained` (as in the stateless scenario; for stateful pods
+//!    that follows the last volume attached on the new Node); its floor comes from the pods that were on
 //!    its Node: each stateful pod's grace period plus detach and attach
 //!    delays (one volume at a time), or the longest grace period when it
 //!    had only stateless pods.
@@ -213,7 +213,8 @@ pub struct ScaleDrain {
     pub stateful_pods: u32,
     pub stateless_pods: u32,
     pub floor_seconds: f64,
-    /// Delete request to the `Drained` Event.
+    /// Delete request to the drain's end (`status.drain.finishedAt`, when
+    /// its outcome is `Drained`).
     pub wall_seconds: Option<f64>,
     /// Delete request to the Machine gone (volumes detached, VM and Node
     /// deleted, finalizer removed).
@@ -995,7 +996,8 @@ async fn count_cluster(admin: &Client) -> anyhow::Result<Counted> {
 }
 
 /// Deletes every drained Machine at once and fills in each drain's wall
-/// time (to its `Drained` Event) and time until the Machine is gone.
+/// time (to its `status.drain.finishedAt`) and time until the Machine is
+/// gone.
 async fn drain_all(admin: &Client, drains: &mut [ScaleDrain]) -> anyhow::Result<Vec<Route>> {
     let mut routes = routes_before(admin, drains).await?;
     let machines: Api<Machine> = Api::namespaced(admin.clone(), NS);
@@ -1036,6 +1038,8 @@ async fn drain_all(admin: &Client, drains: &mut [ScaleDrain]) -> anyhow::Result<
         let Some(start) = starts.get(&d.machine).copied() else {
             continue;
         };
+        // The outcome from the drain's last Event; its time from the
+        // status, since Events are published from a queue (a busy one lags).
         let last = events
             .iter()
             .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(&d.machine))
@@ -1047,15 +1051,19 @@ async fn drain_all(admin: &Client, drains: &mut [ScaleDrain]) -> anyhow::Result<
             })
             .filter_map(|e| Some((e.event_time.as_ref()?.0, e.reason.clone()?)))
             .max_by_key(|(t, _)| *t);
-        if let Some((t, reason)) = last {
-            if reason == "Drained" {
-                let wall = super::secs(start, t);
+        if let Some((_, reason)) = last {
+            if let Some(t) = gone
+                .finished
+                .get(&d.machine)
+                .filter(|_| reason == "Drained")
+            {
+                let wall = super::secs(start, *t);
                 d.wall_seconds = Some(wall);
                 d.over_floor_seconds = Some(wall - d.floor_seconds);
             }
             d.outcome = Some(reason);
         }
-        d.gone_seconds = gone.get(&d.machine).map(|t| super::secs(start, *t));
+        d.gone_seconds = gone.gone.get(&d.machine).map(|t| super::secs(start, *t));
     }
     let vas = Api::<VolumeAttachment>::all(admin.clone())
         .list(&ListParams::default())
@@ -1248,18 +1256,28 @@ fn step_times(
     (steps, per_route)
 }
 
-/// When each of `names` disappeared, watched from before their deletion
-/// (`listed` fires once the watch has its initial list).
-async fn gone_times(
+/// What the Machine watch saw of each drained Machine.
+#[derive(Debug, Default)]
+pub struct Seen {
+    /// When it disappeared.
+    pub gone: BTreeMap<String, Timestamp>,
+    /// Its `status.drain.finishedAt`, as the controller wrote it.
+    pub finished: BTreeMap<String, Timestamp>,
+}
+
+/// When each of `names` finished its drain and disappeared, watched from
+/// before their deletion (`listed` fires once the watch has its initial
+/// list).
+pub async fn gone_times(
     api: Api<Machine>,
     names: BTreeSet<String>,
     listed: tokio::sync::oneshot::Sender<()>,
-) -> anyhow::Result<BTreeMap<String, Timestamp>> {
+) -> anyhow::Result<Seen> {
     let stream = watcher(api, watcher::Config::default()).default_backoff();
     futures::pin_mut!(stream);
     let mut listed = Some(listed);
     let mut present: BTreeSet<String> = BTreeSet::new();
-    let mut gone = BTreeMap::new();
+    let mut seen = Seen::default();
     while let Some(event) = stream.try_next().await? {
         match event {
             watcher::Event::Init => present.clear(),
@@ -1270,21 +1288,30 @@ async fn gone_times(
                 // After a re-list, a Machine missing from it went meanwhile.
                 let now = Timestamp::now();
                 for n in names.iter().filter(|n| !present.contains(*n)) {
-                    gone.entry(n.clone()).or_insert(now);
+                    seen.gone.entry(n.clone()).or_insert(now);
                 }
                 if let Some(tx) = listed.take() {
                     let _ = tx.send(());
                 }
             }
-            watcher::Event::Apply(_) => {}
+            watcher::Event::Apply(m) => {
+                let finished = m
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.drain.as_ref())
+                    .and_then(|d| d.finished_at.as_ref());
+                if let Some(t) = finished.filter(|_| names.contains(&m.name_any())) {
+                    seen.finished.insert(m.name_any(), t.0);
+                }
+            }
             watcher::Event::Delete(m) => {
                 if names.contains(&m.name_any()) {
-                    gone.entry(m.name_any()).or_insert_with(Timestamp::now);
+                    seen.gone.entry(m.name_any()).or_insert_with(Timestamp::now);
                 }
             }
         }
-        if listed.is_none() && gone.len() == names.len() {
-            return Ok(gone);
+        if listed.is_none() && seen.gone.len() == names.len() {
+            return Ok(seen);
         }
     }
     anyhow::bail!("the Machine watch ended")

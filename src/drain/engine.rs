@@ -45,10 +45,11 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::storage::v1::VolumeAttachment;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::{ObjectRef, Store};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
@@ -63,6 +64,7 @@ use super::volume::replacement_expected;
 use crate::api::Machine;
 use crate::api::settings::ResolvedSettings;
 use crate::cache::{Indexes, claim_key};
+use crate::telemetry::events::EventSink;
 use crate::telemetry::{EvictionResult, Metrics};
 use crate::volumes::{Interest, Tracker, WaitError};
 
@@ -95,7 +97,7 @@ pub struct Deps {
     /// Bumped after every PodDisruptionBudget event.
     pub pdb_changes: watch::Receiver<u64>,
     pub metrics: Arc<Metrics>,
-    pub recorder: Recorder,
+    pub events: EventSink,
 }
 
 /// How a drain ended.
@@ -132,6 +134,8 @@ pub struct Progress {
     pub outcome: Option<Outcome>,
     /// When the outcome was reached.
     pub finished_at: Option<Instant>,
+    /// The same moment on the wall clock, for `status.drain.finishedAt`.
+    pub finished_on: Option<Timestamp>,
     /// Steps of volume migrations completed so far (a stateful pod
     /// evicted, gone, its volumes detached). Not written itself: a change
     /// of it makes the status writer write at once instead of at its pace,
@@ -152,6 +156,7 @@ impl Progress {
             "currentVolume": self.current_volume,
             "waitingFor": self.waiting_for,
             "blockedBy": self.blocked_by,
+            "finishedAt": self.finished_on.map(Time),
         }}})
     }
 }
@@ -381,33 +386,27 @@ async fn run(deps: Arc<Deps>, job: Job, progress: watch::Sender<Progress>) {
     deps.metrics
         .record_drain(outcome.label(), started.elapsed());
     match &outcome {
-        Outcome::Drained => {
-            r.event(
-                EventType::Normal,
-                "Drained",
-                format!("Node {} drained", r.job.node),
-                None,
-            )
-            .await
-        }
-        Outcome::Forced { pods } => {
-            r.event(
-                EventType::Warning,
-                "DrainForced",
-                format!("drain deadline passed: force-deleted {}", pods.join(", ")),
-                None,
-            )
-            .await
-        }
+        Outcome::Drained => r.event(
+            EventType::Normal,
+            "Drained",
+            format!("Node {} drained", r.job.node),
+            None,
+        ),
+        Outcome::Forced { pods } => r.event(
+            EventType::Warning,
+            "DrainForced",
+            format!("drain deadline passed: force-deleted {}", pods.join(", ")),
+            None,
+        ),
         Outcome::Failed { message } => {
             r.event(EventType::Warning, "DrainFailed", message.clone(), None)
-                .await
         }
     }
     tracing::info!(outcome = outcome.label(), took = ?started.elapsed(), "drain finished");
     r.progress.send_modify(|p| {
         p.outcome = Some(outcome.clone());
         p.finished_at = Some(Instant::now());
+        p.finished_on = Some(Timestamp::now());
         p.current_pod = None;
         p.current_volume = None;
         p.waiting_for = None;
@@ -578,7 +577,7 @@ impl Run {
     /// concerned) also keeps Events about different objects apart: the
     /// recorder folds Events with the same reason and related object into
     /// one series.
-    async fn event(
+    fn event(
         &self,
         type_: EventType,
         reason: &str,
@@ -592,9 +591,7 @@ impl Run {
             action: "Drain".into(),
             secondary: related,
         };
-        if let Err(e) = self.deps.recorder.publish(&ev, &self.job.machine_ref).await {
-            tracing::warn!(error = %e, "could not publish an Event");
-        }
+        self.deps.events.publish(ev, self.job.machine_ref.clone());
     }
 
     async fn passes(&self) -> Outcome {
@@ -803,12 +800,11 @@ impl Run {
                     "VolumeDetached",
                     format!("{} detached from Node {}", names.join(", "), self.job.node),
                     leftover.first().map(|(pv, _)| pv_ref(pv)),
-                )
-                .await;
+                );
             }
             Err(e) => {
                 self.abandon(leftover.iter().map(|(pv, _)| pv.clone()));
-                self.warn_volume("VolumeDetachTimeout", &e).await;
+                self.warn_volume("VolumeDetachTimeout", &e);
                 return;
             }
         }
@@ -846,11 +842,10 @@ impl Run {
                             self.job.node
                         ),
                         Some(pv_ref(&pv)),
-                    )
-                    .await;
+                    );
                 }
             }
-            Err(e) => self.warn_volume("VolumeReattachTimeout", &e).await,
+            Err(e) => self.warn_volume("VolumeReattachTimeout", &e),
         }
     }
 
@@ -860,10 +855,9 @@ impl Run {
         }
     }
 
-    async fn warn_volume(&self, reason: &str, e: &WaitError) {
+    fn warn_volume(&self, reason: &str, e: &WaitError) {
         tracing::warn!(reason, error = %e, "volume wait ended without success");
-        self.event(EventType::Warning, reason, e.to_string(), None)
-            .await;
+        self.event(EventType::Warning, reason, e.to_string(), None);
     }
 
     /// Evicts one pod, retrying refusals; returns whether the pod is on its
@@ -895,8 +889,7 @@ impl Run {
                         "Evicted",
                         format!("evicted pod {key}"),
                         Some(pod_ref(&pod)),
-                    )
-                    .await;
+                    );
                     return true;
                 }
                 Evicted::Gone => return true,
@@ -937,8 +930,7 @@ impl Run {
                             "EvictionBlocked",
                             why.clone(),
                             Some(pod_ref(&pod)),
-                        )
-                        .await;
+                        );
                     }
                     self.update(|p| p.blocked_by = Some(why));
                     if stuck {
@@ -1021,8 +1013,7 @@ impl Run {
                     EventType::Warning,
                     "PodTerminationSlow",
                     format!("pod {key} is still terminating after its grace period and slack; waiting until the drain deadline"), Some(pod_ref_key(&planned.pod))
-                )
-                .await;
+                );
                 if !self.wait_gone(&planned.pod, planned.uid.as_deref(), self.deadline()).await {
                     return;
                 }
@@ -1040,12 +1031,11 @@ impl Run {
                         EventType::Normal,
                         "VolumeDetached",
                         format!("{} detached from Node {} {:.1}s after pod {key} was evicted", pvs.join(", "), self.job.node, took.as_secs_f64()), pvs.first().map(|pv| pv_ref(pv))
-                    )
-                    .await;
+                    );
                 }
                 Err(e) => {
                     self.abandon(pvs.iter().cloned());
-                    self.warn_volume("VolumeDetachTimeout", &e).await;
+                    self.warn_volume("VolumeDetachTimeout", &e);
                     return;
                 }
             }
@@ -1082,8 +1072,7 @@ impl Run {
                         fmt_key(&v.volume.claim),
                         v.volume.pv
                     ), Some(pv_ref(&v.volume.pv))
-                )
-                .await;
+                );
             }
             if expected.is_empty() {
                 return;
@@ -1101,11 +1090,10 @@ impl Run {
                             EventType::Normal,
                             "VolumeAttached",
                             format!("{pv} attached on Node {node} after {:.1}s (moved from {})", detached_at.elapsed().as_secs_f64(), self.job.node), Some(pv_ref(&pv))
-                        )
-                        .await;
+                        );
                     }
                 }
-                Err(e) => self.warn_volume("VolumeReattachTimeout", &e).await,
+                Err(e) => self.warn_volume("VolumeReattachTimeout", &e),
             }
         }
         .instrument(span)
@@ -1317,6 +1305,7 @@ mod tests {
             blocked_by: None,
             outcome: None,
             finished_at: None,
+            finished_on: Some(Timestamp::from_second(1_700_000_000).expect("valid")),
             steps_done: 3,
         };
         let patch = p.status_patch();
@@ -1330,6 +1319,7 @@ mod tests {
         let parsed: crate::api::DrainStatus =
             serde_json::from_value(d.clone()).expect("the API type reads it");
         assert_eq!(parsed.pods_remaining, 5);
+        assert_eq!(d["finishedAt"], "2023-11-14T22:13:20Z");
         // The step count only paces the writer; it is not status.
         assert!(d.get("stepsDone").is_none() && d.get("steps_done").is_none());
     }

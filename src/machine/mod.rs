@@ -34,6 +34,7 @@ use crate::cache::{Indexes, trim};
 use crate::drain::engine::{Deps as DrainDeps, Drainer};
 use crate::providers::Registry;
 use crate::telemetry::Metrics;
+use crate::telemetry::events::EventSink;
 use crate::volumes::Tracker;
 
 pub use reconcile::Error;
@@ -56,7 +57,7 @@ pub struct Stores {
 pub struct Context {
     pub client: Client,
     pub providers: Registry,
-    pub recorder: Recorder,
+    pub events: EventSink,
     pub stores: Stores,
     pub metrics: Arc<Metrics>,
     pub drainer: Drainer,
@@ -271,12 +272,16 @@ pub async fn run(
         });
 
     let providers = providers.instrumented(&metrics);
-    let recorder = Recorder::new(
-        events_client,
-        Reporter {
-            controller: "berth".into(),
-            instance: Some(settings.instance.clone()),
-        },
+    let (events, _publisher) = EventSink::new(
+        Recorder::new(
+            events_client,
+            Reporter {
+                controller: "berth".into(),
+                instance: Some(settings.instance.clone()),
+            },
+        ),
+        Arc::clone(&metrics),
+        crate::telemetry::events::QUEUE,
     );
     let (drainer, drains_done) = Drainer::new(DrainDeps {
         client: client.clone(),
@@ -291,7 +296,7 @@ pub async fn run(
         pod_changes,
         pdb_changes,
         metrics: Arc::clone(&metrics),
-        recorder: recorder.clone(),
+        events: events.clone(),
     });
     let controller = controller
         .reconcile_on(futures::stream::unfold(drains_done, |mut rx| async move {
@@ -300,7 +305,7 @@ pub async fn run(
     let ctx = Arc::new(Context {
         client: client.clone(),
         providers,
-        recorder,
+        events,
         drainer,
         synced: std::sync::atomic::AtomicBool::new(false),
         stores: stores.clone(),

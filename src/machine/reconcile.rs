@@ -275,11 +275,9 @@ async fn record(
             action: report.op.to_string(),
             secondary: None,
         };
-        // An Event is best effort: failing to publish one must not stop the
-        // lifecycle.
-        if let Err(e) = ctx.recorder.publish(&ev, &m.object_ref(&())).await {
-            tracing::warn!(error = %e, "could not publish an Event");
-        }
+        // An Event is best effort and published in the background: it must
+        // neither stop nor slow the lifecycle.
+        ctx.events.publish(ev, m.object_ref(&()));
     }
     Ok(written)
 }

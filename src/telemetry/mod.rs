@@ -12,10 +12,13 @@
 //!   panics) is observed exactly once.
 //! * [`serve`] and [`HttpState`]: `GET /metrics`, `GET /healthz` and
 //!   `GET /readyz` on axum.
+//! * [`events::EventSink`]: Kubernetes Events, queued and published off the
+//!   critical path.
 //!
 //! The list of family names ([`Metrics::names`]) is what the README's metric
 //! table is checked against, so adding a metric here means documenting it.
 
+pub mod events;
 mod http;
 
 pub use self::http::{HttpState, router, serve};
@@ -132,6 +135,8 @@ pub struct Metrics {
     pub volume_attachment_events: IntCounter,
     /// `berth_tracker_lagged_total`: times a tracker subscriber lagged.
     pub tracker_lagged: IntCounter,
+    /// `berth_events_dropped_total`: Events not published.
+    pub events_dropped: IntCounter,
     /// `berth_provider_requests_total{driver,op,result}`.
     pub provider_requests: IntCounterVec,
     /// `berth_provider_request_duration_seconds{driver,op}`.
@@ -270,6 +275,10 @@ impl Metrics {
             "berth_tracker_lagged_total",
             "Times a volume tracker subscriber fell behind and missed events (it then re-reads the state).",
         )?)?;
+        let events_dropped = r.add(IntCounter::new(
+            "berth_events_dropped_total",
+            "Kubernetes Events not published: their queue was full or the API server refused them.",
+        )?)?;
         let provider_requests = r.add(IntCounterVec::new(
             Opts::new(
                 "berth_provider_requests_total",
@@ -315,6 +324,7 @@ impl Metrics {
             volume_reattach_wait,
             volume_attachment_events,
             tracker_lagged,
+            events_dropped,
             provider_requests,
             provider_request_duration,
             node_not_ready_machines,
@@ -499,7 +509,7 @@ impl Drop for ReconcileTimer {
 mod tests {
     use super::*;
 
-    const ALL_NAMES: [&str; 14] = [
+    const ALL_NAMES: [&str; 15] = [
         "berth_machines",
         "berth_reconcile_total",
         "berth_reconcile_duration_seconds",
@@ -510,6 +520,7 @@ mod tests {
         "berth_volume_reattach_wait_seconds",
         "berth_volume_attachment_events_total",
         "berth_tracker_lagged_total",
+        "berth_events_dropped_total",
         "berth_provider_requests_total",
         "berth_provider_request_duration_seconds",
         "berth_node_not_ready_machines",
@@ -550,6 +561,7 @@ mod tests {
         m.volume_reattach_wait.observe(7.0);
         m.volume_attachment_events.inc();
         m.tracker_lagged.inc();
+        m.events_dropped.inc();
         m.record_provider_request("fake", "create", "ok", Duration::from_millis(30));
         m.node_not_ready_machines.set(1);
         m.leader.set(1);

@@ -10,7 +10,7 @@
 
 pub mod settings;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, Time};
 use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use serde::{Deserialize, Serialize};
 
@@ -233,9 +233,9 @@ pub struct DrainStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub blocked_by: Option<String>,
     /// When the drain ended, whatever its outcome (the `Drained`,
-    /// `DrainForced` or `DrainFailed` Event says which).
+    /// `DrainForced` or `DrainFailed` Event says which), to the microsecond.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub finished_at: Option<Time>,
+    pub finished_at: Option<MicroTime>,
 }
 
 fn free_form_object(_: &mut schemars::SchemaGenerator) -> schemars::Schema {

@@ -45,7 +45,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::storage::v1::VolumeAttachment;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
@@ -156,7 +156,7 @@ impl Progress {
             "currentVolume": self.current_volume,
             "waitingFor": self.waiting_for,
             "blockedBy": self.blocked_by,
-            "finishedAt": self.finished_on.map(Time),
+            "finishedAt": self.finished_on.map(MicroTime),
         }}})
     }
 }
@@ -1319,7 +1319,7 @@ mod tests {
         let parsed: crate::api::DrainStatus =
             serde_json::from_value(d.clone()).expect("the API type reads it");
         assert_eq!(parsed.pods_remaining, 5);
-        assert_eq!(d["finishedAt"], "2023-11-14T22:13:20Z");
+        assert_eq!(d["finishedAt"], "2023-11-14T22:13:20.000000Z");
         // The step count only paces the writer; it is not status.
         assert!(d.get("stepsDone").is_none() && d.get("steps_done").is_none());
     }

@@ -583,6 +583,7 @@ async fn stateful_berth(
     )
     .await?;
     eprintln!("berth stateful drain: {:.1}s", t.elapsed().as_secs_f64());
+    drained_event(admin, "stateful-a").await?;
     let new = attachments_on(admin, &b).await?;
     let log = read_audit(audit_log)?;
     let start =
@@ -616,12 +617,49 @@ async fn stateful_berth(
         run.gaps_ms
             .insert(step.into(), Gaps::of(&gaps(&log, user, moments)));
     }
-    cost_into(&mut run, &log, user, start, end);
+    cost_into(&mut run, &log, user, start, end, Some("stateful-a"));
     Ok(run)
 }
 
-fn cost_into(run: &mut Run, log: &[Request], user: &str, start: Timestamp, end: Timestamp) {
+/// Waits for the `Drained` Event of `machine`: Events are published from a
+/// queue, so it may come a moment after the Machine went.
+async fn drained_event(admin: &Client, machine: &str) -> anyhow::Result<()> {
+    wait::for_one(
+        Api::<Event>::namespaced(admin.clone(), NS),
+        Duration::from_secs(60),
+        &format!("the Drained Event of {machine}"),
+        |e| {
+            e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(machine)
+                && e.reason.as_deref() == Some("Drained")
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+/// The drain's requests from `start` to `end`, and with `events` the
+/// Events about that Machine published after `end` (from the controller's
+/// queue) but for the drain.
+fn cost_into(
+    run: &mut Run,
+    log: &[Request],
+    user: &str,
+    start: Timestamp,
+    end: Timestamp,
+    events: Option<&str>,
+) {
     run.api_requests = audit::cost(log, user, start, end);
+    if let Some(machine) = events {
+        let prefix = format!("{machine}.");
+        for r in log
+            .iter()
+            .filter(|r| r.user == user && r.resource == "events" && r.is_write())
+            .filter(|r| r.received > end)
+            .filter(|r| r.name.as_deref().is_some_and(|n| n.starts_with(&prefix)))
+        {
+            *run.api_requests.entry(r.kind()).or_default() += 1;
+        }
+    }
     let total: u32 = run.api_requests.values().sum();
     run.api_requests_per_pod = f64::from(total) / f64::from(run.pods.max(1));
     run.reads_during_drain = log
@@ -670,17 +708,10 @@ async fn stateless_berth(
         .await
         .context("stateless-a not gone in time")?
         .context("the Machine watch failed")??;
+    drained_event(admin, "stateless-a").await?;
     let log = read_audit(audit_log)?;
     let start =
         deleted_at(&log, "machines", "stateless-a").context("the delete is in the audit log")?;
-    Api::<Event>::namespaced(admin.clone(), NS)
-        .list(&Default::default())
-        .await?
-        .items
-        .into_iter()
-        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("stateless-a"))
-        .find(|e| e.reason.as_deref() == Some("Drained"))
-        .context("no Drained event")?;
     let drained = *seen
         .finished
         .get("stateless-a")
@@ -693,7 +724,7 @@ async fn stateless_berth(
         floor_seconds: f64::from(args.grace),
         ..Default::default()
     };
-    cost_into(&mut run, &log, user, start, drained);
+    cost_into(&mut run, &log, user, start, drained, Some("stateless-a"));
     Ok(run)
 }
 

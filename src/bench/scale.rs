@@ -1030,10 +1030,31 @@ async fn drain_all(admin: &Client, drains: &mut [ScaleDrain]) -> anyhow::Result<
         .await
         .map_err(|_| anyhow::anyhow!("the drained Machines were not gone after {STEP_TIMEOUT:?}"))?
         .context("the Machine watch failed")??;
-    let events = Api::<Event>::namespaced(admin.clone(), NS)
-        .list(&Default::default())
-        .await?
-        .items;
+    // Each drain's last Event says how it ended. Events are published from
+    // a queue, so the last ones may come a little after their Machines went.
+    let ending = |e: &Event| {
+        matches!(
+            e.reason.as_deref(),
+            Some("Drained" | "DrainForced" | "DrainFailed")
+        )
+    };
+    let events: Vec<Event> = crate::testbed::wait::until(
+        Api::<Event>::namespaced(admin.clone(), NS),
+        Duration::from_secs(120),
+        "every drained Machine's last drain Event",
+        |all| {
+            drains.iter().all(|d| {
+                all.iter().any(|e| {
+                    ending(e)
+                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(&d.machine)
+                })
+            })
+        },
+    )
+    .await?
+    .into_iter()
+    .map(|e| (*e).clone())
+    .collect();
     for d in drains.iter_mut() {
         let Some(start) = starts.get(&d.machine).copied() else {
             continue;
@@ -1043,12 +1064,7 @@ async fn drain_all(admin: &Client, drains: &mut [ScaleDrain]) -> anyhow::Result<
         let last = events
             .iter()
             .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(&d.machine))
-            .filter(|e| {
-                matches!(
-                    e.reason.as_deref(),
-                    Some("Drained" | "DrainForced" | "DrainFailed")
-                )
-            })
+            .filter(|e| ending(e))
             .filter_map(|e| Some((e.event_time.as_ref()?.0, e.reason.clone()?)))
             .max_by_key(|(t, _)| *t);
         if let Some((_, reason)) = last {

@@ -585,24 +585,7 @@ async fn a_claim_no_pod_needs_any_more_is_not_waited_for() {
     let ctl = start_controller(&client, ns, "drain-orphan").await;
     let node = running_machine(&client, ns, "o", ns).await;
     let pv = format!("{ns}-pv");
-    create(
-        Api::all(client.clone()),
-        csi_pv(&pv, &format!("vol-{pv}"), ns, "data"),
-    )
-    .await;
-    create(
-        Api::namespaced(client.clone(), ns),
-        json::<k8s_openapi::api::core::v1::PersistentVolumeClaim>(serde_json::json!({
-            "metadata": {"name": "data"},
-            "spec": {
-                "accessModes": ["ReadWriteOnce"],
-                "storageClassName": "",
-                "volumeName": pv,
-                "resources": {"requests": {"storage": "1Gi"}}
-            }
-        })),
-    )
-    .await;
+    claim_and_volume(&client, ns, &pv).await;
     // A pod no controller will recreate: once evicted, nothing needs the
     // claim (what a scaled-down StatefulSet leaves behind).
     create(

@@ -693,7 +693,7 @@ async fn stateless_berth(
     // The drain's end is its `status.drain.finishedAt`, seen by a watch
     // from before the delete (the Machine is gone soon after).
     let (listed_tx, listed) = tokio::sync::oneshot::channel();
-    let seen = tokio::spawn(scale::gone_times(
+    let seen = tokio::spawn(scale::watch_ends(
         machines.clone(),
         ["stateless-a".to_string()].into(),
         listed_tx,

@@ -1003,7 +1003,7 @@ async fn drain_all(admin: &Client, drains: &mut [ScaleDrain]) -> anyhow::Result<
     let machines: Api<Machine> = Api::namespaced(admin.clone(), NS);
     let names: BTreeSet<String> = drains.iter().map(|d| d.machine.clone()).collect();
     let (listed_tx, listed) = tokio::sync::oneshot::channel();
-    let gone = tokio::spawn(gone_times(machines.clone(), names, listed_tx));
+    let gone = tokio::spawn(watch_ends(machines.clone(), names, listed_tx));
     listed
         .await
         .context("the Machine watch ended before listing")?;
@@ -1284,7 +1284,7 @@ pub struct Seen {
 /// When each of `names` finished its drain and disappeared, watched from
 /// before their deletion (`listed` fires once the watch has its initial
 /// list).
-pub async fn gone_times(
+pub async fn watch_ends(
     api: Api<Machine>,
     names: BTreeSet<String>,
     listed: tokio::sync::oneshot::Sender<()>,

@@ -1050,18 +1050,18 @@ impl Run {
                 .filter(|v| matches!(v.wait, VolumeWait::Detach { reattach: true, .. }))
                 .collect();
             let missing = |v: &&PlannedVolume| !self.replacement_expected(&v.volume.claim, &uid);
+            let replacement_wait = REPLACEMENT_WAIT.min(self.job.settings.volume_reattach_timeout);
             if let Some(controller) = &planned.controller
                 && reattach.iter().any(missing)
             {
                 self.update(|p| p.waiting_for = Some(format!("{controller} to create the replacement of pod {key}")));
-                let bound = REPLACEMENT_WAIT.min(self.job.settings.volume_reattach_timeout);
-                self.wait_pods_until(self.bounded(bound), || !reattach.iter().any(missing)).await;
+                self.wait_pods_until(self.bounded(replacement_wait), || !reattach.iter().any(missing)).await;
             }
             let (expected, orphaned): (Vec<_>, Vec<_>) =
                 reattach.into_iter().partition(|v| !missing(v));
             for v in &orphaned {
                 let why = match &planned.controller {
-                    Some(c) => format!("{c} created no pod for it within {}s (scaled down?)", REPLACEMENT_WAIT.min(self.job.settings.volume_reattach_timeout).as_secs()),
+                    Some(c) => format!("{c} created no pod for it within {}s (scaled down?)", replacement_wait.as_secs()),
                     None => "scaled down?".to_string(),
                 };
                 self.event(

@@ -20,7 +20,8 @@ pub struct Request {
     pub code: u16,
     /// When the API server received it.
     pub received: Timestamp,
-    /// When it answered (the change is visible to watches from then on).
+    /// When its response was complete. A write's watch event leaves at its
+    /// commit, between `received` and this.
     pub completed: Timestamp,
 }
 
@@ -111,11 +112,26 @@ pub fn parse(log: &str) -> Vec<Request> {
         .collect()
 }
 
-/// The first write by `user` received after `after`.
-pub fn next_write<'a>(log: &'a [Request], user: &str, after: Timestamp) -> Option<&'a Request> {
-    log.iter()
-        .filter(|r| r.user == user && r.is_write() && r.received > after)
-        .min_by_key(|r| r.received)
+/// How long after `step` (a write that completed a drain step) `user`
+/// wrote next, in milliseconds: the controller's reaction time.
+///
+/// The step's watch event leaves the API server when the step commits,
+/// which is before the step's response completes, so a controller that
+/// reacts at once can be heard before the step is logged complete. Every
+/// write received after the step itself was received counts, and one that
+/// came before the step's completion counts as 0 ms.
+pub fn reaction_ms(log: &[Request], user: &str, step: &Request) -> Option<f64> {
+    let next = log
+        .iter()
+        .filter(|r| r.user == user && r.is_write() && r.received > step.received)
+        .min_by_key(|r| r.received)?;
+    let ms = next
+        .received
+        .duration_since(step.completed)
+        .as_secs_f64()
+        .max(0.0)
+        * 1000.0;
+    Some(ms)
 }
 
 /// Requests of `user` received in `[from, to]`, counted by `verb resource`.
@@ -171,53 +187,125 @@ mod tests {
         assert!(reqs[0].is_write());
     }
 
+    fn request(user: &str, verb: &str, received: &str, completed: &str) -> Request {
+        Request {
+            user: user.into(),
+            user_agent: "ua".into(),
+            verb: verb.into(),
+            resource: "pods".into(),
+            subresource: None,
+            namespace: Some("ns".into()),
+            name: Some("p".into()),
+            code: 200,
+            received: received.parse().expect("ts"),
+            completed: completed.parse().expect("ts"),
+        }
+    }
+
     #[test]
-    fn the_next_write_of_a_user_after_an_instant() {
-        let log = parse(
-            &[
-                line(
-                    "ResponseComplete",
-                    "c",
-                    "get",
-                    "pods",
-                    "p",
-                    "2026-01-01T00:00:01Z",
-                ),
-                line(
-                    "ResponseComplete",
-                    "other",
-                    "patch",
-                    "pods",
-                    "p",
-                    "2026-01-01T00:00:02Z",
-                ),
-                line(
-                    "ResponseComplete",
-                    "c",
-                    "create",
-                    "pods",
-                    "p",
-                    "2026-01-01T00:00:03Z",
-                ),
-                line(
-                    "ResponseComplete",
-                    "c",
-                    "patch",
-                    "machines",
-                    "m",
-                    "2026-01-01T00:00:04Z",
-                ),
-            ]
-            .join("\n"),
+    fn the_reaction_is_the_users_next_write_after_the_step() {
+        let step = request(
+            "kwok",
+            "delete",
+            "2026-01-01T00:00:01.000Z",
+            "2026-01-01T00:00:01.020Z",
         );
-        let t: Timestamp = "2026-01-01T00:00:01.5Z".parse().expect("ts");
-        let w = next_write(&log, "c", t).expect("a write");
-        assert_eq!(w.kind(), "create pods");
-        let late: Timestamp = "2026-01-01T00:00:05Z".parse().expect("ts");
-        assert!(next_write(&log, "c", late).is_none());
-        let c = cost(&log, "c", "2026-01-01T00:00:00Z".parse().expect("ts"), late);
+        let log = [
+            step.clone(),
+            // Before the step: not a reaction.
+            request(
+                "c",
+                "patch",
+                "2026-01-01T00:00:00.900Z",
+                "2026-01-01T00:00:00.950Z",
+            ),
+            // Reads and other users' writes do not count.
+            request(
+                "c",
+                "get",
+                "2026-01-01T00:00:01.030Z",
+                "2026-01-01T00:00:01.031Z",
+            ),
+            request(
+                "other",
+                "patch",
+                "2026-01-01T00:00:01.040Z",
+                "2026-01-01T00:00:01.041Z",
+            ),
+            request(
+                "c",
+                "create",
+                "2026-01-01T00:00:01.070Z",
+                "2026-01-01T00:00:01.080Z",
+            ),
+            request(
+                "c",
+                "patch",
+                "2026-01-01T00:00:01.500Z",
+                "2026-01-01T00:00:01.510Z",
+            ),
+        ];
+        let ms = reaction_ms(&log, "c", &step).expect("a reaction");
+        assert!((ms - 50.0).abs() < 1e-6, "{ms}");
+        assert_eq!(reaction_ms(&log, "nobody", &step), None);
+    }
+
+    #[test]
+    fn a_reaction_heard_before_the_step_completed_counts_as_none() {
+        // The watch event left at the commit; the controller's write
+        // arrived while the step's own response was still being written.
+        let step = request(
+            "kwok",
+            "delete",
+            "2026-01-01T00:00:01.000Z",
+            "2026-01-01T00:00:01.014Z",
+        );
+        let log = [
+            step.clone(),
+            request(
+                "c",
+                "patch",
+                "2026-01-01T00:00:01.011Z",
+                "2026-01-01T00:00:01.026Z",
+            ),
+            request(
+                "c",
+                "create",
+                "2026-01-01T00:00:02.100Z",
+                "2026-01-01T00:00:02.110Z",
+            ),
+        ];
+        assert_eq!(reaction_ms(&log, "c", &step), Some(0.0));
+    }
+
+    #[test]
+    fn requests_are_counted_by_kind_over_a_window() {
+        let log = [
+            request("c", "get", "2026-01-01T00:00:01Z", "2026-01-01T00:00:01Z"),
+            request(
+                "c",
+                "create",
+                "2026-01-01T00:00:03Z",
+                "2026-01-01T00:00:03Z",
+            ),
+            request("c", "patch", "2026-01-01T00:00:04Z", "2026-01-01T00:00:04Z"),
+            request(
+                "other",
+                "patch",
+                "2026-01-01T00:00:04Z",
+                "2026-01-01T00:00:04Z",
+            ),
+            request("c", "patch", "2026-01-01T00:00:09Z", "2026-01-01T00:00:09Z"),
+        ];
+        let c = cost(
+            &log,
+            "c",
+            "2026-01-01T00:00:00Z".parse().expect("ts"),
+            "2026-01-01T00:00:05Z".parse().expect("ts"),
+        );
         assert_eq!(c.get("get pods"), Some(&1));
         assert_eq!(c.get("create pods"), Some(&1));
+        assert_eq!(c.get("patch pods"), Some(&1));
         assert_eq!(c.values().sum::<u32>(), 3);
     }
 

@@ -461,92 +461,98 @@ fn read_audit(path: &std::path::Path) -> anyhow::Result<Vec<Request>> {
     )?))
 }
 
-/// When the object's last write by a client whose user agent contains
-/// `agent` completed (optionally only writes to `subresource`).
-fn last_write_by(log: &[Request], agent: &str, resource: &str, name: &str) -> Option<Timestamp> {
+/// The object's last write by a client whose user agent contains `agent`
+/// (by completion).
+fn last_write_by<'a>(
+    log: &'a [Request],
+    agent: &str,
+    resource: &str,
+    name: &str,
+) -> Option<&'a Request> {
     log.iter()
         .filter(|r| r.user_agent.contains(agent) && r.is_write())
         .filter(|r| r.resource == resource && r.name.as_deref() == Some(name))
-        .map(|r| r.completed)
-        .max()
+        .max_by_key(|r| r.completed)
 }
 
-/// When the object's first write (to `subresource`) by a client whose user
-/// agent contains `agent` completed.
-fn first_write_by(
-    log: &[Request],
+/// The object's first write to `subresource` by a client whose user agent
+/// contains `agent` (by completion).
+fn first_write_by<'a>(
+    log: &'a [Request],
     agent: &str,
     resource: &str,
     name: &str,
     subresource: &str,
-) -> Option<Timestamp> {
+) -> Option<&'a Request> {
     log.iter()
         .filter(|r| r.user_agent.contains(agent) && r.is_write())
         .filter(|r| r.resource == resource && r.name.as_deref() == Some(name))
         .filter(|r| r.subresource.as_deref() == Some(subresource))
-        .map(|r| r.completed)
-        .min()
+        .min_by_key(|r| r.completed)
 }
 
 fn secs(from: Timestamp, to: Timestamp) -> f64 {
     to.duration_since(from).as_secs_f64()
 }
 
-/// The moments each stateful pod's steps completed, read from the audit
-/// log: pod gone (kwok deleted it), volume detached (kwok released the
-/// old VolumeAttachment), volume attached (kwok marked the new one
+/// The requests that completed each stateful pod's steps, read from the
+/// audit log: pod gone (kwok deleted it), volume detached (kwok released
+/// the old VolumeAttachment), volume attached (kwok marked the new one
 /// attached).
-struct Steps {
-    gone: Vec<Timestamp>,
-    detached: Vec<Timestamp>,
-    attached: Vec<Timestamp>,
+struct Steps<'a> {
+    gone: Vec<&'a Request>,
+    detached: Vec<&'a Request>,
+    attached: Vec<&'a Request>,
 }
 
-fn steps(
-    log: &[Request],
+impl Steps<'_> {
+    /// When the last volume was attached on the new Node.
+    fn end(&self) -> Option<Timestamp> {
+        self.attached.iter().map(|r| r.completed).max()
+    }
+}
+
+fn steps<'a>(
+    log: &'a [Request],
     pods: &[String],
     pvs: &[String],
     old: &BTreeMap<String, String>,
     new: &BTreeMap<String, String>,
     start: Timestamp,
-) -> Steps {
+) -> Steps<'a> {
     let mut s = Steps {
         gone: vec![],
         detached: vec![],
         attached: vec![],
     };
     for (pod, pv) in pods.iter().zip(pvs) {
-        if let Some(t) = log
-            .iter()
-            .filter(|r| r.user_agent.contains("kwok") && r.verb == "delete" && r.resource == "pods")
-            .filter(|r| r.name.as_deref() == Some(pod.as_str()) && r.completed > start)
-            .map(|r| r.completed)
-            .min()
-        {
-            s.gone.push(t);
-        }
-        if let Some(t) = old
-            .get(pv)
-            .and_then(|va| last_write_by(log, "kwok", "volumeattachments", va))
-        {
-            s.detached.push(t);
-        }
+        s.gone.extend(pod_gone(log, pod, start));
+        s.detached.extend(
+            old.get(pv)
+                .and_then(|va| last_write_by(log, "kwok", "volumeattachments", va)),
+        );
         // The attacher's first status write is the one that sets
         // `attached: true`.
-        if let Some(t) = new
-            .get(pv)
-            .and_then(|va| first_write_by(log, "kwok", "volumeattachments", va, "status"))
-        {
-            s.attached.push(t);
-        }
+        s.attached.extend(
+            new.get(pv)
+                .and_then(|va| first_write_by(log, "kwok", "volumeattachments", va, "status")),
+        );
     }
     s
 }
 
-fn gaps(log: &[Request], user: &str, moments: &[Timestamp]) -> Vec<f64> {
-    moments
+/// kwok's deletion of `pod` after `start`: the pod is gone.
+fn pod_gone<'a>(log: &'a [Request], pod: &str, start: Timestamp) -> Option<&'a Request> {
+    log.iter()
+        .filter(|r| r.user_agent.contains("kwok") && r.verb == "delete" && r.resource == "pods")
+        .filter(|r| r.name.as_deref() == Some(pod) && r.completed > start)
+        .min_by_key(|r| r.completed)
+}
+
+fn gaps(log: &[Request], user: &str, steps: &[&Request]) -> Vec<f64> {
+    steps
         .iter()
-        .filter_map(|t| audit::next_write(log, user, *t).map(|w| secs(*t, w.received) * 1000.0))
+        .filter_map(|step| audit::reaction_ms(log, user, step))
         .collect()
 }
 
@@ -592,12 +598,7 @@ async fn stateful_berth(
     pods.sort();
     let pvs: Vec<String> = pods.iter().map(|p| format!("{pool}-{p}")).collect();
     let s = steps(&log, &pods, &pvs, &old, &new, start);
-    let end = s
-        .attached
-        .iter()
-        .copied()
-        .max()
-        .context("no reattach observed")?;
+    let end = s.end().context("no reattach observed")?;
     let mut run = Run {
         scenario: "stateful".into(),
         drainer: compare::BERTH.into(),
@@ -823,7 +824,7 @@ async fn peer_run(
     let mut pods: Vec<String> = (0..args.stateful).map(|i| format!("{sts}-{i}")).collect();
     pods.sort();
     let s = steps(&log, &pods, &pvs, &old, &new, started);
-    let end = s.attached.iter().copied().max();
+    let end = s.end();
     run.wall_seconds = end.map(|e| secs(started, e));
     run.note = Some(format!(
         "{drainer} returned after {:.1}s (pods gone); wall time is until the last volume attached on the new Node",

@@ -1199,14 +1199,7 @@ fn step_times(
                 .map(|q| q.received)
                 .min()
         };
-        let gone = |pod: &str| {
-            log.iter()
-                .filter(|q| q.user_agent.contains("kwok") && q.verb == "delete")
-                .filter(|q| q.resource == "pods" && q.name.as_deref() == Some(pod))
-                .filter(|q| q.completed > start)
-                .map(|q| q.completed)
-                .min()
-        };
+        let gone = |pod: &str| super::pod_gone(log, pod, start).map(|q| q.completed);
         let mut stateless = Vec::new();
         for pod in &r.pods {
             if let (Some(e), Some(g)) = (evicted(pod), gone(pod)) {
@@ -1231,10 +1224,12 @@ fn step_times(
             let detached = r
                 .old
                 .get(*pv)
-                .and_then(|va| super::last_write_by(log, "kwok", "volumeattachments", va));
-            let attached = r.new.get(*pv).and_then(|va| {
+                .and_then(|va| super::last_write_by(log, "kwok", "volumeattachments", va))
+                .map(|q| q.completed);
+            let attached_by = r.new.get(*pv).and_then(|va| {
                 super::first_write_by(log, "kwok", "volumeattachments", va, "status")
             });
+            let attached = attached_by.map(|q| q.completed);
             let evicted_at = order[i].0;
             chain.push(evicted_at.zip(attached).map(|(e, a)| super::secs(e, a)));
             if let (Some(g), Some(d)) = (gone, detached) {
@@ -1247,13 +1242,15 @@ fn step_times(
                     .or_default()
                     .push(super::secs(d, a));
             }
-            // The controller's turn: the next stateful pod's eviction.
-            if let (Some(a), Some((Some(e), _, _))) = (attached, order.get(i + 1))
-                && *e >= a
+            // The controller's turn: the next stateful pod's eviction (see
+            // `audit::reaction_ms` on one heard before the attach completed).
+            if let (Some(a), Some((Some(e), _, _))) = (attached_by, order.get(i + 1))
+                && *e > a.received
             {
+                let took = e.duration_since(a.completed).as_secs_f64().max(0.0);
                 out.entry("attached → next eviction (controller)")
                     .or_default()
-                    .push(super::secs(a, *e));
+                    .push(took);
             }
         }
         let first_eviction = r.pods.iter().filter_map(|p| evicted(p)).min();

@@ -16,7 +16,10 @@
 //!    and VolumeAttachments (an attacher nobody serves, `status.attached`
 //!    set through the status subresource) on those Nodes, so that the
 //!    cluster holds the requested number of attachments. Last, a receiving
-//!    Machine in each drain pool for the replacements.
+//!    Machine in each drain pool for the replacements. Then the bed is
+//!    left to **settle**: until the API server serves fewer than
+//!    [`SETTLED_WRITES_PER_SECOND`] writes, so that no backlog of the
+//!    populate competes with the drains.
 //! 2. **Sync**: the populate controller is stopped and a fresh one started,
 //!    so that its caches are filled by one initial list of the whole
 //!    cluster, as after a restart in production. The phase ends when it is
@@ -34,7 +37,8 @@
 //! The controller's CPU time and memory come from `/proc/<pid>`: `VmRSS`
 //! sampled every [`SAMPLE_EVERY`], `VmHWM` (the peak) read just before it is
 //! stopped, `utime + stime` at each phase boundary. Its reconciles come from
-//! its `/metrics`, its API requests from the audit log.
+//! its `/metrics`, its API requests from the audit log. Each phase also
+//! reports the CPU of each test bed process, from the same `/proc` fields.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fmt::Debug;
@@ -104,6 +108,16 @@ pub const CLOCK_TICKS_PER_SECOND: f64 = 100.0;
 /// still used 0.6 of a core. That is the test bed's time, not the
 /// controller's.
 pub const NODE_HEARTBEAT: Duration = Duration::from_secs(300);
+/// The API server's writes per second (Lease renewals left out) under
+/// which the test bed counts as settled. Every pod is Running well before
+/// kwok has finished with them: it plays the ready Stage of many pods a
+/// second time, minutes later, which kept it and the API server busy (2
+/// cores) through the idle phase and put the drains' pod deletions in its
+/// queue behind thousands of those replays. Node status refreshes and the
+/// controllers' own writes stay well under this.
+pub const SETTLED_WRITES_PER_SECOND: f64 = 5.0;
+/// Over how long the write rate is measured.
+const SETTLE_WINDOW: Duration = Duration::from_secs(5);
 
 /// The scale scenario's result (`scale` in the JSON report).
 #[derive(Debug, Serialize, Default)]
@@ -118,6 +132,9 @@ pub struct Scale {
     /// From the populating controller's start to the last receiving Machine
     /// Running.
     pub populate_seconds: Option<f64>,
+    /// From the end of populating to the test bed settled (see
+    /// [`SETTLED_WRITES_PER_SECOND`]).
+    pub settle_seconds: Option<f64>,
     /// From the fresh controller's start to ready (`/readyz`: every cache
     /// synced).
     pub ready_seconds: Option<f64>,
@@ -187,6 +204,9 @@ pub struct Phase {
     /// component, the benchmark and the controller), in cores, of
     /// [`Scale::machine_cores`].
     pub machine_busy_cores: Option<f64>,
+    /// Mean CPU use of each test bed process over the phase, in cores:
+    /// where the machine's busy time went.
+    pub bed_cores: BTreeMap<String, f64>,
     /// Resident memory at the end of the phase.
     pub rss_end_mib: Option<f64>,
     /// Largest sampled resident memory during the phase.
@@ -203,6 +223,9 @@ pub struct Phase {
     /// `/proc/stat` busy ticks at the start.
     #[serde(skip)]
     machine_busy_from: Option<u64>,
+    /// Each test bed process's CPU ticks at the start.
+    #[serde(skip)]
+    bed_from: BTreeMap<String, u64>,
 }
 
 /// One drained Machine.
@@ -397,6 +420,35 @@ fn machine_busy_ticks() -> Option<u64> {
     busy_ticks(&std::fs::read_to_string("/proc/stat").ok()?)
 }
 
+/// CPU ticks so far of each named process (those that have exited are
+/// left out).
+fn process_ticks(pids: &[(String, u32)]) -> BTreeMap<String, u64> {
+    pids.iter()
+        .filter_map(|(name, pid)| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            Some((name.clone(), stat_cpu_ticks(&stat)?))
+        })
+        .collect()
+}
+
+/// Mean cores of each process between two [`process_ticks`] readings
+/// `seconds` apart.
+pub fn cores_between(
+    from: &BTreeMap<String, u64>,
+    to: &BTreeMap<String, u64>,
+    seconds: f64,
+) -> BTreeMap<String, f64> {
+    to.iter()
+        .filter_map(|(name, t)| {
+            let busy = t.checked_sub(*from.get(name)?)?;
+            Some((
+                name.clone(),
+                busy as f64 / CLOCK_TICKS_PER_SECOND / seconds.max(f64::EPSILON),
+            ))
+        })
+        .collect()
+}
+
 /// The cluster's part of a drain: its stateless pods go at once, so theirs
 /// is the slowest one's `evicted → gone`; its stateful pods go one after
 /// the other, so theirs is the sum of each one's `evicted → gone → detached
@@ -421,6 +473,47 @@ pub fn metric_sum(body: &str, name: &str) -> Option<f64> {
         }
     }
     found
+}
+
+/// The API server's mutating requests so far (`apiserver_request_total`),
+/// Lease renewals left out.
+pub fn writes_served(body: &str) -> f64 {
+    samples(body)
+        .filter(|(s, _)| s.starts_with("apiserver_request_total{"))
+        .filter(|(s, _)| {
+            ["POST", "PUT", "PATCH", "DELETE"]
+                .iter()
+                .any(|v| s.contains(&format!("verb=\"{v}\"")))
+        })
+        .filter(|(s, _)| !s.contains("resource=\"leases\""))
+        .map(|(_, v)| v)
+        .sum()
+}
+
+/// Waits until the API server serves fewer than
+/// [`SETTLED_WRITES_PER_SECOND`] writes; returns how long that took.
+async fn settle(admin: &Client) -> anyhow::Result<f64> {
+    let served = || async {
+        let req = http::Request::get("/metrics").body(Vec::new())?;
+        anyhow::Ok(writes_served(&admin.request_text(req).await?))
+    };
+    let started = Instant::now();
+    let mut before = served().await?;
+    loop {
+        tokio::time::sleep(SETTLE_WINDOW).await;
+        let now = served().await?;
+        let rate = (now - before) / SETTLE_WINDOW.as_secs_f64();
+        if rate < SETTLED_WRITES_PER_SECOND {
+            return Ok(started.elapsed().as_secs_f64());
+        }
+        if started.elapsed() > STEP_TIMEOUT {
+            anyhow::bail!(
+                "the test bed still served {rate:.0} writes a second {STEP_TIMEOUT:?} after populating"
+            );
+        }
+        eprintln!("scale: the test bed is still busy: {rate:.0} writes a second");
+        before = now;
+    }
 }
 
 /// Every `berth_` sample except histogram buckets.
@@ -519,14 +612,14 @@ async fn measure(args: &BenchArgs, s: &mut Scale) -> anyhow::Result<()> {
 
     // 1. Populate, through a first controller.
     let populate_started = Instant::now();
-    let mut populate = Phase::start("populate");
+    let mut populate = Phase::start("populate", &bed);
     let mut first = Controller::spawn(&kubeconfig, &bed.dir().join("logs/berth-populate.log"))?;
     first.wait_ready(LONG).await?;
     // A failed populate still reports what the controller used meanwhile.
     let populated = populate_cluster(&admin, args, &plan).await;
     s.populate_seconds = Some(populate_started.elapsed().as_secs_f64());
     first
-        .end_phase(&mut populate, populate_started, 0.0, None)
+        .end_phase(&mut populate, &bed, populate_started, 0.0, None)
         .await;
     s.populate_peak_rss_mib = first.status_mib("VmHWM");
     s.phases.push(populate);
@@ -537,20 +630,25 @@ async fn measure(args: &BenchArgs, s: &mut Scale) -> anyhow::Result<()> {
         s.populate_seconds.unwrap_or_default()
     );
     s.counted = count_cluster(&admin).await?;
+    s.settle_seconds = Some(settle(&admin).await?);
+    eprintln!(
+        "scale: the test bed settled in {:.0}s",
+        s.settle_seconds.unwrap_or_default()
+    );
     s.drained_pods = targets
         .iter()
         .map(|t| t.stateful_pods + t.stateless_pods)
         .sum();
 
     // 2. Sync: a fresh controller lists the whole cluster.
-    let mut sync = Phase::start("sync");
+    let mut sync = Phase::start("sync", &bed);
     let started = Instant::now();
     let mut c = Controller::spawn(&kubeconfig, &bed.dir().join("logs/berth.log"))?;
     c.wait_ready(LONG).await?;
     s.ready_seconds = Some(started.elapsed().as_secs_f64());
     c.wait_settled(f64::from(s.counted.machines), LONG).await?;
     s.sync_seconds = Some(started.elapsed().as_secs_f64());
-    let mut cpu = c.end_phase(&mut sync, started, 0.0, Some(0.0)).await;
+    let mut cpu = c.end_phase(&mut sync, &bed, started, 0.0, Some(0.0)).await;
     s.rss_after_sync_mib = sync.rss_end_mib;
     let mut reconciles = c.reconciles().await;
     s.phases.push(sync);
@@ -562,20 +660,21 @@ async fn measure(args: &BenchArgs, s: &mut Scale) -> anyhow::Result<()> {
     );
 
     // 3. Idle.
-    let mut idle = Phase::start("idle");
+    let mut idle = Phase::start("idle", &bed);
     let started = Instant::now();
     tokio::time::sleep(IDLE).await;
-    cpu = c.end_phase(&mut idle, started, cpu, reconciles).await;
+    cpu = c.end_phase(&mut idle, &bed, started, cpu, reconciles).await;
     reconciles = c.reconciles().await;
     s.phases.push(idle);
 
     // 4. The drains, all at once.
-    let mut drains = Phase::start("drains");
+    let mut drains = Phase::start("drains", &bed);
     let started = Instant::now();
     eprintln!("scale: deleting {} Machines", targets.len());
     let drained = drain_all(&admin, &mut targets).await;
     s.drains = targets;
-    c.end_phase(&mut drains, started, cpu, reconciles).await;
+    c.end_phase(&mut drains, &bed, started, cpu, reconciles)
+        .await;
     s.phases.push(drains);
     if let Some(body) = c.get("/metrics").await.map(|(_, b)| b) {
         s.metrics_at_end = counters(&body);
@@ -608,11 +707,12 @@ async fn measure(args: &BenchArgs, s: &mut Scale) -> anyhow::Result<()> {
 }
 
 impl Phase {
-    fn start(name: &str) -> Self {
+    fn start(name: &str, bed: &TestBed) -> Self {
         Self {
             name: name.into(),
             from: Timestamp::now(),
             machine_busy_from: machine_busy_ticks(),
+            bed_from: process_ticks(&bed.pids()),
             ..Default::default()
         }
     }
@@ -1424,12 +1524,15 @@ impl Controller {
     async fn end_phase(
         &self,
         phase: &mut Phase,
+        bed: &TestBed,
         started: Instant,
         cpu_before: f64,
         reconciles_before: Option<f64>,
     ) -> f64 {
         phase.to = Timestamp::now();
         phase.seconds = started.elapsed().as_secs_f64();
+        phase.bed_cores =
+            cores_between(&phase.bed_from, &process_ticks(&bed.pids()), phase.seconds);
         let cpu = self.cpu_seconds();
         phase.cpu_seconds = cpu.map(|c| c - cpu_before);
         phase.cpu_cores = phase
@@ -1572,7 +1675,7 @@ fn verdict(pass: bool) -> &'static str {
 pub fn table(s: &Scale) -> String {
     let c = &s.counted;
     let mut out = format!(
-        "scale: {} Machines, {} Nodes, {} pods, {} VolumeAttachments, {} PersistentVolumes (counted); {} concurrent drains of {} pods; populated in {} s\n",
+        "scale: {} Machines, {} Nodes, {} pods, {} VolumeAttachments, {} PersistentVolumes (counted); {} concurrent drains of {} pods; populated in {} s, settled {} s later\n",
         c.machines,
         c.nodes,
         c.pods,
@@ -1581,6 +1684,7 @@ pub fn table(s: &Scale) -> String {
         s.drains.len(),
         s.drained_pods,
         opt(s.populate_seconds, 0),
+        opt(s.settle_seconds, 0),
     );
     out.push_str(&format!(
         "  restarted controller: ready (caches synced) in {} s, its pass over every Machine done in {} s\n",
@@ -1602,6 +1706,19 @@ pub fn table(s: &Scale) -> String {
             opt(p.rss_peak_sampled_mib, 1),
             opt(p.reconciles, 0),
             p.api_writes,
+        ));
+    }
+    for p in s.phases.iter().filter(|p| !p.bed_cores.is_empty()) {
+        let mut by_use: Vec<(&String, &f64)> = p.bed_cores.iter().collect();
+        by_use.sort_by(|a, b| b.1.total_cmp(a.1));
+        let parts: Vec<String> = by_use
+            .iter()
+            .map(|(name, cores)| format!("{name} {cores:.2}"))
+            .collect();
+        out.push_str(&format!(
+            "  {:<9} test bed cores: {}\n",
+            p.name,
+            parts.join(", ")
         ));
     }
     out.push_str(&format!(
@@ -1739,6 +1856,34 @@ mod tests {
         assert_eq!(status_kib(status, "VmHWM"), Some(123_456));
         assert_eq!(status_kib(status, "VmRSS"), Some(65_536));
         assert_eq!(status_kib(status, "VmSwap"), None);
+    }
+
+    #[test]
+    fn each_process_gets_its_mean_cores_and_a_newcomer_none() {
+        let from = BTreeMap::from([("etcd".to_string(), 100u64), ("kwok".to_string(), 50)]);
+        let to = BTreeMap::from([
+            ("etcd".to_string(), 300u64),
+            ("kwok".to_string(), 50),
+            ("late".to_string(), 10),
+        ]);
+        let cores = cores_between(&from, &to, 2.0);
+        // 200 ticks over 2 s at 100 ticks a second.
+        assert_eq!(cores.get("etcd"), Some(&1.0));
+        assert_eq!(cores.get("kwok"), Some(&0.0));
+        assert!(!cores.contains_key("late"));
+    }
+
+    #[test]
+    fn writes_served_count_mutations_but_not_lease_renewals() {
+        let body = r#"# HELP apiserver_request_total x
+apiserver_request_total{code="200",resource="pods",subresource="status",verb="PATCH"} 10
+apiserver_request_total{code="201",resource="pods",subresource="",verb="POST"} 5
+apiserver_request_total{code="200",resource="leases",subresource="",verb="PUT"} 100
+apiserver_request_total{code="200",resource="pods",subresource="",verb="LIST"} 7
+apiserver_request_total{code="200",resource="pods",subresource="",verb="DELETE"} 2
+apiserver_request_duration_seconds_count{resource="pods",verb="PATCH"} 99
+"#;
+        assert_eq!(writes_served(body), 17.0);
     }
 
     #[test]

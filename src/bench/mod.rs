@@ -241,7 +241,7 @@ async fn drains(args: &BenchArgs) -> anyhow::Result<Vec<Run>> {
         crate::machine::Settings {
             namespace: Some(NS.into()),
             instance: "berth-bench".into(),
-            concurrency: 8,
+            concurrency: crate::machine::DEFAULT_CONCURRENCY,
         },
         Arc::clone(&metrics),
     );

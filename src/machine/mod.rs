@@ -80,6 +80,13 @@ pub struct Settings {
     pub concurrency: u16,
 }
 
+/// Machines reconciled at the same time unless told otherwise. A reconcile
+/// is short (the drain runs beside it, not in it) and its requests go
+/// through the client's rate limit, so this bounds only how many Machines
+/// wait for a turn: with 20 Machines deleted together and 8 turns, the last
+/// ones' drains started up to 4.6 s late in the scale benchmark.
+pub const DEFAULT_CONCURRENCY: u16 = 32;
+
 /// The API clients the controller uses.
 #[derive(Clone)]
 pub struct Clients {

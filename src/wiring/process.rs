@@ -100,7 +100,7 @@ pub struct RunArgs {
     #[arg(long, env = "BERTH_IDENTITY")]
     pub identity: Option<String>,
     /// Machines reconciled at the same time.
-    #[arg(long, env = "BERTH_CONCURRENCY", default_value_t = 8)]
+    #[arg(long, env = "BERTH_CONCURRENCY", default_value_t = crate::machine::DEFAULT_CONCURRENCY)]
     pub concurrency: u16,
     /// How long SIGTERM waits for reconciles in flight before exiting.
     #[arg(long, env = "BERTH_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]

@@ -80,6 +80,16 @@ pub enum Profile {
     EndToEnd,
 }
 
+/// Requests a second that kube-controller-manager and kube-scheduler may
+/// send (bursts of twice that) in the end-to-end bed. Their defaults (20 and
+/// 50) pace the work of many Nodes drained at once: each replacement pod
+/// costs the ReplicaSet or StatefulSet controller a create and an Event,
+/// the scheduler a binding and an Event, the attach-detach controller a
+/// VolumeAttachment. A simulated cluster of 1,000 Nodes on one machine lifts
+/// them, as kwokctl does for large simulated clusters; the API server's own
+/// limits still apply.
+const CONTROL_PLANE_QPS: u32 = 5000;
+
 /// How to start a test bed.
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -266,14 +276,10 @@ impl TestBed {
 
         if options.profile == Profile::EndToEnd {
             let kc = kubeconfig.display().to_string();
-            // client-go's 20 requests a second per controller (KCM's
-            // default) would pace the ReplicaSet controller's replacement
-            // pods and the attach-detach controller's writes when many
-            // Nodes drain at once; large clusters raise it too.
             let mut kcm = vec![
                 format!("--kubeconfig={kc}"),
-                "--kube-api-qps=100".into(),
-                "--kube-api-burst=200".into(),
+                format!("--kube-api-qps={CONTROL_PLANE_QPS}"),
+                format!("--kube-api-burst={}", CONTROL_PLANE_QPS * 2),
             ];
             if options.node_heartbeat != stages::DEFAULT_HEARTBEAT {
                 // A Node is unreachable when neither its Lease nor its
@@ -307,6 +313,8 @@ impl TestBed {
                     format!("--authorization-kubeconfig={kc}"),
                     "--leader-elect=false".into(),
                     "--secure-port=0".into(),
+                    format!("--kube-api-qps={CONTROL_PLANE_QPS}"),
+                    format!("--kube-api-burst={}", CONTROL_PLANE_QPS * 2),
                 ],
             )?;
             std::fs::write(

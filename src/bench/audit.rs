@@ -251,7 +251,7 @@ mod tests {
     }
 
     #[test]
-    fn a_reaction_heard_before_the_step_completed_counts_as_none() {
+    fn a_reaction_heard_before_the_step_completed_counts_as_no_delay() {
         // The watch event left at the commit; the controller's write
         // arrived while the step's own response was still being written.
         let step = request(

@@ -125,13 +125,14 @@ pub fn reaction_ms(log: &[Request], user: &str, step: &Request) -> Option<f64> {
         .iter()
         .filter(|r| r.user == user && r.is_write() && r.received > step.received)
         .min_by_key(|r| r.received)?;
-    let ms = next
-        .received
-        .duration_since(step.completed)
-        .as_secs_f64()
-        .max(0.0)
-        * 1000.0;
-    Some(ms)
+    reaction_seconds(step, next.received).map(|s| s * 1000.0)
+}
+
+/// Seconds from `step` to a request received `at`, by the rule of
+/// [`reaction_ms`]: `None` if it came before the step itself, 0 if it came
+/// while the step's response was still being written.
+pub fn reaction_seconds(step: &Request, at: Timestamp) -> Option<f64> {
+    (at > step.received).then(|| at.duration_since(step.completed).as_secs_f64().max(0.0))
 }
 
 /// Requests of `user` received in `[from, to]`, counted by `verb resource`.

@@ -431,6 +431,11 @@ fn process_ticks(pids: &[(String, u32)]) -> BTreeMap<String, u64> {
         .collect()
 }
 
+/// Mean cores of `ticks` of CPU time spent over `seconds`.
+fn cores(ticks: u64, seconds: f64) -> f64 {
+    ticks as f64 / CLOCK_TICKS_PER_SECOND / seconds.max(f64::EPSILON)
+}
+
 /// Mean cores of each process between two [`process_ticks`] readings
 /// `seconds` apart.
 pub fn cores_between(
@@ -441,10 +446,7 @@ pub fn cores_between(
     to.iter()
         .filter_map(|(name, t)| {
             let busy = t.checked_sub(*from.get(name)?)?;
-            Some((
-                name.clone(),
-                busy as f64 / CLOCK_TICKS_PER_SECOND / seconds.max(f64::EPSILON),
-            ))
+            Some((name.clone(), cores(busy, seconds)))
         })
         .collect()
 }
@@ -1345,9 +1347,8 @@ fn step_times(
             // The controller's turn: the next stateful pod's eviction (see
             // `audit::reaction_ms` on one heard before the attach completed).
             if let (Some(a), Some((Some(e), _, _))) = (attached_by, order.get(i + 1))
-                && *e > a.received
+                && let Some(took) = super::audit::reaction_seconds(a, *e)
             {
-                let took = e.duration_since(a.completed).as_secs_f64().max(0.0);
                 out.entry("attached → next eviction (controller)")
                     .or_default()
                     .push(took);
@@ -1539,11 +1540,7 @@ impl Controller {
             .cpu_seconds
             .map(|c| c / phase.seconds.max(f64::EPSILON));
         phase.machine_busy_cores = match (phase.machine_busy_from, machine_busy_ticks()) {
-            (Some(a), Some(b)) => Some(
-                b.saturating_sub(a) as f64
-                    / CLOCK_TICKS_PER_SECOND
-                    / phase.seconds.max(f64::EPSILON),
-            ),
+            (Some(a), Some(b)) => Some(cores(b.saturating_sub(a), phase.seconds)),
             _ => None,
         };
         phase.rss_end_mib = self.status_mib("VmRSS");

@@ -604,10 +604,13 @@ pub fn tail(path: &Path) -> String {
 /// `users` when there are any.
 ///
 /// With users named, the steps of a drain that other clients complete are
-/// logged too, whoever sends them: pod deletions (kwok's, once a grace
-/// period is over) and VolumeAttachment writes (the attach-detach
-/// controller's and the simulated attacher's), so that the time a drain
-/// spends waiting on the cluster can be told from the controller's.
+/// logged too, whoever sends them: pod creations, bindings and deletions
+/// (a replacement created by its controller, placed by the scheduler; kwok
+/// deleting a pod once its grace period is over), Node status writes (the
+/// attach-detach controller's `volumesAttached`) and VolumeAttachment
+/// writes (the attach-detach controller's and the simulated attacher's),
+/// so that the time a drain spends waiting on the cluster can be told from
+/// the controller's, and the cluster's time split among its components.
 fn audit_policy(users: &[String]) -> String {
     let head = "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n";
     if users.is_empty() {
@@ -616,8 +619,9 @@ fn audit_policy(users: &[String]) -> String {
     let users = serde_json::to_string(users).unwrap_or_else(|_| "[]".into());
     format!(
         "{head}- level: Metadata\n  users: {users}\n\
-         - level: Metadata\n  verbs: [delete]\n  resources: [{{group: \"\", resources: [pods]}}]\n\
-         - level: Metadata\n  verbs: [update, patch, delete]\n  resources: [{{group: storage.k8s.io, resources: [volumeattachments, volumeattachments/status]}}]\n\
+         - level: Metadata\n  verbs: [create, delete]\n  resources: [{{group: \"\", resources: [pods, pods/binding]}}]\n\
+         - level: Metadata\n  verbs: [patch, update]\n  resources: [{{group: \"\", resources: [nodes/status]}}]\n\
+         - level: Metadata\n  verbs: [create, update, patch, delete]\n  resources: [{{group: storage.k8s.io, resources: [volumeattachments, volumeattachments/status]}}]\n\
          - level: None\n"
     )
 }
@@ -669,15 +673,17 @@ mod tests {
         let some = audit_policy(&["system:serviceaccount:ns:sa".into()]);
         let parsed: serde_json::Value = serde_yaml_ng::from_str(&some).expect("YAML");
         let rules = parsed["rules"].as_array().expect("rules");
-        assert_eq!(rules.len(), 4, "{some}");
+        assert_eq!(rules.len(), 5, "{some}");
         assert_eq!(rules[0]["users"][0], "system:serviceaccount:ns:sa");
-        assert_eq!(rules[1]["verbs"][0], "delete");
+        assert_eq!(rules[1]["verbs"][1], "delete");
         assert_eq!(rules[1]["resources"][0]["resources"][0], "pods");
-        assert_eq!(rules[2]["resources"][0]["group"], "storage.k8s.io");
+        assert_eq!(rules[1]["resources"][0]["resources"][1], "pods/binding");
+        assert_eq!(rules[2]["resources"][0]["resources"][0], "nodes/status");
+        assert_eq!(rules[3]["resources"][0]["group"], "storage.k8s.io");
         assert_eq!(
-            rules[2]["resources"][0]["resources"][1],
+            rules[3]["resources"][0]["resources"][1],
             "volumeattachments/status"
         );
-        assert_eq!(rules[3]["level"], "None");
+        assert_eq!(rules[4]["level"], "None");
     }
 }

@@ -351,6 +351,17 @@ async fn follow(
     }
 }
 
+/// Pods an `Evicted` Event's note names: one (`evicted pod ns/name`), or
+/// the count of an Event for several (`evicted 6 pods without …`).
+fn pods_in(note: &str) -> usize {
+    if note.starts_with("evicted pod ") {
+        return 1;
+    }
+    note.strip_prefix("evicted ")
+        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+        .unwrap_or(1)
+}
+
 fn bar(done: u32, total: u32) -> String {
     let width = 20usize;
     let filled = if total == 0 {
@@ -363,6 +374,11 @@ fn bar(done: u32, total: u32) -> String {
 
 async fn summary(client: &Client, log: &[(String, String)], took: Duration, metrics: &Metrics) {
     let count = |r: &str| log.iter().filter(|(reason, _)| reason == r).count();
+    let evicted: usize = log
+        .iter()
+        .filter(|(reason, _)| reason == "Evicted")
+        .map(|(_, note)| pods_in(note))
+        .sum();
     let mut by_node: BTreeMap<String, usize> = BTreeMap::new();
     if let Ok(pods) = Api::<Pod>::namespaced(client.clone(), NS)
         .list(&Default::default())
@@ -381,7 +397,7 @@ async fn summary(client: &Client, log: &[(String, String)], took: Duration, metr
     );
     println!(
         "evictions: {}   volumes detached: {}   volumes re-attached elsewhere: {}   warnings: {}",
-        count("Evicted"),
+        evicted,
         count("VolumeDetached"),
         count("VolumeAttached"),
         log.iter()
@@ -422,4 +438,23 @@ async fn machine(client: &Client, clock: &Clock, name: &str) -> anyhow::Result<S
 
 fn json<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> anyhow::Result<T> {
     serde_json::from_value(v).context("building a demo object")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pods_in;
+    use crate::drain::engine::evicted_note;
+
+    #[test]
+    fn the_summary_counts_every_pod_an_evicted_event_names() {
+        assert_eq!(pods_in("evicted pod demo/db-0"), 1);
+        let names: Vec<String> = (0..6).map(|i| format!("demo/web-{i}")).collect();
+        assert_eq!(pods_in(&evicted_note(&names)), 6);
+        let many: Vec<String> = (0..300).map(|i| format!("demo/web-{i:04}")).collect();
+        assert_eq!(
+            pods_in(&evicted_note(&many)),
+            300,
+            "names cut short, count kept"
+        );
+    }
 }

@@ -1221,19 +1221,32 @@ fn json_obj<T: serde::de::DeserializeOwned>(v: Value) -> T {
     serde_json::from_value(v).expect("valid object")
 }
 
-/// Reasons of berth's Events about a Machine, with their notes.
+/// Reasons of berth's Events about a deleted Machine, with their notes,
+/// once its last one (`DeleteVmAndNode`, just before the finalizer goes) is
+/// in: Events leave the controller from a queue, in order, so the Machine
+/// can be gone before they are.
 async fn events(client: &Client, ns: &str, machine: &str) -> Vec<(String, String)> {
-    let mut evs: Vec<_> = Api::<Event>::namespaced(client.clone(), ns)
-        .list(&Default::default())
-        .await
-        .expect("list events")
-        .items
-        .into_iter()
-        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(machine))
-        .collect();
+    let about = |e: &Event| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(machine);
+    let all = wait::until(
+        Api::<Event>::namespaced(client.clone(), ns),
+        Duration::from_secs(60),
+        &format!("{machine}: its DeleteVmAndNode Event"),
+        |evs| {
+            evs.iter()
+                .any(|e| about(e) && e.reason.as_deref() == Some("DeleteVmAndNode"))
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut evs: Vec<_> = all.iter().filter(|e| about(e)).collect();
     evs.sort_by_key(|e| e.event_time.as_ref().map(|t| t.0));
     evs.into_iter()
-        .map(|e| (e.reason.unwrap_or_default(), e.note.unwrap_or_default()))
+        .map(|e| {
+            (
+                e.reason.clone().unwrap_or_default(),
+                e.note.clone().unwrap_or_default(),
+            )
+        })
         .collect()
 }
 

@@ -135,22 +135,42 @@ async fn stateful(client: &Client, ns: &str, name: &str, replicas: i32, priority
 }
 
 /// Berth's Events about a Machine, oldest first: (time, reason, note).
+/// The Machine's Events, oldest first, once its drain's last Event is in.
+/// The controller publishes Events from a queue, in order, after the step
+/// they record: when the Machine is gone, its `Drained` Event may still be
+/// on its way (a fresh CI run once read the list 25 ms too early).
 async fn events(
     client: &Client,
     ns: &str,
     machine: &str,
 ) -> Vec<(k8s_openapi::jiff::Timestamp, String, String)> {
-    let list = Api::<Event>::namespaced(client.clone(), ns)
-        .list(&Default::default())
-        .await
-        .expect("list events");
-    let mut out: Vec<_> = list
-        .items
-        .into_iter()
-        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(machine))
+    let about = |e: &Event| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(machine);
+    let all = wait::until(
+        Api::<Event>::namespaced(client.clone(), ns),
+        LONG,
+        "the drain's last Event",
+        |evs| {
+            evs.iter().any(|e| {
+                about(e)
+                    && matches!(
+                        e.reason.as_deref(),
+                        Some("Drained" | "DrainForced" | "DrainFailed")
+                    )
+            })
+        },
+    )
+    .await
+    .expect("the drain's last Event is published");
+    let mut out: Vec<_> = all
+        .iter()
+        .filter(|e| about(e))
         .filter_map(|e| {
             let t = e.event_time.as_ref().map(|t| t.0)?;
-            Some((t, e.reason.unwrap_or_default(), e.note.unwrap_or_default()))
+            Some((
+                t,
+                e.reason.clone().unwrap_or_default(),
+                e.note.clone().unwrap_or_default(),
+            ))
         })
         .collect();
     out.sort_by_key(|(t, _, _)| *t);

@@ -35,13 +35,30 @@ async fn wait_machine(
     (*m).clone()
 }
 
+/// A deleted Machine's Events, once its last one (`DeleteVmAndNode`, just
+/// before the finalizer goes) is in: the controller publishes Events from a
+/// queue, in order, so the Machine can be gone before they are.
 async fn events_for(client: &Client, ns: &str, name: &str) -> Vec<(String, String)> {
-    let evs: Api<Event> = Api::namespaced(client.clone(), ns);
-    let list = evs.list(&Default::default()).await.expect("list events");
-    list.items
-        .into_iter()
-        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
-        .map(|e| (e.reason.unwrap_or_default(), e.type_.unwrap_or_default()))
+    let about = |e: &Event| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name);
+    let all = wait::until(
+        Api::<Event>::namespaced(client.clone(), ns),
+        LONG,
+        &format!("{name}: its DeleteVmAndNode Event"),
+        |evs| {
+            evs.iter()
+                .any(|e| about(e) && e.reason.as_deref() == Some("DeleteVmAndNode"))
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    all.iter()
+        .filter(|e| about(e))
+        .map(|e| {
+            (
+                e.reason.clone().unwrap_or_default(),
+                e.type_.clone().unwrap_or_default(),
+            )
+        })
         .collect()
 }
 

@@ -35,7 +35,6 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret, ServiceAccount};
-use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, PostParams};
@@ -1222,25 +1221,12 @@ fn json_obj<T: serde::de::DeserializeOwned>(v: Value) -> T {
 }
 
 /// Reasons of berth's Events about a deleted Machine, with their notes,
-/// once its last one (`DeleteVmAndNode`, just before the finalizer goes) is
-/// in: Events leave the controller from a queue, in order, so the Machine
-/// can be gone before they are.
+/// once its last one (`DeleteVmAndNode`, just before the finalizer goes)
+/// is in.
 async fn events(client: &Client, ns: &str, machine: &str) -> Vec<(String, String)> {
-    let about = |e: &Event| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(machine);
-    let all = wait::until(
-        Api::<Event>::namespaced(client.clone(), ns),
-        Duration::from_secs(60),
-        &format!("{machine}: its DeleteVmAndNode Event"),
-        |evs| {
-            evs.iter()
-                .any(|e| about(e) && e.reason.as_deref() == Some("DeleteVmAndNode"))
-        },
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    let mut evs: Vec<_> = all.iter().filter(|e| about(e)).collect();
-    evs.sort_by_key(|e| e.event_time.as_ref().map(|t| t.0));
-    evs.into_iter()
+    support::events_until(client, ns, machine, &["DeleteVmAndNode"])
+        .await
+        .iter()
         .map(|e| {
             (
                 e.reason.clone().unwrap_or_default(),

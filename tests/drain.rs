@@ -16,7 +16,6 @@ use berth::testbed::stages::COMPLETE_AFTER_ANNOTATION;
 use berth::testbed::{Options, TestBed, wait};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
-use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::scheduling::v1::PriorityClass;
 use k8s_openapi::api::storage::v1::VolumeAttachment;
@@ -134,47 +133,30 @@ async fn stateful(client: &Client, ns: &str, name: &str, replicas: i32, priority
     create(Api::namespaced(client.clone(), ns), sts).await;
 }
 
-/// Berth's Events about a Machine, oldest first: (time, reason, note).
-/// The Machine's Events, oldest first, once its drain's last Event is in.
-/// The controller publishes Events from a queue, in order, after the step
-/// they record: when the Machine is gone, its `Drained` Event may still be
-/// on its way (a fresh CI run once read the list 25 ms too early).
+/// Berth's Events about a Machine, oldest first: (time, reason, note),
+/// once its drain's last one is in.
 async fn events(
     client: &Client,
     ns: &str,
     machine: &str,
 ) -> Vec<(k8s_openapi::jiff::Timestamp, String, String)> {
-    let about = |e: &Event| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(machine);
-    let all = wait::until(
-        Api::<Event>::namespaced(client.clone(), ns),
-        LONG,
-        "the drain's last Event",
-        |evs| {
-            evs.iter().any(|e| {
-                about(e)
-                    && matches!(
-                        e.reason.as_deref(),
-                        Some("Drained" | "DrainForced" | "DrainFailed")
-                    )
-            })
-        },
+    support::events_until(
+        client,
+        ns,
+        machine,
+        &["Drained", "DrainForced", "DrainFailed"],
     )
     .await
-    .expect("the drain's last Event is published");
-    let mut out: Vec<_> = all
-        .iter()
-        .filter(|e| about(e))
-        .filter_map(|e| {
-            let t = e.event_time.as_ref().map(|t| t.0)?;
-            Some((
-                t,
-                e.reason.clone().unwrap_or_default(),
-                e.note.clone().unwrap_or_default(),
-            ))
-        })
-        .collect();
-    out.sort_by_key(|(t, _, _)| *t);
-    out
+    .iter()
+    .filter_map(|e| {
+        let t = e.event_time.as_ref().map(|t| t.0)?;
+        Some((
+            t,
+            e.reason.clone().unwrap_or_default(),
+            e.note.clone().unwrap_or_default(),
+        ))
+    })
+    .collect()
 }
 
 fn first<'a>(

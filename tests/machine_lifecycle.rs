@@ -36,23 +36,11 @@ async fn wait_machine(
 }
 
 /// A deleted Machine's Events, once its last one (`DeleteVmAndNode`, just
-/// before the finalizer goes) is in: the controller publishes Events from a
-/// queue, in order, so the Machine can be gone before they are.
+/// before the finalizer goes) is in.
 async fn events_for(client: &Client, ns: &str, name: &str) -> Vec<(String, String)> {
-    let about = |e: &Event| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name);
-    let all = wait::until(
-        Api::<Event>::namespaced(client.clone(), ns),
-        LONG,
-        &format!("{name}: its DeleteVmAndNode Event"),
-        |evs| {
-            evs.iter()
-                .any(|e| about(e) && e.reason.as_deref() == Some("DeleteVmAndNode"))
-        },
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    all.iter()
-        .filter(|e| about(e))
+    events_until(client, ns, name, &["DeleteVmAndNode"])
+        .await
+        .iter()
         .map(|e| {
             (
                 e.reason.clone().unwrap_or_default(),

@@ -11,11 +11,40 @@ use berth::providers::Registry;
 use berth::providers::fake::FakeProvider;
 use berth::testbed::{Options, TestBed, fixtures, wait};
 use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
 use tokio::sync::OnceCell;
 
 pub const LONG: Duration = Duration::from_secs(60);
+
+/// A Machine's Events, oldest first, once one of them has one of the
+/// `last` reasons (a drain's `Drained`, a deletion's `DeleteVmAndNode`).
+/// The controller publishes Events from a queue, in order, after the step
+/// they record: a Machine can be gone before its last Events are in, and a
+/// fresh CI run once listed them 25 ms too early.
+pub async fn events_until(
+    client: &Client,
+    ns: &str,
+    machine: &str,
+    last: &[&str],
+) -> Vec<Arc<Event>> {
+    let about = |e: &Event| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(machine);
+    let all = wait::until(
+        Api::<Event>::namespaced(client.clone(), ns),
+        LONG,
+        &format!("{machine}: an Event {last:?}"),
+        |evs| {
+            evs.iter()
+                .any(|e| about(e) && e.reason.as_deref().is_some_and(|r| last.contains(&r)))
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut out: Vec<Arc<Event>> = all.into_iter().filter(|e| about(e)).collect();
+    out.sort_by_key(|e| e.event_time.as_ref().map(|t| t.0));
+    out
+}
 
 /// One end-to-end control plane per test binary, with the CRDs installed.
 pub async fn bed() -> &'static TestBed {

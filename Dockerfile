@@ -12,6 +12,10 @@ FROM rust:1.95-bookworm AS builder
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY src ./src
+# The workspace's second member (the development kit): Cargo reads its
+# manifest; the build below compiles none of it.
+COPY devkit/Cargo.toml ./devkit/Cargo.toml
+COPY devkit/src ./devkit/src
 RUN cargo build --release --locked
 
 FROM gcr.io/distroless/cc-debian12:nonroot

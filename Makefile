@@ -1,14 +1,18 @@
 # The two commands of the README. Everything they need is built here or by
 # hack/testbed/build.sh (cached outside the repository).
+#
+# The workspace has two crates: `berth` (this folder: the controller, the
+# only thing the image carries) and `devkit/` (`berth-dev`: the test bed,
+# the benchmark, the demo and the test fixtures).
 .PHONY: demo test testbed lint
 
 ## demo: the main job: a local control plane, the controller, and a Machine deletion with a volume-aware drain, live
 demo:
-	BERTH_TESTBED_BIN="$$(bash hack/testbed/build.sh --bin-dir)" cargo run --locked --quiet -- demo
+	BERTH_TESTBED_BIN="$$(bash hack/testbed/build.sh --bin-dir)" cargo run --locked --quiet -p berth-devkit --bin berth-dev -- demo
 
-## test: build or reuse the test control plane, check format and lints, run every test
+## test: build or reuse the test control plane, check format and lints, run every test of both crates
 test: testbed lint
-	BERTH_TESTBED_BIN="$$(bash hack/testbed/build.sh --bin-dir)" cargo test --locked
+	BERTH_TESTBED_BIN="$$(bash hack/testbed/build.sh --bin-dir)" cargo test --locked --workspace
 	# The Dockerfile's build, without Docker: the release binary, built as its builder stage builds it.
 	cargo test --locked --test chart -- --ignored make_release_builds_a_working_binary
 
@@ -17,14 +21,19 @@ testbed:
 	bash hack/testbed/build.sh
 
 lint:
-	cargo fmt --check
-	cargo clippy --locked --all-targets -- -D warnings
+	cargo fmt --all --check
+	cargo clippy --locked --workspace --all-targets -- -D warnings
 
-.PHONY: release manifests
+.PHONY: release manifests bench
 
 ## release: the release binary (target/release/berth), built exactly as the Dockerfile's builder stage builds it
 release:
 	cargo build --release --locked
+
+## bench: the benchmark (release builds of berth-dev and of the berth it runs as a process); BENCH_ARGS=... passes flags
+bench:
+	cargo build --release --locked --workspace --bins
+	BERTH_TESTBED_BIN="$$(bash hack/testbed/build.sh --bin-dir)" target/release/berth-dev bench $(BENCH_ARGS)
 
 ## manifests: regenerate the committed CRDs, the chart's CRD template and deploy/berth.yaml from the code and the chart
 manifests:

@@ -3,14 +3,11 @@
 #![forbid(unsafe_code)]
 
 pub mod api;
-pub mod bench;
 pub mod cache;
 pub mod cli;
-pub mod demo;
 pub mod drain;
 pub mod machine;
 pub mod providers;
 pub mod telemetry;
-pub mod testbed;
 pub mod volumes;
 pub mod wiring;

@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use berth::api::Machine;
 use berth::providers::fake::FakeProvider;
-use berth::testbed::fixtures::{csi_pv, stateful_set};
-use berth::testbed::stages::COMPLETE_AFTER_ANNOTATION;
-use berth::testbed::{Options, TestBed, wait};
+use berth_devkit::testbed::fixtures::{csi_pv, stateful_set};
+use berth_devkit::testbed::stages::COMPLETE_AFTER_ANNOTATION;
+use berth_devkit::testbed::{Options, TestBed, wait};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -65,7 +65,7 @@ where
         + std::fmt::Debug,
 {
     let name = obj.name_any();
-    berth::testbed::create_or_keep(api, obj)
+    berth_devkit::testbed::create_or_keep(api, obj)
         .await
         .unwrap_or_else(|e| panic!("create {name}: {e}"));
 }

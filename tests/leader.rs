@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use berth::testbed::{Options, TestBed};
 use berth::wiring::leader::{LeaderElection, LeaderError};
+use berth_devkit::testbed::{Options, TestBed};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Client;
 use kube::api::{Api, DeleteParams};

@@ -5,7 +5,7 @@ mod support;
 
 use berth::api::{Machine, MachineClass, PRE_TERMINATE_HOOK_PREFIX};
 use berth::providers::fake::FakeProvider;
-use berth::testbed::wait;
+use berth_devkit::testbed::wait;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;

@@ -5,7 +5,7 @@
 mod support;
 
 use berth::api::{Machine, MachineClass};
-use berth::testbed::{Options, TestBed, fixtures, wait};
+use berth_devkit::testbed::{Options, TestBed, fixtures, wait};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::api::events::v1::Event;

@@ -7,9 +7,9 @@ use std::path::Path;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use berth::testbed::fixtures::{csi_pv, csi_unique_name, namespace, node, stateful_set};
-use berth::testbed::stages::{ATTACHER_FINALIZER, CSI_DRIVER};
-use berth::testbed::{Options, TestBed, wait};
+use berth_devkit::testbed::fixtures::{csi_pv, csi_unique_name, namespace, node, stateful_set};
+use berth_devkit::testbed::stages::{ATTACHER_FINALIZER, CSI_DRIVER};
+use berth_devkit::testbed::{Options, TestBed, wait};
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::core::v1::{Namespace, Node, PersistentVolume, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;

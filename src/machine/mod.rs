@@ -389,7 +389,7 @@ impl Spawned {
 }
 
 /// [`run`] on its own task, for the processes that embed the controller
-/// (`berth demo`, `berth bench`, tests).
+/// (the development kit's demo and benchmark, tests).
 pub fn spawn(
     client: Client,
     providers: Registry,

@@ -1,9 +1,11 @@
 //! The `fake` provider: a VM is a ConfigMap `fake-vm-<machine>` in the
 //! Machine's namespace, and "booting" it registers a Node carrying the
 //! Machine's providerID. Its state lives in the cluster, so it survives a
-//! controller restart. It powers the demo and the tests; the Nodes it
-//! registers are annotated so that kwok plays their kubelet and the
-//! attach-detach controller serves their volumes.
+//! controller restart. It tries berth on a cluster whose Nodes are
+//! simulated by kwok (as Cluster API ships an in-memory provider): the Nodes
+//! it registers are annotated so that kwok plays their kubelet and the
+//! attach-detach controller serves their volumes. It powers the demo, the
+//! benchmark and the tests, and is enabled only when `--providers` names it.
 //!
 //! Failures are injected through the class's `providerSpec`:
 //!
@@ -23,17 +25,25 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, NodeSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::jiff::Timestamp;
-use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde::Deserialize;
 
 use super::{MachineRequest, Provider, ProviderError, Vm, VmState};
 use crate::api::settings::parse_duration;
-use crate::testbed::{KWOK_NODE_ANNOTATION, fixtures};
 
 pub const NAME: &str = "fake";
 const VM_LABEL: &str = "fake.berth.dev/vm";
 const FIELD_MANAGER: &str = "berth-fake-provider";
+
+/// The annotation that makes kwok play a Node's kubelet (kwok's
+/// `--manage-nodes-with-annotation-selector`).
+pub const KWOK_NODE_ANNOTATION: (&str, &str) = ("kwok.x-k8s.io/node", "fake");
+/// The annotation without which the attach-detach controller ignores a
+/// Node (a real kubelet sets it when it registers).
+pub const CONTROLLER_MANAGED_ATTACH_ANNOTATION: (&str, &str) = (
+    "volumes.kubernetes.io/controller-managed-attach-detach",
+    "true",
+);
 
 /// The `providerSpec` the fake driver understands. Unknown fields are
 /// rejected so that a typo is reported instead of ignored.
@@ -107,19 +117,7 @@ impl FakeProvider {
         provider_id: &str,
     ) -> Result<(), ProviderError> {
         let name = Self::node_name(&req.namespace, &req.name);
-        // The test bed's Node shape: kwok plays its kubelet, the
-        // attach-detach controller serves its volumes.
-        let mut node = fixtures::node(&name);
-        if !spec.node_ready {
-            // Without kwok's annotation nobody ever reports it Ready.
-            node.annotations_mut().remove(KWOK_NODE_ANNOTATION.0);
-        }
-        node.labels_mut().remove("type");
-        node.labels_mut().extend(spec.node_labels.clone());
-        node.spec = Some(NodeSpec {
-            provider_id: Some(provider_id.to_string()),
-            ..Default::default()
-        });
+        let node = fake_node(&name, provider_id, spec);
         match Api::<Node>::all(self.client.clone())
             .create(&PostParams::default(), &node)
             .await
@@ -128,6 +126,41 @@ impl FakeProvider {
             Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
             Err(e) => Err(transient(e)),
         }
+    }
+}
+
+/// The Node a fake VM registers: kwok plays its kubelet (unless the spec
+/// says it never becomes Ready) and the attach-detach controller serves
+/// its volumes.
+fn fake_node(name: &str, provider_id: &str, spec: &FakeSpec) -> Node {
+    let mut annotations = BTreeMap::from([(
+        CONTROLLER_MANAGED_ATTACH_ANNOTATION.0.to_string(),
+        CONTROLLER_MANAGED_ATTACH_ANNOTATION.1.to_string(),
+    )]);
+    if spec.node_ready {
+        // Without kwok's annotation nobody ever reports it Ready.
+        annotations.insert(
+            KWOK_NODE_ANNOTATION.0.to_string(),
+            KWOK_NODE_ANNOTATION.1.to_string(),
+        );
+    }
+    let mut labels = BTreeMap::from([
+        ("kubernetes.io/hostname".to_string(), name.to_string()),
+        ("kubernetes.io/os".to_string(), "linux".to_string()),
+    ]);
+    labels.extend(spec.node_labels.clone());
+    Node {
+        metadata: ObjectMeta {
+            name: Some(name.to_string()),
+            annotations: Some(annotations),
+            labels: Some(labels),
+            ..Default::default()
+        },
+        spec: Some(NodeSpec {
+            provider_id: Some(provider_id.to_string()),
+            ..Default::default()
+        }),
+        ..Default::default()
     }
 }
 
@@ -323,6 +356,35 @@ mod tests {
                 "{bad} must be rejected"
             );
         }
+    }
+
+    #[test]
+    fn the_node_is_played_by_kwok_unless_it_must_never_be_ready() {
+        let (ready, _) =
+            FakeSpec::parse(&serde_json::json!({"nodeLabels": {"pool": "a"}})).expect("valid");
+        let node = fake_node("ns-m1", "fake:///ns/m1", &ready);
+        let annotations = node.metadata.annotations.clone().unwrap_or_default();
+        assert_eq!(
+            annotations.get(KWOK_NODE_ANNOTATION.0).map(String::as_str),
+            Some(KWOK_NODE_ANNOTATION.1)
+        );
+        assert!(annotations.contains_key(CONTROLLER_MANAGED_ATTACH_ANNOTATION.0));
+        let labels = node.metadata.labels.clone().unwrap_or_default();
+        assert_eq!(labels.get("pool").map(String::as_str), Some("a"));
+        assert_eq!(
+            labels.get("kubernetes.io/hostname").map(String::as_str),
+            Some("ns-m1")
+        );
+        assert_eq!(
+            node.spec.and_then(|s| s.provider_id).as_deref(),
+            Some("fake:///ns/m1")
+        );
+
+        let (never, _) = FakeSpec::parse(&serde_json::json!({"nodeReady": false})).expect("valid");
+        let node = fake_node("ns-m1", "fake:///ns/m1", &never);
+        let annotations = node.metadata.annotations.unwrap_or_default();
+        assert!(!annotations.contains_key(KWOK_NODE_ANNOTATION.0));
+        assert!(annotations.contains_key(CONTROLLER_MANAGED_ATTACH_ANNOTATION.0));
     }
 
     #[test]

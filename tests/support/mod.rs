@@ -9,7 +9,7 @@ use std::time::Duration;
 use berth::api::{Machine, MachineClass};
 use berth::providers::Registry;
 use berth::providers::fake::FakeProvider;
-use berth::testbed::{Options, TestBed, fixtures, wait};
+use berth_devkit::testbed::{Options, TestBed, fixtures, wait};
 use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, PostParams};

@@ -1,4 +1,4 @@
-//! `berth bench`: drain scenarios on the local control plane, measured by
+//! `berth-dev bench` (`make bench`): drain scenarios on the local control plane, measured by
 //! the API server's audit log (what each client sent, and when) rather than
 //! by the controller itself.
 //!
@@ -47,11 +47,11 @@ use kube::{Client, ResourceExt};
 use serde::Serialize;
 
 use self::audit::Request;
-use crate::api::{Machine, MachineClass};
-use crate::providers::Registry;
-use crate::providers::fake::FakeProvider;
-use crate::telemetry::Metrics;
 use crate::testbed::{Options, TestBed, fixtures, wait};
+use berth::api::{Machine, MachineClass};
+use berth::providers::Registry;
+use berth::providers::fake::FakeProvider;
+use berth::telemetry::Metrics;
 
 const NS: &str = "bench";
 const SA: &str = "berth-bench";
@@ -235,13 +235,13 @@ async fn drains(args: &BenchArgs) -> anyhow::Result<Vec<Run>> {
     let (controller, user) = controller_client(&bed, &admin).await?;
 
     let metrics = Arc::new(Metrics::new()?);
-    let mut controller = crate::machine::spawn(
+    let mut controller = berth::machine::spawn(
         controller.clone(),
         Registry::default().with(Arc::new(FakeProvider::new(controller.clone()))),
-        crate::machine::Settings {
+        berth::machine::Settings {
             namespace: Some(NS.into()),
             instance: "berth-bench".into(),
-            concurrency: crate::machine::DEFAULT_CONCURRENCY,
+            concurrency: berth::machine::DEFAULT_CONCURRENCY,
         },
         Arc::clone(&metrics),
     );
@@ -289,7 +289,7 @@ fn controller_kubeconfig(bed: &TestBed) -> PathBuf {
 /// the bench namespace created.
 async fn admin_client(bed: &TestBed) -> anyhow::Result<Client> {
     let admin = bed.client().await?;
-    crate::api::install_crds(admin.clone(), LONG).await?;
+    berth::api::install_crds(admin.clone(), LONG).await?;
     crate::testbed::create_or_keep(
         Api::<Namespace>::all(admin.clone()),
         fixtures::namespace(NS),
@@ -371,7 +371,7 @@ async fn machine(admin: &Client, name: &str, class: &str) -> anyhow::Result<Stri
     crate::testbed::create_or_keep(machines.clone(), machine_object(name, class)?).await?;
     wait::for_one(machines, LONG, "Machine Running", |m| {
         m.name_any() == name
-            && m.status.as_ref().and_then(|s| s.phase) == Some(crate::api::MachinePhase::Running)
+            && m.status.as_ref().and_then(|s| s.phase) == Some(berth::api::MachinePhase::Running)
     })
     .await?;
     Ok(FakeProvider::node_name(NS, name))
@@ -893,7 +893,7 @@ async fn stateful_mcm(
     args: &BenchArgs,
     audit_log: &std::path::Path,
 ) -> Run {
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("hack/bench/build.sh");
+    let script = crate::testbed::repo_root().join("hack/bench/build.sh");
     let not_driven = |why: String| Run {
         scenario: "stateful".into(),
         drainer: "machine-controller-manager drain".into(),

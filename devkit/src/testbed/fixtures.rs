@@ -152,7 +152,7 @@ pub fn stateful_set(name: &str, replicas: i32, grace_seconds: i64) -> StatefulSe
 /// The unique volume name the attach-detach controller puts in
 /// `node.status.volumesAttached` for a CSI volume.
 pub fn csi_unique_name(driver: &str, volume_handle: &str) -> String {
-    crate::volumes::csi_unique_name(driver, volume_handle)
+    berth::volumes::csi_unique_name(driver, volume_handle)
 }
 
 /// Nodes of a test pool carry this label; workloads select it.

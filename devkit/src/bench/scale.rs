@@ -61,9 +61,9 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::{BenchArgs, LONG, NS};
-use crate::api::{Machine, MachinePhase};
-use crate::providers::fake::FakeProvider;
 use crate::testbed::{Options, TestBed, fixtures};
+use berth::api::{Machine, MachinePhase};
+use berth::providers::fake::FakeProvider;
 
 /// Every pod the scenario creates carries this label, valued `drain` (on a
 /// Machine to be drained) or `background`.
@@ -1542,6 +1542,20 @@ impl Drop for Controller {
     }
 }
 
+/// The controller binary the scale scenario runs as its own process: the
+/// `berth` built beside this `berth-dev` (`make bench` builds both).
+fn berth_binary() -> anyhow::Result<PathBuf> {
+    let dev = std::env::current_exe()?;
+    let berth = dev.with_file_name("berth");
+    anyhow::ensure!(
+        berth.exists(),
+        "the scale scenario runs the controller as `berth run`, and {} is not built \
+         (`cargo build --release --locked --workspace --bins` builds it beside berth-dev)",
+        berth.display()
+    );
+    Ok(berth)
+}
+
 impl Controller {
     fn spawn(kubeconfig: &Path, log: &Path) -> anyhow::Result<Self> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
@@ -1549,7 +1563,7 @@ impl Controller {
             .port();
         let out = std::fs::File::create(log)
             .with_context(|| format!("creating the controller log {}", log.display()))?;
-        let exe = std::env::current_exe()?;
+        let exe = berth_binary()?;
         let setpriv = Path::new("/usr/bin/setpriv");
         let mut command = if setpriv.exists() {
             let mut c = tokio::process::Command::new(setpriv);

@@ -1,9 +1,10 @@
-//! The README's first command, `berth demo`, run as a newcomer would: the
-//! real binary, its own control plane, and a drain shown live.
+//! The README's first command (`make demo`, which runs `berth-dev demo`),
+//! run as a newcomer would: the real binary, its own control plane, and a
+//! drain shown live.
 
 #[test]
 fn the_demo_drains_a_machine_and_cleans_up() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth-dev"))
         .args([
             "demo",
             "--metrics-addr=127.0.0.1:0",

@@ -36,13 +36,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use self::supervisor::{ProcessSpec, Supervisor};
 
-/// Annotation that makes kwok manage a Node (and the pods bound to it).
-pub const KWOK_NODE_ANNOTATION: (&str, &str) = ("kwok.x-k8s.io/node", "fake");
-/// Annotation without which the attach-detach controller ignores a Node.
-pub const CONTROLLER_MANAGED_ATTACH_ANNOTATION: (&str, &str) = (
-    "volumes.kubernetes.io/controller-managed-attach-detach",
-    "true",
-);
+/// The annotations of a simulated Node, as the `fake` provider sets them:
+/// kwok manages a Node (and the pods bound to it) with the first, and the
+/// attach-detach controller serves one only with the second.
+pub use berth::providers::fake::{CONTROLLER_MANAGED_ATTACH_ANNOTATION, KWOK_NODE_ANNOTATION};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -515,6 +512,13 @@ fn keep_or(dir: tempfile::TempDir, path: &Path) -> Option<tempfile::TempDir> {
     }
 }
 
+/// The repository this development kit was built in: its scripts
+/// (`hack/`) are run from there. A development tool only, so the build
+/// machine's path is the right one.
+pub fn repo_root() -> &'static Path {
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+}
+
 /// The directory with the test bed's binaries: `$BERTH_TESTBED_BIN`, or what
 /// `hack/testbed/build.sh --bin-dir` builds or finds in its cache.
 pub fn bin_dir() -> Result<PathBuf, Error> {
@@ -523,7 +527,7 @@ pub fn bin_dir() -> Result<PathBuf, Error> {
         if let Some(dir) = std::env::var_os("BERTH_TESTBED_BIN") {
             return Ok(PathBuf::from(dir));
         }
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("hack/testbed/build.sh");
+        let script = repo_root().join("hack/testbed/build.sh");
         let out = std::process::Command::new("bash")
             .arg(&script)
             .arg("--bin-dir")

@@ -1,4 +1,4 @@
-//! `berth demo`: the main job in one command. It starts a local control
+//! `berth-dev demo` (`make demo`): the main job in one command. It starts a local control
 //! plane (the test bed), installs the CRDs, runs the controller with the
 //! `fake` provider, creates three Machines, puts a StatefulSet with
 //! PersistentVolumes, a Deployment behind a PodDisruptionBudget and a
@@ -21,11 +21,11 @@ use kube::api::{Api, DeleteParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 
-use crate::api::{Machine, MachineClass};
-use crate::providers::Registry;
-use crate::providers::fake::FakeProvider;
-use crate::telemetry::{HttpState, Metrics};
 use crate::testbed::{Options, TestBed, fixtures, wait};
+use berth::api::{Machine, MachineClass};
+use berth::providers::Registry;
+use berth::providers::fake::FakeProvider;
+use berth::telemetry::{HttpState, Metrics};
 
 const NS: &str = "demo";
 const POOL: &str = "testbed.berth.dev/pool";
@@ -84,7 +84,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         bed.kubeconfig_path().display()
     ));
     let client = bed.client().await?;
-    crate::api::install_crds(client.clone(), LONG).await?;
+    berth::api::install_crds(client.clone(), LONG).await?;
     clock.say("CRDs installed: machineclasses.berth.dev, machines.berth.dev");
 
     // The controller, in this process, with its metrics endpoint.
@@ -95,7 +95,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on {}", args.metrics_addr))?;
     let metrics_addr = listener.local_addr().unwrap_or(args.metrics_addr);
     let (http_stop_tx, http_stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(crate::telemetry::serve(
+    let server = tokio::spawn(berth::telemetry::serve(
         listener,
         http.clone(),
         async move {
@@ -103,13 +103,13 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         },
     ));
     let providers = Registry::default().with(Arc::new(FakeProvider::new(client.clone())));
-    let settings = crate::machine::Settings {
+    let settings = berth::machine::Settings {
         namespace: Some(NS.into()),
         instance: "berth-demo".into(),
         concurrency: 4,
     };
     let mut controller =
-        crate::machine::spawn(client.clone(), providers, settings, Arc::clone(&metrics));
+        berth::machine::spawn(client.clone(), providers, settings, Arc::clone(&metrics));
     (&mut controller.ready)
         .await
         .context("the controller did not start")?;
@@ -261,7 +261,7 @@ async fn scenario(
     machine(client, clock, "machine-c").await?;
 
     // The plan, then the deletion, followed live.
-    let live = crate::drain::live::plan_machine(client, NS, "machine-a").await?;
+    let live = berth::drain::live::plan_machine(client, NS, "machine-a").await?;
     println!("\n--- berth plan {NS}/machine-a ---\n{}---", live.plan);
     clock.say("deleting machine-a");
     let started = Instant::now();
@@ -428,7 +428,7 @@ async fn machine(client: &Client, clock: &Clock, name: &str) -> anyhow::Result<S
     .await?;
     wait::for_one(machines, LONG, "Machine Running", |m| {
         m.name_any() == name
-            && m.status.as_ref().and_then(|s| s.phase) == Some(crate::api::MachinePhase::Running)
+            && m.status.as_ref().and_then(|s| s.phase) == Some(berth::api::MachinePhase::Running)
     })
     .await?;
     let node = FakeProvider::node_name(NS, name);
@@ -443,7 +443,7 @@ fn json<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> anyhow::Result<
 #[cfg(test)]
 mod tests {
     use super::pods_in;
-    use crate::drain::engine::evicted_note;
+    use berth::drain::engine::evicted_note;
 
     #[test]
     fn the_summary_counts_every_pod_an_evicted_event_names() {

@@ -1,0 +1,16 @@
+//! berth's development kit: everything that is for developing and proving
+//! berth and never for running it in a cluster.
+//!
+//! - [`testbed`]: a local control plane (etcd, kube-apiserver,
+//!   kube-controller-manager, kube-scheduler, kwok) built from pinned Go
+//!   modules, and the fixtures the tests put into it;
+//! - [`bench`]: `berth-dev bench`, the drain benchmark;
+//! - [`demo`]: `berth-dev demo`, the README's first command.
+//!
+//! The controller crate (`berth`) does not depend on this one; its tests
+//! do, as a dev-dependency.
+#![forbid(unsafe_code)]
+
+pub mod bench;
+pub mod demo;
+pub mod testbed;

@@ -29,8 +29,8 @@ use std::time::{Duration, Instant};
 use base64::Engine as _;
 use berth::api::Machine;
 use berth::providers::fake::FakeProvider;
-use berth::testbed::fixtures::{csi_pv, stateful_set};
-use berth::testbed::{Options, TestBed, wait};
+use berth_devkit::testbed::fixtures::{csi_pv, stateful_set};
+use berth_devkit::testbed::{Options, TestBed, wait};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::coordination::v1::Lease;
@@ -67,7 +67,7 @@ fn chart_dir() -> PathBuf {
 }
 
 fn tool(name: &str) -> PathBuf {
-    berth::testbed::bin_dir()
+    berth_devkit::testbed::bin_dir()
         .expect("test bed binaries (hack/testbed/build.sh)")
         .join(name)
 }
@@ -428,7 +428,9 @@ fn the_default_render_is_hardened_labelled_and_least_privilege() {
     for flag in [
         "--leader-elect=true",
         "--lease-name=berth-controller",
-        "--providers=fake",
+        // No provider unless the values enable one: the fake one is never
+        // on by default.
+        "--providers=",
         "--metrics-addr=0.0.0.0:8080",
     ] {
         assert!(args.iter().any(|a| a == flag), "{flag} in {args:?}");
@@ -436,9 +438,7 @@ fn the_default_render_is_hardened_labelled_and_least_privilege() {
 
     // RBAC: exactly the grants the code needs; no wildcard anywhere.
     let cluster_role = one(&objects, "ClusterRole");
-    let mut wanted = expected_grants(CLUSTER_GRANTS);
-    wanted.extend(expected_grants(FAKE_PROVIDER_GRANTS));
-    assert_eq!(grants(cluster_role), wanted);
+    assert_eq!(grants(cluster_role), expected_grants(CLUSTER_GRANTS));
     for role in find(&objects, "ClusterRole")
         .into_iter()
         .chain(find(&objects, "Role"))
@@ -484,13 +484,15 @@ fn options_switch_exactly_their_objects_and_rules() {
     assert!(find(&o, "Role").is_empty() && find(&o, "RoleBinding").is_empty());
     assert!(args_of(one(&o, "Deployment")).contains(&"--leader-elect=false".to_string()));
 
-    let o = render("providers.fake.enabled=false");
+    let o = render("providers.fake.enabled=true");
+    let mut wanted = expected_grants(CLUSTER_GRANTS);
+    wanted.extend(expected_grants(FAKE_PROVIDER_GRANTS));
     assert_eq!(
         grants(one(&o, "ClusterRole")),
-        expected_grants(CLUSTER_GRANTS),
-        "no ConfigMap access and no Node creation without the fake provider"
+        wanted,
+        "ConfigMap access and Node creation only with the fake provider"
     );
-    assert!(args_of(one(&o, "Deployment")).contains(&"--providers=".to_string()));
+    assert!(args_of(one(&o, "Deployment")).contains(&"--providers=fake".to_string()));
 
     let o = render(
         "controller.watchNamespace=machines,image.digest=sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
@@ -539,16 +541,29 @@ fn options_switch_exactly_their_objects_and_rules() {
         assert_eq!(&service["metadata"]["labels"][k], v);
     }
 
-    // The example MachineClass needs the CRDs to exist first, and says so.
+    // The example MachineClass is the fake provider's, and says so.
     let err = helm
-        .template(&["--set", "exampleMachineClass.enabled=true"])
+        .template(&[
+            "--set",
+            "exampleMachineClass.enabled=true",
+            "--api-versions",
+            "berth.dev/v1alpha1/MachineClass",
+        ])
+        .expect_err("the fake provider is not enabled by default");
+    assert!(err.contains("providers.fake.enabled=true"), "{err}");
+    // It needs the CRDs to exist first, and says so.
+    let err = helm
+        .template(&[
+            "--set",
+            "exampleMachineClass.enabled=true,providers.fake.enabled=true",
+        ])
         .expect_err("no CRDs in a plain `helm template`");
     assert!(err.contains("helm upgrade --reuse-values"), "{err}");
     let o = docs(
         &helm
             .template(&[
                 "--set",
-                "exampleMachineClass.enabled=true",
+                "exampleMachineClass.enabled=true,providers.fake.enabled=true",
                 "--api-versions",
                 "berth.dev/v1alpha1/MachineClass",
             ])
@@ -764,7 +779,13 @@ fn the_dockerfile_builds_what_make_release_builds_onto_distroless_non_root() {
 
     // Everything the build reads is in the build context.
     let ignore = std::fs::read_to_string(root().join(".dockerignore")).expect(".dockerignore");
-    for input in ["Cargo.toml", "Cargo.lock", "src/"] {
+    for input in [
+        "Cargo.toml",
+        "Cargo.lock",
+        "src/",
+        "devkit/Cargo.toml",
+        "devkit/src/",
+    ] {
         assert!(
             ignore.lines().any(|l| l.trim() == format!("!{input}")),
             ".dockerignore lets {input} in"
@@ -980,7 +1001,7 @@ async fn rendered_objects_validate_against_the_test_beds_own_schemas() {
     let full = helm
         .template(&[
             "--set",
-            "replicas=2,podDisruptionBudget.enabled=true,dashboard.enabled=true,exampleMachineClass.enabled=true",
+            "replicas=2,podDisruptionBudget.enabled=true,dashboard.enabled=true,exampleMachineClass.enabled=true,providers.fake.enabled=true",
             "--api-versions",
             "berth.dev/v1alpha1/MachineClass",
         ])
@@ -1035,7 +1056,7 @@ async fn rendered_objects_validate_against_the_test_beds_own_schemas() {
     kube::Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
         .create(
             &PostParams::default(),
-            &berth::testbed::fixtures::namespace(ns),
+            &berth_devkit::testbed::fixtures::namespace(ns),
         )
         .await
         .expect("namespace");
@@ -1281,7 +1302,7 @@ async fn the_chart_installs_and_its_service_account_drains_a_machine_then_upgrad
             "--kubeconfig",
             &kubeconfig,
             "--set",
-            "replicas=2,podDisruptionBudget.enabled=true",
+            "replicas=2,podDisruptionBudget.enabled=true,providers.fake.enabled=true",
             "--set-string",
             "nodeSelector.berth\\.dev/never-scheduled=true",
         ])

@@ -105,13 +105,12 @@ pub struct RunArgs {
     /// How long SIGTERM waits for reconciles in flight before exiting.
     #[arg(long, env = "BERTH_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub shutdown_timeout: Duration,
-    /// Provider drivers to enable, comma-separated (known: fake).
-    #[arg(
-        long,
-        env = "BERTH_PROVIDERS",
-        value_delimiter = ',',
-        default_value = "fake"
-    )]
+    /// Provider drivers to enable, comma-separated (known: fake). Required,
+    /// with no default: a controller that runs real machines must never
+    /// start with a simulated cloud because a flag was forgotten. Empty
+    /// (`--providers=`) enables none: every Machine then says that its
+    /// class's provider is not enabled.
+    #[arg(long, env = "BERTH_PROVIDERS", value_delimiter = ',', required = true)]
     pub providers: Vec<String>,
 }
 
@@ -137,7 +136,9 @@ pub fn config_reference_markdown() -> String {
             .map(|v| v.to_string_lossy().into_owned())
             .collect::<Vec<_>>()
             .join(",");
-        let default = if default.is_empty() {
+        let default = if arg.is_required_set() {
+            "(required)".to_string()
+        } else if default.is_empty() {
             String::new()
         } else {
             format!("`{default}`")
@@ -229,6 +230,12 @@ async fn lead_and_control(
         rate_limited_client(config.clone(), args.kube_events_qps, args.kube_events_burst)?;
     let client = rate_limited_client(config, args.kube_qps, args.kube_burst)?;
     let providers = providers(&args.providers, &client)?;
+    if providers.names().is_empty() {
+        tracing::warn!(
+            "no provider is enabled (--providers is empty): no VM will be created or deleted, \
+             and every Machine will say that its class's provider is not enabled"
+        );
+    }
     let identity = args.identity.clone().unwrap_or_else(default_identity);
 
     tokio::select! {
@@ -511,14 +518,24 @@ mod tests {
 
     #[test]
     fn flags_have_production_defaults() {
-        let a = Cli::try_parse_from(["berth"])
-            .expect("no flag is required")
+        let a = Cli::try_parse_from(["berth", "--providers=fake"])
+            .expect("only --providers is required")
             .run;
         assert!(a.leader_elect);
         assert_eq!(a.metrics_addr, "0.0.0.0:8080".parse().expect("addr"));
         assert_eq!(a.lease_duration, Duration::from_secs(15));
         assert_eq!(a.providers, vec!["fake".to_string()]);
         assert_eq!(a.log_format, LogFormat::Text);
+    }
+
+    #[test]
+    fn the_providers_are_never_chosen_by_default() {
+        let err = Cli::try_parse_from(["berth"]).expect_err("--providers is required");
+        assert!(err.to_string().contains("--providers"), "{err}");
+        let none = Cli::try_parse_from(["berth", "--providers="])
+            .expect("an explicit empty list")
+            .run;
+        assert_eq!(none.providers, vec![String::new()]);
     }
 
     #[test]
@@ -538,9 +555,13 @@ mod tests {
         assert_eq!(a.lease_duration, Duration::from_secs(30));
         assert_eq!(a.providers.len(), 2);
         assert_eq!(a.kube_qps, 5);
-        assert!(Cli::try_parse_from(["berth", "--log-format=xml"]).is_err());
-        assert!(Cli::try_parse_from(["berth", "--lease-duration=soon"]).is_err());
-        assert!(Cli::try_parse_from(["berth", "--metrics-addr=nowhere"]).is_err());
+        assert!(Cli::try_parse_from(["berth", "--providers=fake", "--log-format=xml"]).is_err());
+        assert!(
+            Cli::try_parse_from(["berth", "--providers=fake", "--lease-duration=soon"]).is_err()
+        );
+        assert!(
+            Cli::try_parse_from(["berth", "--providers=fake", "--metrics-addr=nowhere"]).is_err()
+        );
     }
 
     #[tokio::test]

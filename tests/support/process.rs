@@ -30,6 +30,8 @@ impl Berth {
             .arg("--kubeconfig")
             .arg(kubeconfig)
             .arg(format!("--metrics-addr=127.0.0.1:{port}"))
+            // The test bed's Nodes are kwok's: the fake provider, asked for.
+            .arg("--providers=fake")
             .args(extra)
             .env("BERTH_LOG", "info,berth=debug")
             .env_remove("KUBECONFIG")
@@ -112,7 +114,7 @@ impl Berth {
     }
 
     pub async fn get(&self, path: &str) -> Option<(u16, String)> {
-        berth::testbed::http_get(self.port, path).await
+        berth_devkit::testbed::http_get(self.port, path).await
     }
 
     /// The HTTP port has no watch: probe it the way a kubelet would.

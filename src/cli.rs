@@ -11,13 +11,13 @@ use clap::{Parser, Subcommand};
     version,
     about = "Machine lifecycle with a volume-aware drain"
 )]
-pub struct Cli {
+pub(crate) struct Cli {
     #[command(subcommand)]
     pub command: Command,
 }
 
 #[derive(Debug, Subcommand)]
-pub enum Command {
+pub(crate) enum Command {
     /// Run the controller: reconcile Machines and drain their Nodes.
     Run(Box<crate::wiring::process::RunArgs>),
     /// Print the CustomResourceDefinitions (MachineClass, Machine) as YAML.
@@ -29,7 +29,7 @@ pub enum Command {
 }
 
 #[derive(Debug, clap::Args)]
-pub struct PlanArgs {
+pub(crate) struct PlanArgs {
     /// The Machine, as `<namespace>/<name>`.
     pub machine: String,
     /// Path to a kubeconfig file (default: in-cluster, `$KUBECONFIG`, or

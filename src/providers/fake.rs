@@ -31,7 +31,7 @@ use serde::Deserialize;
 use super::{MachineRequest, Provider, ProviderError, Vm, VmState};
 use crate::api::settings::parse_duration;
 
-pub const NAME: &str = "fake";
+pub(crate) const NAME: &str = "fake";
 const VM_LABEL: &str = "fake.berth.dev/vm";
 const FIELD_MANAGER: &str = "berth-fake-provider";
 
@@ -49,7 +49,7 @@ pub const CONTROLLER_MANAGED_ATTACH_ANNOTATION: (&str, &str) = (
 /// rejected so that a typo is reported instead of ignored.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct FakeSpec {
+pub(crate) struct FakeSpec {
     #[serde(default)]
     pub fail_create_times: u32,
     #[serde(default)]

@@ -9,7 +9,7 @@ use std::time::Instant;
 use super::{MachineRequest, Provider, ProviderError, Vm};
 use crate::telemetry::{Metrics, RESULT_OK};
 
-pub struct Instrumented {
+pub(crate) struct Instrumented {
     inner: Arc<dyn Provider>,
     metrics: Arc<Metrics>,
 }

@@ -6,7 +6,7 @@
 //! failure is worth retrying.
 
 pub mod fake;
-pub mod instrumented;
+pub(crate) mod instrumented;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -105,7 +105,7 @@ impl Registry {
 
     /// The same drivers, each wrapped so that its calls are counted and
     /// timed in `metrics`.
-    pub fn instrumented(self, metrics: &Arc<crate::telemetry::Metrics>) -> Self {
+    pub(crate) fn instrumented(self, metrics: &Arc<crate::telemetry::Metrics>) -> Self {
         let drivers = self
             .drivers
             .into_iter()

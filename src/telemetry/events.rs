@@ -27,7 +27,7 @@ use tokio::sync::mpsc;
 use super::Metrics;
 
 /// Events waiting to be published, at most.
-pub const QUEUE: usize = 1024;
+pub(crate) const QUEUE: usize = 1024;
 
 /// Where Events go; cheap to clone.
 #[derive(Clone)]

@@ -30,12 +30,13 @@ impl HttpState {
     }
 
     /// State sharing an existing readiness flag.
-    pub fn with_readiness(metrics: Arc<Metrics>, ready: Arc<AtomicBool>) -> Self {
+    pub(crate) fn with_readiness(metrics: Arc<Metrics>, ready: Arc<AtomicBool>) -> Self {
         Self { metrics, ready }
     }
 
-    /// The readiness flag, to hand to whoever decides readiness.
-    pub fn readiness(&self) -> Arc<AtomicBool> {
+    /// The readiness flag.
+    #[cfg(test)]
+    fn readiness(&self) -> Arc<AtomicBool> {
         Arc::clone(&self.ready)
     }
 
@@ -56,7 +57,7 @@ impl HttpState {
 }
 
 /// The routes, for embedding in another server or testing without a socket.
-pub fn router(state: HttpState) -> Router {
+pub(crate) fn router(state: HttpState) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))

@@ -21,7 +21,7 @@
 pub mod events;
 mod http;
 
-pub use self::http::{HttpState, router, serve};
+pub use self::http::{HttpState, serve};
 
 use std::time::{Duration, Instant};
 
@@ -34,7 +34,7 @@ use tokio::sync::watch;
 
 /// Content type of the Prometheus text exposition format served on
 /// `/metrics`.
-pub const CONTENT_TYPE: &str = prometheus::TEXT_FORMAT;
+pub(crate) const CONTENT_TYPE: &str = prometheus::TEXT_FORMAT;
 
 /// Buckets for short operations (a reconcile), in seconds: 5 ms .. ~41 s.
 const RECONCILE_BUCKETS: &[f64] = &[
@@ -55,15 +55,15 @@ const DRAIN_BUCKETS: &[f64] = &[
 ];
 
 /// The `result` label value [`ReconcileTimer`] counts unless told otherwise.
-pub const RESULT_OK: &str = "ok";
+pub(crate) const RESULT_OK: &str = "ok";
 /// The `result` label value [`ReconcileTimer`] counts when it is dropped
 /// while its thread is panicking.
-pub const RESULT_PANIC: &str = "panic";
+pub(crate) const RESULT_PANIC: &str = "panic";
 
 /// The outcome of one pod eviction attempt: the `result` label of
 /// `berth_pod_evictions_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum EvictionResult {
+pub(crate) enum EvictionResult {
     /// The Eviction API accepted the eviction.
     Evicted,
     /// A PodDisruptionBudget refused it (HTTP 429); will be retried.
@@ -381,7 +381,7 @@ impl Metrics {
     /// # Errors
     /// Only if a collected family is malformed, which the metrics defined
     /// here cannot produce.
-    pub fn try_encode(&self) -> Result<String, prometheus::Error> {
+    pub(crate) fn try_encode(&self) -> Result<String, prometheus::Error> {
         let mut buf = Vec::new();
         TextEncoder::new().encode(&self.registry.gather(), &mut buf)?;
         String::from_utf8(buf).map_err(|e| prometheus::Error::Msg(e.to_string()))
@@ -397,7 +397,7 @@ impl Metrics {
     }
 
     /// Starts timing one reconcile; see [`ReconcileTimer`].
-    pub fn reconcile_timer(&self) -> ReconcileTimer {
+    pub(crate) fn reconcile_timer(&self) -> ReconcileTimer {
         ReconcileTimer {
             start: Instant::now(),
             result: RESULT_OK,
@@ -407,14 +407,20 @@ impl Metrics {
     }
 
     /// Records one eviction attempt.
-    pub fn record_eviction(&self, result: EvictionResult) {
+    pub(crate) fn record_eviction(&self, result: EvictionResult) {
         self.pod_evictions
             .with_label_values(&[result.as_str()])
             .inc();
     }
 
     /// Records one finished provider request.
-    pub fn record_provider_request(&self, driver: &str, op: &str, result: &str, took: Duration) {
+    pub(crate) fn record_provider_request(
+        &self,
+        driver: &str,
+        op: &str,
+        result: &str,
+        took: Duration,
+    ) {
         self.provider_requests
             .with_label_values(&[driver, op, result])
             .inc();
@@ -424,7 +430,7 @@ impl Metrics {
     }
 
     /// Records one finished drain.
-    pub fn record_drain(&self, outcome: &str, took: Duration) {
+    pub(crate) fn record_drain(&self, outcome: &str, took: Duration) {
         self.drain_duration
             .with_label_values(&[outcome])
             .observe(took.as_secs_f64());
@@ -432,7 +438,7 @@ impl Metrics {
 
     /// Mirrors a leader-election "am I leader" channel into `berth_leader`
     /// until the channel's sender goes away, then sets it to 0. Spawn it.
-    pub fn follow_leader(
+    pub(crate) fn follow_leader(
         &self,
         mut is_leader: watch::Receiver<bool>,
     ) -> impl Future<Output = ()> + Send + 'static {
@@ -460,7 +466,7 @@ impl Metrics {
 /// counted too.
 #[derive(Debug)]
 #[must_use = "the reconcile is measured when the timer is dropped"]
-pub struct ReconcileTimer {
+pub(crate) struct ReconcileTimer {
     start: Instant,
     result: &'static str,
     duration: Histogram,
@@ -469,8 +475,15 @@ pub struct ReconcileTimer {
 
 impl ReconcileTimer {
     /// Sets the `result` label counted when the timer is dropped.
-    pub fn set_result(&mut self, result: &'static str) {
+    #[cfg(test)]
+    fn set_result(&mut self, result: &'static str) {
         self.result = result;
+    }
+
+    /// The `result` label that will be counted.
+    #[cfg(test)]
+    fn result(&self) -> &'static str {
+        self.result
     }
 
     /// Sets the result from a reconcile's `Result`: [`RESULT_OK`] for `Ok`,
@@ -480,16 +493,6 @@ impl ReconcileTimer {
             Ok(_) => RESULT_OK,
             Err(e) => label(e),
         };
-    }
-
-    /// The `result` label that will be counted.
-    pub fn result(&self) -> &'static str {
-        self.result
-    }
-
-    /// Time since the timer was created.
-    pub fn elapsed(&self) -> Duration {
-        self.start.elapsed()
     }
 }
 

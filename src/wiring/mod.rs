@@ -3,4 +3,4 @@
 
 pub mod leader;
 pub mod process;
-pub mod ratelimit;
+pub(crate) mod ratelimit;

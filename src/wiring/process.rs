@@ -40,7 +40,7 @@ use crate::telemetry::{HttpState, Metrics};
 
 /// Log output format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum LogFormat {
+pub(crate) enum LogFormat {
     Text,
     Json,
 }
@@ -48,7 +48,7 @@ pub enum LogFormat {
 /// Everything `berth run` can be told. Each flag has an environment
 /// variable fallback (shown by `berth run --help`).
 #[derive(Debug, Clone, clap::Args)]
-pub struct RunArgs {
+pub(crate) struct RunArgs {
     /// Path to a kubeconfig file. Unset: in-cluster configuration, else
     /// `$KUBECONFIG`, else `~/.kube/config`.
     #[arg(long, env = "BERTH_KUBECONFIG")]
@@ -157,7 +157,7 @@ pub fn config_reference_markdown() -> String {
 ///
 /// # Errors
 /// An invalid filter.
-pub fn init_logs(format: LogFormat, filter: &str) -> anyhow::Result<()> {
+pub(crate) fn init_logs(format: LogFormat, filter: &str) -> anyhow::Result<()> {
     let filter = tracing_subscriber::EnvFilter::try_new(filter)
         .with_context(|| format!("invalid log filter {filter:?}"))?;
     let builder = tracing_subscriber::fmt()
@@ -176,7 +176,7 @@ pub fn init_logs(format: LogFormat, filter: &str) -> anyhow::Result<()> {
 /// # Errors
 /// Start-up failures (bad flags, port in use, unusable kubeconfig) and the
 /// loss of leadership.
-pub async fn run(args: RunArgs) -> anyhow::Result<()> {
+pub(crate) async fn run(args: RunArgs) -> anyhow::Result<()> {
     init_logs(args.log_format, &args.log)?;
     let metrics = Arc::new(Metrics::new().context("creating metrics")?);
     let http = HttpState::new(Arc::clone(&metrics));
@@ -432,7 +432,7 @@ fn default_identity() -> String {
 
 /// What stops the controller from starting when its CRDs cannot be read.
 #[derive(Debug, PartialEq, Eq)]
-pub enum CrdProblem {
+pub(crate) enum CrdProblem {
     Missing(&'static str),
     Forbidden(&'static str, String),
     Other(&'static str, String),
@@ -458,7 +458,7 @@ impl std::fmt::Display for CrdProblem {
 }
 
 /// Classifies the error of listing a CRD's objects.
-pub fn crd_problem(crd: &'static str, e: &kube::Error) -> CrdProblem {
+pub(crate) fn crd_problem(crd: &'static str, e: &kube::Error) -> CrdProblem {
     match e {
         kube::Error::Api(s) if s.code == 404 => CrdProblem::Missing(crd),
         kube::Error::Api(s) if s.code == 403 => CrdProblem::Forbidden(crd, s.message.clone()),

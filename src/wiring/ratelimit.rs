@@ -20,7 +20,7 @@ use tower::{Layer, Service};
 
 /// A [`Layer`] that holds requests until the shared bucket has a token.
 #[derive(Clone)]
-pub struct TokenBucketLayer {
+pub(crate) struct TokenBucketLayer {
     bucket: Arc<DefaultDirectRateLimiter>,
 }
 
@@ -50,7 +50,7 @@ impl<S> Layer<S> for TokenBucketLayer {
 /// The service [`TokenBucketLayer`] wraps around the client's stack. It is
 /// ready once it holds a token and the inner service is ready; each call
 /// spends the token.
-pub struct TokenBucket<S> {
+pub(crate) struct TokenBucket<S> {
     inner: S,
     bucket: Arc<DefaultDirectRateLimiter>,
     waiting: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,

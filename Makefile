@@ -4,14 +4,14 @@
 # The workspace has two crates: `berth` (this folder: the controller, the
 # only thing the image carries) and `devkit/` (`berth-dev`: the test bed,
 # the benchmark, the demo and the test fixtures).
-.PHONY: demo test testbed lint
+.PHONY: demo test testbed lint deny
 
 ## demo: the main job: a local control plane, the controller, and a Machine deletion with a volume-aware drain, live
 demo:
 	BERTH_TESTBED_BIN="$$(bash hack/testbed/build.sh --bin-dir)" cargo run --locked --quiet -p berth-devkit --bin berth-dev -- demo
 
 ## test: build or reuse the test control plane, check format and lints, run every test of both crates
-test: testbed lint
+test: testbed lint deny
 	BERTH_TESTBED_BIN="$$(bash hack/testbed/build.sh --bin-dir)" cargo test --locked --workspace
 	# The Dockerfile's build, without Docker: the release binary, built as its builder stage builds it.
 	cargo test --locked --test chart -- --ignored make_release_builds_a_working_binary
@@ -23,6 +23,20 @@ testbed:
 lint:
 	cargo fmt --all --check
 	cargo clippy --locked --workspace --all-targets -- -D warnings
+
+## deny: cargo-deny (pinned, cached outside the repository): licences, bans and sources always; advisories against the RustSec database, fetched where it can be, else a local copy, else said loudly
+deny:
+	deny="$$(bash hack/tools/cargo-deny.sh)" && "$$deny" deny --locked check --hide-inclusion-graph licenses bans sources
+	@deny="$$(bash hack/tools/cargo-deny.sh)"; \
+	dbs="$${CARGO_HOME:-$$HOME/.cargo}/advisory-dbs"; \
+	if timeout 120 "$$deny" deny fetch db >/dev/null 2>&1; then \
+		"$$deny" deny --locked --offline check advisories; \
+	elif ls -d "$$dbs"/advisory-db-*/.git >/dev/null 2>&1; then \
+		echo "deny: the RustSec database cannot be fetched from here; checking the local copy in $$dbs (newest advisory commit: $$(git -C "$$(ls -d "$$dbs"/advisory-db-* | head -n 1)" log -1 --format=%cs))"; \
+		"$$deny" deny --locked --offline check advisories; \
+	else \
+		echo "deny: advisories NOT CHECKED: the RustSec database (a git repository on GitHub) cannot be fetched from this machine and there is no local copy in $$dbs"; \
+	fi
 
 .PHONY: release manifests bench
 

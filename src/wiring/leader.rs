@@ -386,6 +386,34 @@ impl Timing {
     }
 }
 
+/// A read of a Lease this identity holds: when the read started, on the
+/// monotonic and on the wall clock, and the `renewTime` it found.
+#[derive(Debug, Clone, Copy)]
+struct Read {
+    at: Instant,
+    wall: SystemTime,
+    renewed: SystemTime,
+}
+
+impl Timing {
+    /// Until when a read lets this identity call itself leader: the Lease's
+    /// expiry less the margin, and never more than one lease duration less
+    /// the margin from the read, whatever `renewTime` says (a clock ahead of
+    /// ours must not extend leadership). Pure: `now` is the caller's.
+    fn valid_until(&self, r: Read) -> Instant {
+        (r.at + until(r.wall, r.renewed + self.duration - self.margin))
+            .min(r.at + self.duration - self.margin)
+    }
+
+    /// When to read the Lease again after a read that saw a new renewal:
+    /// a poll after the next renewal is due (the library renews a grace
+    /// before expiry), or a poll from `now` if that is already past.
+    fn next_check(&self, r: Read, now: Instant) -> Instant {
+        let renewal = r.at + until(r.wall, r.renewed + self.duration - self.grace);
+        renewal.max(now) + self.poll
+    }
+}
+
 /// What one watchdog read of the Lease found.
 enum Observed {
     /// This identity holds it, renewed at `renewed` (by our own clock, since
@@ -534,10 +562,8 @@ impl Elector {
         let now = Instant::now();
         match observed {
             Observed::Held { renewed, at, wall } => {
-                // Never trust more than one lease duration from the read,
-                // whatever renewTime says.
-                let valid_until = (at + until(wall, renewed + t.duration - t.margin))
-                    .min(at + t.duration - t.margin);
+                let read = Read { at, wall, renewed };
+                let valid_until = t.valid_until(read);
                 if valid_until > now {
                     if h.announced {
                         h.deadline = h.deadline.max(valid_until);
@@ -553,8 +579,7 @@ impl Elector {
                     h.next_check = now + t.poll;
                 } else {
                     h.renewed = Some(renewed);
-                    let renewal = at + until(wall, renewed + t.duration - t.grace);
-                    h.next_check = renewal.max(now) + t.poll;
+                    h.next_check = t.next_check(read, now);
                 }
                 Ok(())
             }
@@ -649,6 +674,62 @@ mod tests {
         let t = Timing::new(Duration::from_secs(2)).expect("valid");
         assert_eq!((t.seconds, t.grace_seconds), (2, 1));
         assert!(t.margin < t.grace && t.poll < t.margin);
+    }
+
+    /// A read at `at`, with our wall clock at `wall`, of a Lease renewed
+    /// `age` before `wall` (negative: a renewTime ahead of our clock).
+    fn read(at: Instant, wall: SystemTime, age_ms: i64) -> Read {
+        let renewed = if age_ms >= 0 {
+            wall - Duration::from_millis(age_ms.unsigned_abs())
+        } else {
+            wall + Duration::from_millis(age_ms.unsigned_abs())
+        };
+        Read { at, wall, renewed }
+    }
+
+    #[test]
+    fn leadership_lasts_until_expiry_less_the_margin_and_never_longer() {
+        // Lease 15 s: margin 2.5 s, grace 5 s, poll 625 ms. The clocks are
+        // arguments: nothing here waits.
+        let t = Timing::new(Duration::from_secs(15)).expect("valid");
+        let at = Instant::now();
+        let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let ms = Duration::from_millis;
+        for (age_ms, valid_for) in [
+            // Just renewed: the whole duration less the margin.
+            (0, ms(12_500)),
+            // Renewed 10 s ago: 2.5 s left.
+            (10_000, ms(2_500)),
+            // Renewed 12.5 s ago or earlier: no longer leader.
+            (12_500, ms(0)),
+            (60_000, ms(0)),
+            // renewTime 30 s ahead of our clock: still one duration at most.
+            (-30_000, ms(12_500)),
+        ] {
+            assert_eq!(
+                t.valid_until(read(at, wall, age_ms)),
+                at + valid_for,
+                "renewed {age_ms} ms before the read"
+            );
+        }
+    }
+
+    #[test]
+    fn the_watchdog_looks_again_a_poll_after_the_next_renewal_is_due() {
+        let t = Timing::new(Duration::from_secs(15)).expect("valid");
+        let at = Instant::now();
+        let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let ms = Duration::from_millis;
+        // Just renewed: the next renewal is due 10 s on (duration - grace).
+        assert_eq!(t.next_check(read(at, wall, 0), at), at + ms(10_000 + 625));
+        // Renewed 4 s ago: due in 6 s.
+        assert_eq!(
+            t.next_check(read(at, wall, 4_000), at),
+            at + ms(6_000 + 625)
+        );
+        // Overdue: one poll from now, not in the past.
+        let now = at + ms(3_000);
+        assert_eq!(t.next_check(read(at, wall, 20_000), now), now + ms(625));
     }
 
     #[test]

@@ -40,11 +40,11 @@
 //! its `/metrics`, its API requests from the audit log. Each phase also
 //! reports the CPU of each test bed process, from the same `/proc` fields.
 //!
-//! This module runs the phases and holds the result's types; [`plan`]
+//! This module runs the phases and holds the result's types; `plan`
 //! splits the requested numbers and computes floors (pure), `populate`
 //! fills the bed, `controller` supervises the measured `berth run`,
 //! `procfs` reads `/proc`, `apiserver` reads the API server's metrics,
-//! [`drains`] deletes and times the drains, and `report` prints them.
+//! `drains` deletes and times the drains, and `report` prints them.
 
 mod apiserver;
 mod controller;

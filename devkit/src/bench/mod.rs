@@ -969,7 +969,7 @@ fn hardware() -> String {
 
 /// The short table printed after a run.
 pub fn table(r: &Report) -> String {
-    let mut out = format!("berth bench — {} — {}\n", r.when, r.hardware);
+    let mut out = format!("berth-dev bench — {} — {}\n", r.when, r.hardware);
     if !r.runs.is_empty() {
         out.push_str("scenario   drainer                           pods  wall(s)  floor(s)  gap p50/p99/max ms (reattached)  req/pod  reads\n");
     }

@@ -1309,6 +1309,12 @@ async fn the_chart_installs_and_its_service_account_drains_a_machine_then_upgrad
     })
     .expect("helm install succeeds");
     assert!(out.contains("STATUS: deployed"), "{out}");
+    // The notes say which provider runs the Machines, and that this one is
+    // for trying berth only.
+    assert!(
+        out.contains("The fake provider is enabled") && out.contains("never for real machines"),
+        "{out}"
+    );
     eprintln!("helm install took {:?}", t.elapsed());
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     for name in ["machines.berth.dev", "machineclasses.berth.dev"] {

@@ -5,7 +5,9 @@
 //!   kube-controller-manager, kube-scheduler, kwok) built from pinned Go
 //!   modules, and the fixtures the tests put into it;
 //! - [`bench`]: `berth-dev bench`, the drain benchmark;
-//! - [`demo`]: `berth-dev demo`, the README's first command.
+//! - [`demo`]: `berth-dev demo`, the README's first command;
+//! - [`moto`]: moto's EC2 server, the emulator the cloud side is tested
+//!   against.
 //!
 //! The controller crate (`berth`) does not depend on this one; its tests
 //! do, as a dev-dependency.
@@ -13,4 +15,5 @@
 
 pub mod bench;
 pub mod demo;
+pub mod moto;
 pub mod testbed;

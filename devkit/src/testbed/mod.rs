@@ -20,7 +20,7 @@
 pub mod fixtures;
 mod pki;
 pub mod stages;
-mod supervisor;
+pub(crate) mod supervisor;
 pub mod wait;
 
 use std::net::TcpListener;

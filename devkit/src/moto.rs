@@ -1,0 +1,171 @@
+//! moto's EC2 server: the real emulator (not a mock of ours) that the `aws`
+//! provider is tested against, as a process on a loopback port of its own.
+//!
+//! moto is installed from the pins in `hack/moto/requirements.txt` into a
+//! virtualenv cached outside the repository (`hack/moto/install.sh`), the
+//! way the test control plane is built. Each [`Moto`] is its own server, so
+//! tests never see each other's instances; it is killed when dropped, and
+//! by the kernel if the test process dies (the test bed's supervisor).
+//!
+//! moto is not EC2: it runs instances at once and does not honour client
+//! tokens. Tests must not depend on either, and the provider must not rely
+//! on anything moto accepts that EC2 refuses.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+use crate::testbed::supervisor::{ProcessSpec, Supervisor};
+
+/// How long moto may take to answer its first request.
+const READY_WITHIN: Duration = Duration::from_secs(60);
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("moto is not installed: {0}")]
+    Install(String),
+    #[error("starting moto: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("moto did not answer within {READY_WITHIN:?} (log: {log})")]
+    NotReady { log: String },
+}
+
+/// One moto server on `127.0.0.1`.
+pub struct Moto {
+    port: u16,
+    dir: tempfile::TempDir,
+    // Dropped last: kills the server.
+    _supervisor: Supervisor,
+}
+
+impl Moto {
+    /// Installs moto if needed, starts a server on a free port and waits
+    /// until it answers.
+    pub async fn start() -> Result<Self, Error> {
+        let bin = bin_dir()?;
+        let dir = tempfile::Builder::new().prefix("berth-moto-").tempdir()?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let supervisor = Supervisor::new()?;
+        let log = dir.path().join("moto.log");
+        supervisor.spawn(ProcessSpec {
+            name: "moto".into(),
+            program: bin.join("moto_server"),
+            args: vec![
+                "-H".into(),
+                "127.0.0.1".into(),
+                "-p".into(),
+                port.to_string(),
+            ],
+            log: log.clone(),
+        })?;
+        let moto = Self {
+            port,
+            dir,
+            _supervisor: supervisor,
+        };
+        let deadline = Instant::now() + READY_WITHIN;
+        loop {
+            if moto
+                .request("GET", "/moto-api/", None, "")
+                .await
+                .is_some_and(|(status, _)| status == 200)
+            {
+                return Ok(moto);
+            }
+            if Instant::now() > deadline || moto._supervisor.exited("moto").is_some() {
+                return Err(Error::NotReady {
+                    log: crate::testbed::tail(&log),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// The endpoint URL to point an EC2 client at.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The server's log.
+    pub fn log(&self) -> PathBuf {
+        self.dir.path().join("moto.log")
+    }
+
+    /// An EC2 Query API call (`Action=…&Version=…&…`) in `region`, as an
+    /// SDK would send it, with a syntactically valid signature (moto does
+    /// not check signatures; it reads the region from the credential
+    /// scope). Returns the HTTP status and the XML body.
+    pub async fn ec2(&self, region: &str, form: &str) -> Option<(u16, String)> {
+        let auth = format!(
+            "AWS4-HMAC-SHA256 Credential=testing/20260101/{region}/ec2/aws4_request, \
+             SignedHeaders=host;x-amz-date, Signature={}",
+            "0".repeat(64)
+        );
+        self.request("POST", "/", Some(&auth), form).await
+    }
+
+    /// Forgets every resource (moto's `/moto-api/reset`).
+    pub async fn reset(&self) -> bool {
+        self.request("POST", "/moto-api/reset", None, "")
+            .await
+            .is_some_and(|(status, _)| status == 200)
+    }
+
+    async fn request(
+        &self,
+        method: &str,
+        path: &str,
+        auth: Option<&str>,
+        body: &str,
+    ) -> Option<(u16, String)> {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+            .await
+            .ok()?;
+        let mut req = format!(
+            "{method} {path} HTTP/1.0\r\nHost: 127.0.0.1:{}\r\nX-Amz-Date: 20260101T000000Z\r\n\
+             Content-Type: application/x-www-form-urlencoded; charset=utf-8\r\nContent-Length: {}\r\n",
+            self.port,
+            body.len()
+        );
+        if let Some(auth) = auth {
+            req.push_str(&format!("Authorization: {auth}\r\n"));
+        }
+        req.push_str("\r\n");
+        req.push_str(body);
+        s.write_all(req.as_bytes()).await.ok()?;
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf).await.ok()?;
+        let text = String::from_utf8_lossy(&buf);
+        let status = text.split_whitespace().nth(1)?.parse().ok()?;
+        let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string())?;
+        Some((status, body))
+    }
+}
+
+/// moto's `bin` directory: `$BERTH_MOTO_BIN`, or what
+/// `hack/moto/install.sh --bin-dir` installs or finds in its cache.
+pub fn bin_dir() -> Result<PathBuf, Error> {
+    static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    DIR.get_or_init(|| {
+        if let Some(dir) = std::env::var_os("BERTH_MOTO_BIN") {
+            return Ok(PathBuf::from(dir));
+        }
+        let script = crate::testbed::repo_root().join("hack/moto/install.sh");
+        let out = std::process::Command::new("bash")
+            .arg(&script)
+            .arg("--bin-dir")
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
+        if !out.status.success() {
+            return Err(format!("{} exited with {}", script.display(), out.status));
+        }
+        Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+    })
+    .clone()
+    .map_err(Error::Install)
+}

@@ -40,17 +40,7 @@ pub(crate) struct PlanArgs {
 
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("berth: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let result = rt.block_on(async {
+    run_to_exit("berth", async {
         match cli.command {
             Command::Crd => crate::api::crds_yaml()
                 .map(|yaml| print!("{yaml}"))
@@ -58,11 +48,30 @@ pub fn main() -> ExitCode {
             Command::Run(args) => crate::wiring::process::run(*args).await,
             Command::Plan(args) => plan(args).await,
         }
-    });
-    match result {
+    })
+}
+
+/// Runs a command's future on a multi-threaded runtime and turns its result
+/// into the process's exit code, printing an error as `<program>: <error>`
+/// with its causes. Shared with the development kit's `berth-dev`.
+pub fn run_to_exit(
+    program: &str,
+    command: impl std::future::Future<Output = anyhow::Result<()>>,
+) -> ExitCode {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("{program}: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("berth: {e:#}");
+            eprintln!("{program}: {e:#}");
             ExitCode::FAILURE
         }
     }

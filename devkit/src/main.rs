@@ -51,30 +51,13 @@ struct TestbedArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("berth-dev: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    let result = rt.block_on(async {
+    berth::cli::run_to_exit("berth-dev", async {
         match cli.command {
             Command::Testbed(args) => testbed(args).await,
             Command::Demo(args) => berth_devkit::demo::run(args).await,
             Command::Bench(args) => berth_devkit::bench::run(args).await,
         }
-    });
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("berth-dev: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
+    })
 }
 
 async fn testbed(args: TestbedArgs) -> anyhow::Result<()> {

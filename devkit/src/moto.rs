@@ -150,22 +150,7 @@ impl Moto {
 /// `hack/moto/install.sh --bin-dir` installs or finds in its cache.
 pub fn bin_dir() -> Result<PathBuf, Error> {
     static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    DIR.get_or_init(|| {
-        if let Some(dir) = std::env::var_os("BERTH_MOTO_BIN") {
-            return Ok(PathBuf::from(dir));
-        }
-        let script = crate::testbed::repo_root().join("hack/moto/install.sh");
-        let out = std::process::Command::new("bash")
-            .arg(&script)
-            .arg("--bin-dir")
-            .stderr(std::process::Stdio::inherit())
-            .output()
-            .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
-        if !out.status.success() {
-            return Err(format!("{} exited with {}", script.display(), out.status));
-        }
-        Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
-    })
-    .clone()
-    .map_err(Error::Install)
+    DIR.get_or_init(|| crate::testbed::cached_tool("BERTH_MOTO_BIN", "hack/moto/install.sh"))
+        .clone()
+        .map_err(Error::Install)
 }

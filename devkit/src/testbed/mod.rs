@@ -523,24 +523,29 @@ pub fn repo_root() -> &'static Path {
 /// `hack/testbed/build.sh --bin-dir` builds or finds in its cache.
 pub fn bin_dir() -> Result<PathBuf, Error> {
     static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    DIR.get_or_init(|| {
-        if let Some(dir) = std::env::var_os("BERTH_TESTBED_BIN") {
-            return Ok(PathBuf::from(dir));
-        }
-        let script = repo_root().join("hack/testbed/build.sh");
-        let out = std::process::Command::new("bash")
-            .arg(&script)
-            .arg("--bin-dir")
-            .stderr(std::process::Stdio::inherit())
-            .output()
-            .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
-        if !out.status.success() {
-            return Err(format!("{} exited with {}", script.display(), out.status));
-        }
-        Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
-    })
-    .clone()
-    .map_err(Error::Build)
+    DIR.get_or_init(|| cached_tool("BERTH_TESTBED_BIN", "hack/testbed/build.sh"))
+        .clone()
+        .map_err(Error::Build)
+}
+
+/// A tool directory the project builds or installs into a cache of its own:
+/// `$<env>` when set, else what `<script> --bin-dir` (run from the
+/// repository, its progress on our stderr) prints.
+pub(crate) fn cached_tool(env: &str, script: &str) -> Result<PathBuf, String> {
+    if let Some(dir) = std::env::var_os(env) {
+        return Ok(PathBuf::from(dir));
+    }
+    let script = repo_root().join(script);
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .arg("--bin-dir")
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", script.display()))?;
+    if !out.status.success() {
+        return Err(format!("{} exited with {}", script.display(), out.status));
+    }
+    Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
 }
 
 /// Distinct free loopback ports, all held until every one is chosen.

@@ -16,6 +16,7 @@ use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
 use super::predicate::{Attachment, attached_elsewhere, attachments_of, detached_from, pv_of};
+use crate::cache::{Index, attachment_pv};
 use crate::telemetry::Metrics;
 
 /// Default capacity of each registration's event channel.
@@ -158,6 +159,10 @@ struct State {
 
 struct Inner {
     attachments: Store<VolumeAttachment>,
+    /// The VolumeAttachments of `attachments` by PV, fed the same events
+    /// (after the store, before the hints), so that a wait reads only the
+    /// attachments of its own volumes instead of scanning the store.
+    by_pv: Index<VolumeAttachment>,
     nodes: Store<Node>,
     capacity: usize,
     events: Option<IntCounter>,
@@ -200,6 +205,11 @@ impl Inner {
             c.inc();
         }
     }
+
+    /// The VolumeAttachments of `pv` in the store, by name.
+    fn attachments_of(&self, pv: &str) -> Vec<Arc<VolumeAttachment>> {
+        self.by_pv.get(&self.attachments, pv)
+    }
 }
 
 /// Fans one VolumeAttachment watch and one Node watch out to many concurrent
@@ -237,6 +247,7 @@ impl Tracker {
         Self {
             inner: Arc::new(Inner {
                 attachments,
+                by_pv: Index::new(attachment_pv),
                 nodes,
                 capacity: channel_capacity.max(1),
                 events: metrics.map(|m| m.volume_attachment_events.clone()),
@@ -294,6 +305,8 @@ impl Tracker {
     /// `InitApply` do not change the store and are only counted.
     pub fn observe_attachment_event(&self, event: &Event<VolumeAttachment>) {
         self.inner.count_event();
+        // The index first: a hint must find it as up to date as the store.
+        self.inner.by_pv.observe(event);
         match event {
             Event::Apply(va) | Event::Delete(va) => self.route_attachment(va),
             Event::InitDone => self.resync(),
@@ -310,15 +323,6 @@ impl Tracker {
             Event::InitDone => self.resync(),
             Event::Init | Event::InitApply(_) => {}
         }
-    }
-
-    /// Feeds a VolumeAttachment that was applied *or* deleted (the routing
-    /// is the same: waits read the state from the store), for a stream of
-    /// touched objects. Never blocks. Prefer
-    /// [`Tracker::observe_attachment_event`], which also handles re-lists.
-    pub fn observe_attachment(&self, va: &VolumeAttachment) {
-        self.inner.count_event();
-        self.route_attachment(va);
     }
 
     /// Feeds a Node that was applied or deleted. Never blocks. Prefer
@@ -382,10 +386,7 @@ impl Tracker {
     /// Every VolumeAttachment of `pv` in the store, sorted by node. Reads
     /// the cache as it is: before its initial list it is empty.
     pub fn attachments(&self, pv: &str) -> Vec<Attachment> {
-        let vas = self
-            .inner
-            .attachments
-            .state_filter(|va| pv_of(va) == Some(pv));
+        let vas = self.inner.attachments_of(pv);
         attachments_of(pv, vas.iter().map(AsRef::as_ref))
     }
 
@@ -410,13 +411,11 @@ impl Tracker {
     /// One sentence per volume still attached.
     pub fn detached(&self, interest: &Interest) -> Result<(), Vec<String>> {
         let node_name = interest.node.as_str();
-        let vas = self.inner.attachments.state_filter(|va| {
-            va.spec.node_name == node_name && pv_of(va).is_some_and(|pv| interest.contains(pv))
-        });
         let node = self.inner.nodes.get(&ObjectRef::new(node_name));
         let pending: Vec<String> = interest
             .volumes()
             .filter_map(|(pv, unique)| {
+                let vas = self.inner.attachments_of(pv);
                 detached_from(
                     pv,
                     unique,
@@ -444,13 +443,10 @@ impl Tracker {
         &self,
         interest: &Interest,
     ) -> Result<BTreeMap<String, String>, Vec<String>> {
-        let vas = self
-            .inner
-            .attachments
-            .state_filter(|va| pv_of(va).is_some_and(|pv| interest.contains(pv)));
         let mut moved = BTreeMap::new();
         let mut pending = Vec::new();
         for (pv, _) in interest.volumes() {
+            let vas = self.inner.attachments_of(pv);
             match attached_elsewhere(pv, &interest.node, vas.iter().map(AsRef::as_ref)) {
                 Ok(node) => {
                     moved.insert(pv.to_owned(), node);
@@ -1241,5 +1237,36 @@ mod tests {
         assert!(all[2].deleting);
         assert!(tracker.attached_nodes("pv-none").is_empty());
         assert!(format!("{tracker:?}").contains("registered: 0"));
+    }
+
+    #[tokio::test]
+    async fn waits_read_the_attachments_of_their_own_volumes_by_pv() {
+        let (mut feed, tracker, _m) = setup(4);
+        for i in 0..500 {
+            feed.apply_va(va(
+                &format!("other-{i}"),
+                &format!("pv-{i}"),
+                "node-a",
+                true,
+            ));
+        }
+        feed.apply_va(va("csi-1", "pv-a", "node-a", true));
+        let reg = tracker.register(interest_a());
+        let pending = reg.detached().expect_err("pv-a is attached");
+        assert_eq!(pending.len(), 1, "{pending:?}");
+        assert!(pending[0].starts_with("pv-a still attached to node-a"));
+        // Applies, deletes and re-lists reach the lookup by PV.
+        feed.apply_va(va("csi-2", "pv-a", "node-b", true));
+        assert_eq!(
+            reg.attached_elsewhere().expect("moved")["pv-a"],
+            "node-b".to_string()
+        );
+        feed.delete_va(va("csi-1", "pv-a", "node-a", true));
+        assert_eq!(reg.detached(), Ok(()));
+        feed.va_event(Event::Init);
+        feed.va_event(Event::InitApply(va("csi-1", "pv-a", "node-a", true)));
+        feed.va_event(Event::InitDone);
+        assert!(reg.detached().is_err(), "the re-list brought csi-1 back");
+        assert!(reg.attached_elsewhere().is_err(), "and dropped csi-2");
     }
 }

@@ -33,7 +33,7 @@
 //! deadline.
 //!
 //! Progress goes to `Machine.status.drain` through one writer task that
-//! coalesces updates; Events record
+//! coalesces updates and is the only writer of that field; Events record
 //! each stateful pod's eviction, each volume move, and each batch of other
 //! pods evicted together.
 //!
@@ -133,6 +133,8 @@ pub(crate) struct Job {
     pub(crate) machine_ref: ObjectReference,
     pub(crate) node: String,
     pub(crate) settings: ResolvedSettings,
+    /// Starts at the Machine's `deletionTimestamp`, which is also
+    /// `status.drain.startedAt`.
     pub(crate) deadline: Deadline,
 }
 

@@ -36,6 +36,7 @@ pub(super) async fn run(deps: Arc<Deps>, job: Job, progress: watch::Sender<Progr
     let writer = tokio::spawn(write_status(
         deps.client.clone(),
         job.machine.clone(),
+        job.deadline.started,
         progress.subscribe(),
     ));
     deps.metrics.drains_in_progress.inc();

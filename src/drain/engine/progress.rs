@@ -1,22 +1,31 @@
-//! A drain's progress and the task that writes it to `status.drain`,
-//! coalescing bursts of updates.
+//! A drain's progress and the task that writes it to `status.drain`.
+//!
+//! This writer is the only writer of `status.drain`: it applies the whole
+//! field with server-side apply under its own field manager
+//! ([`FIELD_MANAGER`]), so a field it leaves out (a cleared block, a pod no
+//! longer waited on) is removed, and no other writer's cached copy of the
+//! Machine can undo its progress. It writes `startedAt` itself, from the
+//! drain's deadline (the Machine's `deletionTimestamp`).
 
 use std::time::Duration;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
 use k8s_openapi::jiff::Timestamp;
-use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::reflector::ObjectRef;
+use kube::{Client, Resource};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::Outcome;
-use crate::api::Machine;
+use crate::api::{DrainStatus, Machine};
 
 /// Shortest time between two writes of a drain's progress, unless a step
 /// of a volume migration completed (see [`Progress::steps_done`]).
 const STATUS_WRITE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The field manager that owns `status.drain`.
+const FIELD_MANAGER: &str = "berth-drain";
 
 /// A drain's progress, mirrored into `Machine.status.drain`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -42,20 +51,34 @@ pub(crate) struct Progress {
 }
 
 impl Progress {
-    /// The merge patch of `status.drain` that records this progress.
-    fn status_patch(&self) -> serde_json::Value {
+    /// `status.drain` as this progress records it, for a drain that
+    /// started at `started`.
+    fn drain_status(&self, started: Timestamp) -> DrainStatus {
         let done = self.pods_total.saturating_sub(self.pods_remaining);
-        serde_json::json!({"status": {"drain": {
-            "podsTotal": self.pods_total,
-            "podsEvicted": self.pods_evicted,
-            "podsRemaining": self.pods_remaining,
-            "progress": format!("{done}/{}", self.pods_total),
-            "currentPod": self.current_pod,
-            "currentVolume": self.current_volume,
-            "waitingFor": self.waiting_for,
-            "blockedBy": self.blocked_by,
-            "finishedAt": self.finished_on.map(MicroTime),
-        }}})
+        DrainStatus {
+            started_at: Some(Time(started)),
+            pods_total: self.pods_total,
+            pods_evicted: self.pods_evicted,
+            pods_remaining: self.pods_remaining,
+            progress: Some(format!("{done}/{}", self.pods_total)),
+            current_pod: self.current_pod.clone(),
+            current_volume: self.current_volume.clone(),
+            waiting_for: self.waiting_for.clone(),
+            blocked_by: self.blocked_by.clone(),
+            finished_at: self.finished_on.map(MicroTime),
+        }
+    }
+
+    /// The server-side apply body that sets `status.drain` of the Machine
+    /// `name` and nothing else. A field left out (`None`) is removed by the
+    /// apply, since this writer owned it.
+    fn status_patch(&self, name: &str, started: Timestamp) -> serde_json::Value {
+        serde_json::json!({
+            "apiVersion": Machine::api_version(&()),
+            "kind": Machine::kind(&()),
+            "metadata": {"name": name},
+            "status": {"drain": self.drain_status(started)},
+        })
     }
 }
 
@@ -66,24 +89,22 @@ impl Progress {
 pub(super) async fn write_status(
     client: Client,
     machine: ObjectRef<Machine>,
+    started: Timestamp,
     mut rx: watch::Receiver<Progress>,
 ) {
     let api: Api<Machine> =
         Api::namespaced(client, machine.namespace.as_deref().unwrap_or_default());
+    let apply = PatchParams::apply(FIELD_MANAGER).force();
     let mut written: Option<serde_json::Value> = None;
     let mut last_write: Option<Instant> = None;
     'writing: loop {
         let (patch, steps) = {
             let p = rx.borrow_and_update();
-            (p.status_patch(), p.steps_done)
+            (p.status_patch(&machine.name, started), p.steps_done)
         };
         if written.as_ref() != Some(&patch) {
             match api
-                .patch_status(
-                    &machine.name,
-                    &PatchParams::default(),
-                    &Patch::Merge(&patch),
-                )
+                .patch_status(&machine.name, &apply, &Patch::Apply(&patch))
                 .await
             {
                 Ok(_) => {
@@ -111,10 +132,10 @@ pub(super) async fn write_status(
         }
     }
     // The drain ended; write its final state if it changed since.
-    let last = rx.borrow().status_patch();
+    let last = rx.borrow().status_patch(&machine.name, started);
     if written.as_ref() != Some(&last) {
         let _ = api
-            .patch_status(&machine.name, &PatchParams::default(), &Patch::Merge(&last))
+            .patch_status(&machine.name, &apply, &Patch::Apply(&last))
             .await;
     }
 }
@@ -167,13 +188,14 @@ mod tests {
             finished_on: Some(Timestamp::from_second(1_700_000_000).expect("valid")),
             steps_done: 3,
         };
-        let patch = p.status_patch();
+        let started = Timestamp::from_second(1_699_999_000).expect("valid");
+        let patch = p.status_patch("m-1", started);
         let d = &patch["status"]["drain"];
         assert_eq!(d["progress"], "4/9");
         assert_eq!(d["currentPod"], "db/pg-0");
         assert!(
-            d["blockedBy"].is_null(),
-            "a cleared block is removed by the merge patch"
+            d["blockedBy"].is_null() && d.get("blockedBy").is_none(),
+            "a cleared block is left out, and the apply removes it"
         );
         let parsed: crate::api::DrainStatus =
             serde_json::from_value(d.clone()).expect("the API type reads it");
@@ -181,5 +203,18 @@ mod tests {
         assert_eq!(d["finishedAt"], "2023-11-14T22:13:20.000000Z");
         // The step count only paces the writer; it is not status.
         assert!(d.get("stepsDone").is_none() && d.get("steps_done").is_none());
+        // The writer records when the drain started (the Machine's
+        // deletionTimestamp) itself.
+        assert_eq!(d["startedAt"], "2023-11-14T21:56:40Z");
+        // An apply body names the object and sets nothing but status.drain.
+        assert_eq!(patch["apiVersion"], "berth.dev/v1alpha1");
+        assert_eq!(patch["kind"], "Machine");
+        assert_eq!(patch["metadata"], serde_json::json!({"name": "m-1"}));
+        let keys: Vec<&String> = patch["status"]
+            .as_object()
+            .expect("status")
+            .keys()
+            .collect();
+        assert_eq!(keys, ["drain"]);
     }
 }

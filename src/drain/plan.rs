@@ -103,12 +103,12 @@ pub enum VolumeWait {
 
 impl VolumeWait {
     /// Whether this pod waits for the volume to detach.
-    pub fn waits_for_detach(&self) -> bool {
+    pub(crate) fn waits_for_detach(&self) -> bool {
         matches!(self, Self::Detach { .. })
     }
 
     /// Whether this pod waits for the volume to attach elsewhere.
-    pub fn waits_for_reattach(&self) -> bool {
+    pub(crate) fn waits_for_reattach(&self) -> bool {
         matches!(self, Self::Detach { reattach: true, .. })
     }
 }
@@ -145,7 +145,7 @@ pub struct PlannedPod {
 }
 
 /// The `Kind/name` of a pod's controlling owner, if it has one.
-pub fn controller_of(pod: &Pod) -> Option<String> {
+pub(crate) fn controller_of(pod: &Pod) -> Option<String> {
     pod.metadata
         .owner_references
         .iter()
@@ -156,7 +156,7 @@ pub fn controller_of(pod: &Pod) -> Option<String> {
 
 /// The order of stateful pods: priority highest first, then (namespace,
 /// name) ascending.
-pub fn by_priority(a: &PlannedPod, b: &PlannedPod) -> Ordering {
+pub(crate) fn by_priority(a: &PlannedPod, b: &PlannedPod) -> Ordering {
     (Reverse(a.priority), &a.pod).cmp(&(Reverse(b.priority), &b.pod))
 }
 
@@ -182,17 +182,17 @@ pub struct DrainPlan {
 
 /// One stateful pod on the critical path.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CriticalStep {
-    pub pod: NamespacedName,
-    pub bounds: StepBounds,
+pub(crate) struct CriticalStep {
+    pub(crate) pod: NamespacedName,
+    pub(crate) bounds: StepBounds,
 }
 
 /// The stateful pods in sequence with the bounds of their waits.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CriticalPath {
-    pub steps: Vec<CriticalStep>,
+pub(crate) struct CriticalPath {
+    pub(crate) steps: Vec<CriticalStep>,
     /// The sum of every bound.
-    pub worst_case: Duration,
+    pub(crate) worst_case: Duration,
 }
 
 impl DrainPlan {
@@ -204,7 +204,7 @@ impl DrainPlan {
     /// The pods already terminating that use volumes, by (namespace,
     /// name): the drain waits for each to be gone before the first
     /// stateful eviction, since their volumes must leave the Node first.
-    pub fn terminating_with_volumes(&self) -> impl Iterator<Item = &TerminatingPod> {
+    pub(crate) fn terminating_with_volumes(&self) -> impl Iterator<Item = &TerminatingPod> {
         self.terminating.iter().filter(|t| !t.pvs.is_empty())
     }
 
@@ -212,7 +212,7 @@ impl DrainPlan {
     /// can detach: the `gone_first` of each volume it is the last user of,
     /// each pod once, in the order first named, with its UID (so that a
     /// replacement of the same name elsewhere does not count).
-    pub fn gone_first(&self, pod: &PlannedPod) -> Vec<(NamespacedName, Option<String>)> {
+    pub(crate) fn gone_first(&self, pod: &PlannedPod) -> Vec<(NamespacedName, Option<String>)> {
         let mut seen = BTreeSet::new();
         pod.volumes
             .iter()
@@ -240,7 +240,7 @@ impl DrainPlan {
     }
 
     /// The stateful pods in sequence with their bounds and the worst case.
-    pub fn critical_path(&self) -> CriticalPath {
+    pub(crate) fn critical_path(&self) -> CriticalPath {
         let steps: Vec<CriticalStep> = self
             .stateful
             .iter()
@@ -258,7 +258,7 @@ impl DrainPlan {
 
 /// Plans the drain of `node` from cached objects. `pods` may include pods of
 /// other Nodes; only those whose `spec.nodeName` is `node` are planned.
-pub fn plan(
+pub(crate) fn plan(
     node: &str,
     pods: &[Pod],
     pvcs: &[PersistentVolumeClaim],
@@ -398,7 +398,7 @@ pub fn plan(
 /// The volumes attached to `node` (a VolumeAttachment names the Node) that
 /// no pod on it uses (`pods` may include pods of other Nodes), each once,
 /// by PV name, with their CSI unique names when `pvs` has them.
-pub fn detaching_volumes(
+pub(crate) fn detaching_volumes(
     node: &str,
     pods: &[Pod],
     pvcs: &[PersistentVolumeClaim],
@@ -432,7 +432,7 @@ pub fn detaching_volumes(
 /// The detaching volumes still to wait for: those whose detach wait has not
 /// already timed out in this drain (`abandoned`, warned about once; the
 /// reconciler's own volume step still guards the VM).
-pub fn still_to_wait_for(
+pub(crate) fn still_to_wait_for(
     detaching: &[DetachingVolume],
     abandoned: &BTreeSet<String>,
 ) -> Vec<DetachingVolume> {

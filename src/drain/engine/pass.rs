@@ -152,7 +152,7 @@ impl Run {
         // The bound is on eviction requests in flight; waiting for the
         // evicted pods to go costs nothing but a watch receiver each, so
         // every evicted pod is waited for at once. Evictions accepted
-        // together are announced in one Event (see [`EVICTED_BATCH`]).
+        // together are announced in one Event (see `batch`).
         let stateless = async {
             let mut results = futures::stream::iter(evictions)
                 .buffer_unordered(self.job.settings.max_concurrent_evictions.max(1) as usize);

@@ -269,6 +269,28 @@ async fn deletion_waits_for_pods_and_resumes_after_a_restart() {
         blocked_by.contains("app-pdb") && blocked_by.contains("misconfigured"),
         "names the PDB and why it can never allow the eviction: {blocked_by}"
     );
+    // status.drain has one writer, the engine's, by server-side apply on
+    // the status subresource, and it records when the drain started.
+    let fresh = Api::<Machine>::namespaced(client.clone(), ns)
+        .get("m2")
+        .await
+        .expect("get m2");
+    let applied = fresh.metadata.managed_fields.iter().flatten().any(|f| {
+        f.manager.as_deref() == Some("berth-drain")
+            && f.operation.as_deref() == Some("Apply")
+            && f.subresource.as_deref() == Some("status")
+    });
+    assert!(
+        applied,
+        "berth-drain applies status.drain: {:?}",
+        fresh.metadata.managed_fields
+    );
+    let started = fresh
+        .status
+        .as_ref()
+        .and_then(|s| s.drain.as_ref())
+        .and_then(|d| d.started_at.clone());
+    assert_eq!(started, fresh.metadata.deletion_timestamp);
 
     // Restart the controller in the middle of the drain: the new instance
     // is blocked by the same PDB and evicts nothing else.

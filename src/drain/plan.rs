@@ -24,13 +24,19 @@
 //!   is waited on to detach but never to reattach.
 //! - Each evictable pod lists the PDBs that cover it
 //!   ([`findings_for`]).
+//! - Before the first stateful eviction the drain waits for the pods that
+//!   were already terminating and use volumes
+//!   ([`DrainPlan::terminating_with_volumes`]), then for the volumes still
+//!   attached to the Node that no pod on it uses any more
+//!   ([`detaching_volumes`]: pods that left earlier, perhaps before a
+//!   controller restart).
 //! - The critical path is the stateful pods in order with the bound of each
 //!   wait ([`StepBounds`]); its sum is the worst case of the sequence. It
 //!   does not count time spent retrying evictions a PDB refuses, and it is an
 //!   upper bound when `maxParallelVolumeMigrations` is above 1.
 
 use std::cmp::{Ordering, Reverse};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::time::Duration;
 
@@ -47,6 +53,7 @@ use crate::drain::deadline::{
 use crate::drain::pdb::{PdbFinding, findings_for};
 use crate::drain::select::{NamespacedName, PodClass, classify, fmt_key, pod_key};
 use crate::drain::volume::{VolumeIndex, VolumeRef, attached_nodes};
+use crate::volumes::{pv_of, unique_name_of};
 
 /// A pod the drain does not evict: skipped, or deleted outright.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -65,6 +72,15 @@ pub struct TerminatingPod {
     pub since: Timestamp,
     /// The PVs it uses; their last evicted user waits for this pod first.
     pub pvs: Vec<String>,
+}
+
+/// A volume attached to the Node that no pod on it uses any more: its pod
+/// left (perhaps before a controller restart) and it is still detaching.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DetachingVolume {
+    pub pv: String,
+    /// Its CSI unique name, as `node.status.volumesAttached` lists it.
+    pub csi_unique_name: Option<String>,
 }
 
 /// What the drain waits for about one volume of a stateful pod.
@@ -87,12 +103,12 @@ pub enum VolumeWait {
 
 impl VolumeWait {
     /// Whether this pod waits for the volume to detach.
-    pub fn waits_for_detach(&self) -> bool {
+    pub(crate) fn waits_for_detach(&self) -> bool {
         matches!(self, Self::Detach { .. })
     }
 
     /// Whether this pod waits for the volume to attach elsewhere.
-    pub fn waits_for_reattach(&self) -> bool {
+    pub(crate) fn waits_for_reattach(&self) -> bool {
         matches!(self, Self::Detach { reattach: true, .. })
     }
 }
@@ -129,7 +145,7 @@ pub struct PlannedPod {
 }
 
 /// The `Kind/name` of a pod's controlling owner, if it has one.
-pub fn controller_of(pod: &Pod) -> Option<String> {
+pub(crate) fn controller_of(pod: &Pod) -> Option<String> {
     pod.metadata
         .owner_references
         .iter()
@@ -140,7 +156,7 @@ pub fn controller_of(pod: &Pod) -> Option<String> {
 
 /// The order of stateful pods: priority highest first, then (namespace,
 /// name) ascending.
-pub fn by_priority(a: &PlannedPod, b: &PlannedPod) -> Ordering {
+pub(crate) fn by_priority(a: &PlannedPod, b: &PlannedPod) -> Ordering {
     (Reverse(a.priority), &a.pod).cmp(&(Reverse(b.priority), &b.pod))
 }
 
@@ -159,21 +175,24 @@ pub struct DrainPlan {
     pub stateless: Vec<PlannedPod>,
     /// Pods with persistent volumes, in eviction order.
     pub stateful: Vec<PlannedPod>,
+    /// Volumes still detaching from pods that left, by PV name; waited for
+    /// before the first stateful eviction.
+    pub detaching: Vec<DetachingVolume>,
 }
 
 /// One stateful pod on the critical path.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CriticalStep {
-    pub pod: NamespacedName,
-    pub bounds: StepBounds,
+pub(crate) struct CriticalStep {
+    pub(crate) pod: NamespacedName,
+    pub(crate) bounds: StepBounds,
 }
 
 /// The stateful pods in sequence with the bounds of their waits.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CriticalPath {
-    pub steps: Vec<CriticalStep>,
+pub(crate) struct CriticalPath {
+    pub(crate) steps: Vec<CriticalStep>,
     /// The sum of every bound.
-    pub worst_case: Duration,
+    pub(crate) worst_case: Duration,
 }
 
 impl DrainPlan {
@@ -182,8 +201,46 @@ impl DrainPlan {
         self.stateful.iter().map(|p| p.pod.clone()).collect()
     }
 
+    /// The pods already terminating that use volumes, by (namespace,
+    /// name): the drain waits for each to be gone before the first
+    /// stateful eviction, since their volumes must leave the Node first.
+    pub(crate) fn terminating_with_volumes(&self) -> impl Iterator<Item = &TerminatingPod> {
+        self.terminating.iter().filter(|t| !t.pvs.is_empty())
+    }
+
+    /// The pods `pod` waits for, once it is gone itself, before its volumes
+    /// can detach: the `gone_first` of each volume it is the last user of,
+    /// each pod once, in the order first named, with its UID (so that a
+    /// replacement of the same name elsewhere does not count).
+    pub(crate) fn gone_first(&self, pod: &PlannedPod) -> Vec<(NamespacedName, Option<String>)> {
+        let mut seen = BTreeSet::new();
+        pod.volumes
+            .iter()
+            .filter_map(|v| match &v.wait {
+                VolumeWait::Detach { gone_first, .. } => Some(gone_first),
+                _ => None,
+            })
+            .flatten()
+            .filter(|k| seen.insert(*k))
+            .map(|k| (k.clone(), self.uid_of(k)))
+            .collect()
+    }
+
+    /// The UID of a pod the drain evicts or waits for.
+    fn uid_of(&self, pod: &NamespacedName) -> Option<String> {
+        let mut evicted = self.stateful.iter().chain(&self.stateless);
+        evicted
+            .find(|p| &p.pod == pod)
+            .map(|p| p.uid.clone())
+            .or_else(|| {
+                let going = self.terminating.iter().find(|t| &t.pod == pod);
+                going.map(|t| t.uid.clone())
+            })
+            .flatten()
+    }
+
     /// The stateful pods in sequence with their bounds and the worst case.
-    pub fn critical_path(&self) -> CriticalPath {
+    pub(crate) fn critical_path(&self) -> CriticalPath {
         let steps: Vec<CriticalStep> = self
             .stateful
             .iter()
@@ -201,7 +258,7 @@ impl DrainPlan {
 
 /// Plans the drain of `node` from cached objects. `pods` may include pods of
 /// other Nodes; only those whose `spec.nodeName` is `node` are planned.
-pub fn plan(
+pub(crate) fn plan(
     node: &str,
     pods: &[Pod],
     pvcs: &[PersistentVolumeClaim],
@@ -219,6 +276,7 @@ pub fn plan(
         terminating: Vec::new(),
         stateless: Vec::new(),
         stateful: Vec::new(),
+        detaching: detaching_volumes(node, pods, pvcs, pvs, vas),
     };
     // Users of each PV that the evictions do not remove.
     let mut pinned: BTreeMap<String, Vec<NamespacedName>> = BTreeMap::new();
@@ -335,6 +393,54 @@ pub fn plan(
         out.stateful.push(p);
     }
     out
+}
+
+/// The volumes attached to `node` (a VolumeAttachment names the Node) that
+/// no pod on it uses (`pods` may include pods of other Nodes), each once,
+/// by PV name, with their CSI unique names when `pvs` has them.
+pub(crate) fn detaching_volumes(
+    node: &str,
+    pods: &[Pod],
+    pvcs: &[PersistentVolumeClaim],
+    pvs: &[PersistentVolume],
+    vas: &[VolumeAttachment],
+) -> Vec<DetachingVolume> {
+    let index = VolumeIndex::new(pvcs, pvs);
+    let in_use: BTreeSet<String> = pods
+        .iter()
+        .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node))
+        .flat_map(|p| index.pod_volumes(p).refs.into_iter().map(|v| v.pv))
+        .collect();
+    let by_name: BTreeMap<&str, &PersistentVolume> = pvs
+        .iter()
+        .filter_map(|pv| pv.metadata.name.as_deref().map(|n| (n, pv)))
+        .collect();
+    let left: BTreeSet<&str> = vas
+        .iter()
+        .filter(|va| va.spec.node_name == node)
+        .filter_map(pv_of)
+        .filter(|pv| !in_use.contains(*pv))
+        .collect();
+    left.into_iter()
+        .map(|pv| DetachingVolume {
+            pv: pv.to_string(),
+            csi_unique_name: by_name.get(pv).and_then(|p| unique_name_of(p)),
+        })
+        .collect()
+}
+
+/// The detaching volumes still to wait for: those whose detach wait has not
+/// already timed out in this drain (`abandoned`, warned about once; the
+/// reconciler's own volume step still guards the VM).
+pub(crate) fn still_to_wait_for(
+    detaching: &[DetachingVolume],
+    abandoned: &BTreeSet<String>,
+) -> Vec<DetachingVolume> {
+    detaching
+        .iter()
+        .filter(|v| !abandoned.contains(&v.pv))
+        .cloned()
+        .collect()
 }
 
 /// The wait of `pod` on `volume`, given every user of each PV: evicted
@@ -475,9 +581,25 @@ impl fmt::Display for DrainPlan {
         for p in &self.terminating {
             write!(f, "  {}: being deleted since {}", fmt_key(&p.pod), p.since)?;
             if !p.pvs.is_empty() {
-                write!(f, "; uses PV {}", p.pvs.join(", "))?;
+                write!(
+                    f,
+                    "; uses PV {}: gone before the first stateful eviction",
+                    p.pvs.join(", ")
+                )?;
             }
             writeln!(f)?;
+        }
+
+        writeln!(
+            f,
+            "\nStill detaching from pods that left, waited for before the first stateful eviction ({}):",
+            self.detaching.len()
+        )?;
+        for v in &self.detaching {
+            match &v.csi_unique_name {
+                Some(unique) => writeln!(f, "  PV {} ({unique})", v.pv)?,
+                None => writeln!(f, "  PV {}", v.pv)?,
+            }
         }
 
         writeln!(
@@ -1114,6 +1236,155 @@ mod tests {
         assert_eq!(
             ephemeral.to_string(),
             "PV pv-e (claim db/pg-0-scratch, ephemeral, kubernetes.io/csi/d.csi^e), attached to node-1, node-2"
+        );
+    }
+
+    #[test]
+    fn volumes_no_pod_on_the_node_uses_are_still_detaching() {
+        let pods = [
+            pod("db", "c").claim("d", "data-c"),
+            // A pod elsewhere does not keep a volume of this Node in use.
+            pod("db", "a").claim("d", "data-a").on_node(Some("node-2")),
+        ];
+        let pvcs = [
+            pvc("db", "data-c", Some("pv-c")),
+            pvc("db", "data-a", Some("pv-a")),
+        ];
+        let pvs = [
+            csi_pv("pv-a", "d.csi", "h-a"),
+            host_pv("pv-b"),
+            csi_pv("pv-c", "d.csi", "h-c"),
+        ];
+        let vas = [
+            va("pv-b", NODE, true),
+            va("pv-a", NODE, false),
+            va("pv-b", NODE, true),
+            va("pv-c", NODE, true),
+            va("pv-d", "node-2", true),
+        ];
+        let left = detaching_volumes(NODE, &pods, &pvcs, &pvs, &vas);
+        assert_eq!(
+            left,
+            vec![
+                DetachingVolume {
+                    pv: "pv-a".into(),
+                    csi_unique_name: Some("kubernetes.io/csi/d.csi^h-a".into()),
+                },
+                DetachingVolume {
+                    pv: "pv-b".into(),
+                    csi_unique_name: None,
+                },
+            ],
+            "each once, by name; pv-c is in use, pv-d is on another Node"
+        );
+        assert!(detaching_volumes(NODE, &pods, &pvcs, &pvs, &[]).is_empty());
+        // The plan carries the same list.
+        let p = plan(
+            NODE,
+            &pods,
+            &pvcs,
+            &pvs,
+            &[],
+            &vas,
+            &ResolvedSettings::default(),
+        );
+        assert_eq!(p.detaching, left);
+
+        // A volume whose detach wait already timed out is not waited for
+        // again.
+        let abandoned: BTreeSet<String> = ["pv-a".to_string()].into();
+        let still: Vec<String> = still_to_wait_for(&left, &abandoned)
+            .into_iter()
+            .map(|v| v.pv)
+            .collect();
+        assert_eq!(still, ["pv-b"]);
+        assert_eq!(still_to_wait_for(&left, &BTreeSet::new()), left);
+    }
+
+    /// The engine reads its order from the plan's fields (the stateful
+    /// order, the terminating pods with volumes, the volumes still detaching,
+    /// each pod's `gone_first`): pin that the report prints the same.
+    #[test]
+    fn the_drain_reads_the_order_the_report_prints() {
+        let pods = [
+            pod("db", "old-0").deleting(ts(0)).claim("d", "shared"),
+            pod("db", "done").deleting(ts(0)),
+            pod("db", "pg-1").claim("d", "shared").claim("l", "logs"),
+            pod("db", "pg-0").priority(100).claim("d", "shared"),
+            pod("db", "pg-2").priority(50).claim("d", "own"),
+        ];
+        let pvcs = [
+            pvc("db", "shared", Some("pv-s")),
+            pvc("db", "logs", Some("pv-l")),
+            pvc("db", "own", Some("pv-o")),
+        ];
+        let pvs = [
+            csi_pv("pv-s", "d.csi", "s"),
+            host_pv("pv-l"),
+            csi_pv("pv-o", "d.csi", "o"),
+            csi_pv("pv-gone", "d.csi", "g"),
+        ];
+        let vas = [va("pv-s", NODE, true), va("pv-gone", NODE, true)];
+        let settings = ResolvedSettings {
+            max_parallel_volume_migrations: 2,
+            ..Default::default()
+        };
+        let p = plan(NODE, &pods, &pvcs, &pvs, &[], &vas, &settings);
+        let report = p.to_string();
+        let at = |s: &str| report.find(s).unwrap_or_else(|| panic!("{s:?}:\n{report}"));
+
+        // The stateful pods in the order the report numbers them.
+        let order = p.stateful_order();
+        assert_eq!(
+            order,
+            [key("db", "pg-0"), key("db", "pg-2"), key("db", "pg-1")]
+        );
+        for (i, k) in order.iter().enumerate() {
+            at(&format!("  {}. {} (priority", i + 1, fmt_key(k)));
+        }
+
+        // First the terminating pods with volumes, then the volumes of pods
+        // that left, then the stateful pods.
+        let first: Vec<NamespacedName> = p
+            .terminating_with_volumes()
+            .map(|t| t.pod.clone())
+            .collect();
+        assert_eq!(first, [key("db", "old-0")]);
+        at(
+            "db/old-0: being deleted since 1970-01-01T00:00:00Z; uses PV pv-s: gone before the first stateful eviction",
+        );
+        assert!(!report.contains("db/done: being deleted since 1970-01-01T00:00:00Z;"));
+        assert_eq!(
+            p.detaching,
+            [DetachingVolume {
+                pv: "pv-gone".into(),
+                csi_unique_name: Some("kubernetes.io/csi/d.csi^g".into()),
+            }]
+        );
+        at(
+            "Still detaching from pods that left, waited for before the first stateful eviction (1):\n  PV pv-gone (kubernetes.io/csi/d.csi^g)\n",
+        );
+        assert!(at("Already terminating") < at("Still detaching"));
+        assert!(at("Still detaching") < at("With persistent volumes"));
+
+        // The last user of the shared volume waits for its earlier user and
+        // the terminating one, by UID, as its line says.
+        let last = &p.stateful[2];
+        assert_eq!(
+            p.gone_first(last),
+            [
+                (key("db", "pg-0"), Some("uid-pg-0".to_string())),
+                (key("db", "old-0"), Some("uid-old-0".to_string())),
+            ]
+        );
+        at("last user: waits until db/pg-0, db/old-0 are gone, then for detach");
+        assert!(
+            p.gone_first(&p.stateful[0]).is_empty(),
+            "pg-0 leaves pv-s to pg-1"
+        );
+        assert!(
+            p.gone_first(&p.stateful[1]).is_empty(),
+            "pg-2 is alone on pv-o"
         );
     }
 

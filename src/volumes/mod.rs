@@ -78,6 +78,6 @@ pub use self::predicate::{
     Attachment, CSI_UNIQUE_NAME_PREFIX, attached_elsewhere, attachments_of, csi_unique_name,
     detached_from, is_attached, is_deleting, pv_of, unique_name_of,
 };
-pub use self::tracker::{
-    DEFAULT_CHANNEL_CAPACITY, Hint, Interest, Registration, Signal, Tracker, WaitError,
+pub(crate) use self::tracker::{
+    DEFAULT_CHANNEL_CAPACITY, Interest, Registration, Tracker, WaitError,
 };

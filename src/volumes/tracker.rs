@@ -15,24 +15,25 @@ use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
-use super::predicate::{Attachment, attached_elsewhere, attachments_of, detached_from, pv_of};
+use super::predicate::{attached_elsewhere, detached_from, pv_of};
+use crate::cache::{Index, attachment_pv};
 use crate::telemetry::Metrics;
 
 /// Default capacity of each registration's event channel.
-pub const DEFAULT_CHANNEL_CAPACITY: usize = 16;
+pub(crate) const DEFAULT_CHANNEL_CAPACITY: usize = 16;
 
 /// What a wait is interested in: the Node being drained and the volumes
 /// (PersistentVolume names, each with its CSI unique name when known) of the
 /// pod being moved off it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Interest {
+pub(crate) struct Interest {
     node: String,
     volumes: BTreeMap<String, Option<String>>,
 }
 
 impl Interest {
     /// An interest in the Node `node` and no volumes yet.
-    pub fn new(node: impl Into<String>) -> Self {
+    pub(crate) fn new(node: impl Into<String>) -> Self {
         Self {
             node: node.into(),
             volumes: BTreeMap::new(),
@@ -43,31 +44,22 @@ impl Interest {
     /// `node.status.volumesAttached` (see
     /// [`unique_name_of`](super::unique_name_of)) when it has one.
     #[must_use]
-    pub fn volume(mut self, pv: impl Into<String>, unique_name: Option<String>) -> Self {
+    pub(crate) fn volume(mut self, pv: impl Into<String>, unique_name: Option<String>) -> Self {
         self.volumes.insert(pv.into(), unique_name);
         self
     }
 
-    /// The Node the volumes are to leave.
-    pub fn node(&self) -> &str {
-        &self.node
-    }
-
     /// The volumes: PV name and CSI unique name, ordered by PV name.
-    pub fn volumes(&self) -> impl Iterator<Item = (&str, Option<&str>)> {
+    pub(crate) fn volumes(&self) -> impl Iterator<Item = (&str, Option<&str>)> {
         self.volumes
             .iter()
             .map(|(pv, unique)| (pv.as_str(), unique.as_deref()))
     }
 
     /// Whether `pv` is one of the volumes.
-    pub fn contains(&self, pv: &str) -> bool {
+    #[cfg(test)]
+    pub(crate) fn contains(&self, pv: &str) -> bool {
         self.volumes.contains_key(pv)
-    }
-
-    /// Whether there are no volumes (every wait is then satisfied at once).
-    pub fn is_empty(&self) -> bool {
-        self.volumes.is_empty()
     }
 }
 
@@ -75,7 +67,7 @@ impl Interest {
 /// which object, never what the state is: the store is the truth, and a
 /// receiver re-reads it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Hint {
+pub(crate) enum Hint {
     /// A VolumeAttachment of one of the registration's volumes was applied
     /// or deleted.
     Attachment {
@@ -98,7 +90,7 @@ pub enum Hint {
 
 /// What [`Registration::next_signal`] yields.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Signal {
+pub(crate) enum Signal {
     /// Something of interest changed. Hints that were pending at the same
     /// time are coalesced into this one.
     Hint(Hint),
@@ -112,7 +104,7 @@ pub enum Signal {
 
 /// Why a wait ended without its condition being met.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum WaitError {
+pub(crate) enum WaitError {
     /// The deadline passed first.
     #[error("timed out waiting for: {}", waiting_for.join("; "))]
     Timeout {
@@ -158,6 +150,10 @@ struct State {
 
 struct Inner {
     attachments: Store<VolumeAttachment>,
+    /// The VolumeAttachments of `attachments` by PV, fed the same events
+    /// (after the store, before the hints), so that a wait reads only the
+    /// attachments of its own volumes instead of scanning the store.
+    by_pv: Index<VolumeAttachment>,
     nodes: Store<Node>,
     capacity: usize,
     events: Option<IntCounter>,
@@ -200,6 +196,11 @@ impl Inner {
             c.inc();
         }
     }
+
+    /// The VolumeAttachments of `pv` in the store, by name.
+    fn attachments_of(&self, pv: &str) -> Vec<Arc<VolumeAttachment>> {
+        self.by_pv.get(&self.attachments, pv)
+    }
 }
 
 /// Fans one VolumeAttachment watch and one Node watch out to many concurrent
@@ -207,7 +208,7 @@ impl Inner {
 ///
 /// See the [module documentation](super) for how to feed it.
 #[derive(Clone)]
-pub struct Tracker {
+pub(crate) struct Tracker {
     inner: Arc<Inner>,
 }
 
@@ -228,7 +229,7 @@ impl Tracker {
     /// hints (at least 1). With `metrics`, every observed VolumeAttachment
     /// event is counted in `berth_volume_attachment_events_total` and every
     /// lag episode in `berth_tracker_lagged_total`.
-    pub fn new(
+    pub(crate) fn new(
         attachments: Store<VolumeAttachment>,
         nodes: Store<Node>,
         channel_capacity: usize,
@@ -237,6 +238,7 @@ impl Tracker {
         Self {
             inner: Arc::new(Inner {
                 attachments,
+                by_pv: Index::new(attachment_pv),
                 nodes,
                 capacity: channel_capacity.max(1),
                 events: metrics.map(|m| m.volume_attachment_events.clone()),
@@ -250,7 +252,7 @@ impl Tracker {
     /// its volumes or its Node reaches the returned [`Registration`] (or
     /// marks it lagged), until it is dropped. Register *before* the action
     /// whose effect you will wait for (the eviction).
-    pub fn register(&self, interest: Interest) -> Registration {
+    pub(crate) fn register(&self, interest: Interest) -> Registration {
         let (tx, rx) = mpsc::channel(self.inner.capacity);
         let shared = Arc::new(Shared::default());
         let mut state = self.inner.lock();
@@ -280,7 +282,8 @@ impl Tracker {
     }
 
     /// Number of live registrations.
-    pub fn registered(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn registered(&self) -> usize {
         self.inner.lock().slots.len()
     }
 
@@ -292,8 +295,10 @@ impl Tracker {
     /// the attachment's PV; `InitDone` (the store was replaced by a
     /// re-list) reaches every registration as [`Hint::Resync`]; `Init` and
     /// `InitApply` do not change the store and are only counted.
-    pub fn observe_attachment_event(&self, event: &Event<VolumeAttachment>) {
+    pub(crate) fn observe_attachment_event(&self, event: &Event<VolumeAttachment>) {
         self.inner.count_event();
+        // The index first: a hint must find it as up to date as the store.
+        self.inner.by_pv.observe(event);
         match event {
             Event::Apply(va) | Event::Delete(va) => self.route_attachment(va),
             Event::InitDone => self.resync(),
@@ -304,7 +309,7 @@ impl Tracker {
     /// Feeds one Node watch event, after the reflector applied it to the
     /// store. Never blocks. `Apply`/`Delete` reach the registrations for
     /// that Node, `InitDone` every registration.
-    pub fn observe_node_event(&self, event: &Event<Node>) {
+    pub(crate) fn observe_node_event(&self, event: &Event<Node>) {
         match event {
             Event::Apply(node) | Event::Delete(node) => self.observe_node(node),
             Event::InitDone => self.resync(),
@@ -312,18 +317,8 @@ impl Tracker {
         }
     }
 
-    /// Feeds a VolumeAttachment that was applied *or* deleted (the routing
-    /// is the same: waits read the state from the store), for a stream of
-    /// touched objects. Never blocks. Prefer
-    /// [`Tracker::observe_attachment_event`], which also handles re-lists.
-    pub fn observe_attachment(&self, va: &VolumeAttachment) {
-        self.inner.count_event();
-        self.route_attachment(va);
-    }
-
-    /// Feeds a Node that was applied or deleted. Never blocks. Prefer
-    /// [`Tracker::observe_node_event`], which also handles re-lists.
-    pub fn observe_node(&self, node: &Node) {
+    /// Routes a Node that was applied or deleted to the registrations for it.
+    fn observe_node(&self, node: &Node) {
         let Some(name) = node.metadata.name.as_deref() else {
             return;
         };
@@ -341,7 +336,7 @@ impl Tracker {
     /// Tells every registration to re-read the stores ([`Hint::Resync`]).
     /// Call it whenever a store may have changed without a per-object event
     /// (the `observe_*_event` methods do so on `InitDone`).
-    pub fn resync(&self) {
+    pub(crate) fn resync(&self) {
         let state = self.inner.lock();
         for (id, slot) in &state.slots {
             self.inner.send(*id, slot, Hint::Resync);
@@ -368,30 +363,30 @@ impl Tracker {
     /// Shuts the tracker down: every registration is removed, pending and
     /// future waits that are not already satisfied end with
     /// [`WaitError::Closed`]. Idempotent.
-    pub fn close(&self) {
+    pub(crate) fn close(&self) {
         let mut state = self.inner.lock();
         state.closed = true;
         state.slots.clear();
     }
 
     /// Whether [`Tracker::close`] was called.
-    pub fn is_closed(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_closed(&self) -> bool {
         self.inner.lock().closed
     }
 
     /// Every VolumeAttachment of `pv` in the store, sorted by node. Reads
     /// the cache as it is: before its initial list it is empty.
-    pub fn attachments(&self, pv: &str) -> Vec<Attachment> {
-        let vas = self
-            .inner
-            .attachments
-            .state_filter(|va| pv_of(va) == Some(pv));
-        attachments_of(pv, vas.iter().map(AsRef::as_ref))
+    #[cfg(test)]
+    pub(crate) fn attachments(&self, pv: &str) -> Vec<super::Attachment> {
+        let vas = self.inner.attachments_of(pv);
+        super::attachments_of(pv, vas.iter().map(AsRef::as_ref))
     }
 
     /// The Nodes `pv` is attached to (`status.attached == true`, whether or
     /// not the attachment is being deleted), sorted and deduplicated.
-    pub fn attached_nodes(&self, pv: &str) -> Vec<String> {
+    #[cfg(test)]
+    pub(crate) fn attached_nodes(&self, pv: &str) -> Vec<String> {
         let mut nodes: Vec<String> = self
             .attachments(pv)
             .into_iter()
@@ -408,15 +403,13 @@ impl Tracker {
     ///
     /// # Errors
     /// One sentence per volume still attached.
-    pub fn detached(&self, interest: &Interest) -> Result<(), Vec<String>> {
+    pub(crate) fn detached(&self, interest: &Interest) -> Result<(), Vec<String>> {
         let node_name = interest.node.as_str();
-        let vas = self.inner.attachments.state_filter(|va| {
-            va.spec.node_name == node_name && pv_of(va).is_some_and(|pv| interest.contains(pv))
-        });
         let node = self.inner.nodes.get(&ObjectRef::new(node_name));
         let pending: Vec<String> = interest
             .volumes()
             .filter_map(|(pv, unique)| {
+                let vas = self.inner.attachments_of(pv);
                 detached_from(
                     pv,
                     unique,
@@ -440,17 +433,14 @@ impl Tracker {
     ///
     /// # Errors
     /// One sentence per volume not attached elsewhere yet.
-    pub fn attached_elsewhere(
+    pub(crate) fn attached_elsewhere(
         &self,
         interest: &Interest,
     ) -> Result<BTreeMap<String, String>, Vec<String>> {
-        let vas = self
-            .inner
-            .attachments
-            .state_filter(|va| pv_of(va).is_some_and(|pv| interest.contains(pv)));
         let mut moved = BTreeMap::new();
         let mut pending = Vec::new();
         for (pv, _) in interest.volumes() {
+            let vas = self.inner.attachments_of(pv);
             match attached_elsewhere(pv, &interest.node, vas.iter().map(AsRef::as_ref)) {
                 Ok(node) => {
                     moved.insert(pv.to_owned(), node);
@@ -489,7 +479,7 @@ impl Tracker {
 /// future being cancelled, since the registration outlives it, or the task
 /// being aborted).
 #[must_use = "dropping a Registration deregisters it"]
-pub struct Registration {
+pub(crate) struct Registration {
     id: u64,
     inner: Arc<Inner>,
     interest: Interest,
@@ -526,20 +516,21 @@ impl Registration {
     }
 
     /// The registered interest.
-    pub fn interest(&self) -> &Interest {
+    #[cfg(test)]
+    pub(crate) fn interest(&self) -> &Interest {
         &self.interest
     }
 
     /// How many times this registration lagged (its channel was full when a
     /// hint for it arrived).
-    pub fn lags(&self) -> u64 {
+    pub(crate) fn lags(&self) -> u64 {
         self.shared.lags.load(Ordering::Relaxed)
     }
 
     /// Narrows the interest to the volumes for which `keep` returns true
     /// (e.g. before waiting for re-attachment, to the volumes some pending
     /// pod still needs). Narrowing cannot lose an event for a kept volume.
-    pub fn retain_volumes(&mut self, mut keep: impl FnMut(&str) -> bool) {
+    pub(crate) fn retain_volumes(&mut self, mut keep: impl FnMut(&str) -> bool) {
         self.interest.volumes.retain(|pv, _| keep(pv));
         let pvs: BTreeSet<String> = self.interest.volumes.keys().cloned().collect();
         if let Some(slot) = self.inner.lock().slots.get_mut(&self.id) {
@@ -563,7 +554,7 @@ impl Registration {
     ///
     /// Cancel-safe: a signal lost by dropping this future is recovered by
     /// re-reading the stores before waiting again, which every wait does.
-    pub async fn next_signal(&mut self) -> Signal {
+    pub(crate) async fn next_signal(&mut self) -> Signal {
         loop {
             if self.take_lag() {
                 return Signal::Lagged;
@@ -594,7 +585,7 @@ impl Registration {
     ///
     /// # Errors
     /// One sentence per volume still attached.
-    pub fn detached(&self) -> Result<(), Vec<String>> {
+    pub(crate) fn detached(&self) -> Result<(), Vec<String>> {
         self.tracker().detached(&self.interest)
     }
 
@@ -603,7 +594,7 @@ impl Registration {
     ///
     /// # Errors
     /// One sentence per volume not attached elsewhere yet.
-    pub fn attached_elsewhere(&self) -> Result<BTreeMap<String, String>, Vec<String>> {
+    pub(crate) fn attached_elsewhere(&self) -> Result<BTreeMap<String, String>, Vec<String>> {
         self.tracker().attached_elsewhere(&self.interest)
     }
 
@@ -616,7 +607,7 @@ impl Registration {
     /// # Errors
     /// [`WaitError::Timeout`] naming what is still attached when `deadline`
     /// passes; [`WaitError::Closed`] if the tracker is shut down first.
-    pub async fn wait_detached(&mut self, deadline: Instant) -> Result<(), WaitError> {
+    pub(crate) async fn wait_detached(&mut self, deadline: Instant) -> Result<(), WaitError> {
         self.wait_until(deadline, "detach", Self::detached).await
     }
 
@@ -629,7 +620,7 @@ impl Registration {
     /// [`WaitError::Timeout`] naming the volumes not attached elsewhere yet
     /// when `deadline` passes; [`WaitError::Closed`] if the tracker is shut
     /// down first.
-    pub async fn wait_attached_elsewhere(
+    pub(crate) async fn wait_attached_elsewhere(
         &mut self,
         deadline: Instant,
     ) -> Result<BTreeMap<String, String>, WaitError> {
@@ -1241,5 +1232,36 @@ mod tests {
         assert!(all[2].deleting);
         assert!(tracker.attached_nodes("pv-none").is_empty());
         assert!(format!("{tracker:?}").contains("registered: 0"));
+    }
+
+    #[tokio::test]
+    async fn waits_read_the_attachments_of_their_own_volumes_by_pv() {
+        let (mut feed, tracker, _m) = setup(4);
+        for i in 0..500 {
+            feed.apply_va(va(
+                &format!("other-{i}"),
+                &format!("pv-{i}"),
+                "node-a",
+                true,
+            ));
+        }
+        feed.apply_va(va("csi-1", "pv-a", "node-a", true));
+        let reg = tracker.register(interest_a());
+        let pending = reg.detached().expect_err("pv-a is attached");
+        assert_eq!(pending.len(), 1, "{pending:?}");
+        assert!(pending[0].starts_with("pv-a still attached to node-a"));
+        // Applies, deletes and re-lists reach the lookup by PV.
+        feed.apply_va(va("csi-2", "pv-a", "node-b", true));
+        assert_eq!(
+            reg.attached_elsewhere().expect("moved")["pv-a"],
+            "node-b".to_string()
+        );
+        feed.delete_va(va("csi-1", "pv-a", "node-a", true));
+        assert_eq!(reg.detached(), Ok(()));
+        feed.va_event(Event::Init);
+        feed.va_event(Event::InitApply(va("csi-1", "pv-a", "node-a", true)));
+        feed.va_event(Event::InitDone);
+        assert!(reg.detached().is_err(), "the re-list brought csi-1 back");
+        assert!(reg.attached_elsewhere().is_err(), "and dropped csi-2");
     }
 }

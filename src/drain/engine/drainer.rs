@@ -1,0 +1,137 @@
+//! The registry of running drains: one task per draining Machine, started,
+//! restarted, forgotten and stopped here. What a drain does is in
+//! [`pass`](super::pass); this module only decides whether one runs.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kube::runtime::reflector::ObjectRef;
+use tokio::sync::{mpsc, watch};
+use tracing::Instrument;
+
+use super::pass::run;
+use super::{Deps, Job, Outcome, Progress};
+use crate::api::Machine;
+
+/// How long after a failed drain the reconciler may start it again.
+pub(crate) const RETRY_FAILED_AFTER: Duration = Duration::from_secs(30);
+
+struct Running {
+    progress: watch::Receiver<Progress>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// The drains of this replica, by Machine. Public only because the
+/// reconciler's `Context` holds it in a public field.
+pub struct Drainer {
+    deps: Arc<Deps>,
+    running: Mutex<HashMap<ObjectRef<Machine>, Running>>,
+    /// Wakes the reconciler of a Machine whose drain finished.
+    done: mpsc::UnboundedSender<ObjectRef<Machine>>,
+}
+
+impl Drainer {
+    /// A drainer and the stream of Machines whose drain finished (feed it to
+    /// the controller's `reconcile_on`).
+    pub(crate) fn new(deps: Deps) -> (Self, mpsc::UnboundedReceiver<ObjectRef<Machine>>) {
+        let (done, finished) = mpsc::unbounded_channel();
+        let drainer = Self {
+            deps: Arc::new(deps),
+            running: Mutex::new(HashMap::new()),
+            done,
+        };
+        (drainer, finished)
+    }
+
+    /// The progress of `job`'s drain, starting it if it is not running: the
+    /// first time, after a controller restart, or when it failed at least
+    /// [`RETRY_FAILED_AFTER`] ago. A finished drain is not started again
+    /// unless `pods_left` says pods came back.
+    pub(crate) fn ensure(&self, job: Job, pods_left: bool) -> Progress {
+        let Ok(mut running) = self.running.lock() else {
+            return Progress::default();
+        };
+        if let Some(r) = running.get(&job.machine) {
+            let p = r.progress.borrow().clone();
+            let restart = match (&p.outcome, p.finished_at) {
+                (None, _) => false,
+                (Some(Outcome::Failed { .. }), Some(at)) => at.elapsed() >= RETRY_FAILED_AFTER,
+                (Some(_), _) => pods_left,
+            };
+            if !restart {
+                return p;
+            }
+        }
+        let (tx, rx) = watch::channel(Progress::default());
+        let key = job.machine.clone();
+        let deps = Arc::clone(&self.deps);
+        let done = self.done.clone();
+        let span = tracing::info_span!(
+            "drain",
+            machine = %job.machine.name,
+            namespace = job.machine.namespace.as_deref().unwrap_or(""),
+            node = %job.node
+        );
+        let task = tokio::spawn(
+            async move {
+                let key = job.machine.clone();
+                run(deps, job, tx).await;
+                let _ = done.send(key);
+            }
+            .instrument(span),
+        );
+        let progress = rx.borrow().clone();
+        if let Some(old) = running.insert(key, Running { progress: rx, task }) {
+            old.task.abort();
+        }
+        progress
+    }
+
+    /// Asks for a reconcile of `machine` (through the same trigger stream
+    /// as finished drains).
+    pub(crate) fn wake(&self, machine: ObjectRef<Machine>) {
+        let _ = self.done.send(machine);
+    }
+
+    /// Whether this Machine's drain ran here and ended drained or forced.
+    /// After a restart nothing has run yet, so the drain runs again: it
+    /// finds the pods gone and only waits for volumes still detaching.
+    pub(crate) fn finished(&self, machine: &ObjectRef<Machine>) -> bool {
+        self.running.lock().is_ok_and(|running| {
+            running.get(machine).is_some_and(|r| {
+                matches!(
+                    r.progress.borrow().outcome,
+                    Some(Outcome::Drained | Outcome::Forced { .. })
+                )
+            })
+        })
+    }
+
+    /// Forgets a Machine's drain (it was deleted, or its deletion no longer
+    /// needs one), stopping it if it still runs.
+    pub(crate) fn forget(&self, machine: &ObjectRef<Machine>) {
+        if let Ok(mut running) = self.running.lock()
+            && let Some(r) = running.remove(machine)
+        {
+            r.task.abort();
+        }
+    }
+
+    /// Stops every drain (shutdown or lost leadership). Every step resumes
+    /// from the cluster's state in the next leader.
+    pub(crate) fn stop_all(&self) {
+        if let Ok(mut running) = self.running.lock() {
+            for (_, r) in running.drain() {
+                r.task.abort();
+            }
+        }
+        self.deps.tracker.close();
+    }
+}
+
+impl Drop for Drainer {
+    fn drop(&mut self) {
+        self.stop_all();
+    }
+}

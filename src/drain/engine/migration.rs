@@ -1,0 +1,288 @@
+//! One stateful pod's move off the Node, as named steps:
+//!
+//! 1. [`evict`](Migration::evict) it (registered with the volume tracker
+//!    first, so that no volume event can slip in between);
+//! 2. wait for the [pod to be gone](Migration::pod_gone);
+//! 3. wait for its volumes to be [detached](Migration::detached) from this
+//!    Node, once the pods the plan says must be gone first are gone;
+//! 4. wait for the [replacement](Migration::replacement) pod that needs them
+//!    again, if its controller makes one;
+//! 5. wait for the volumes such a pod needs to be
+//!    [attached](Migration::attached) on another Node (a warning if not in
+//!    time).
+//!
+//! Each step returns whether the next one is due; the first that is not
+//! ends the move.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use kube::runtime::events::EventType;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use super::batch::{pod_ref_key, pv_ref};
+use super::eviction::Eviction;
+use super::run::Run;
+use crate::drain::plan::{DrainPlan, PlannedPod, PlannedVolume, VolumeWait};
+use crate::drain::select::fmt_key;
+use crate::volumes::{Interest, Registration};
+
+/// How long a drain waits, after a controlled stateful pod's volumes have
+/// detached, for its controller to create the pod that will use them again
+/// (at most the reattach timeout). A StatefulSet recreates its pod at once;
+/// none after this long means it was scaled down meanwhile.
+const REPLACEMENT_WAIT: Duration = Duration::from_secs(30);
+
+/// One stateful pod being moved.
+struct Migration<'a> {
+    run: &'a Run,
+    plan: &'a DrainPlan,
+    pod: &'a PlannedPod,
+    /// The pod's `namespace/name`.
+    key: String,
+    /// The PVs it waits for to detach (those it is the last user of).
+    pvs: Vec<String>,
+    /// The tracker's registration for `pvs`, made before the eviction.
+    reg: Registration,
+}
+
+impl Run {
+    /// Moves one stateful pod of `plan`: evict → gone → detached →
+    /// replacement → attached elsewhere.
+    pub(super) async fn migrate(&self, plan: &DrainPlan, pod: &PlannedPod) {
+        let mut m = Migration::register(self, plan, pod);
+        let key = m.key.clone();
+        let span = tracing::info_span!("migrate", pod = %key, pvs = %m.pvs.join(","));
+        m.steps().instrument(span).await;
+        self.update(|p| {
+            if p.current_pod.as_deref() == Some(key.as_str()) {
+                p.current_pod = None;
+                p.current_volume = None;
+                p.waiting_for = None;
+            }
+        });
+    }
+}
+
+impl<'a> Migration<'a> {
+    /// Registers interest in the volumes `pod` waits for to detach.
+    fn register(run: &'a Run, plan: &'a DrainPlan, pod: &'a PlannedPod) -> Self {
+        let detach: Vec<&PlannedVolume> = pod
+            .volumes
+            .iter()
+            .filter(|v| v.wait.waits_for_detach())
+            .collect();
+        let interest = detach.iter().fold(Interest::new(&run.job.node), |i, v| {
+            i.volume(v.volume.pv.clone(), v.volume.csi_unique_name.clone())
+        });
+        Self {
+            run,
+            plan,
+            pod,
+            key: fmt_key(&pod.pod),
+            pvs: detach.iter().map(|v| v.volume.pv.clone()).collect(),
+            reg: run.deps.tracker.register(interest),
+        }
+    }
+
+    async fn steps(&mut self) {
+        if !self.evict().await {
+            return;
+        }
+        let evicted_at = std::time::Instant::now();
+        if !self.pod_gone().await || self.pvs.is_empty() {
+            return;
+        }
+        if !self.detached(evicted_at).await {
+            return;
+        }
+        let expected = self.replacement().await;
+        if !expected.is_empty() {
+            self.attached(&expected).await;
+        }
+    }
+
+    /// Evicts the pod; false when the deadline passed first.
+    async fn evict(&self) -> bool {
+        let (run, key) = (self.run, &self.key);
+        let volumes = (!self.pvs.is_empty()).then(|| self.pvs.join(", "));
+        run.update(|p| {
+            p.current_pod = Some(key.clone());
+            p.current_volume = volumes;
+            p.waiting_for = Some(format!("eviction of {key}"));
+        });
+        match run.evict(self.pod).await {
+            Eviction::Expired => false,
+            Eviction::Accepted(pod) => {
+                run.announce_evicted(vec![pod]);
+                true
+            }
+            Eviction::Gone => true,
+        }
+    }
+
+    /// Waits for the pod to be gone: within its grace period and slack,
+    /// then, with a warning, until the deadline. False if it is still there.
+    async fn pod_gone(&self) -> bool {
+        let (run, key, planned) = (self.run, &self.key, self.pod);
+        run.step(|p| p.waiting_for = Some(format!("pod {key} to terminate")));
+        let uid = planned.uid.as_deref();
+        let bound = run.bounded(planned.bounds.pod_gone);
+        if run.wait_gone(&planned.pod, uid, bound).await {
+            return true;
+        }
+        run.event(
+            EventType::Warning,
+            "PodTerminationSlow",
+            format!(
+                "pod {key} is still terminating after its grace period and slack; waiting until the drain deadline"
+            ),
+            Some(pod_ref_key(&planned.pod)),
+        );
+        run.wait_gone(&planned.pod, uid, run.deadline()).await
+    }
+
+    /// Waits for the volumes to detach from this Node, within the detach
+    /// bound; false (and the volumes given up on) when they did not.
+    async fn detached(&mut self, evicted_at: std::time::Instant) -> bool {
+        let run = self.run;
+        let pvs = self.pvs.join(", ");
+        let bound = self
+            .pod
+            .bounds
+            .detach
+            .unwrap_or(run.job.settings.volume_detach_timeout);
+        let until = run.bounded(bound);
+        self.others_gone(&pvs, until).await;
+        let node = &run.job.node;
+        run.step(|p| p.waiting_for = Some(format!("{pvs} to detach from Node {node}")));
+        match self.reg.wait_detached(until).await {
+            Ok(()) => {
+                let took = evicted_at.elapsed();
+                run.deps
+                    .metrics
+                    .volume_detach_wait
+                    .observe(took.as_secs_f64());
+                run.event(
+                    EventType::Normal,
+                    "VolumeDetached",
+                    format!(
+                        "{pvs} detached from Node {node} {:.1}s after pod {} was evicted",
+                        took.as_secs_f64(),
+                        self.key
+                    ),
+                    self.pvs.first().map(|pv| pv_ref(pv)),
+                );
+                true
+            }
+            Err(e) => {
+                run.abandon(self.pvs.iter().cloned());
+                let first = self.pvs.first().map(String::as_str);
+                run.warn_volume("VolumeDetachTimeout", &e, first);
+                false
+            }
+        }
+    }
+
+    /// Waits, until `until`, for the pods the plan says must be gone before
+    /// the volumes can detach (earlier users, pods already terminating).
+    /// With one migration at a time they are gone already.
+    async fn others_gone(&self, pvs: &str, until: Instant) {
+        let run = self.run;
+        let first = self.plan.gone_first(self.pod);
+        let all_gone = || {
+            first
+                .iter()
+                .all(|(k, uid)| run.pod(k, uid.as_deref()).is_none())
+        };
+        if all_gone() {
+            return;
+        }
+        let names: Vec<String> = first.iter().map(|(k, _)| fmt_key(k)).collect();
+        let waiting = format!("{} to be gone before {pvs} can detach", names.join(", "));
+        run.update(|p| p.waiting_for = Some(waiting));
+        run.wait_pods_until(until, all_gone).await;
+    }
+
+    /// The volumes to wait for on another Node: those whose claim some pod
+    /// still needs. A pod with a controller gets a replacement, but the
+    /// controller may not have created it yet (a busy
+    /// kube-controller-manager takes seconds): wait for it, on pod events,
+    /// before concluding none is coming. Says so for each volume nobody
+    /// needs any more.
+    async fn replacement(&self) -> Vec<&'a PlannedVolume> {
+        let (run, planned, key) = (self.run, self.pod, &self.key);
+        let uid = planned.uid.clone().unwrap_or_default();
+        let reattach: Vec<&PlannedVolume> = planned
+            .volumes
+            .iter()
+            .filter(|v| matches!(v.wait, VolumeWait::Detach { reattach: true, .. }))
+            .collect();
+        let missing = |v: &&PlannedVolume| !run.replacement_expected(&v.volume.claim, &uid);
+        let replacement_wait = REPLACEMENT_WAIT.min(run.job.settings.volume_reattach_timeout);
+        if let Some(controller) = &planned.controller
+            && reattach.iter().any(missing)
+        {
+            let waiting = format!("{controller} to create the replacement of pod {key}");
+            run.update(|p| p.waiting_for = Some(waiting));
+            let until = run.bounded(replacement_wait);
+            run.wait_pods_until(until, || !reattach.iter().any(missing))
+                .await;
+        }
+        let (expected, orphaned): (Vec<_>, Vec<_>) =
+            reattach.into_iter().partition(|v| !missing(v));
+        for v in &orphaned {
+            let why = match &planned.controller {
+                Some(c) => format!(
+                    "{c} created no pod for it within {}s (scaled down?)",
+                    replacement_wait.as_secs()
+                ),
+                None => "scaled down?".to_string(),
+            };
+            run.event(
+                EventType::Normal,
+                "NoReplacement",
+                format!(
+                    "no pod references claim {} any more ({why}): not waiting for {} to attach elsewhere",
+                    fmt_key(&v.volume.claim),
+                    v.volume.pv
+                ),
+                Some(pv_ref(&v.volume.pv)),
+            );
+        }
+        expected
+    }
+
+    /// Waits for the `expected` volumes to attach on another Node, within
+    /// the reattach timeout; a warning when they do not.
+    async fn attached(&mut self, expected: &[&PlannedVolume]) {
+        let run = self.run;
+        let keep: BTreeSet<&str> = expected.iter().map(|v| v.volume.pv.as_str()).collect();
+        self.reg.retain_volumes(|pv| keep.contains(pv));
+        let names: Vec<&str> = keep.iter().copied().collect();
+        let waiting = format!("{} to attach on another Node", names.join(", "));
+        run.step(|p| p.waiting_for = Some(waiting));
+        let detached_at = std::time::Instant::now();
+        let until = run.bounded(run.job.settings.volume_reattach_timeout);
+        match self.reg.wait_attached_elsewhere(until).await {
+            Ok(moved) => {
+                let took = detached_at.elapsed().as_secs_f64();
+                run.deps.metrics.volume_reattach_wait.observe(took);
+                for (pv, node) in moved {
+                    run.event(
+                        EventType::Normal,
+                        "VolumeAttached",
+                        format!(
+                            "{pv} attached on Node {node} after {:.1}s (moved from {})",
+                            detached_at.elapsed().as_secs_f64(),
+                            run.job.node
+                        ),
+                        Some(pv_ref(&pv)),
+                    );
+                }
+            }
+            Err(e) => run.warn_volume("VolumeReattachTimeout", &e, names.first().copied()),
+        }
+    }
+}

@@ -1,0 +1,220 @@
+//! A drain's progress and the task that writes it to `status.drain`.
+//!
+//! This writer is the only writer of `status.drain`: it applies the whole
+//! field with server-side apply under its own field manager
+//! ([`FIELD_MANAGER`]), so a field it leaves out (a cleared block, a pod no
+//! longer waited on) is removed, and no other writer's cached copy of the
+//! Machine can undo its progress. It writes `startedAt` itself, from the
+//! drain's deadline (the Machine's `deletionTimestamp`).
+
+use std::time::Duration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::reflector::ObjectRef;
+use kube::{Client, Resource};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::Outcome;
+use crate::api::{DrainStatus, Machine};
+
+/// Shortest time between two writes of a drain's progress, unless a step
+/// of a volume migration completed (see [`Progress::steps_done`]).
+const STATUS_WRITE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The field manager that owns `status.drain`.
+const FIELD_MANAGER: &str = "berth-drain";
+
+/// A drain's progress, mirrored into `Machine.status.drain`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Progress {
+    pub(crate) pods_total: u32,
+    pub(crate) pods_evicted: u32,
+    pub(crate) pods_remaining: u32,
+    pub(crate) current_pod: Option<String>,
+    pub(crate) current_volume: Option<String>,
+    pub(crate) waiting_for: Option<String>,
+    pub(crate) blocked_by: Option<String>,
+    pub(crate) outcome: Option<Outcome>,
+    /// When the outcome was reached.
+    pub(crate) finished_at: Option<Instant>,
+    /// The same moment on the wall clock, for `status.drain.finishedAt`.
+    pub(crate) finished_on: Option<Timestamp>,
+    /// Steps of volume migrations completed so far (a stateful pod
+    /// evicted, gone, its volumes detached). Not written itself: a change
+    /// of it makes the status writer write at once instead of at its pace,
+    /// so that `status.drain` names what the drain waits for now, not
+    /// what it waited for a second ago.
+    pub(crate) steps_done: u64,
+}
+
+impl Progress {
+    /// `status.drain` as this progress records it, for a drain that
+    /// started at `started`.
+    fn drain_status(&self, started: Timestamp) -> DrainStatus {
+        let done = self.pods_total.saturating_sub(self.pods_remaining);
+        DrainStatus {
+            started_at: Some(Time(started)),
+            pods_total: self.pods_total,
+            pods_evicted: self.pods_evicted,
+            pods_remaining: self.pods_remaining,
+            progress: Some(format!("{done}/{}", self.pods_total)),
+            current_pod: self.current_pod.clone(),
+            current_volume: self.current_volume.clone(),
+            waiting_for: self.waiting_for.clone(),
+            blocked_by: self.blocked_by.clone(),
+            finished_at: self.finished_on.map(MicroTime),
+        }
+    }
+
+    /// The server-side apply body that sets `status.drain` of the Machine
+    /// `name` and nothing else. A field left out (`None`) is removed by the
+    /// apply, since this writer owned it.
+    fn status_patch(&self, name: &str, started: Timestamp) -> serde_json::Value {
+        serde_json::json!({
+            "apiVersion": Machine::api_version(&()),
+            "kind": Machine::kind(&()),
+            "metadata": {"name": name},
+            "status": {"drain": self.drain_status(started)},
+        })
+    }
+}
+
+/// Writes progress to the Machine's status. Bursts are coalesced (at most
+/// one write per [`STATUS_WRITE_INTERVAL`], always of the latest value),
+/// except that a completed migration step is written at once. Ends when
+/// the drain drops its sender, after writing the final state.
+pub(super) async fn write_status(
+    client: Client,
+    machine: ObjectRef<Machine>,
+    started: Timestamp,
+    mut rx: watch::Receiver<Progress>,
+) {
+    let api: Api<Machine> =
+        Api::namespaced(client, machine.namespace.as_deref().unwrap_or_default());
+    let apply = PatchParams::apply(FIELD_MANAGER).force();
+    let mut written: Option<serde_json::Value> = None;
+    let mut last_write: Option<Instant> = None;
+    'writing: loop {
+        let (patch, steps) = {
+            let p = rx.borrow_and_update();
+            (p.status_patch(&machine.name, started), p.steps_done)
+        };
+        if written.as_ref() != Some(&patch) {
+            match api
+                .patch_status(&machine.name, &apply, &Patch::Apply(&patch))
+                .await
+            {
+                Ok(_) => {
+                    written = Some(patch);
+                    last_write = Some(Instant::now());
+                }
+                Err(kube::Error::Api(s)) if s.code == 404 => return,
+                Err(e) => tracing::warn!(error = %e, "could not record drain progress"),
+            }
+        }
+        // The next change: a step goes out at once, anything else once the
+        // interval since the last write has passed.
+        if rx.changed().await.is_err() {
+            break;
+        }
+        loop {
+            let step = rx.borrow().steps_done != steps;
+            let Some(due) = hold_until(last_write, step, Instant::now()) else {
+                break;
+            };
+            tokio::select! {
+                () = tokio::time::sleep_until(due) => break,
+                changed = rx.changed() => if changed.is_err() { break 'writing },
+            }
+        }
+    }
+    // The drain ended; write its final state if it changed since.
+    let last = rx.borrow().status_patch(&machine.name, started);
+    if written.as_ref() != Some(&last) {
+        let _ = api
+            .patch_status(&machine.name, &apply, &Patch::Apply(&last))
+            .await;
+    }
+}
+
+/// Until when the status writer holds a change back: never for a step or
+/// before the first write, otherwise until the interval since the last
+/// write has passed.
+fn hold_until(last_write: Option<Instant>, step: bool, now: Instant) -> Option<Instant> {
+    last_write
+        .map(|t| t + STATUS_WRITE_INTERVAL)
+        .filter(|due| !step && *due > now)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_waits_for_the_interval_but_a_step_does_not() {
+        let t0 = Instant::now();
+        let soon = t0 + Duration::from_millis(300);
+        // Nothing written yet: write now.
+        assert_eq!(hold_until(None, false, t0), None);
+        // A count changed 300 ms after a write: held until a second after it.
+        assert_eq!(
+            hold_until(Some(t0), false, soon),
+            Some(t0 + STATUS_WRITE_INTERVAL)
+        );
+        // A step (pod gone, volume detached) goes out at once.
+        assert_eq!(hold_until(Some(t0), true, soon), None);
+        // Past the interval nothing is held.
+        assert_eq!(
+            hold_until(Some(t0), false, t0 + STATUS_WRITE_INTERVAL),
+            None
+        );
+    }
+
+    #[test]
+    fn progress_patch_names_the_fields_of_the_drain_status() {
+        let p = Progress {
+            pods_total: 9,
+            pods_evicted: 4,
+            pods_remaining: 5,
+            current_pod: Some("db/pg-0".into()),
+            current_volume: Some("pv-0".into()),
+            waiting_for: Some("pv-0 to detach".into()),
+            blocked_by: None,
+            outcome: None,
+            finished_at: None,
+            finished_on: Some(Timestamp::from_second(1_700_000_000).expect("valid")),
+            steps_done: 3,
+        };
+        let started = Timestamp::from_second(1_699_999_000).expect("valid");
+        let patch = p.status_patch("m-1", started);
+        let d = &patch["status"]["drain"];
+        assert_eq!(d["progress"], "4/9");
+        assert_eq!(d["currentPod"], "db/pg-0");
+        assert!(
+            d["blockedBy"].is_null() && d.get("blockedBy").is_none(),
+            "a cleared block is left out, and the apply removes it"
+        );
+        let parsed: crate::api::DrainStatus =
+            serde_json::from_value(d.clone()).expect("the API type reads it");
+        assert_eq!(parsed.pods_remaining, 5);
+        assert_eq!(d["finishedAt"], "2023-11-14T22:13:20.000000Z");
+        // The step count only paces the writer; it is not status.
+        assert!(d.get("stepsDone").is_none() && d.get("steps_done").is_none());
+        // The writer records when the drain started (the Machine's
+        // deletionTimestamp) itself.
+        assert_eq!(d["startedAt"], "2023-11-14T21:56:40Z");
+        // An apply body names the object and sets nothing but status.drain.
+        assert_eq!(patch["apiVersion"], "berth.dev/v1alpha1");
+        assert_eq!(patch["kind"], "Machine");
+        assert_eq!(patch["metadata"], serde_json::json!({"name": "m-1"}));
+        let keys: Vec<&String> = patch["status"]
+            .as_object()
+            .expect("status")
+            .keys()
+            .collect();
+        assert_eq!(keys, ["drain"]);
+    }
+}

@@ -23,6 +23,7 @@ testbed:
 lint:
 	cargo fmt --all --check
 	cargo clippy --locked --workspace --all-targets -- -D warnings
+	RUSTDOCFLAGS="-D warnings" cargo doc --locked --workspace --no-deps --quiet
 
 ## deny: cargo-deny (pinned, cached outside the repository): licences, bans and sources always; advisories against the RustSec database, fetched where it can be, else a local copy, else said loudly
 deny:

@@ -4,7 +4,7 @@
 //! - [`testbed`]: a local control plane (etcd, kube-apiserver,
 //!   kube-controller-manager, kube-scheduler, kwok) built from pinned Go
 //!   modules, and the fixtures the tests put into it;
-//! - [`bench`]: `berth-dev bench`, the drain benchmark;
+//! - [`bench`](mod@bench): `berth-dev bench`, the drain benchmark;
 //! - [`demo`]: `berth-dev demo`, the README's first command;
 //! - [`moto`]: moto's EC2 server, the emulator the cloud side is tested
 //!   against.

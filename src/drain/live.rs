@@ -1,6 +1,6 @@
 //! `berth plan`: the drain that would happen now, read from a live cluster
 //! without changing anything. It lists what the engine reads from its
-//! caches and feeds the same pure [`plan`] function, so the plan printed and
+//! caches and feeds the same pure `plan` function, so the plan printed and
 //! the drain performed cannot disagree.
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};

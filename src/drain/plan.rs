@@ -1,5 +1,5 @@
 //! The drain plan: every pod on a Node, what happens to it and in what order,
-//! computed from cached objects in one pure function, [`plan`]. The drain
+//! computed from cached objects in one pure function, `plan`. The drain
 //! engine executes it and `berth plan` prints it ([`DrainPlan`]'s `Display`).
 //!
 //! How the plan is made:
@@ -11,7 +11,7 @@
 //!   **stateless**.
 //! - Stateless pods are listed by (namespace, name); they are evicted
 //!   concurrently, so the order only makes the plan deterministic.
-//! - Stateful pods are ordered by [`by_priority`]: `spec.priority` highest
+//! - Stateful pods are ordered by `by_priority`: `spec.priority` highest
 //!   first (missing = 0), ties by (namespace, name) ascending, compared
 //!   byte-wise. The order is total, so the same pods always give the same
 //!   plan.
@@ -26,9 +26,9 @@
 //!   ([`findings_for`]).
 //! - Before the first stateful eviction the drain waits for the pods that
 //!   were already terminating and use volumes
-//!   ([`DrainPlan::terminating_with_volumes`]), then for the volumes still
+//!   (`DrainPlan::terminating_with_volumes`), then for the volumes still
 //!   attached to the Node that no pod on it uses any more
-//!   ([`detaching_volumes`]: pods that left earlier, perhaps before a
+//!   (`detaching_volumes`: pods that left earlier, perhaps before a
 //!   controller restart).
 //! - The critical path is the stateful pods in order with the bound of each
 //!   wait ([`StepBounds`]); its sum is the worst case of the sequence. It

@@ -65,7 +65,7 @@ pub(crate) fn router(state: HttpState) -> Router {
         .with_state(state)
 }
 
-/// Serves [`router`] on `listener` until `shutdown` resolves, then stops
+/// Serves `router` on `listener` until `shutdown` resolves, then stops
 /// accepting connections and returns once in-flight requests are answered.
 ///
 /// # Errors

@@ -7,7 +7,7 @@
 //!   default one, so tests can build as many as they like) with every
 //!   `berth_*` metric family registered exactly once. Callers update the
 //!   public metric handles directly; handles are cheap to clone.
-//! * [`ReconcileTimer`]: a drop guard that measures one reconcile and counts
+//! * `ReconcileTimer`: a drop guard that measures one reconcile and counts
 //!   its result, so that every exit path of a reconcile (including `?` and
 //!   panics) is observed exactly once.
 //! * [`serve`] and [`HttpState`]: `GET /metrics`, `GET /healthz` and
@@ -387,7 +387,7 @@ impl Metrics {
         String::from_utf8(buf).map_err(|e| prometheus::Error::Msg(e.to_string()))
     }
 
-    /// Like [`Metrics::try_encode`], but logs an error and returns an empty
+    /// Like `Metrics::try_encode`, but logs an error and returns an empty
     /// exposition instead of failing.
     pub fn encode(&self) -> String {
         self.try_encode().unwrap_or_else(|e| {

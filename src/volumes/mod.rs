@@ -3,19 +3,19 @@
 //!
 //! # Shape
 //!
-//! * [`Tracker`] holds the informer stores (`Store<VolumeAttachment>`,
+//! * `Tracker` holds the informer stores (`Store<VolumeAttachment>`,
 //!   `Store<Node>`), which are the truth, and a registry of waits.
-//! * [`Tracker::register`] returns a [`Registration`] for an [`Interest`]:
+//! * `Tracker::register` returns a `Registration` for an `Interest`:
 //!   the Node being drained and the PersistentVolumes of the pod being moved
 //!   (each with its CSI unique name, see [`unique_name_of`]).
 //! * The watch streams feed the tracker with
-//!   [`Tracker::observe_attachment_event`] and
-//!   [`Tracker::observe_node_event`]. Each event is routed only to the
+//!   `Tracker::observe_attachment_event` and
+//!   `Tracker::observe_node_event`. Each event is routed only to the
 //!   registrations it concerns (a VolumeAttachment to those interested in
-//!   its PV, a Node to those draining it), as a [`Hint`] through the
+//!   its PV, a Node to those draining it), as a `Hint` through the
 //!   registration's own **bounded** channel.
-//! * [`Registration::wait_detached`] and
-//!   [`Registration::wait_attached_elsewhere`] evaluate a pure predicate
+//! * `Registration::wait_detached` and
+//!   `Registration::wait_attached_elsewhere` evaluate a pure predicate
 //!   ([`detached_from`], [`attached_elsewhere`]) over the stores when they
 //!   start, after every hint and after every lag, until it holds or the
 //!   deadline passes. The deadline is the only timer: nothing polls.
@@ -31,7 +31,7 @@
 //!    called from an `inspect` right after the reflector. So when a hint is
 //!    sent, the store already shows the change (or a newer state).
 //! 2. **Register before acting.** A registration receives every event
-//!    observed after [`Tracker::register`] returned, and every wait first
+//!    observed after `Tracker::register` returned, and every wait first
 //!    evaluates its predicate over the store. A change that happened before
 //!    the registration is in the store; one after it produces a hint. So
 //!    register *before* evicting the pod.
@@ -41,7 +41,7 @@
 //!    `lagged` flag (counted in `berth_tracker_lagged_total`, once per lag
 //!    episode) and wakes it through a `Notify`, which stores a permit if the
 //!    receiver is not waiting yet. The receiver's next
-//!    [`Registration::next_signal`] yields [`Signal::Lagged`], and the wait
+//!    `Registration::next_signal` yields `Signal::Lagged`, and the wait
 //!    re-reads the store, which by (1) already contains the change whose
 //!    hint was not queued. Unlike the design this replaces (which discarded
 //!    the event with a warning), a slow wait costs a re-read, never a
@@ -50,11 +50,11 @@
 //! 4. **Re-lists are broadcast.** When a watch restarts, the reflector
 //!    swaps in a freshly listed store on `InitDone`; objects deleted in the
 //!    meantime vanish without a Delete event. The tracker sends
-//!    [`Hint::Resync`] to every registration on `InitDone`.
+//!    `Hint::Resync` to every registration on `InitDone`.
 //! 5. **Caches are synced first.** An empty, not yet listed store would make
 //!    "detached" look true; the waits first wait for both stores' initial
 //!    list (within their deadline).
-//! 6. **Deregistration is RAII.** Dropping a [`Registration`] removes it
+//! 6. **Deregistration is RAII.** Dropping a `Registration` removes it
 //!    from the registry, whichever way the code leaves its scope (`?`,
 //!    timeout, a cancelled future, an aborted task, a panic).
 //!
@@ -69,7 +69,7 @@
 //!
 //! The `inspect` must come directly after `reflector`, before any filter
 //! (e.g. a predicate filter) that could drop events. `Tracker::close` ends
-//! pending waits with [`WaitError::Closed`] at shutdown.
+//! pending waits with `WaitError::Closed` at shutdown.
 
 mod predicate;
 mod tracker;

@@ -12,7 +12,7 @@
 //! detaches its components and keeps their state under `~/.kwok`, so a test
 //! that panics or is killed leaves them running. Here every process is a
 //! child of one supervisor thread with a parent-death signal (see
-//! [`supervisor`]), and every flag the tests rely on (attach and detach
+//! `supervisor`), and every flag the tests rely on (attach and detach
 //! delays, audit log) is set explicitly.
 //!
 //! It never touches a cluster it did not start.

@@ -48,7 +48,7 @@ impl Batch {
 const NOTE_NAMES_CHARS: usize = 800;
 
 /// The note of one Event for several evicted pods: how many, then their
-/// `namespace/name`s, as many as fit in [`NOTE_NAMES_CHARS`].
+/// `namespace/name`s, as many as fit in `NOTE_NAMES_CHARS`.
 pub fn evicted_note(names: &[String]) -> String {
     let mut listed = String::new();
     let mut shown = 0;

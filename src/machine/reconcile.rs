@@ -20,6 +20,7 @@ use super::decide::{
     next_deletion_step,
 };
 use super::status::{Cond, Report, State, condition, next_status};
+use crate::api::conditions::{DRAINED, NODE_HEALTHY, READY, VM_REQUESTED, VOLUMES_DETACHED};
 use crate::api::settings::{ResolvedSettings, resolve};
 use crate::api::{
     CORDON_TAINT_KEY, DrainStatus, FINALIZER, FORCE_DELETION_LABEL, Machine, MachinePhase,
@@ -68,16 +69,6 @@ impl Error {
         }
     }
 }
-
-// Condition types.
-const READY: &str = "Ready";
-const NODE_HEALTHY: &str = "NodeHealthy";
-const DRAINED: &str = "Drained";
-const VOLUMES_DETACHED: &str = "VolumesDetached";
-/// Set before the provider is first asked for the VM. A Machine without it
-/// and without a providerID never had a VM, so its deletion needs no
-/// provider (which may not even be resolvable).
-const VM_REQUESTED: &str = "VMRequested";
 
 pub(super) async fn reconcile(machine: Arc<Machine>, ctx: Arc<Context>) -> Result<Action, Error> {
     // Decisions read the caches: an empty cache would look like a Node with

@@ -5,6 +5,7 @@
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
+use crate::api::conditions::NODE_HEALTHY;
 use crate::api::{LastOperation, MachinePhase, MachineStatus};
 
 /// What a step reports: it becomes `status.lastOperation` and, when it
@@ -169,7 +170,7 @@ impl Gauges {
                 g.by_phase[i] += 1;
             }
             let unhealthy = status
-                .and_then(|s| s.conditions.iter().find(|c| c.type_ == "NodeHealthy"))
+                .and_then(|s| s.conditions.iter().find(|c| c.type_ == NODE_HEALTHY))
                 .is_some_and(|c| c.status == "False");
             if phase == MachinePhase::Running && unhealthy {
                 g.node_not_ready += 1;
@@ -198,7 +199,12 @@ mod tests {
     #[test]
     fn an_unchanged_report_and_condition_yield_an_identical_status() {
         let r = Report::new("Create", "WaitForNode", State::Waiting, "waiting");
-        let c = [Cond::new("Ready", false, "NodeNotReady", "waiting")];
+        let c = [Cond::new(
+            crate::api::conditions::READY,
+            false,
+            "NodeNotReady",
+            "waiting",
+        )];
         let first = next_status(
             &MachineStatus::default(),
             Some(MachinePhase::Creating),
@@ -217,7 +223,7 @@ mod tests {
         let s1 = next_status(
             &MachineStatus::default(),
             None,
-            &[Cond::new("Ready", false, "A", "a")],
+            &[Cond::new(crate::api::conditions::READY, false, "A", "a")],
             &r,
             None,
             t(0),
@@ -225,7 +231,7 @@ mod tests {
         let s2 = next_status(
             &s1,
             None,
-            &[Cond::new("Ready", false, "B", "b")],
+            &[Cond::new(crate::api::conditions::READY, false, "B", "b")],
             &r,
             None,
             t(10),
@@ -235,7 +241,7 @@ mod tests {
         let s3 = next_status(
             &s2,
             None,
-            &[Cond::new("Ready", true, "C", "c")],
+            &[Cond::new(crate::api::conditions::READY, true, "C", "c")],
             &r,
             None,
             t(20),
@@ -275,7 +281,7 @@ mod tests {
             let mut m = Machine::new("m", MachineSpec::default());
             let r = Report::new("x", "y", State::Processing, "");
             let conds: Vec<Cond> = healthy
-                .map(|h| Cond::new("NodeHealthy", h, "R", "m"))
+                .map(|h| Cond::new(NODE_HEALTHY, h, "R", "m"))
                 .into_iter()
                 .collect();
             m.status = Some(next_status(

@@ -10,9 +10,9 @@
 //! `decide` chooses the next step from facts, `status` computes the status
 //! to record, and `reconcile` observes, acts and records.
 
-pub mod decide;
+pub(crate) mod decide;
 mod reconcile;
-pub mod status;
+pub(crate) mod status;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -37,32 +37,32 @@ use crate::telemetry::Metrics;
 use crate::telemetry::events::EventSink;
 use crate::volumes::Tracker;
 
-pub use reconcile::Error;
+use reconcile::Error;
 
 /// The caches the reconciler reads instead of the API server.
 #[derive(Clone)]
-pub struct Stores {
-    pub machines: Store<Machine>,
-    pub classes: Store<MachineClass>,
-    pub nodes: Store<Node>,
-    pub pods: Store<Pod>,
-    pub attachments: Store<VolumeAttachment>,
-    pub pvcs: Store<PersistentVolumeClaim>,
-    pub pvs: Store<PersistentVolume>,
-    pub pdbs: Store<PodDisruptionBudget>,
+pub(crate) struct Stores {
+    pub(crate) machines: Store<Machine>,
+    pub(crate) classes: Store<MachineClass>,
+    pub(crate) nodes: Store<Node>,
+    pub(crate) pods: Store<Pod>,
+    pub(crate) attachments: Store<VolumeAttachment>,
+    pub(crate) pvcs: Store<PersistentVolumeClaim>,
+    pub(crate) pvs: Store<PersistentVolume>,
+    pub(crate) pdbs: Store<PodDisruptionBudget>,
     /// Lookups by Node, claim, PV and providerID over those caches.
-    pub indexes: Indexes,
+    pub(crate) indexes: Indexes,
 }
 
-pub struct Context {
-    pub client: Client,
-    pub providers: Registry,
-    pub events: EventSink,
-    pub stores: Stores,
-    pub metrics: Arc<Metrics>,
-    pub drainer: Drainer,
+pub(crate) struct Context {
+    pub(crate) client: Client,
+    pub(crate) providers: Registry,
+    pub(crate) events: EventSink,
+    pub(crate) stores: Stores,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) drainer: Drainer,
     /// Every auxiliary cache has synced; reconciles act only after that.
-    pub synced: std::sync::atomic::AtomicBool,
+    pub(crate) synced: std::sync::atomic::AtomicBool,
     /// Per-Machine exponential backoff for transient errors, reset by a
     /// successful reconcile.
     backoff: Mutex<HashMap<ObjectRef<Machine>, backon::ExponentialBackoff>>,

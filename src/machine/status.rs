@@ -11,15 +11,15 @@ use crate::api::{LastOperation, MachinePhase, MachineStatus};
 /// What a step reports: it becomes `status.lastOperation` and, when it
 /// changes, an Event.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Report {
-    pub op: &'static str,
-    pub step: &'static str,
-    pub state: State,
-    pub description: String,
+pub(crate) struct Report {
+    pub(crate) op: &'static str,
+    pub(crate) step: &'static str,
+    pub(crate) state: State,
+    pub(crate) description: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum State {
+pub(crate) enum State {
     Processing,
     Waiting,
     Succeeded,
@@ -27,7 +27,7 @@ pub enum State {
 }
 
 impl State {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             State::Processing => "Processing",
             State::Waiting => "Waiting",
@@ -38,7 +38,7 @@ impl State {
 }
 
 impl Report {
-    pub fn new(
+    pub(crate) fn new(
         op: &'static str,
         step: &'static str,
         state: State,
@@ -53,7 +53,7 @@ impl Report {
     }
 
     /// Whether `last` already records this report (time aside).
-    pub fn recorded_in(&self, last: Option<&LastOperation>) -> bool {
+    pub(crate) fn recorded_in(&self, last: Option<&LastOperation>) -> bool {
         last.is_some_and(|l| {
             l.type_ == self.op
                 && l.step == self.step
@@ -65,15 +65,15 @@ impl Report {
 
 /// A condition to set: type, status, reason, message.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Cond {
-    pub type_: &'static str,
-    pub status: bool,
-    pub reason: &'static str,
-    pub message: String,
+pub(crate) struct Cond {
+    pub(crate) type_: &'static str,
+    pub(crate) status: bool,
+    pub(crate) reason: &'static str,
+    pub(crate) message: String,
 }
 
 impl Cond {
-    pub fn new(
+    pub(crate) fn new(
         type_: &'static str,
         status: bool,
         reason: &'static str,
@@ -91,7 +91,7 @@ impl Cond {
 /// The next status: `current` with the phase, conditions and report applied.
 /// A condition keeps its `lastTransitionTime` unless its status flips, and
 /// `lastOperation.lastUpdateTime` only moves when the report changes.
-pub fn next_status(
+pub(crate) fn next_status(
     current: &MachineStatus,
     phase: Option<MachinePhase>,
     conditions: &[Cond],
@@ -143,23 +143,23 @@ fn set_condition(conds: &mut Vec<Condition>, c: &Cond, generation: Option<i64>, 
 }
 
 /// The condition of that type, if set.
-pub fn condition<'a>(s: Option<&'a MachineStatus>, type_: &str) -> Option<&'a Condition> {
+pub(crate) fn condition<'a>(s: Option<&'a MachineStatus>, type_: &str) -> Option<&'a Condition> {
     s?.conditions.iter().find(|c| c.type_ == type_)
 }
 
 /// What the `berth_machines{phase}` and `berth_node_not_ready_machines`
 /// gauges show, counted from the Machine cache.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Gauges {
+pub(crate) struct Gauges {
     /// Machines per phase, in the order of [`MachinePhase::ALL`]; a Machine
     /// without a phase yet counts as `Pending`.
-    pub by_phase: [i64; MachinePhase::ALL.len()],
+    pub(crate) by_phase: [i64; MachinePhase::ALL.len()],
     /// Running Machines whose `NodeHealthy` condition is `False`.
-    pub node_not_ready: i64,
+    pub(crate) node_not_ready: i64,
 }
 
 impl Gauges {
-    pub fn count<'a>(machines: impl IntoIterator<Item = &'a crate::api::Machine>) -> Self {
+    pub(crate) fn count<'a>(machines: impl IntoIterator<Item = &'a crate::api::Machine>) -> Self {
         let mut g = Self::default();
         for m in machines {
             let status = m.status.as_ref();
@@ -179,7 +179,7 @@ impl Gauges {
         g
     }
 
-    pub fn publish(&self, metrics: &crate::telemetry::Metrics) {
+    pub(crate) fn publish(&self, metrics: &crate::telemetry::Metrics) {
         for (phase, n) in MachinePhase::ALL.iter().zip(self.by_phase) {
             metrics.machines.with_label_values(&[phase.as_str()]).set(n);
         }

@@ -7,11 +7,13 @@
 //! server; the only timers are deadlines (creation timeout, health timeout,
 //! a provider's "ask again in N seconds").
 //!
-//! `decide` chooses the next step from facts, `status` computes the status
-//! to record, and `reconcile` observes, acts and records.
+//! `decide` chooses the next step from facts, `record` what a step records,
+//! `status` folds that into the status, and `reconcile` observes, acts and
+//! records.
 
 pub(crate) mod decide;
 mod reconcile;
+pub(crate) mod record;
 pub(crate) mod status;
 
 use std::collections::HashMap;

@@ -223,7 +223,7 @@ impl Metrics {
         let reconcile_total = r.add(IntCounterVec::new(
             Opts::new(
                 "berth_reconcile_total",
-                "Machine reconciles by result: \"ok\", or the static label of the error that ended the reconcile.",
+                "Machine reconciles by result: \"ok\", or \"error_\" and the call that failed: error_status, error_provider_id (recording the providerID), error_finalizer, error_node_get, error_cordon, error_pod_delete, error_node_delete, error_provider_create, error_provider_delete, error_no_namespace.",
             ),
             &["result"],
         )?)?;

@@ -8,13 +8,14 @@
 //! a provider's "ask again in N seconds").
 //!
 //! `decide` chooses the next step from facts, `record` what a step records,
-//! `status` folds that into the status, and `reconcile` observes, acts and
-//! records.
+//! `status` folds that into the status, `write` writes it without undoing a
+//! newer write, and `reconcile` observes, acts and records.
 
 pub(crate) mod decide;
 mod reconcile;
 pub(crate) mod record;
 pub(crate) mod status;
+pub mod write;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -68,7 +69,6 @@ pub(crate) struct Context {
     /// Per-Machine exponential backoff for transient errors, reset by a
     /// successful reconcile.
     backoff: Mutex<HashMap<ObjectRef<Machine>, backon::ExponentialBackoff>>,
-    provider_ids: reconcile::WrittenProviderIds,
 }
 
 /// Machines filed by their Node: by `status.nodeRef` and by
@@ -395,7 +395,6 @@ pub async fn run(
         stores: stores.clone(),
         metrics: Arc::clone(&metrics),
         backoff: Mutex::new(HashMap::new()),
-        provider_ids: Default::default(),
     });
 
     let readiness = {

@@ -2,12 +2,12 @@
 //! cancel at any await point (the contract of kube-runtime's `finalizer`).
 //!
 //! What a step records comes from `record` (pure); this module only reads
-//! the caches, calls the API server and the provider, and writes the record.
+//! the caches, calls the API server and the provider, and writes the record
+//! with the compare-and-swap of `write`.
 
 use std::borrow::Cow;
-use std::collections::HashMap;
 use std::convert::Infallible;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Pod, Taint};
@@ -29,6 +29,7 @@ use super::record::{
     deletion_record, unresolved_record, vm_answer_record,
 };
 use super::status::{State, condition, next_status};
+use super::write::{StatusWrite, write_status};
 use crate::api::conditions::{VM_REQUESTED, VOLUMES_DETACHED};
 use crate::api::settings::{ResolvedSettings, resolve};
 use crate::api::{
@@ -38,6 +39,7 @@ use crate::api::{
 use crate::drain::deadline::Deadline;
 use crate::drain::engine::{Job, Outcome, Progress, RETRY_FAILED_AFTER};
 use crate::providers::{MachineRequest, Provider, ProviderError};
+use crate::telemetry::RESULT_CONFLICT;
 
 /// The call a reconcile failed at. [`Step::metric_label`] is the `result`
 /// label of `berth_reconcile_total` for a reconcile that failed there.
@@ -147,12 +149,20 @@ fn at(step: Step) -> impl FnOnce(kube::Error) -> Error {
     move |source| Error::Kube { step, source }
 }
 
+/// After a refused status write, come back this soon at the latest. The
+/// newer copy is already on its way through the watch, which usually wakes
+/// the Machine sooner; no backoff, since nothing failed.
+const STALE_RETRY: Duration = Duration::from_millis(500);
+
 /// Where a reconcile leaves a Machine: a normal value, whether a step is
 /// done or not.
 #[derive(Debug)]
 enum Next {
     /// Come back on this action.
     Wait(Action),
+    /// A status write was refused: the Machine changed since the copy this
+    /// reconcile read. Come back on the newer copy.
+    Stale,
     /// Deletion only: every step is done, the finalizer can go.
     Finished,
 }
@@ -164,7 +174,6 @@ pub(super) async fn reconcile(machine: Arc<Machine>, ctx: Arc<Context>) -> Resul
     if !ctx.synced.load(std::sync::atomic::Ordering::Acquire) {
         return Ok(Action::await_change());
     }
-    let machine = ctx.provider_ids.fill_in(machine);
     let mut timer = ctx.metrics.reconcile_timer();
     let result = reconcile_inner(&machine, &ctx).await;
     timer.record(&result, Error::metric_label);
@@ -172,6 +181,10 @@ pub(super) async fn reconcile(machine: Arc<Machine>, ctx: Arc<Context>) -> Resul
         Next::Wait(action) => {
             ctx.reset_backoff(&machine);
             Ok(action)
+        }
+        Next::Stale => {
+            timer.set_result(RESULT_CONFLICT);
+            Ok(Action::requeue(STALE_RETRY))
         }
         // `reconcile_inner` removes the finalizer and waits.
         Next::Finished => Ok(Action::await_change()),
@@ -188,7 +201,6 @@ async fn reconcile_inner(machine: &Arc<Machine>, ctx: &Context) -> Result<Next, 
         (true, true) => match cleanup(machine, ctx).await {
             Ok(Next::Finished) => {
                 ctx.drainer.forget(&ObjectRef::from_obj(&**machine));
-                ctx.provider_ids.forget(machine);
                 // Every step is done: kube's helper removes the finalizer.
                 kube_finalizer(&api, machine).await.map(Next::Wait)
             }
@@ -300,50 +312,64 @@ fn resolve_machine(m: &Machine, ctx: &Context) -> Result<Resolved, Unresolved> {
     })
 }
 
+/// Whether a record is written when it changes nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Write {
+    IfChanged,
+    /// Written anyway: a write that changes nothing still checks the
+    /// Machine's resourceVersion, and so proves the copy read is current.
+    Always,
+}
+
 /// What recording a step came to.
 enum Recorded {
     /// Nothing to write: the status already says it.
     Unchanged,
     /// Written: the Machine as the API server now has it.
     Written(Box<Machine>),
+    /// Refused: the Machine changed since the copy the record was built on.
+    Stale,
 }
 
 impl Recorded {
-    /// Come back on `action`.
+    /// Come back on `action`, unless the write was refused.
     fn then(self, action: Action) -> Next {
-        Next::Wait(action)
+        match self {
+            Recorded::Stale => Next::Stale,
+            Recorded::Unchanged | Recorded::Written(_) => Next::Wait(action),
+        }
     }
 }
 
-/// A merge patch of the status.
-#[derive(Debug, serde::Serialize)]
-struct StatusPatch<'a> {
-    status: &'a MachineStatus,
-}
-
-/// Writes the status `rec` implies on `m` (only if it differs) and, when
-/// the report is new, an Event.
-async fn record(ctx: &Context, m: &Machine, rec: &StepRecord) -> Result<Recorded, Error> {
+/// Writes the status `rec` implies on `m` (only if it differs, unless
+/// `write` says always), on condition that `m` is the Machine's current
+/// version, and, when the report is new and the write was not refused, an
+/// Event.
+async fn record(
+    ctx: &Context,
+    m: &Machine,
+    rec: &StepRecord,
+    write: Write,
+) -> Result<Recorded, Error> {
     let current = m.status.clone().unwrap_or_default();
     let next = status_after(&current, rec, m.metadata.generation, Timestamp::now());
-    let recorded = if next != current {
-        // `status.drain` is the drain engine's: left out of the patch, it is
-        // left as it is.
-        let status = MachineStatus {
-            drain: None,
-            ..next
-        };
-        let api: Api<Machine> =
-            Api::namespaced(ctx.client.clone(), &m.namespace().unwrap_or_default());
-        let written = api
-            .patch_status(
-                &m.name_any(),
-                &PatchParams::default(),
-                &Patch::Merge(StatusPatch { status: &status }),
-            )
+    let recorded = if next != current || write == Write::Always {
+        match write_status(ctx.client.clone(), m, &next)
             .await
-            .map_err(at(Step::Status))?;
-        Recorded::Written(Box::new(written))
+            .map_err(at(Step::Status))?
+        {
+            StatusWrite::Written(w) => Recorded::Written(w),
+            StatusWrite::Conflict => {
+                // The step is taken again on the newer copy, and reported
+                // then.
+                tracing::debug!(
+                    machine = %m.name_any(),
+                    step = rec.report.step,
+                    "status write refused: the Machine changed since it was read"
+                );
+                return Ok(Recorded::Stale);
+            }
+        }
     } else {
         Recorded::Unchanged
     };
@@ -458,7 +484,9 @@ async fn apply(m: &Machine, ctx: &Context) -> Result<Next, Error> {
         Err(why) => {
             let rec = unresolved_record(m.status.as_ref().and_then(|s| s.phase), &why);
             // Nothing will change until the Machine or its class does.
-            return Ok(record(ctx, m, &rec).await?.then(Action::await_change()));
+            return Ok(record(ctx, m, &rec, Write::IfChanged)
+                .await?
+                .then(Action::await_change()));
         }
     };
     let now = Timestamp::now();
@@ -486,8 +514,13 @@ async fn apply(m: &Machine, ctx: &Context) -> Result<Next, Error> {
     };
     if step == CreationStep::CreateVm {
         // The VM request is recorded before the provider is asked, so that
-        // a deletion knows a VM may exist.
-        return match record(ctx, m, &rec).await? {
+        // a deletion knows a VM may exist. The write is also the guard of
+        // "one create per Machine": it succeeds only on the Machine's
+        // current version, so a reconcile woken by that very write but
+        // reading a copy from before the providerID was recorded is
+        // refused here instead of asking for a second VM.
+        return match record(ctx, m, &rec, Write::Always).await? {
+            Recorded::Stale => Ok(Next::Stale),
             Recorded::Written(w) => create_vm(&w, ctx, &r).await,
             Recorded::Unchanged => create_vm(m, ctx, &r).await,
         };
@@ -511,7 +544,7 @@ async fn apply(m: &Machine, ctx: &Context) -> Result<Next, Error> {
         },
         _ => Action::await_change(),
     };
-    Ok(record(ctx, m, &rec).await?.then(action))
+    Ok(record(ctx, m, &rec, Write::IfChanged).await?.then(action))
 }
 
 /// Asks the provider for the VM and records its providerID. `m` is the
@@ -531,7 +564,6 @@ async fn create_vm(m: &Machine, ctx: &Context, r: &Resolved) -> Result<Next, Err
             )
             .await
             .map_err(at(Step::ProviderId))?;
-            ctx.provider_ids.written(m, &vm.provider_id);
             // The spec change wakes the next step.
             return Ok(Next::Wait(Action::await_change()));
         }
@@ -540,17 +572,19 @@ async fn create_vm(m: &Machine, ctx: &Context, r: &Resolved) -> Result<Next, Err
     match answer {
         ProviderError::InProgress { what, retry_after } => {
             let rec = vm_answer_record(provider, &VmAnswer::InProgress(&what));
-            Ok(record(ctx, m, &rec)
+            Ok(record(ctx, m, &rec, Write::IfChanged)
                 .await?
                 .then(Action::requeue(retry_after)))
         }
         e @ (ProviderError::Permanent(_) | ProviderError::InvalidSpec(_)) => {
             let rec = vm_answer_record(provider, &VmAnswer::Refused(&e.to_string()));
-            Ok(record(ctx, m, &rec).await?.then(Action::await_change()))
+            Ok(record(ctx, m, &rec, Write::IfChanged)
+                .await?
+                .then(Action::await_change()))
         }
         e => {
             let rec = vm_answer_record(provider, &VmAnswer::Failed(&e.to_string()));
-            record(ctx, m, &rec).await?;
+            record(ctx, m, &rec, Write::IfChanged).await?;
             Err(Error::Provider {
                 step: Step::ProviderCreate,
                 provider: provider.into(),
@@ -687,15 +721,17 @@ async fn cleanup_step(
     let step = next_deletion_step(&facts);
     let as_decided = deletion_record(&step, &DeletionOutcome::AsDecided);
     Ok(match &step {
-        DeletionStep::MarkTerminating => match record(ctx, m, &as_decided).await? {
+        DeletionStep::MarkTerminating => match record(ctx, m, &as_decided, Write::IfChanged).await?
+        {
             Recorded::Written(w) => Stepped::Advanced {
                 machine: Some(w),
                 node,
             },
             Recorded::Unchanged => Next::Wait(Action::await_change()).into(),
+            Recorded::Stale => Next::Stale.into(),
         },
         DeletionStep::WaitPreDrainHooks(_) | DeletionStep::WaitPreTerminateHooks(_) => {
-            record(ctx, m, &as_decided)
+            record(ctx, m, &as_decided, Write::IfChanged)
                 .await?
                 .then(Action::await_change())
                 .into()
@@ -705,7 +741,11 @@ async fn cleanup_step(
                 Some(n) => Some(Arc::new(cordon(ctx, &n).await?)),
                 None => None,
             };
-            match (record(ctx, m, &as_decided).await?, cordoned) {
+            match (
+                record(ctx, m, &as_decided, Write::IfChanged).await?,
+                cordoned,
+            ) {
+                (Recorded::Stale, _) => Next::Stale.into(),
                 (Recorded::Written(w), Some(n)) => Stepped::Advanced {
                     machine: Some(w),
                     node: Some(n),
@@ -733,7 +773,7 @@ async fn cleanup_step(
                     Err(e) => return Err(at(Step::PodDelete)(e)),
                 }
             }
-            record(ctx, m, &as_decided)
+            record(ctx, m, &as_decided, Write::IfChanged)
                 .await?
                 .then(Action::await_change())
                 .into()
@@ -757,7 +797,10 @@ async fn cleanup_step(
                 Some(Outcome::Failed { .. }) => Action::requeue(RETRY_FAILED_AFTER),
                 _ => Action::await_change(),
             };
-            record(ctx, m, &rec).await?.then(action).into()
+            record(ctx, m, &rec, Write::IfChanged)
+                .await?
+                .then(action)
+                .into()
         }
         DeletionStep::WaitVolumesDetached { .. } => {
             // VolumeAttachment events wake us; this is the detach deadline.
@@ -765,7 +808,10 @@ async fn cleanup_step(
             let action = Action::requeue(
                 settings.volume_detach_timeout.saturating_sub(waited) + Duration::from_millis(100),
             );
-            record(ctx, m, &as_decided).await?.then(action).into()
+            record(ctx, m, &as_decided, Write::IfChanged)
+                .await?
+                .then(action)
+                .into()
         }
         DeletionStep::DeleteVmAndNode { node } => {
             delete_vm_and_node(m, ctx, resolved, &facts, &step, node.as_deref())
@@ -837,8 +883,10 @@ async fn delete_vm_and_node(
         .is_some();
     if node.is_none() && !had_node && !facts.force {
         let rec = deletion_record(step, &DeletionOutcome::DrainSkipped);
-        if let Recorded::Written(w) = record(ctx, &m, &rec).await? {
-            m = Cow::Owned(*w);
+        match record(ctx, &m, &rec, Write::IfChanged).await? {
+            Recorded::Stale => return Ok(Next::Stale),
+            Recorded::Written(w) => m = Cow::Owned(*w),
+            Recorded::Unchanged => {}
         }
     }
     let vm_requested =
@@ -847,13 +895,17 @@ async fn delete_vm_and_node(
         Ok(r) => r,
         Err(_) if !vm_requested => {
             let rec = deletion_record(step, &DeletionOutcome::NoVm);
-            record(ctx, &m, &rec).await?;
-            return Ok(Next::Finished);
+            return Ok(match record(ctx, &m, &rec, Write::IfChanged).await? {
+                Recorded::Stale => Next::Stale,
+                _ => Next::Finished,
+            });
         }
         Err(why) => {
             let rec = deletion_record(step, &DeletionOutcome::Unresolved(&why));
             // Keep the finalizer: never forget a VM. A fixed class wakes us.
-            return Ok(record(ctx, &m, &rec).await?.then(Action::await_change()));
+            return Ok(record(ctx, &m, &rec, Write::IfChanged)
+                .await?
+                .then(Action::await_change()));
         }
     };
     let provider = r.provider.name();
@@ -861,7 +913,7 @@ async fn delete_vm_and_node(
         Ok(()) | Err(ProviderError::NotFound(_)) => {}
         Err(ProviderError::InProgress { what, retry_after }) => {
             let rec = deletion_record(step, &DeletionOutcome::VmDeleteInProgress(&what));
-            return Ok(record(ctx, &m, &rec)
+            return Ok(record(ctx, &m, &rec, Write::IfChanged)
                 .await?
                 .then(Action::requeue(retry_after)));
         }
@@ -874,7 +926,7 @@ async fn delete_vm_and_node(
                     error: &error,
                 },
             );
-            return Ok(record(ctx, &m, &rec)
+            return Ok(record(ctx, &m, &rec, Write::IfChanged)
                 .await?
                 .then(Action::requeue(Duration::from_secs(600))));
         }
@@ -897,99 +949,16 @@ async fn delete_vm_and_node(
         }
     }
     let rec = deletion_record(step, &DeletionOutcome::AsDecided);
-    record(ctx, &m, &rec).await?;
-    Ok(Next::Finished)
-}
-
-/// The providerIDs this controller wrote that its Machine cache may not show
-/// yet, by Machine UID.
-///
-/// Writing the VM request into the status wakes the Machine again, and that
-/// reconcile can read a cached copy from before the providerID was written:
-/// without this it would ask the provider for a second VM (measured: 110
-/// creates for 60 Machines). An entry lives until the cache shows the
-/// providerID or the Machine is gone.
-#[derive(Default)]
-pub(super) struct WrittenProviderIds(Mutex<HashMap<String, String>>);
-
-impl WrittenProviderIds {
-    /// `m`, or a copy with the providerID this controller wrote for it.
-    fn fill_in(&self, m: Arc<Machine>) -> Arc<Machine> {
-        let Some(uid) = m.metadata.uid.as_deref() else {
-            return m;
-        };
-        let mut ids = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if m.spec.provider_id.is_some() {
-            ids.remove(uid);
-            return m;
-        }
-        match ids.get(uid) {
-            Some(id) => {
-                let mut copy = (*m).clone();
-                copy.spec.provider_id = Some(id.clone());
-                Arc::new(copy)
-            }
-            None => m,
-        }
-    }
-
-    fn written(&self, m: &Machine, provider_id: &str) {
-        if let Some(uid) = m.metadata.uid.clone() {
-            self.0
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(uid, provider_id.to_owned());
-        }
-    }
-
-    fn forget(&self, m: &Machine) {
-        if let Some(uid) = m.metadata.uid.as_deref() {
-            self.0.lock().unwrap_or_else(|e| e.into_inner()).remove(uid);
-        }
-    }
+    Ok(match record(ctx, &m, &rec, Write::IfChanged).await? {
+        // Deleting the VM and the Node again is harmless (both idempotent).
+        Recorded::Stale => Next::Stale,
+        _ => Next::Finished,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn machine(uid: &str, provider_id: Option<&str>) -> Arc<Machine> {
-        Arc::new(
-            serde_json::from_value(serde_json::json!({
-                "apiVersion": "berth.dev/v1alpha1", "kind": "Machine",
-                "metadata": {"name": "m", "namespace": "ns", "uid": uid},
-                "spec": {"classRef": {"name": "c"}, "providerID": provider_id}
-            }))
-            .expect("machine"),
-        )
-    }
-
-    #[test]
-    fn a_written_provider_id_fills_in_a_stale_copy_until_the_cache_has_it() {
-        let ids = WrittenProviderIds::default();
-        let stale = machine("u1", None);
-        assert_eq!(ids.fill_in(Arc::clone(&stale)).spec.provider_id, None);
-
-        ids.written(&stale, "fake://ns/m");
-        let filled = ids.fill_in(Arc::clone(&stale));
-        assert_eq!(filled.spec.provider_id.as_deref(), Some("fake://ns/m"));
-        // Another Machine of the same name (a new UID) is not confused with it.
-        assert_eq!(ids.fill_in(machine("u2", None)).spec.provider_id, None);
-
-        // The cache caught up: the entry goes, and the cached copy is used as is.
-        let fresh = machine("u1", Some("fake://ns/m"));
-        assert!(Arc::ptr_eq(&ids.fill_in(Arc::clone(&fresh)), &fresh));
-        assert_eq!(ids.fill_in(stale).spec.provider_id, None, "entry dropped");
-    }
-
-    #[test]
-    fn a_deleted_machine_is_forgotten() {
-        let ids = WrittenProviderIds::default();
-        let m = machine("u1", None);
-        ids.written(&m, "fake://ns/m");
-        ids.forget(&m);
-        assert_eq!(ids.fill_in(m).spec.provider_id, None);
-    }
 
     #[test]
     fn every_step_has_its_own_error_label() {

@@ -572,3 +572,191 @@ async fn the_force_deletion_label_skips_hooks_and_drain_and_force_deletes_pods()
     );
     ctl.stop().await;
 }
+
+/// The reconciler's status write is a compare-and-swap on the Machine's
+/// resourceVersion: a status computed from an older copy is refused rather
+/// than laid over a newer one, and `status.drain` (the drain engine's) is
+/// never written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_status_built_from_a_stale_copy_never_overwrites_a_newer_one() {
+    use berth::api::MachineStatus;
+    use berth::machine::write::{StatusWrite, write_status};
+
+    let client = client().await;
+    let ns = "lifecycle-stale-write";
+    namespace(&client, ns).await;
+    // No controller runs here: this test is the only writer.
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    let a = machines
+        .create(&PostParams::default(), &machine("m1", "no-such-class"))
+        .await
+        .expect("create machine");
+    let status = |step: &str, cond: &str| -> MachineStatus {
+        serde_json::from_value(serde_json::json!({
+            "phase": "Terminating",
+            "conditions": [{
+                "type": cond, "status": "False", "reason": step, "message": step,
+                "lastTransitionTime": "2026-11-21T06:00:00Z"
+            }],
+            "lastOperation": {
+                "type": "Delete", "step": step, "state": "Waiting", "description": step,
+                "lastUpdateTime": "2026-11-21T06:00:00Z"
+            },
+            "drain": {"podsTotal": 9}
+        }))
+        .expect("status")
+    };
+    let written = |w: StatusWrite| match w {
+        StatusWrite::Written(m) => *m,
+        StatusWrite::Conflict => panic!("refused a write from the current copy"),
+    };
+
+    // Copy A writes; the copy it gets back (B) writes a newer status.
+    let b = written(
+        write_status(client.clone(), &a, &status("Cordon", "Ready"))
+            .await
+            .expect("write from A"),
+    );
+    let newer = status("Drain", "Drained");
+    let c = written(
+        write_status(client.clone(), &b, &newer)
+            .await
+            .expect("write from B"),
+    );
+
+    // A write built from A (or B) now is refused, changed or not.
+    for (stale, what) in [(&a, "A"), (&b, "B")] {
+        let w = write_status(client.clone(), stale, &status("Stale", "VolumesDetached"))
+            .await
+            .expect("write from a stale copy");
+        assert!(matches!(w, StatusWrite::Conflict), "{what}: {w:?}");
+    }
+    let unchanged = write_status(client.clone(), &b, b.status.as_ref().expect("status"))
+        .await
+        .expect("no-op write from B");
+    assert!(
+        matches!(unchanged, StatusWrite::Conflict),
+        "even a write that changes nothing checks the copy: {unchanged:?}"
+    );
+
+    let now = machines.get("m1").await.expect("get");
+    let s = now.status.as_ref().expect("status");
+    assert_eq!(
+        s.last_operation.as_ref().map(|o| o.step.as_str()),
+        Some("Drain"),
+        "the newer lastOperation survives"
+    );
+    assert_eq!(
+        s.conditions
+            .iter()
+            .map(|c| (c.type_.as_str(), c.reason.as_str()))
+            .collect::<Vec<_>>(),
+        [("Drained", "Drain")],
+        "the newer conditions survive"
+    );
+    assert_eq!(s.drain, None, "status.drain is never written");
+
+    // From the current copy a write that changes nothing goes through
+    // without a new resourceVersion: that is how the reconciler proves its
+    // copy is current before it asks a provider for a VM.
+    let same = written(
+        write_status(client.clone(), &c, &newer)
+            .await
+            .expect("no-op write from C"),
+    );
+    assert_eq!(same.resource_version(), c.resource_version());
+
+    // The drain engine writes status.drain (up to once a second while a
+    // drain runs). That alone does not make C stale: the write leaves the
+    // field as it is and goes through on the newer version.
+    machines
+        .patch_status(
+            "m1",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"status": {"drain": {"podsTotal": 3}}})),
+        )
+        .await
+        .expect("the engine's write");
+    let d = written(
+        write_status(
+            client.clone(),
+            &c,
+            &status("WaitVolumesDetached", "VolumesDetached"),
+        )
+        .await
+        .expect("write from C after the engine's"),
+    );
+    let s = d.status.as_ref().expect("status");
+    assert_eq!(s.drain.as_ref().map(|d| d.pods_total), Some(3));
+    assert_eq!(
+        s.last_operation.as_ref().map(|o| o.step.as_str()),
+        Some("WaitVolumesDetached")
+    );
+    // But C is stale now that its own kind of write came after it.
+    let w = write_status(client.clone(), &c, &newer)
+        .await
+        .expect("write from C");
+    assert!(matches!(w, StatusWrite::Conflict), "{w:?}");
+}
+
+/// Recording the VM request wakes the Machine again, and that reconcile may
+/// read a copy from before the providerID was recorded: its status write
+/// is refused, so it does not ask the provider for a second VM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_machine_asks_its_provider_for_one_vm() {
+    use berth::providers::Registry;
+    use std::sync::Arc;
+
+    const MACHINES: usize = 8;
+    let client = client().await;
+    let ns = "lifecycle-one-create";
+    namespace(&client, ns).await;
+    create_class(&client, "one-create", "fake", serde_json::json!({})).await;
+    let metrics = Arc::new(berth::telemetry::Metrics::new().expect("metrics"));
+    let mut ctl = berth::machine::spawn(
+        client.clone(),
+        Registry::default().with(Arc::new(FakeProvider::new(client.clone()))),
+        berth::machine::Settings {
+            namespace: Some(ns.to_string()),
+            instance: "one-create".into(),
+            concurrency: 4,
+        },
+        Arc::clone(&metrics),
+    );
+    tokio::time::timeout(LONG, &mut ctl.ready)
+        .await
+        .expect("caches sync in time")
+        .expect("controller reports ready");
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    for i in 0..MACHINES {
+        let mut m = machine(&format!("m{i}"), "one-create");
+        // Deleted at the end without a drain.
+        m.labels_mut()
+            .insert(berth::api::FORCE_DELETION_LABEL.into(), "true".into());
+        machines
+            .create(&PostParams::default(), &m)
+            .await
+            .expect("create machine");
+    }
+    wait::until(machines.clone(), LONG, "every Machine Running", |ms| {
+        ms.iter().filter(|m| phase(m) == Some("Running")).count() == MACHINES
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let creates = metrics
+        .provider_requests
+        .with_label_values(&["fake", "create", "ok"])
+        .get();
+    assert_eq!(creates, MACHINES as u64, "one provider create per Machine");
+
+    for i in 0..MACHINES {
+        machines
+            .delete(&format!("m{i}"), &DeleteParams::default())
+            .await
+            .expect("delete");
+    }
+    wait::until(machines, LONG, "every Machine gone", |ms| ms.is_empty())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    ctl.stop(LONG).await;
+}

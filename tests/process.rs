@@ -173,7 +173,7 @@ async fn two_replicas_only_the_leader_acts_and_sigterm_hands_over() {
     assert!(metrics.contains("berth_leader 1"), "{metrics}");
     // The provider call and the phase it leads to land a moment after the
     // first Event. (That create happens once per Machine is measured by the
-    // benchmark's scale scenario and unit-tested in machine::reconcile.)
+    // benchmark's scale scenario and tested in machine_lifecycle.)
     leader
         .wait_metrics(&[
             r#"berth_provider_requests_total{driver="fake",op="create",result="ok"} "#,

@@ -30,6 +30,24 @@ pub const PRE_TERMINATE_HOOK_PREFIX: &str = "pre-terminate.delete.hook.berth.dev
 /// The NoSchedule taint berth puts on a Node it cordons.
 pub const CORDON_TAINT_KEY: &str = "berth.dev/terminating";
 
+/// The types of the conditions berth sets on a Machine.
+pub mod conditions {
+    /// The Machine's Node is Ready (or why not: creating, invalid class,
+    /// creation timeout).
+    pub const READY: &str = "Ready";
+    /// A Running Machine's Node has not been NotReady past the health
+    /// timeout.
+    pub const NODE_HEALTHY: &str = "NodeHealthy";
+    /// No pod the drain has to move is left on the Node.
+    pub const DRAINED: &str = "Drained";
+    /// No VolumeAttachment names the Node any more.
+    pub const VOLUMES_DETACHED: &str = "VolumesDetached";
+    /// Set before the provider is first asked for the VM. A Machine without
+    /// it and without a providerID never had a VM, so its deletion needs no
+    /// provider (which may not even be resolvable).
+    pub const VM_REQUESTED: &str = "VMRequested";
+}
+
 /// A class of Machines: which provider creates them, with what parameters,
 /// and the default drain settings of its Machines.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]

@@ -15,30 +15,30 @@ use crate::api::{CORDON_TAINT_KEY, MachinePhase};
 
 /// What is known about a Machine that is not being deleted.
 #[derive(Debug, Clone, PartialEq)]
-pub struct CreationFacts {
-    pub phase: Option<MachinePhase>,
+pub(crate) struct CreationFacts {
+    pub(crate) phase: Option<MachinePhase>,
     /// `spec.providerID`, once the VM exists.
-    pub provider_id: Option<String>,
+    pub(crate) provider_id: Option<String>,
     /// The Node whose `spec.providerID` matches, if it registered.
-    pub node: Option<NodeFacts>,
+    pub(crate) node: Option<NodeFacts>,
     /// Time since the Machine was created.
-    pub age: Duration,
-    pub creation_timeout: Duration,
-    pub health_timeout: Duration,
+    pub(crate) age: Duration,
+    pub(crate) creation_timeout: Duration,
+    pub(crate) health_timeout: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq)]
-pub struct NodeFacts {
-    pub name: String,
-    pub ready: bool,
+pub(crate) struct NodeFacts {
+    pub(crate) name: String,
+    pub(crate) ready: bool,
     /// For how long the Ready condition has had its current value.
-    pub ready_for: Duration,
+    pub(crate) ready_for: Duration,
     /// `spec.unschedulable` and berth's NoSchedule taint are both present.
-    pub cordoned: bool,
+    pub(crate) cordoned: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
-pub enum CreationStep {
+pub(crate) enum CreationStep {
     /// Ask the provider for the VM (idempotent) and record its providerID.
     CreateVm,
     /// The VM exists; its Node has not registered or is not Ready yet.
@@ -58,7 +58,7 @@ pub enum CreationStep {
     StayFailed,
 }
 
-pub fn next_creation_step(f: &CreationFacts) -> CreationStep {
+pub(crate) fn next_creation_step(f: &CreationFacts) -> CreationStep {
     if f.phase == Some(MachinePhase::Failed) {
         return CreationStep::StayFailed;
     }
@@ -92,30 +92,30 @@ pub fn next_creation_step(f: &CreationFacts) -> CreationStep {
 
 /// What is known about a Machine whose deletion was requested.
 #[derive(Debug, Clone, PartialEq, Default)]
-pub struct DeletionFacts {
-    pub phase: Option<MachinePhase>,
+pub(crate) struct DeletionFacts {
+    pub(crate) phase: Option<MachinePhase>,
     /// Labelled for forced deletion: no drain, pods are force-deleted.
-    pub force: bool,
-    pub pre_drain_hooks: Vec<String>,
-    pub pre_terminate_hooks: Vec<String>,
+    pub(crate) force: bool,
+    pub(crate) pre_drain_hooks: Vec<String>,
+    pub(crate) pre_terminate_hooks: Vec<String>,
     /// The Machine's Node, if it exists.
-    pub node: Option<NodeFacts>,
+    pub(crate) node: Option<NodeFacts>,
     /// Pods on the Node that a drain has to move (`namespace/name`).
-    pub pods_to_drain: Vec<String>,
+    pub(crate) pods_to_drain: Vec<String>,
     /// Pods on the Node that are not yet gone at all (force path).
-    pub pods_on_node: Vec<String>,
+    pub(crate) pods_on_node: Vec<String>,
     /// The drain engine has not finished this Machine's drain yet (it may
     /// still wait for volumes to move even when no pod is left).
-    pub drain_pending: bool,
+    pub(crate) drain_pending: bool,
     /// VolumeAttachments that still name the Node.
-    pub volume_attachments: Vec<String>,
+    pub(crate) volume_attachments: Vec<String>,
     /// The wait for them has lasted longer than the volume detach timeout:
     /// go on (with a warning) rather than hold the Machine forever.
-    pub volume_detach_timed_out: bool,
+    pub(crate) volume_detach_timed_out: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
-pub enum DeletionStep {
+pub(crate) enum DeletionStep {
     MarkTerminating,
     WaitPreDrainHooks(Vec<String>),
     Cordon {
@@ -142,7 +142,7 @@ pub enum DeletionStep {
 
 impl DeletionStep {
     /// Short name recorded in `status.lastOperation.step` and Events.
-    pub fn name(&self) -> &'static str {
+    pub(crate) fn name(&self) -> &'static str {
         match self {
             DeletionStep::MarkTerminating => "MarkTerminating",
             DeletionStep::WaitPreDrainHooks(_) => "WaitPreDrainHooks",
@@ -157,7 +157,7 @@ impl DeletionStep {
 }
 
 /// The deletion steps in order; the first one not done is returned.
-pub fn next_deletion_step(f: &DeletionFacts) -> DeletionStep {
+pub(crate) fn next_deletion_step(f: &DeletionFacts) -> DeletionStep {
     if f.phase != Some(MachinePhase::Terminating) {
         return DeletionStep::MarkTerminating;
     }
@@ -205,7 +205,10 @@ pub fn next_deletion_step(f: &DeletionFacts) -> DeletionStep {
 }
 
 /// Annotation keys starting with `prefix`, sorted.
-pub fn hooks<'a>(annotations: impl IntoIterator<Item = &'a String>, prefix: &str) -> Vec<String> {
+pub(crate) fn hooks<'a>(
+    annotations: impl IntoIterator<Item = &'a String>,
+    prefix: &str,
+) -> Vec<String> {
     let mut v: Vec<String> = annotations
         .into_iter()
         .filter(|k| k.starts_with(prefix))
@@ -216,7 +219,7 @@ pub fn hooks<'a>(annotations: impl IntoIterator<Item = &'a String>, prefix: &str
 }
 
 /// Node facts from a Node object, at `now`.
-pub fn node_facts(node: &Node, now: k8s_openapi::jiff::Timestamp) -> NodeFacts {
+pub(crate) fn node_facts(node: &Node, now: k8s_openapi::jiff::Timestamp) -> NodeFacts {
     let ready_cond = node
         .status
         .as_ref()
@@ -247,7 +250,7 @@ pub fn node_facts(node: &Node, now: k8s_openapi::jiff::Timestamp) -> NodeFacts {
 /// Why a pod on a draining Node is left alone, or `None` if the drain has to
 /// move it. (The drain engine's own selection refines this; this is the gate
 /// that keeps the lifecycle from going past the drain while such pods run.)
-pub fn drain_skip_reason(pod: &Pod) -> Option<&'static str> {
+pub(crate) fn drain_skip_reason(pod: &Pod) -> Option<&'static str> {
     use crate::drain::select::{PodClass, classify};
     match classify(pod) {
         PodClass::Mirror => Some("mirror pod"),

@@ -7,12 +7,15 @@
 //! server; the only timers are deadlines (creation timeout, health timeout,
 //! a provider's "ask again in N seconds").
 //!
-//! `decide` chooses the next step from facts, `status` computes the status
-//! to record, and `reconcile` observes, acts and records.
+//! `decide` chooses the next step from facts, `record` what a step records,
+//! `status` folds that into the status, `write` writes it without undoing a
+//! newer write, and `reconcile` observes, acts and records.
 
-pub mod decide;
+pub(crate) mod decide;
 mod reconcile;
-pub mod status;
+pub(crate) mod record;
+pub(crate) mod status;
+pub mod write;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -30,43 +33,107 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 
 use crate::api::{Machine, MachineClass};
-use crate::cache::{Indexes, trim};
+use crate::cache::{Index, Indexes, trim};
 use crate::drain::engine::{Deps as DrainDeps, Drainer};
 use crate::providers::Registry;
 use crate::telemetry::Metrics;
 use crate::telemetry::events::EventSink;
 use crate::volumes::Tracker;
 
-pub use reconcile::Error;
+use reconcile::Error;
 
 /// The caches the reconciler reads instead of the API server.
 #[derive(Clone)]
-pub struct Stores {
-    pub machines: Store<Machine>,
-    pub classes: Store<MachineClass>,
-    pub nodes: Store<Node>,
-    pub pods: Store<Pod>,
-    pub attachments: Store<VolumeAttachment>,
-    pub pvcs: Store<PersistentVolumeClaim>,
-    pub pvs: Store<PersistentVolume>,
-    pub pdbs: Store<PodDisruptionBudget>,
+pub(crate) struct Stores {
+    pub(crate) machines: Store<Machine>,
+    pub(crate) classes: Store<MachineClass>,
+    pub(crate) nodes: Store<Node>,
+    pub(crate) pods: Store<Pod>,
+    pub(crate) attachments: Store<VolumeAttachment>,
+    pub(crate) pvcs: Store<PersistentVolumeClaim>,
+    pub(crate) pvs: Store<PersistentVolume>,
+    pub(crate) pdbs: Store<PodDisruptionBudget>,
     /// Lookups by Node, claim, PV and providerID over those caches.
-    pub indexes: Indexes,
+    pub(crate) indexes: Indexes,
 }
 
-pub struct Context {
-    pub client: Client,
-    pub providers: Registry,
-    pub events: EventSink,
-    pub stores: Stores,
-    pub metrics: Arc<Metrics>,
-    pub drainer: Drainer,
+pub(crate) struct Context {
+    pub(crate) client: Client,
+    pub(crate) providers: Registry,
+    pub(crate) events: EventSink,
+    pub(crate) stores: Stores,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) drainer: Drainer,
     /// Every auxiliary cache has synced; reconciles act only after that.
-    pub synced: std::sync::atomic::AtomicBool,
+    pub(crate) synced: std::sync::atomic::AtomicBool,
     /// Per-Machine exponential backoff for transient errors, reset by a
     /// successful reconcile.
     backoff: Mutex<HashMap<ObjectRef<Machine>, backon::ExponentialBackoff>>,
-    provider_ids: reconcile::WrittenProviderIds,
+}
+
+/// Machines filed by their Node: by `status.nodeRef` and by
+/// `spec.providerID` (the Node that has just registered with it), fed by the
+/// Machine watch, so that a Node, pod or VolumeAttachment event finds its
+/// Machine without a scan of every Machine.
+#[derive(Clone)]
+pub(crate) struct MachinesByNode {
+    by_node_ref: Index<Machine>,
+    by_provider_id: Index<Machine>,
+}
+
+impl Default for MachinesByNode {
+    fn default() -> Self {
+        Self {
+            by_node_ref: Index::new(node_ref_of),
+            by_provider_id: Index::new(provider_id_of),
+        }
+    }
+}
+
+fn node_ref_of(m: &Machine) -> Vec<String> {
+    m.status
+        .as_ref()
+        .and_then(|s| s.node_ref.as_ref())
+        .map(|r| r.name.clone())
+        .into_iter()
+        .collect()
+}
+
+fn provider_id_of(m: &Machine) -> Vec<String> {
+    m.spec.provider_id.clone().into_iter().collect()
+}
+
+impl MachinesByNode {
+    /// Applies one Machine watch event, after the store has.
+    fn observe(&self, ev: &watcher::Event<Machine>) {
+        self.by_node_ref.observe(ev);
+        self.by_provider_id.observe(ev);
+    }
+
+    /// The Machines whose Node this is: by `status.nodeRef`, or by
+    /// providerID for a Node that has just registered.
+    fn of_node(&self, node: &str, provider_id: Option<&str>) -> Vec<ObjectRef<Machine>> {
+        let mut refs = self.by_node_ref.refs(node);
+        for r in provider_id
+            .map(|id| self.by_provider_id.refs(id))
+            .unwrap_or_default()
+        {
+            if !refs.contains(&r) {
+                refs.push(r);
+            }
+        }
+        refs
+    }
+
+    /// The Machines being deleted whose Node (by `status.nodeRef`) this is.
+    fn deleting_of_node(&self, machines: &Store<Machine>, node: &str) -> Vec<ObjectRef<Machine>> {
+        self.by_node_ref
+            .get(machines, node)
+            .iter()
+            .filter(|m| m.metadata.deletion_timestamp.is_some())
+            .map(|m| ObjectRef::from_obj(&**m))
+            .collect()
+    }
 }
 
 /// How the controller runs.
@@ -228,10 +295,21 @@ pub async fn run(
         );
     });
 
-    let controller = Controller::new(machines_api, wc).with_config(
+    // The Machine watch, as `Controller::new` runs it, plus the index of
+    // Machines by Node that it feeds.
+    let (machines, machines_w) = reflector::store();
+    let machines_by_node = MachinesByNode::default();
+    let machine_index = machines_by_node.clone();
+    let machine_events = reflector::reflector(machines_w, watcher(machines_api, wc.clone()))
+        .inspect(move |ev| {
+            if let Ok(ev) = ev {
+                machine_index.observe(ev);
+            }
+        })
+        .applied_objects();
+    let controller = Controller::for_stream(machine_events, machines.clone()).with_config(
         kube::runtime::controller::Config::default().concurrency(settings.concurrency),
     );
-    let machines = controller.store();
     let stores = Stores {
         machines: machines.clone(),
         classes: classes.clone(),
@@ -245,9 +323,9 @@ pub async fn run(
     };
 
     let by_class = machines.clone();
-    let by_node = machines.clone();
-    let by_pod = machines.clone();
-    let by_va = machines.clone();
+    let by_node = machines_by_node.clone();
+    let (by_pod, pod_machines) = (machines_by_node.clone(), machines.clone());
+    let (by_va, va_machines) = (machines_by_node, machines.clone());
     let controller = controller
         .watches_stream(class_events, move |class: MachineClass| {
             let name = class.name_any();
@@ -259,8 +337,7 @@ pub async fn run(
                 .collect::<Vec<_>>()
         })
         .watches_stream(node_events, move |node: Node| {
-            machines_of_node(
-                &by_node,
+            by_node.of_node(
                 &node.name_any(),
                 node.spec.as_ref().and_then(|s| s.provider_id.as_deref()),
             )
@@ -270,12 +347,12 @@ pub async fn run(
         // is not woken by the churn of its Node's pods.
         .watches_stream(pod_events, move |pod: Pod| {
             match pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) {
-                Some(node) => deleting_machines_of_node(&by_pod, node),
+                Some(node) => by_pod.deleting_of_node(&pod_machines, node),
                 None => Vec::new(),
             }
         })
         .watches_stream(va_events, move |va: VolumeAttachment| {
-            deleting_machines_of_node(&by_va, &va.spec.node_name)
+            by_va.deleting_of_node(&va_machines, &va.spec.node_name)
         });
 
     let providers = providers.instrumented(&metrics);
@@ -318,7 +395,6 @@ pub async fn run(
         stores: stores.clone(),
         metrics: Arc::clone(&metrics),
         backoff: Mutex::new(HashMap::new()),
-        provider_ids: Default::default(),
     });
 
     let readiness = {
@@ -417,28 +493,6 @@ pub fn spawn(
     }
 }
 
-/// The Machines whose Node this is: by `status.nodeRef`, or by providerID
-/// for a Node that has just registered.
-fn machines_of_node(
-    machines: &Store<Machine>,
-    node: &str,
-    provider_id: Option<&str>,
-) -> Vec<ObjectRef<Machine>> {
-    machines
-        .state_filter(|m| {
-            let by_ref = m
-                .status
-                .as_ref()
-                .and_then(|s| s.node_ref.as_ref())
-                .is_some_and(|r| r.name == node);
-            let by_id = provider_id.is_some() && m.spec.provider_id.as_deref() == provider_id;
-            by_ref || by_id
-        })
-        .iter()
-        .map(|m| ObjectRef::from_obj(&**m))
-        .collect()
-}
-
 /// Passes the Node events that can change a decision about a Machine, by
 /// remembering a hash of [`node_relevance`] per Node.
 ///
@@ -498,21 +552,6 @@ fn node_relevance(node: &Node) -> u64 {
         status.volumes_in_use.hash(&mut h);
     }
     h.finish()
-}
-
-/// The Machines being deleted whose Node this is.
-fn deleting_machines_of_node(machines: &Store<Machine>, node: &str) -> Vec<ObjectRef<Machine>> {
-    machines
-        .state_filter(|m| {
-            m.metadata.deletion_timestamp.is_some()
-                && m.status
-                    .as_ref()
-                    .and_then(|s| s.node_ref.as_ref())
-                    .is_some_and(|r| r.name == node)
-        })
-        .iter()
-        .map(|m| ObjectRef::from_obj(&**m))
-        .collect()
 }
 
 fn error_policy(machine: Arc<Machine>, error: &Error, ctx: Arc<Context>) -> Action {
@@ -593,6 +632,82 @@ mod tests {
             changes.wakes(&watcher::Event::Apply(gone)),
             "and a Node that comes back is new"
         );
+    }
+
+    fn machine(
+        name: &str,
+        node: Option<&str>,
+        provider_id: Option<&str>,
+        deleting: bool,
+    ) -> Machine {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "berth.dev/v1alpha1", "kind": "Machine",
+            "metadata": {
+                "name": name, "namespace": "ns",
+                "deletionTimestamp": deleting.then_some("2026-11-21T06:00:00Z"),
+            },
+            "spec": {"classRef": {"name": "c"}, "providerID": provider_id},
+            "status": {"nodeRef": node.map(|n| serde_json::json!({"name": n}))},
+        }))
+        .expect("machine")
+    }
+
+    fn names(mut refs: Vec<ObjectRef<Machine>>) -> Vec<String> {
+        refs.sort_by(|a, b| a.name.cmp(&b.name));
+        refs.into_iter().map(|r| r.name).collect()
+    }
+
+    #[test]
+    fn node_pod_and_attachment_events_find_their_machines_by_node() {
+        let mut writer = reflector::store::Writer::<Machine>::default();
+        let store = writer.as_reader();
+        let index = MachinesByNode::default();
+        let mut feed = |ev: watcher::Event<Machine>| {
+            writer.apply_watcher_event(&ev);
+            index.observe(&ev);
+        };
+        feed(watcher::Event::Init);
+        feed(watcher::Event::InitApply(machine(
+            "m1",
+            Some("n1"),
+            Some("fake://n1"),
+            true,
+        )));
+        feed(watcher::Event::InitApply(machine(
+            "m2",
+            Some("n1"),
+            None,
+            false,
+        )));
+        feed(watcher::Event::InitApply(machine(
+            "m3",
+            None,
+            Some("fake://n2"),
+            false,
+        )));
+        feed(watcher::Event::InitDone);
+
+        // A Node event: by nodeRef, and by providerID for a new Node.
+        assert_eq!(names(index.of_node("n1", None)), ["m1", "m2"]);
+        assert_eq!(names(index.of_node("n2", Some("fake://n2"))), ["m3"]);
+        assert_eq!(names(index.of_node("n1", Some("fake://n1"))), ["m1", "m2"]);
+        assert!(index.of_node("n9", None).is_empty());
+        // Pod and VolumeAttachment events wake only Machines being deleted.
+        assert_eq!(names(index.deleting_of_node(&store, "n1")), ["m1"]);
+        assert!(index.deleting_of_node(&store, "n2").is_empty());
+
+        // A Machine whose Node changes moves in the index; a deleted one goes.
+        feed(watcher::Event::Apply(machine("m2", Some("n3"), None, true)));
+        assert_eq!(names(index.of_node("n1", None)), ["m1"]);
+        assert_eq!(names(index.deleting_of_node(&store, "n3")), ["m2"]);
+        feed(watcher::Event::Delete(machine(
+            "m1",
+            Some("n1"),
+            Some("fake://n1"),
+            true,
+        )));
+        assert!(index.deleting_of_node(&store, "n1").is_empty());
+        assert!(index.of_node("n1", Some("fake://n1")).is_empty());
     }
 
     #[test]

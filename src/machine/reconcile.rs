@@ -1,8 +1,13 @@
 //! Observe, decide, act, record. Every step here is idempotent and safe to
 //! cancel at any await point (the contract of kube-runtime's `finalizer`).
+//!
+//! What a step records comes from `record` (pure); this module only reads
+//! the caches, calls the API server and the provider, and writes the record
+//! with the compare-and-swap of `write`.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::borrow::Cow;
+use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Pod, Taint};
@@ -19,65 +24,148 @@ use super::decide::{
     self, CreationFacts, CreationStep, DeletionFacts, DeletionStep, NodeFacts, next_creation_step,
     next_deletion_step,
 };
-use super::status::{Cond, Report, State, condition, next_status};
+use super::record::{
+    CreationContext, DeletionOutcome, DrainView, StepRecord, Unresolved, VmAnswer, creation_record,
+    deletion_record, unresolved_record, vm_answer_record,
+};
+use super::status::{State, condition, next_status};
+use super::write::{StatusWrite, write_status};
+use crate::api::conditions::{VM_REQUESTED, VOLUMES_DETACHED};
 use crate::api::settings::{ResolvedSettings, resolve};
 use crate::api::{
-    CORDON_TAINT_KEY, DrainStatus, FINALIZER, FORCE_DELETION_LABEL, Machine, MachinePhase,
-    MachineStatus, NodeReference, PRE_DRAIN_HOOK_PREFIX, PRE_TERMINATE_HOOK_PREFIX,
+    CORDON_TAINT_KEY, FINALIZER, FORCE_DELETION_LABEL, Machine, MachineStatus, NodeReference,
+    PRE_DRAIN_HOOK_PREFIX, PRE_TERMINATE_HOOK_PREFIX,
 };
 use crate::drain::deadline::Deadline;
 use crate::drain::engine::{Job, Outcome, Progress, RETRY_FAILED_AFTER};
 use crate::providers::{MachineRequest, Provider, ProviderError};
+use crate::telemetry::RESULT_CONFLICT;
 
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("Kubernetes API: {0}")]
-    Kube(#[from] kube::Error),
-    #[error("provider {provider}: {source}")]
-    Provider {
-        provider: String,
-        #[source]
-        source: ProviderError,
-    },
-    #[error("finalizer: {0}")]
-    Finalizer(#[source] Box<finalizer::Error<Error>>),
-    #[error("Machine has no namespace")]
-    NoNamespace,
-    #[error("encoding status: {0}")]
-    Encode(#[from] serde_json::Error),
-    /// Not a failure: a deletion step is under way. Never leaves `reconcile`.
-    #[error("deletion step in progress")]
-    Pending(Action),
+/// The call a reconcile failed at. [`Step::metric_label`] is the `result`
+/// label of `berth_reconcile_total` for a reconcile that failed there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Writing the Machine's status.
+    Status,
+    /// Recording the VM's providerID in the Machine's spec.
+    ProviderId,
+    /// Adding or removing the Machine's finalizer.
+    Finalizer,
+    /// Reading the Node from the API server (the cache did not have it).
+    NodeGet,
+    /// Cordoning the Node.
+    Cordon,
+    /// Force-deleting a pod (forced deletion).
+    PodDelete,
+    /// Deleting the Node object.
+    NodeDelete,
+    /// Asking the provider for the VM.
+    ProviderCreate,
+    /// Asking the provider to delete the VM.
+    ProviderDelete,
 }
 
-impl Error {
-    /// A short, bounded label for metrics.
-    pub fn metric_label(&self) -> &'static str {
+impl Step {
+    /// `error_` and the step: a short, bounded label for metrics.
+    pub(crate) fn metric_label(self) -> &'static str {
         match self {
-            Error::Kube(_) => "kube",
-            Error::Provider { source, .. } => source.metric_label(),
-            Error::Finalizer(e) => match e.as_ref() {
-                finalizer::Error::ApplyFailed(inner) | finalizer::Error::CleanupFailed(inner) => {
-                    inner.metric_label()
-                }
-                _ => "finalizer",
-            },
-            Error::NoNamespace => "no_namespace",
-            Error::Encode(_) => "encode",
-            Error::Pending(_) => "pending",
+            Step::Status => "error_status",
+            Step::ProviderId => "error_provider_id",
+            Step::Finalizer => "error_finalizer",
+            Step::NodeGet => "error_node_get",
+            Step::Cordon => "error_cordon",
+            Step::PodDelete => "error_pod_delete",
+            Step::NodeDelete => "error_node_delete",
+            Step::ProviderCreate => "error_provider_create",
+            Step::ProviderDelete => "error_provider_delete",
+        }
+    }
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Step::Status => "status write",
+            Step::ProviderId => "providerID write",
+            Step::Finalizer => "finalizer",
+            Step::NodeGet => "Node read",
+            Step::Cordon => "cordon",
+            Step::PodDelete => "pod deletion",
+            Step::NodeDelete => "Node deletion",
+            Step::ProviderCreate => "VM creation",
+            Step::ProviderDelete => "VM deletion",
         }
     }
 }
 
-// Condition types.
-const READY: &str = "Ready";
-const NODE_HEALTHY: &str = "NodeHealthy";
-const DRAINED: &str = "Drained";
-const VOLUMES_DETACHED: &str = "VolumesDetached";
-/// Set before the provider is first asked for the VM. A Machine without it
-/// and without a providerID never had a VM, so its deletion needs no
-/// provider (which may not even be resolvable).
-const VM_REQUESTED: &str = "VMRequested";
+impl std::fmt::Display for Step {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why a reconcile failed. A step that is not done yet is not an error:
+/// it is a [`Next`].
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum Error {
+    #[error("{step}: Kubernetes API: {source}")]
+    Kube {
+        step: Step,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("{step}: provider {provider}: {source}")]
+    Provider {
+        step: Step,
+        provider: String,
+        #[source]
+        source: ProviderError,
+    },
+    /// kube's finalizer helper refused the object (no name, a finalizer
+    /// name that is not a JSON pointer).
+    #[error("finalizer: {0}")]
+    Finalizer(#[source] Box<finalizer::Error<Infallible>>),
+    #[error("Machine has no namespace")]
+    NoNamespace,
+}
+
+impl Error {
+    /// A short, bounded label for metrics: `error_` and the step it failed
+    /// at.
+    pub(crate) fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Kube { step, .. } | Error::Provider { step, .. } => step.metric_label(),
+            Error::Finalizer(_) => Step::Finalizer.metric_label(),
+            Error::NoNamespace => "error_no_namespace",
+        }
+    }
+
+    /// The API server answered 404.
+    fn is_not_found(&self) -> bool {
+        matches!(self, Error::Kube { source: kube::Error::Api(s), .. } if s.code == 404)
+    }
+}
+
+/// Tags a `kube::Error` with the step it came from.
+fn at(step: Step) -> impl FnOnce(kube::Error) -> Error {
+    move |source| Error::Kube { step, source }
+}
+
+/// After a refused status write, come back this soon at the latest. The
+/// newer copy is already on its way through the watch, which usually wakes
+/// the Machine sooner; no backoff, since nothing failed.
+const STALE_RETRY: Duration = Duration::from_millis(500);
+
+/// Where a reconcile leaves a Machine: a normal value, whether a step is
+/// done or not.
+#[derive(Debug)]
+enum Next {
+    /// Come back on this action.
+    Wait(Action),
+    /// A status write was refused: the Machine changed since the copy this
+    /// reconcile read. Come back on the newer copy.
+    Stale,
+    /// Deletion only: every step is done, the finalizer can go.
+    Finished,
+}
 
 pub(super) async fn reconcile(machine: Arc<Machine>, ctx: Arc<Context>) -> Result<Action, Error> {
     // Decisions read the caches: an empty cache would look like a Node with
@@ -86,56 +174,72 @@ pub(super) async fn reconcile(machine: Arc<Machine>, ctx: Arc<Context>) -> Resul
     if !ctx.synced.load(std::sync::atomic::Ordering::Acquire) {
         return Ok(Action::await_change());
     }
-    let machine = ctx.provider_ids.fill_in(machine);
     let mut timer = ctx.metrics.reconcile_timer();
     let result = reconcile_inner(&machine, &ctx).await;
     timer.record(&result, Error::metric_label);
-    result
+    match result? {
+        Next::Wait(action) => {
+            ctx.reset_backoff(&machine);
+            Ok(action)
+        }
+        Next::Stale => {
+            timer.set_result(RESULT_CONFLICT);
+            Ok(Action::requeue(STALE_RETRY))
+        }
+        // `reconcile_inner` removes the finalizer and waits.
+        Next::Finished => Ok(Action::await_change()),
+    }
 }
 
-async fn reconcile_inner(machine: &Arc<Machine>, ctx: &Context) -> Result<Action, Error> {
+async fn reconcile_inner(machine: &Arc<Machine>, ctx: &Context) -> Result<Next, Error> {
     let ns = machine.namespace().ok_or(Error::NoNamespace)?;
     let api: Api<Machine> = Api::namespaced(ctx.client.clone(), &ns);
-    let action = finalizer(&api, FINALIZER, machine.clone(), |event| async {
-        match event {
-            finalizer::Event::Apply(m) => apply(&m, ctx).await,
-            // kube's finalizer helper removes the finalizer when cleanup
-            // returns Ok, so a step that is not done yet leaves as Pending.
-            finalizer::Event::Cleanup(m) => match cleanup(&m, ctx).await? {
-                Some(action) => Err(Error::Pending(action)),
-                None => {
-                    ctx.drainer.forget(&ObjectRef::from_obj(&*m));
-                    ctx.provider_ids.forget(&m);
-                    Ok(Action::await_change())
-                }
-            },
-        }
-    })
-    .await;
-    let action = match action {
-        Ok(a) | Err(finalizer::Error::CleanupFailed(Error::Pending(a))) => a,
-        Err(e) if is_not_found(&e) && machine_is_gone(&api, machine).await => {
+    let ours = machine.finalizers().iter().any(|f| f == FINALIZER);
+    let deleting = machine.metadata.deletion_timestamp.is_some();
+    let result = match (ours, deleting) {
+        (true, false) => apply(machine, ctx).await,
+        (true, true) => match cleanup(machine, ctx).await {
+            Ok(Next::Finished) => {
+                ctx.drainer.forget(&ObjectRef::from_obj(&**machine));
+                // Every step is done: kube's helper removes the finalizer.
+                kube_finalizer(&api, machine).await.map(Next::Wait)
+            }
+            other => other,
+        },
+        // kube's helper adds the finalizer before anything else is done
+        // (or does nothing for a Machine deleted before it had one).
+        (false, _) => kube_finalizer(&api, machine).await.map(Next::Wait),
+    };
+    match result {
+        Err(e) if e.is_not_found() && machine_is_gone(&api, machine).await => {
             // A wake-up that raced the removal of the finalizer: the cached
             // copy still showed it, the Machine is gone. Nothing to do.
             tracing::debug!(machine = %machine.name_any(), "Machine already gone");
-            return Ok(Action::await_change());
+            Ok(Next::Wait(Action::await_change()))
         }
-        Err(e) => return Err(Error::Finalizer(Box::new(e))),
-    };
-    ctx.reset_backoff(machine);
-    Ok(action)
+        other => other,
+    }
 }
 
-/// Whether the API server answered 404 somewhere in `e`.
-fn is_not_found(e: &finalizer::Error<Error>) -> bool {
-    let kube_404 = |k: &kube::Error| matches!(k, kube::Error::Api(s) if s.code == 404);
-    match e {
-        finalizer::Error::ApplyFailed(Error::Kube(k))
-        | finalizer::Error::CleanupFailed(Error::Kube(k))
-        | finalizer::Error::AddFinalizer(k)
-        | finalizer::Error::RemoveFinalizer(k) => kube_404(k),
-        _ => false,
-    }
+/// kube's finalizer helper, for what it does best: adding the finalizer to
+/// a Machine that lacks it, and removing it (a JSON patch that first tests
+/// it is still there) once the deletion is done. The steps themselves run
+/// outside it, so that a step not done yet is a value, not the error the
+/// helper would need to keep the finalizer.
+async fn kube_finalizer(api: &Api<Machine>, machine: &Arc<Machine>) -> Result<Action, Error> {
+    finalizer(api, FINALIZER, Arc::clone(machine), |_| {
+        futures::future::ready(Ok::<_, Infallible>(Action::await_change()))
+    })
+    .await
+    .map_err(|e| match e {
+        finalizer::Error::AddFinalizer(source) | finalizer::Error::RemoveFinalizer(source) => {
+            Error::Kube {
+                step: Step::Finalizer,
+                source,
+            }
+        }
+        e => Error::Finalizer(Box::new(e)),
+    })
 }
 
 /// Asks the API server (not the cache) whether this Machine, by UID, is
@@ -155,25 +259,20 @@ struct Resolved {
     request: MachineRequest,
 }
 
-struct Invalid {
-    reason: &'static str,
-    message: String,
-}
-
-fn resolve_machine(m: &Machine, ctx: &Context) -> Result<Resolved, Invalid> {
+fn resolve_machine(m: &Machine, ctx: &Context) -> Result<Resolved, Unresolved> {
     let class_name = &m.spec.class_ref.name;
     let class = ctx
         .stores
         .classes
-        .get(&kube::runtime::reflector::ObjectRef::new(class_name))
-        .ok_or_else(|| Invalid {
+        .get(&ObjectRef::new(class_name))
+        .ok_or_else(|| Unresolved {
             reason: "ClassNotFound",
             message: format!("MachineClass {class_name:?} does not exist"),
         })?;
     let provider = ctx
         .providers
         .get(&class.spec.provider)
-        .ok_or_else(|| Invalid {
+        .ok_or_else(|| Unresolved {
             reason: "UnknownProvider",
             message: format!(
                 "MachineClass {class_name:?} names provider {:?}; this controller knows {:?}",
@@ -187,7 +286,7 @@ fn resolve_machine(m: &Machine, ctx: &Context) -> Result<Resolved, Invalid> {
         class.spec.creation_timeout.as_deref(),
         class.spec.health_timeout.as_deref(),
     )
-    .map_err(|e| Invalid {
+    .map_err(|e| Unresolved {
         reason: "InvalidSettings",
         message: e.to_string(),
     })?;
@@ -196,7 +295,7 @@ fn resolve_machine(m: &Machine, ctx: &Context) -> Result<Resolved, Invalid> {
         .provider_spec
         .clone()
         .unwrap_or(serde_json::Value::Null);
-    provider.validate(&provider_spec).map_err(|e| Invalid {
+    provider.validate(&provider_spec).map_err(|e| Unresolved {
         reason: "InvalidProviderSpec",
         message: format!("MachineClass {class_name:?}: {e}"),
     })?;
@@ -213,47 +312,68 @@ fn resolve_machine(m: &Machine, ctx: &Context) -> Result<Resolved, Invalid> {
     })
 }
 
-/// Writes the status the step implies (only if it differs) and, when the
-/// report is new, an Event. Returns the Machine as written, if it was.
+/// Whether a record is written when it changes nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Write {
+    IfChanged,
+    /// Written anyway: a write that changes nothing still checks the
+    /// Machine's resourceVersion, and so proves the copy read is current.
+    Always,
+}
+
+/// What recording a step came to.
+enum Recorded {
+    /// Nothing to write: the status already says it.
+    Unchanged,
+    /// Written: the Machine as the API server now has it.
+    Written(Box<Machine>),
+    /// Refused: the Machine changed since the copy the record was built on.
+    Stale,
+}
+
+impl Recorded {
+    /// Come back on `action`, unless the write was refused.
+    fn then(self, action: Action) -> Next {
+        match self {
+            Recorded::Stale => Next::Stale,
+            Recorded::Unchanged | Recorded::Written(_) => Next::Wait(action),
+        }
+    }
+}
+
+/// Writes the status `rec` implies on `m` (only if it differs, unless
+/// `write` says always), on condition that `m` is the Machine's current
+/// version, and, when the report is new and the write was not refused, an
+/// Event.
 async fn record(
     ctx: &Context,
     m: &Machine,
-    phase: Option<MachinePhase>,
-    conds: &[Cond],
-    report: Report,
-    extra: impl FnOnce(&mut MachineStatus),
-) -> Result<Option<Machine>, Error> {
+    rec: &StepRecord,
+    write: Write,
+) -> Result<Recorded, Error> {
     let current = m.status.clone().unwrap_or_default();
-    let mut next = next_status(
-        &current,
-        phase,
-        conds,
-        &report,
-        m.metadata.generation,
-        Timestamp::now(),
-    );
-    extra(&mut next);
-    let mut written = None;
-    if next != current {
-        let mut body = serde_json::to_value(&next)?;
-        // While the drain engine runs, it owns `status.drain`: a merge patch
-        // of this (cached, possibly older) copy would undo its progress.
-        if next.drain == current.drain
-            && let Some(obj) = body.as_object_mut()
+    let next = status_after(&current, rec, m.metadata.generation, Timestamp::now());
+    let recorded = if next != current || write == Write::Always {
+        match write_status(ctx.client.clone(), m, &next)
+            .await
+            .map_err(at(Step::Status))?
         {
-            obj.remove("drain");
+            StatusWrite::Written(w) => Recorded::Written(w),
+            StatusWrite::Conflict => {
+                // The step is taken again on the newer copy, and reported
+                // then.
+                tracing::debug!(
+                    machine = %m.name_any(),
+                    step = rec.report.step,
+                    "status write refused: the Machine changed since it was read"
+                );
+                return Ok(Recorded::Stale);
+            }
         }
-        let api: Api<Machine> =
-            Api::namespaced(ctx.client.clone(), &m.namespace().unwrap_or_default());
-        written = Some(
-            api.patch_status(
-                &m.name_any(),
-                &PatchParams::default(),
-                &Patch::Merge(serde_json::json!({ "status": body })),
-            )
-            .await?,
-        );
-    }
+    } else {
+        Recorded::Unchanged
+    };
+    let report = &rec.report;
     if !report.recorded_in(current.last_operation.as_ref()) {
         let type_ = if report.state == State::Failed {
             EventType::Warning
@@ -279,13 +399,28 @@ async fn record(
         // neither stop nor slow the lifecycle.
         ctx.events.publish(ev, m.object_ref(&()));
     }
-    Ok(written)
+    Ok(recorded)
 }
 
-/// A report that changes no phase or condition. Returns the Machine as
-/// written, if it was.
-async fn note(ctx: &Context, m: &Machine, report: Report) -> Result<Option<Machine>, Error> {
-    record(ctx, m, None, &[], report, |_| {}).await
+/// `current` with `rec` applied.
+fn status_after(
+    current: &MachineStatus,
+    rec: &StepRecord,
+    generation: Option<i64>,
+    now: Timestamp,
+) -> MachineStatus {
+    let mut next = next_status(
+        current,
+        rec.phase,
+        &rec.conditions,
+        &rec.report,
+        generation,
+        now,
+    );
+    if let Some(name) = &rec.node_ref {
+        next.node_ref = Some(NodeReference { name: name.clone() });
+    }
+    next
 }
 
 fn truncate(s: &str, max: usize) -> String {
@@ -314,7 +449,10 @@ async fn node_from_api(m: &Machine, ctx: &Context) -> Result<Option<Arc<Node>>, 
     else {
         return Ok(None);
     };
-    let node = Api::<Node>::all(ctx.client.clone()).get_opt(name).await?;
+    let node = Api::<Node>::all(ctx.client.clone())
+        .get_opt(name)
+        .await
+        .map_err(at(Step::NodeGet))?;
     if node.is_some() {
         tracing::warn!(node = %name, "Node missing from the cache but present in the API server");
     }
@@ -327,10 +465,7 @@ fn find_node(m: &Machine, ctx: &Context) -> Option<Arc<Node>> {
         .as_ref()
         .and_then(|s| s.node_ref.as_ref())
         .map(|r| &r.name)
-        && let Some(n) = ctx
-            .stores
-            .nodes
-            .get(&kube::runtime::reflector::ObjectRef::new(name))
+        && let Some(n) = ctx.stores.nodes.get(&ObjectRef::new(name))
     {
         return Some(n);
     }
@@ -343,26 +478,15 @@ fn find_node(m: &Machine, ctx: &Context) -> Option<Arc<Node>> {
         .next()
 }
 
-async fn apply(m: &Machine, ctx: &Context) -> Result<Action, Error> {
+async fn apply(m: &Machine, ctx: &Context) -> Result<Next, Error> {
     let r = match resolve_machine(m, ctx) {
         Ok(r) => r,
-        Err(inv) => {
-            let phase = m
-                .status
-                .as_ref()
-                .and_then(|s| s.phase)
-                .unwrap_or(MachinePhase::Pending);
-            record(
-                ctx,
-                m,
-                Some(phase),
-                &[Cond::new(READY, false, inv.reason, inv.message.clone())],
-                Report::new("Create", inv.reason, State::Failed, inv.message),
-                |_| {},
-            )
-            .await?;
+        Err(why) => {
+            let rec = unresolved_record(m.status.as_ref().and_then(|s| s.phase), &why);
             // Nothing will change until the Machine or its class does.
-            return Ok(Action::await_change());
+            return Ok(record(ctx, m, &rec, Write::IfChanged)
+                .await?
+                .then(Action::await_change()));
         }
     };
     let now = Timestamp::now();
@@ -375,179 +499,94 @@ async fn apply(m: &Machine, ctx: &Context) -> Result<Action, Error> {
         creation_timeout: r.settings.creation_timeout,
         health_timeout: r.settings.health_timeout,
     };
-    match next_creation_step(&facts) {
-        CreationStep::CreateVm => create_vm(m, ctx, &r).await,
-        CreationStep::WaitForNode { retry_in } => {
-            let id = m.spec.provider_id.clone().unwrap_or_default();
-            record(
-                ctx,
-                m,
-                Some(MachinePhase::Creating),
-                &[Cond::new(
-                    READY,
-                    false,
-                    "WaitingForNode",
-                    format!(
-                        "waiting for the Node with providerID {id} to register and become Ready"
-                    ),
-                )],
-                Report::new(
-                    "Create",
-                    "WaitForNode",
-                    State::Waiting,
-                    format!("VM {id} exists; waiting for its Node to register and become Ready"),
-                ),
-                |_| {},
-            )
-            .await?;
-            // The Node watch wakes us earlier; this is the creation deadline.
-            Ok(Action::requeue(retry_in + Duration::from_millis(100)))
-        }
-        CreationStep::FailCreation { .. } => {
-            let msg = format!(
-                "the Node did not register and become Ready within the creation timeout ({})",
-                humantime::format_duration(r.settings.creation_timeout)
-            );
-            record(
-                ctx,
-                m,
-                Some(MachinePhase::Failed),
-                &[Cond::new(READY, false, "CreationTimeout", msg.clone())],
-                Report::new("Create", "WaitForNode", State::Failed, msg),
-                |_| {},
-            )
-            .await?;
-            Ok(Action::await_change())
-        }
-        CreationStep::Running { node: name } => {
-            let facts = facts.node.clone();
-            let ready = facts.as_ref().is_some_and(|n| n.ready);
-            record(
-                ctx,
-                m,
-                Some(MachinePhase::Running),
-                &[
-                    Cond::new(READY, true, "NodeReady", format!("Node {name} is Ready")),
-                    Cond::new(
-                        NODE_HEALTHY,
-                        true,
-                        "NodeReady",
-                        format!("Node {name} is Ready"),
-                    ),
-                ],
-                Report::new(
-                    "Create",
-                    "Running",
-                    State::Succeeded,
-                    format!("Node {name} is Ready"),
-                ),
-                |s| {
-                    s.node_ref = Some(NodeReference { name: name.clone() });
-                },
-            )
-            .await?;
-            match facts {
-                // NotReady but within the health timeout: look again when
-                // it would pass (a Node event wakes us earlier).
-                Some(NodeFacts { ready_for, .. }) if !ready => Ok(Action::requeue(
-                    r.settings.health_timeout.saturating_sub(ready_for)
-                        + Duration::from_millis(100),
-                )),
-                _ => Ok(Action::await_change()),
-            }
-        }
-        CreationStep::Unhealthy { node, .. } => {
-            let msg = format!(
-                "Node {node} has been NotReady for longer than the health timeout ({})",
-                humantime::format_duration(r.settings.health_timeout)
-            );
-            record(
-                ctx,
-                m,
-                None,
-                &[Cond::new(NODE_HEALTHY, false, "NodeNotReady", msg.clone())],
-                Report::new("Health", "NodeNotReady", State::Failed, msg),
-                |_| {},
-            )
-            .await?;
-            Ok(Action::await_change())
-        }
-        CreationStep::StayFailed => Ok(Action::await_change()),
+    let step = next_creation_step(&facts);
+    let Some(rec) = creation_record(
+        &step,
+        &CreationContext {
+            provider: r.provider.name(),
+            provider_id: m.spec.provider_id.as_deref().unwrap_or_default(),
+            creation_timeout: r.settings.creation_timeout,
+            health_timeout: r.settings.health_timeout,
+        },
+    ) else {
+        // Failed: stays so until the Machine is deleted.
+        return Ok(Next::Wait(Action::await_change()));
+    };
+    if step == CreationStep::CreateVm {
+        // The VM request is recorded before the provider is asked, so that
+        // a deletion knows a VM may exist. The write is also the guard of
+        // "one create per Machine": it succeeds only on the Machine's
+        // current version, so a reconcile woken by that very write but
+        // reading a copy from before the providerID was recorded is
+        // refused here instead of asking for a second VM.
+        return match record(ctx, m, &rec, Write::Always).await? {
+            Recorded::Stale => Ok(Next::Stale),
+            Recorded::Written(w) => create_vm(&w, ctx, &r).await,
+            Recorded::Unchanged => create_vm(m, ctx, &r).await,
+        };
     }
+    let action = match step {
+        // The Node watch wakes us earlier; this is the creation deadline.
+        CreationStep::WaitForNode { retry_in } => {
+            Action::requeue(retry_in + Duration::from_millis(100))
+        }
+        // NotReady but within the health timeout: look again when it would
+        // pass (a Node event wakes us earlier).
+        CreationStep::Running { .. } => match facts.node {
+            Some(NodeFacts {
+                ready: false,
+                ready_for,
+                ..
+            }) => Action::requeue(
+                r.settings.health_timeout.saturating_sub(ready_for) + Duration::from_millis(100),
+            ),
+            _ => Action::await_change(),
+        },
+        _ => Action::await_change(),
+    };
+    Ok(record(ctx, m, &rec, Write::IfChanged).await?.then(action))
 }
 
-async fn create_vm(m: &Machine, ctx: &Context, r: &Resolved) -> Result<Action, Error> {
+/// Asks the provider for the VM and records its providerID. `m` is the
+/// Machine as the VM request was written.
+async fn create_vm(m: &Machine, ctx: &Context, r: &Resolved) -> Result<Next, Error> {
     let provider = r.provider.name();
-    record(
-        ctx,
-        m,
-        Some(MachinePhase::Creating),
-        &[
-            Cond::new(READY, false, "Creating", "creating the VM"),
-            Cond::new(
-                VM_REQUESTED,
-                true,
-                "Requested",
-                format!("the VM was requested from provider {provider}"),
-            ),
-        ],
-        Report::new(
-            "Create",
-            "CreateVm",
-            State::Processing,
-            format!("creating the VM with provider {provider}"),
-        ),
-        |_| {},
-    )
-    .await?;
-    match r.provider.create(&r.request).await {
+    let answer = match r.provider.create(&r.request).await {
         Ok(vm) => {
+            // A plain merge patch: the field is set once, by this
+            // controller only, and the CRD refuses to change it, so there
+            // is no newer write it could undo.
             let api: Api<Machine> = Api::namespaced(ctx.client.clone(), &r.request.namespace);
             api.patch(
                 &m.name_any(),
                 &PatchParams::default(),
                 &Patch::Merge(serde_json::json!({"spec": {"providerID": vm.provider_id}})),
             )
-            .await?;
-            ctx.provider_ids.written(m, &vm.provider_id);
+            .await
+            .map_err(at(Step::ProviderId))?;
             // The spec change wakes the next step.
-            Ok(Action::await_change())
+            return Ok(Next::Wait(Action::await_change()));
         }
-        Err(ProviderError::InProgress { what, retry_after }) => {
-            note(
-                ctx,
-                m,
-                Report::new("Create", "CreateVm", State::Waiting, what),
-            )
-            .await?;
-            Ok(Action::requeue(retry_after))
+        Err(e) => e,
+    };
+    match answer {
+        ProviderError::InProgress { what, retry_after } => {
+            let rec = vm_answer_record(provider, &VmAnswer::InProgress(&what));
+            Ok(record(ctx, m, &rec, Write::IfChanged)
+                .await?
+                .then(Action::requeue(retry_after)))
         }
-        Err(e @ (ProviderError::Permanent(_) | ProviderError::InvalidSpec(_))) => {
-            let msg = format!("provider {provider} cannot create the VM: {e}");
-            record(
-                ctx,
-                m,
-                Some(MachinePhase::Failed),
-                &[Cond::new(READY, false, "CreateFailed", msg.clone())],
-                Report::new("Create", "CreateVm", State::Failed, msg),
-                |_| {},
-            )
-            .await?;
-            Ok(Action::await_change())
+        e @ (ProviderError::Permanent(_) | ProviderError::InvalidSpec(_)) => {
+            let rec = vm_answer_record(provider, &VmAnswer::Refused(&e.to_string()));
+            Ok(record(ctx, m, &rec, Write::IfChanged)
+                .await?
+                .then(Action::await_change()))
         }
-        Err(e) => {
-            note(
-                ctx,
-                m,
-                Report::new(
-                    "Create",
-                    "CreateVm",
-                    State::Failed,
-                    format!("provider {provider}: {e}; retrying"),
-                ),
-            )
-            .await?;
+        e => {
+            let rec = vm_answer_record(provider, &VmAnswer::Failed(&e.to_string()));
+            record(ctx, m, &rec, Write::IfChanged).await?;
             Err(Error::Provider {
+                step: Step::ProviderCreate,
                 provider: provider.into(),
                 source: e,
             })
@@ -563,16 +602,14 @@ fn key(p: &Pod) -> String {
     format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any())
 }
 
-/// The next deletion step. `Some(action)`: not done, come back on `action`;
-/// `None`: every step is done and the finalizer can go.
 /// Steps of a deletion taken in one reconcile at most: marking the Machine
 /// Terminating, cordoning its Node, starting the drain.
 const STEPS_PER_RECONCILE: usize = 3;
 
 /// What one deletion step left to do.
 enum Stepped {
-    /// Wait (or not: `None` means the Machine may go).
-    Done(Option<Action>),
+    /// Stop here.
+    Stop(Next),
     /// The step wrote what the next one reads: go on from these copies
     /// rather than wait for the watches to bring them back.
     Advanced {
@@ -581,31 +618,37 @@ enum Stepped {
     },
 }
 
+impl From<Next> for Stepped {
+    fn from(next: Next) -> Self {
+        Stepped::Stop(next)
+    }
+}
+
 /// The deletion, one step after another. The first steps (marking the
 /// Machine Terminating, cordoning its Node) are each followed at once by
 /// the next, on the objects the API server answered with: with many
 /// Machines deleted together, a wait for each write's watch event and a
 /// turn in the work queue between steps would delay every drain's first
 /// eviction by seconds.
-async fn cleanup(m: &Machine, ctx: &Context) -> Result<Option<Action>, Error> {
-    let mut machine = std::borrow::Cow::Borrowed(m);
+async fn cleanup(m: &Machine, ctx: &Context) -> Result<Next, Error> {
+    let mut machine = Cow::Borrowed(m);
     let mut node = None;
     for _ in 0..STEPS_PER_RECONCILE {
         match cleanup_step(&machine, node.take(), ctx).await? {
-            Stepped::Done(action) => return Ok(action),
+            Stepped::Stop(next) => return Ok(next),
             Stepped::Advanced {
                 machine: written,
                 node: n,
             } => {
                 if let Some(w) = written {
-                    machine = std::borrow::Cow::Owned(*w);
+                    machine = Cow::Owned(*w);
                 }
                 node = n;
             }
         }
     }
     // The writes above wake this Machine again.
-    Ok(Some(Action::await_change()))
+    Ok(Next::Wait(Action::await_change()))
 }
 
 /// Takes the next deletion step. `known_node` is a fresher copy of the
@@ -676,68 +719,47 @@ async fn cleanup_step(
         volume_detach_timed_out: detach_wait.is_some_and(|w| w >= settings.volume_detach_timeout),
     };
     let step = next_deletion_step(&facts);
-    let name = step.name();
-    let action: Result<Option<Action>, Error> = match step {
-        DeletionStep::MarkTerminating => {
-            let started = m.metadata.deletion_timestamp.clone();
-            let written = record(
-                ctx,
-                m,
-                Some(MachinePhase::Terminating),
-                &[],
-                Report::new("Delete", name, State::Processing, "deletion requested"),
-                |s| {
-                    s.drain.get_or_insert_with(DrainStatus::default).started_at = started;
-                },
-            )
-            .await?;
-            match written {
-                Some(w) => {
-                    return Ok(Stepped::Advanced {
-                        machine: Some(Box::new(w)),
-                        node,
-                    });
-                }
-                None => Ok(Some(Action::await_change())),
-            }
+    let as_decided = deletion_record(&step, &DeletionOutcome::AsDecided);
+    Ok(match &step {
+        DeletionStep::MarkTerminating => match record(ctx, m, &as_decided, Write::IfChanged).await?
+        {
+            Recorded::Written(w) => Stepped::Advanced {
+                machine: Some(w),
+                node,
+            },
+            Recorded::Unchanged => Next::Wait(Action::await_change()).into(),
+            Recorded::Stale => Next::Stale.into(),
+        },
+        DeletionStep::WaitPreDrainHooks(_) | DeletionStep::WaitPreTerminateHooks(_) => {
+            record(ctx, m, &as_decided, Write::IfChanged)
+                .await?
+                .then(Action::await_change())
+                .into()
         }
-        DeletionStep::WaitPreDrainHooks(hooks) | DeletionStep::WaitPreTerminateHooks(hooks) => {
-            let msg = format!(
-                "waiting for the lifecycle hooks to be removed: {}",
-                hooks.join(", ")
-            );
-            note(ctx, m, Report::new("Delete", name, State::Waiting, msg)).await?;
-            Ok(Some(Action::await_change()))
-        }
-        DeletionStep::Cordon { node: node_name } => {
+        DeletionStep::Cordon { .. } => {
             let cordoned = match node {
                 Some(n) => Some(Arc::new(cordon(ctx, &n).await?)),
                 None => None,
             };
-            let written = note(
-                ctx,
-                m,
-                Report::new(
-                    "Delete",
-                    name,
-                    State::Succeeded,
-                    format!("cordoned Node {node_name}"),
-                ),
-            )
-            .await?;
-            match cordoned {
-                Some(n) => {
-                    return Ok(Stepped::Advanced {
-                        machine: written.map(Box::new),
-                        node: Some(n),
-                    });
-                }
-                None => Ok(Some(Action::await_change())),
+            match (
+                record(ctx, m, &as_decided, Write::IfChanged).await?,
+                cordoned,
+            ) {
+                (Recorded::Stale, _) => Next::Stale.into(),
+                (Recorded::Written(w), Some(n)) => Stepped::Advanced {
+                    machine: Some(w),
+                    node: Some(n),
+                },
+                (Recorded::Unchanged, Some(n)) => Stepped::Advanced {
+                    machine: None,
+                    node: Some(n),
+                },
+                (_, None) => Next::Wait(Action::await_change()).into(),
             }
         }
-        DeletionStep::ForceDeletePods { node, pods } => {
+        DeletionStep::ForceDeletePods { pods, .. } => {
             ctx.drainer.forget(&ObjectRef::from_obj(m));
-            for p in &pods {
+            for p in pods {
                 let Some((ns, pod)) = p.split_once('/') else {
                     continue;
                 };
@@ -748,19 +770,17 @@ async fn cleanup_step(
                 {
                     Ok(_) => {}
                     Err(kube::Error::Api(e)) if e.code == 404 => {}
-                    Err(e) => return Err(e.into()),
+                    Err(e) => return Err(at(Step::PodDelete)(e)),
                 }
             }
-            let msg = format!(
-                "force-deleting {} pods on Node {node} (forced deletion)",
-                pods.len()
-            );
-            note(ctx, m, Report::new("Delete", name, State::Processing, msg)).await?;
-            Ok(Some(Action::await_change()))
+            record(ctx, m, &as_decided, Write::IfChanged)
+                .await?
+                .then(Action::await_change())
+                .into()
         }
         DeletionStep::Drain { node, pods } => {
             let Some(started) = m.metadata.deletion_timestamp.as_ref().map(|t| t.0) else {
-                return Ok(Stepped::Done(Some(Action::await_change())));
+                return Ok(Next::Wait(Action::await_change()).into());
             };
             let job = Job {
                 machine: ObjectRef::from_obj(m),
@@ -770,101 +790,52 @@ async fn cleanup_step(
                 deadline: Deadline::new(started, settings.drain_timeout),
             };
             let progress = ctx.drainer.ensure(job, !pods.is_empty());
-            let (reason, state, msg) = drain_report(&node, &pods, &progress);
-            record(
-                ctx,
-                m,
-                None,
-                &[Cond::new(DRAINED, false, reason, msg.clone())],
-                Report::new("Delete", name, state, msg),
-                |_| {},
-            )
-            .await?;
+            let rec = deletion_record(&step, &DeletionOutcome::Drain(drain_view(&progress)));
             // The engine's progress writes and its end wake this Machine;
             // a failed drain is retried after a pause.
-            Ok(Some(match progress.outcome {
+            let action = match progress.outcome {
                 Some(Outcome::Failed { .. }) => Action::requeue(RETRY_FAILED_AFTER),
                 _ => Action::await_change(),
-            }))
+            };
+            record(ctx, m, &rec, Write::IfChanged)
+                .await?
+                .then(action)
+                .into()
         }
-        DeletionStep::WaitVolumesDetached { node, attachments } => {
-            let msg = format!(
-                "waiting for {} VolumeAttachments to leave Node {node}: {}",
-                attachments.len(),
-                attachments.join(", ")
-            );
-            record(
-                ctx,
-                m,
-                None,
-                &[
-                    Cond::new(
-                        DRAINED,
-                        true,
-                        "Drained",
-                        format!("no pod left to drain on Node {node}"),
-                    ),
-                    Cond::new(VOLUMES_DETACHED, false, "Detaching", msg.clone()),
-                ],
-                Report::new("Delete", name, State::Waiting, msg),
-                |s| {
-                    if let Some(d) = s.drain.as_mut() {
-                        d.pods_remaining = 0;
-                        d.progress = Some(format!("{}/{}", d.pods_total, d.pods_total));
-                        d.waiting_for = Some("volumes to detach".into());
-                    }
-                },
-            )
-            .await?;
+        DeletionStep::WaitVolumesDetached { .. } => {
             // VolumeAttachment events wake us; this is the detach deadline.
             let waited = detach_wait.unwrap_or_default();
-            Ok(Some(Action::requeue(
+            let action = Action::requeue(
                 settings.volume_detach_timeout.saturating_sub(waited) + Duration::from_millis(100),
-            )))
+            );
+            record(ctx, m, &as_decided, Write::IfChanged)
+                .await?
+                .then(action)
+                .into()
         }
         DeletionStep::DeleteVmAndNode { node } => {
-            delete_vm_and_node(m, ctx, resolved, facts, node).await
+            delete_vm_and_node(m, ctx, resolved, &facts, &step, node.as_deref())
+                .await?
+                .into()
         }
-    };
-    action.map(Stepped::Done)
+    })
 }
 
-/// What the Drain step says: the condition reason, the report state and a
-/// sentence, from the engine's progress.
-fn drain_report(node: &str, pods: &[String], p: &Progress) -> (&'static str, State, String) {
+/// How the `Drain` step reports the engine's progress.
+fn drain_view(p: &Progress) -> DrainView<'_> {
     match &p.outcome {
-        Some(Outcome::Failed { message }) => ("DrainFailed", State::Failed, message.clone()),
-        Some(Outcome::Drained | Outcome::Forced { .. }) => (
-            "PodsReturned",
-            State::Processing,
-            format!(
-                "pods came back to Node {node}: {}; draining again",
-                pods.join(", ")
-            ),
-        ),
-        // The running drain's details live in `status.drain`, written by
-        // the engine; the step's report changes only when the drain gets
-        // blocked or unblocked, so progress costs no Event and no second
-        // status write.
+        Some(Outcome::Failed { message }) => DrainView::Failed(message),
+        Some(Outcome::Drained | Outcome::Forced { .. }) => DrainView::Ended,
         None => match &p.blocked_by {
-            Some(b) => (
-                "EvictionBlocked",
-                State::Waiting,
-                format!("draining Node {node}: blocked: {b}"),
-            ),
-            None => (
-                "Draining",
-                State::Processing,
-                format!("draining Node {node} (progress in status.drain)"),
-            ),
+            Some(b) => DrainView::Blocked(b),
+            None => DrainView::Running,
         },
     }
 }
 
 /// `spec.unschedulable` plus berth's NoSchedule taint. The resourceVersion
 /// in the patch makes it a compare-and-swap, so a taint another writer
-/// added in between is never lost.
-/// Marks the Node unschedulable and taints it; returns it as written.
+/// added in between is never lost. Returns the Node as written.
 async fn cordon(ctx: &Context, node: &Node) -> Result<Node, Error> {
     let mut taints: Vec<Taint> = node
         .spec
@@ -886,220 +857,152 @@ async fn cordon(ctx: &Context, node: &Node) -> Result<Node, Error> {
         "metadata": {"resourceVersion": node.resource_version()},
         "spec": {"unschedulable": true, "taints": taints},
     });
-    Ok(Api::<Node>::all(ctx.client.clone())
+    Api::<Node>::all(ctx.client.clone())
         .patch(
             &node.name_any(),
             &PatchParams::default(),
             &Patch::Merge(patch),
         )
-        .await?)
+        .await
+        .map_err(at(Step::Cordon))
 }
 
 async fn delete_vm_and_node(
     m: &Machine,
     ctx: &Context,
-    resolved: Result<Resolved, Invalid>,
-    facts: DeletionFacts,
-    node: Option<String>,
-) -> Result<Option<Action>, Error> {
+    resolved: Result<Resolved, Unresolved>,
+    facts: &DeletionFacts,
+    step: &DeletionStep,
+    node: Option<&str>,
+) -> Result<Next, Error> {
+    let mut m = Cow::Borrowed(m);
     let had_node = m
         .status
         .as_ref()
         .and_then(|s| s.node_ref.as_ref())
         .is_some();
     if node.is_none() && !had_node && !facts.force {
-        record(
-            ctx,
-            m,
-            None,
-            &[Cond::new(
-                DRAINED,
-                true,
-                "NoNode",
-                "the Node never registered: nothing to drain",
-            )],
-            Report::new(
-                "Delete",
-                "SkipDrain",
-                State::Succeeded,
-                "the Node never registered: no drain",
-            ),
-            |_| {},
-        )
-        .await?;
+        let rec = deletion_record(step, &DeletionOutcome::DrainSkipped);
+        match record(ctx, &m, &rec, Write::IfChanged).await? {
+            Recorded::Stale => return Ok(Next::Stale),
+            Recorded::Written(w) => m = Cow::Owned(*w),
+            Recorded::Unchanged => {}
+        }
     }
     let vm_requested =
         m.spec.provider_id.is_some() || condition(m.status.as_ref(), VM_REQUESTED).is_some();
     let r = match resolved {
         Ok(r) => r,
         Err(_) if !vm_requested => {
-            note(
-                ctx,
-                m,
-                Report::new(
-                    "Delete",
-                    "DeleteVmAndNode",
-                    State::Succeeded,
-                    "no VM was ever requested: nothing to delete",
-                ),
-            )
-            .await?;
-            return Ok(None);
+            let rec = deletion_record(step, &DeletionOutcome::NoVm);
+            return Ok(match record(ctx, &m, &rec, Write::IfChanged).await? {
+                Recorded::Stale => Next::Stale,
+                _ => Next::Finished,
+            });
         }
-        Err(inv) => {
-            let msg = format!("cannot delete the VM: {}", inv.message);
-            record(
-                ctx,
-                m,
-                None,
-                &[Cond::new(READY, false, inv.reason, inv.message.clone())],
-                Report::new("Delete", "DeleteVm", State::Failed, msg),
-                |_| {},
-            )
-            .await?;
+        Err(why) => {
+            let rec = deletion_record(step, &DeletionOutcome::Unresolved(&why));
             // Keep the finalizer: never forget a VM. A fixed class wakes us.
-            return Ok(Some(Action::await_change()));
+            return Ok(record(ctx, &m, &rec, Write::IfChanged)
+                .await?
+                .then(Action::await_change()));
         }
     };
     let provider = r.provider.name();
     match r.provider.delete(&r.request).await {
         Ok(()) | Err(ProviderError::NotFound(_)) => {}
         Err(ProviderError::InProgress { what, retry_after }) => {
-            note(
-                ctx,
-                m,
-                Report::new("Delete", "DeleteVm", State::Waiting, what),
-            )
-            .await?;
-            return Ok(Some(Action::requeue(retry_after)));
+            let rec = deletion_record(step, &DeletionOutcome::VmDeleteInProgress(&what));
+            return Ok(record(ctx, &m, &rec, Write::IfChanged)
+                .await?
+                .then(Action::requeue(retry_after)));
         }
         Err(e @ (ProviderError::Permanent(_) | ProviderError::InvalidSpec(_))) => {
-            let msg = format!("provider {provider} cannot delete the VM: {e}");
-            note(
-                ctx,
-                m,
-                Report::new("Delete", "DeleteVm", State::Failed, msg),
-            )
-            .await?;
-            return Ok(Some(Action::requeue(Duration::from_secs(600))));
+            let error = e.to_string();
+            let rec = deletion_record(
+                step,
+                &DeletionOutcome::VmDeleteRefused {
+                    provider,
+                    error: &error,
+                },
+            );
+            return Ok(record(ctx, &m, &rec, Write::IfChanged)
+                .await?
+                .then(Action::requeue(Duration::from_secs(600))));
         }
         Err(e) => {
             return Err(Error::Provider {
+                step: Step::ProviderDelete,
                 provider: provider.into(),
                 source: e,
             });
         }
     }
-    let what = match &node {
-        Some(n) => {
-            match Api::<Node>::all(ctx.client.clone())
-                .delete(n, &DeleteParams::default())
-                .await
-            {
-                Ok(_) => {}
-                Err(kube::Error::Api(e)) if e.code == 404 => {}
-                Err(e) => return Err(e.into()),
-            }
-            format!("VM deleted, Node {n} deleted")
-        }
-        None => "VM deleted".to_string(),
-    };
-    note(
-        ctx,
-        m,
-        Report::new("Delete", "DeleteVmAndNode", State::Succeeded, what),
-    )
-    .await?;
-    Ok(None)
-}
-
-/// The providerIDs this controller wrote that its Machine cache may not show
-/// yet, by Machine UID.
-///
-/// Writing the VM request into the status wakes the Machine again, and that
-/// reconcile can read a cached copy from before the providerID was written:
-/// without this it would ask the provider for a second VM (measured: 110
-/// creates for 60 Machines). An entry lives until the cache shows the
-/// providerID or the Machine is gone.
-#[derive(Default)]
-pub(super) struct WrittenProviderIds(Mutex<HashMap<String, String>>);
-
-impl WrittenProviderIds {
-    /// `m`, or a copy with the providerID this controller wrote for it.
-    fn fill_in(&self, m: Arc<Machine>) -> Arc<Machine> {
-        let Some(uid) = m.metadata.uid.as_deref() else {
-            return m;
-        };
-        let mut ids = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if m.spec.provider_id.is_some() {
-            ids.remove(uid);
-            return m;
-        }
-        match ids.get(uid) {
-            Some(id) => {
-                let mut copy = (*m).clone();
-                copy.spec.provider_id = Some(id.clone());
-                Arc::new(copy)
-            }
-            None => m,
+    if let Some(n) = node {
+        match Api::<Node>::all(ctx.client.clone())
+            .delete(n, &DeleteParams::default())
+            .await
+        {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(e) => return Err(at(Step::NodeDelete)(e)),
         }
     }
-
-    fn written(&self, m: &Machine, provider_id: &str) {
-        if let Some(uid) = m.metadata.uid.clone() {
-            self.0
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(uid, provider_id.to_owned());
-        }
-    }
-
-    fn forget(&self, m: &Machine) {
-        if let Some(uid) = m.metadata.uid.as_deref() {
-            self.0.lock().unwrap_or_else(|e| e.into_inner()).remove(uid);
-        }
-    }
+    let rec = deletion_record(step, &DeletionOutcome::AsDecided);
+    Ok(match record(ctx, &m, &rec, Write::IfChanged).await? {
+        // Deleting the VM and the Node again is harmless (both idempotent).
+        Recorded::Stale => Next::Stale,
+        _ => Next::Finished,
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn machine(uid: &str, provider_id: Option<&str>) -> Arc<Machine> {
-        Arc::new(
-            serde_json::from_value(serde_json::json!({
-                "apiVersion": "berth.dev/v1alpha1", "kind": "Machine",
-                "metadata": {"name": "m", "namespace": "ns", "uid": uid},
-                "spec": {"classRef": {"name": "c"}, "providerID": provider_id}
-            }))
-            .expect("machine"),
-        )
+    #[test]
+    fn every_step_has_its_own_error_label() {
+        let steps = [
+            Step::Status,
+            Step::ProviderId,
+            Step::Finalizer,
+            Step::NodeGet,
+            Step::Cordon,
+            Step::PodDelete,
+            Step::NodeDelete,
+            Step::ProviderCreate,
+            Step::ProviderDelete,
+        ];
+        let labels: std::collections::HashSet<_> = steps.iter().map(|s| s.metric_label()).collect();
+        assert_eq!(labels.len(), steps.len());
+        assert!(labels.iter().all(|l| l.starts_with("error_")));
+        let e = Error::Kube {
+            step: Step::Cordon,
+            source: kube::Error::Api(Box::new(
+                kube::core::Status::failure("boom", "InternalError").with_code(500),
+            )),
+        };
+        assert_eq!(e.metric_label(), "error_cordon");
+        assert!(e.to_string().starts_with("cordon: "), "{e}");
+        assert!(!e.is_not_found());
     }
 
     #[test]
-    fn a_written_provider_id_fills_in_a_stale_copy_until_the_cache_has_it() {
-        let ids = WrittenProviderIds::default();
-        let stale = machine("u1", None);
-        assert_eq!(ids.fill_in(Arc::clone(&stale)).spec.provider_id, None);
-
-        ids.written(&stale, "fake://ns/m");
-        let filled = ids.fill_in(Arc::clone(&stale));
-        assert_eq!(filled.spec.provider_id.as_deref(), Some("fake://ns/m"));
-        // Another Machine of the same name (a new UID) is not confused with it.
-        assert_eq!(ids.fill_in(machine("u2", None)).spec.provider_id, None);
-
-        // The cache caught up: the entry goes, and the cached copy is used as is.
-        let fresh = machine("u1", Some("fake://ns/m"));
-        assert!(Arc::ptr_eq(&ids.fill_in(Arc::clone(&fresh)), &fresh));
-        assert_eq!(ids.fill_in(stale).spec.provider_id, None, "entry dropped");
-    }
-
-    #[test]
-    fn a_deleted_machine_is_forgotten() {
-        let ids = WrittenProviderIds::default();
-        let m = machine("u1", None);
-        ids.written(&m, "fake://ns/m");
-        ids.forget(&m);
-        assert_eq!(ids.fill_in(m).spec.provider_id, None);
+    fn a_record_sets_the_node_only_when_it_names_one() {
+        let rec = |node: Option<&str>| StepRecord {
+            phase: None,
+            conditions: vec![],
+            report: super::super::status::Report::new("Create", "Running", State::Succeeded, ""),
+            node_ref: node.map(str::to_string),
+        };
+        let start = MachineStatus {
+            node_ref: Some(NodeReference { name: "old".into() }),
+            ..Default::default()
+        };
+        let now = Timestamp::from_second(1_000_000).expect("valid");
+        let kept = status_after(&start, &rec(None), None, now);
+        assert_eq!(kept.node_ref.map(|r| r.name).as_deref(), Some("old"));
+        let set = status_after(&start, &rec(Some("n1")), None, now);
+        assert_eq!(set.node_ref.map(|r| r.name).as_deref(), Some("n1"));
     }
 }

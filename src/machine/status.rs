@@ -5,20 +5,21 @@
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
+use crate::api::conditions::NODE_HEALTHY;
 use crate::api::{LastOperation, MachinePhase, MachineStatus};
 
 /// What a step reports: it becomes `status.lastOperation` and, when it
 /// changes, an Event.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Report {
-    pub op: &'static str,
-    pub step: &'static str,
-    pub state: State,
-    pub description: String,
+pub(crate) struct Report {
+    pub(crate) op: &'static str,
+    pub(crate) step: &'static str,
+    pub(crate) state: State,
+    pub(crate) description: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum State {
+pub(crate) enum State {
     Processing,
     Waiting,
     Succeeded,
@@ -26,7 +27,7 @@ pub enum State {
 }
 
 impl State {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             State::Processing => "Processing",
             State::Waiting => "Waiting",
@@ -37,7 +38,7 @@ impl State {
 }
 
 impl Report {
-    pub fn new(
+    pub(crate) fn new(
         op: &'static str,
         step: &'static str,
         state: State,
@@ -52,7 +53,7 @@ impl Report {
     }
 
     /// Whether `last` already records this report (time aside).
-    pub fn recorded_in(&self, last: Option<&LastOperation>) -> bool {
+    pub(crate) fn recorded_in(&self, last: Option<&LastOperation>) -> bool {
         last.is_some_and(|l| {
             l.type_ == self.op
                 && l.step == self.step
@@ -64,15 +65,15 @@ impl Report {
 
 /// A condition to set: type, status, reason, message.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Cond {
-    pub type_: &'static str,
-    pub status: bool,
-    pub reason: &'static str,
-    pub message: String,
+pub(crate) struct Cond {
+    pub(crate) type_: &'static str,
+    pub(crate) status: bool,
+    pub(crate) reason: &'static str,
+    pub(crate) message: String,
 }
 
 impl Cond {
-    pub fn new(
+    pub(crate) fn new(
         type_: &'static str,
         status: bool,
         reason: &'static str,
@@ -90,7 +91,7 @@ impl Cond {
 /// The next status: `current` with the phase, conditions and report applied.
 /// A condition keeps its `lastTransitionTime` unless its status flips, and
 /// `lastOperation.lastUpdateTime` only moves when the report changes.
-pub fn next_status(
+pub(crate) fn next_status(
     current: &MachineStatus,
     phase: Option<MachinePhase>,
     conditions: &[Cond],
@@ -142,23 +143,23 @@ fn set_condition(conds: &mut Vec<Condition>, c: &Cond, generation: Option<i64>, 
 }
 
 /// The condition of that type, if set.
-pub fn condition<'a>(s: Option<&'a MachineStatus>, type_: &str) -> Option<&'a Condition> {
+pub(crate) fn condition<'a>(s: Option<&'a MachineStatus>, type_: &str) -> Option<&'a Condition> {
     s?.conditions.iter().find(|c| c.type_ == type_)
 }
 
 /// What the `berth_machines{phase}` and `berth_node_not_ready_machines`
 /// gauges show, counted from the Machine cache.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Gauges {
+pub(crate) struct Gauges {
     /// Machines per phase, in the order of [`MachinePhase::ALL`]; a Machine
     /// without a phase yet counts as `Pending`.
-    pub by_phase: [i64; MachinePhase::ALL.len()],
+    pub(crate) by_phase: [i64; MachinePhase::ALL.len()],
     /// Running Machines whose `NodeHealthy` condition is `False`.
-    pub node_not_ready: i64,
+    pub(crate) node_not_ready: i64,
 }
 
 impl Gauges {
-    pub fn count<'a>(machines: impl IntoIterator<Item = &'a crate::api::Machine>) -> Self {
+    pub(crate) fn count<'a>(machines: impl IntoIterator<Item = &'a crate::api::Machine>) -> Self {
         let mut g = Self::default();
         for m in machines {
             let status = m.status.as_ref();
@@ -169,7 +170,7 @@ impl Gauges {
                 g.by_phase[i] += 1;
             }
             let unhealthy = status
-                .and_then(|s| s.conditions.iter().find(|c| c.type_ == "NodeHealthy"))
+                .and_then(|s| s.conditions.iter().find(|c| c.type_ == NODE_HEALTHY))
                 .is_some_and(|c| c.status == "False");
             if phase == MachinePhase::Running && unhealthy {
                 g.node_not_ready += 1;
@@ -178,7 +179,7 @@ impl Gauges {
         g
     }
 
-    pub fn publish(&self, metrics: &crate::telemetry::Metrics) {
+    pub(crate) fn publish(&self, metrics: &crate::telemetry::Metrics) {
         for (phase, n) in MachinePhase::ALL.iter().zip(self.by_phase) {
             metrics.machines.with_label_values(&[phase.as_str()]).set(n);
         }
@@ -198,7 +199,12 @@ mod tests {
     #[test]
     fn an_unchanged_report_and_condition_yield_an_identical_status() {
         let r = Report::new("Create", "WaitForNode", State::Waiting, "waiting");
-        let c = [Cond::new("Ready", false, "NodeNotReady", "waiting")];
+        let c = [Cond::new(
+            crate::api::conditions::READY,
+            false,
+            "NodeNotReady",
+            "waiting",
+        )];
         let first = next_status(
             &MachineStatus::default(),
             Some(MachinePhase::Creating),
@@ -217,7 +223,7 @@ mod tests {
         let s1 = next_status(
             &MachineStatus::default(),
             None,
-            &[Cond::new("Ready", false, "A", "a")],
+            &[Cond::new(crate::api::conditions::READY, false, "A", "a")],
             &r,
             None,
             t(0),
@@ -225,7 +231,7 @@ mod tests {
         let s2 = next_status(
             &s1,
             None,
-            &[Cond::new("Ready", false, "B", "b")],
+            &[Cond::new(crate::api::conditions::READY, false, "B", "b")],
             &r,
             None,
             t(10),
@@ -235,7 +241,7 @@ mod tests {
         let s3 = next_status(
             &s2,
             None,
-            &[Cond::new("Ready", true, "C", "c")],
+            &[Cond::new(crate::api::conditions::READY, true, "C", "c")],
             &r,
             None,
             t(20),
@@ -275,7 +281,7 @@ mod tests {
             let mut m = Machine::new("m", MachineSpec::default());
             let r = Report::new("x", "y", State::Processing, "");
             let conds: Vec<Cond> = healthy
-                .map(|h| Cond::new("NodeHealthy", h, "R", "m"))
+                .map(|h| Cond::new(NODE_HEALTHY, h, "R", "m"))
                 .into_iter()
                 .collect();
             m.status = Some(next_status(

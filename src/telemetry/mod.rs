@@ -59,6 +59,10 @@ pub(crate) const RESULT_OK: &str = "ok";
 /// The `result` label value [`ReconcileTimer`] counts when it is dropped
 /// while its thread is panicking.
 pub(crate) const RESULT_PANIC: &str = "panic";
+/// The `result` label value of a reconcile whose status write was refused
+/// because the Machine had changed since it was read: not an error, the
+/// Machine is reconciled again on its newer version.
+pub const RESULT_CONFLICT: &str = "conflict";
 
 /// The outcome of one pod eviction attempt: the `result` label of
 /// `berth_pod_evictions_total`.
@@ -223,7 +227,7 @@ impl Metrics {
         let reconcile_total = r.add(IntCounterVec::new(
             Opts::new(
                 "berth_reconcile_total",
-                "Machine reconciles by result: \"ok\", or the static label of the error that ended the reconcile.",
+                "Machine reconciles by result: \"ok\"; \"conflict\" when a status write was refused because the Machine had changed since it was read (reconciled again shortly on the newer version; not an error); or \"error_\" and the call that failed: error_status, error_provider_id (recording the providerID), error_finalizer, error_node_get, error_cordon, error_pod_delete, error_node_delete, error_provider_create, error_provider_delete, error_no_namespace.",
             ),
             &["result"],
         )?)?;
@@ -475,8 +479,7 @@ pub(crate) struct ReconcileTimer {
 
 impl ReconcileTimer {
     /// Sets the `result` label counted when the timer is dropped.
-    #[cfg(test)]
-    fn set_result(&mut self, result: &'static str) {
+    pub(crate) fn set_result(&mut self, result: &'static str) {
         self.result = result;
     }
 

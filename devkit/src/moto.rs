@@ -15,8 +15,6 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-
 use crate::testbed::supervisor::{ProcessSpec, Supervisor};
 
 /// How long moto may take to answer its first request.
@@ -122,9 +120,6 @@ impl Moto {
         auth: Option<&str>,
         body: &str,
     ) -> Option<(u16, String)> {
-        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.port))
-            .await
-            .ok()?;
         let mut req = format!(
             "{method} {path} HTTP/1.0\r\nHost: 127.0.0.1:{}\r\nX-Amz-Date: 20260101T000000Z\r\n\
              Content-Type: application/x-www-form-urlencoded; charset=utf-8\r\nContent-Length: {}\r\n",
@@ -136,13 +131,7 @@ impl Moto {
         }
         req.push_str("\r\n");
         req.push_str(body);
-        s.write_all(req.as_bytes()).await.ok()?;
-        let mut buf = Vec::new();
-        s.read_to_end(&mut buf).await.ok()?;
-        let text = String::from_utf8_lossy(&buf);
-        let status = text.split_whitespace().nth(1)?.parse().ok()?;
-        let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string())?;
-        Some((status, body))
+        crate::testbed::http_exchange(self.port, &req).await
     }
 }
 

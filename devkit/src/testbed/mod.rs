@@ -589,11 +589,20 @@ async fn http_ok(port: u16, path: &str) -> bool {
 /// A plain HTTP/1.0 GET on a local port: the status and the body, or
 /// `None` when nothing answers.
 pub async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    http_exchange(
+        port,
+        &format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n"),
+    )
+    .await
+}
+
+/// Sends one raw HTTP/1.0 request to `127.0.0.1:port` and returns the
+/// response's status and body (`None` if the exchange failed).
+pub(crate) async fn http_exchange(port: u16, request: &str) -> Option<(u16, String)> {
     let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
         .ok()?;
-    let req = format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
-    s.write_all(req.as_bytes()).await.ok()?;
+    s.write_all(request.as_bytes()).await.ok()?;
     let mut buf = Vec::new();
     s.read_to_end(&mut buf).await.ok()?;
     let text = String::from_utf8_lossy(&buf);

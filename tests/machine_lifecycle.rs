@@ -613,27 +613,37 @@ async fn a_status_built_from_a_stale_copy_never_overwrites_a_newer_one() {
 
     // Copy A writes; the copy it gets back (B) writes a newer status.
     let b = written(
-        write_status(client.clone(), &a, &status("Cordon", "Ready"))
+        write_status(client.clone(), &a, &status("Cordon", "Ready"), || None)
             .await
             .expect("write from A"),
     );
     let newer = status("Drain", "Drained");
     let c = written(
-        write_status(client.clone(), &b, &newer)
+        write_status(client.clone(), &b, &newer, || None)
             .await
             .expect("write from B"),
     );
 
     // A write built from A (or B) now is refused, changed or not.
     for (stale, what) in [(&a, "A"), (&b, "B")] {
-        let w = write_status(client.clone(), stale, &status("Stale", "VolumesDetached"))
-            .await
-            .expect("write from a stale copy");
+        let w = write_status(
+            client.clone(),
+            stale,
+            &status("Stale", "VolumesDetached"),
+            || None,
+        )
+        .await
+        .expect("write from a stale copy");
         assert!(matches!(w, StatusWrite::Conflict), "{what}: {w:?}");
     }
-    let unchanged = write_status(client.clone(), &b, b.status.as_ref().expect("status"))
-        .await
-        .expect("no-op write from B");
+    let unchanged = write_status(
+        client.clone(),
+        &b,
+        b.status.as_ref().expect("status"),
+        || None,
+    )
+    .await
+    .expect("no-op write from B");
     assert!(
         matches!(unchanged, StatusWrite::Conflict),
         "even a write that changes nothing checks the copy: {unchanged:?}"
@@ -660,7 +670,7 @@ async fn a_status_built_from_a_stale_copy_never_overwrites_a_newer_one() {
     // without a new resourceVersion: that is how the reconciler proves its
     // copy is current before it asks a provider for a VM.
     let same = written(
-        write_status(client.clone(), &c, &newer)
+        write_status(client.clone(), &c, &newer, || None)
             .await
             .expect("no-op write from C"),
     );
@@ -682,6 +692,7 @@ async fn a_status_built_from_a_stale_copy_never_overwrites_a_newer_one() {
             client.clone(),
             &c,
             &status("WaitVolumesDetached", "VolumesDetached"),
+            || None,
         )
         .await
         .expect("write from C after the engine's"),
@@ -693,10 +704,38 @@ async fn a_status_built_from_a_stale_copy_never_overwrites_a_newer_one() {
         Some("WaitVolumesDetached")
     );
     // But C is stale now that its own kind of write came after it.
-    let w = write_status(client.clone(), &c, &newer)
+    let w = write_status(client.clone(), &c, &newer, || None)
         .await
         .expect("write from C");
     assert!(matches!(w, StatusWrite::Conflict), "{w:?}");
+
+    // The engine keeps the Machine its last write returned and offers it
+    // to the reconciler, which retries on it without reading the Machine
+    // again.
+    let e = machines
+        .patch_status(
+            "m1",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"status": {"drain": {"podsTotal": 2}}})),
+        )
+        .await
+        .expect("the engine's second write");
+    let asked = std::sync::atomic::AtomicUsize::new(0);
+    let f = written(
+        write_status(client.clone(), &d, &newer, || {
+            asked.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Some(e.clone())
+        })
+        .await
+        .expect("write from D after the engine's"),
+    );
+    assert_eq!(asked.into_inner(), 1, "the engine's copy was asked for");
+    let s = f.status.as_ref().expect("status");
+    assert_eq!(s.drain.as_ref().map(|d| d.pods_total), Some(2));
+    assert_eq!(
+        s.last_operation.as_ref().map(|o| o.step.as_str()),
+        Some("Drain")
+    );
 }
 
 /// Recording the VM request wakes the Machine again, and that reconcile may

@@ -209,13 +209,14 @@ pub async fn run(
     // watch events (re-lists included) once the store has applied them.
     let (nodes, nodes_w) = reflector::store();
     let (attachments, vas_w) = reflector::store();
+    let indexes = Indexes::default();
     let tracker = Tracker::new(
         attachments.clone(),
+        indexes.attachments_by_pv.clone(),
         nodes.clone(),
         crate::volumes::DEFAULT_CHANNEL_CAPACITY,
         Some(&metrics),
     );
-    let indexes = Indexes::default();
     let node_tracker = tracker.clone();
     let node_index = indexes.clone();
     let node_events = reflector::reflector(
@@ -374,7 +375,6 @@ pub async fn run(
         pvs: pvs.clone(),
         pdbs: pdbs.clone(),
         attachments: attachments.clone(),
-        nodes: nodes.clone(),
         indexes,
         tracker,
         pod_changes,

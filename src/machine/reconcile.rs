@@ -354,9 +354,12 @@ async fn record(
     let current = m.status.clone().unwrap_or_default();
     let next = status_after(&current, rec, m.metadata.generation, Timestamp::now());
     let recorded = if next != current || write == Write::Always {
-        match write_status(ctx.client.clone(), m, &next)
-            .await
-            .map_err(at(Step::Status))?
+        let key = ObjectRef::from_obj(m);
+        match write_status(ctx.client.clone(), m, &next, || {
+            ctx.drainer.last_written(&key)
+        })
+        .await
+        .map_err(at(Step::Status))?
         {
             StatusWrite::Written(w) => Recorded::Written(w),
             StatusWrite::Conflict => {

@@ -73,6 +73,11 @@ struct Precondition<'a> {
 /// `resourceVersion` of `read` (the copy `status` was computed from).
 /// `status.drain` is left out whatever it holds.
 ///
+/// On a conflict, the newer version to try is first asked of `known` (the
+/// drain engine keeps the Machine its last `status.drain` write returned,
+/// which is the usual cause of the conflict), and read from the API server
+/// only when that copy does not do.
+///
 /// A write that changes nothing still checks the precondition, without
 /// bumping the resourceVersion: [`StatusWrite::Written`] then proves that
 /// `read` is current, which the reconciler relies on before it asks a
@@ -85,6 +90,7 @@ pub async fn write_status(
     client: Client,
     read: &Machine,
     status: &MachineStatus,
+    known: impl Fn() -> Option<Machine>,
 ) -> Result<StatusWrite, kube::Error> {
     let api: Api<Machine> = Api::namespaced(client, &read.namespace().unwrap_or_default());
     let name = read.name_any();
@@ -103,7 +109,12 @@ pub async fn write_status(
             Err(kube::Error::Api(e)) if e.code == 409 => {}
             Err(e) => return Err(e),
         }
-        match api.get_opt(&name).await? {
+        let tried = base.metadata.resource_version.clone();
+        let newer = match known().filter(|k| k.metadata.resource_version != tried) {
+            Some(k) if same_but_drain(read, &k) => Some(k),
+            _ => api.get_opt(&name).await?,
+        };
+        match newer {
             Some(newer) if same_but_drain(read, &newer) => base = Cow::Owned(newer),
             _ => return Ok(StatusWrite::Conflict),
         }

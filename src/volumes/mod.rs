@@ -4,7 +4,9 @@
 //! # Shape
 //!
 //! * `Tracker` holds the informer stores (`Store<VolumeAttachment>`,
-//!   `Store<Node>`), which are the truth, and a registry of waits.
+//!   `Store<Node>`), which are the truth, the shared index of the
+//!   attachments by PV (read only: the caller feeds it), and a registry of
+//!   waits.
 //! * `Tracker::register` returns a `Registration` for an `Interest`:
 //!   the Node being drained and the PersistentVolumes of the pod being moved
 //!   (each with its CSI unique name, see [`unique_name_of`]).
@@ -28,8 +30,9 @@
 //!
 //! 1. **Store first, then hint.** The reflector writes an event into its
 //!    store before yielding it downstream, and the `observe_*` methods are
-//!    called from an `inspect` right after the reflector. So when a hint is
-//!    sent, the store already shows the change (or a newer state).
+//!    called from an `inspect` right after the reflector, after the index by
+//!    PV was fed the same event. So when a hint is sent, the store and the
+//!    index already show the change (or a newer state).
 //! 2. **Register before acting.** A registration receives every event
 //!    observed after `Tracker::register` returned, and every wait first
 //!    evaluates its predicate over the store. A change that happened before

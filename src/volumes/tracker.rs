@@ -16,7 +16,7 @@ use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
 use super::predicate::{attached_elsewhere, detached_from, pv_of};
-use crate::cache::{Index, attachment_pv};
+use crate::cache::Index;
 use crate::telemetry::Metrics;
 
 /// Default capacity of each registration's event channel.
@@ -150,9 +150,10 @@ struct State {
 
 struct Inner {
     attachments: Store<VolumeAttachment>,
-    /// The VolumeAttachments of `attachments` by PV, fed the same events
-    /// (after the store, before the hints), so that a wait reads only the
-    /// attachments of its own volumes instead of scanning the store.
+    /// The VolumeAttachments of `attachments` by PV (the shared index of
+    /// [`crate::cache::Indexes`], fed by the caller after the store and
+    /// before the tracker), so that a wait reads only the attachments of
+    /// its own volumes instead of scanning the store.
     by_pv: Index<VolumeAttachment>,
     nodes: Store<Node>,
     capacity: usize,
@@ -225,12 +226,16 @@ impl fmt::Debug for Tracker {
 
 impl Tracker {
     /// A tracker reading the informer stores `attachments` and `nodes` (the
-    /// truth) and giving each registration a channel of `channel_capacity`
+    /// truth), and `attachments_by_pv`, the index of `attachments` by PV,
+    /// which the caller feeds each event before [`Self::observe_attachment_event`]
+    /// (the tracker reads it, never feeds it), and giving each registration
+    /// a channel of `channel_capacity`
     /// hints (at least 1). With `metrics`, every observed VolumeAttachment
     /// event is counted in `berth_volume_attachment_events_total` and every
     /// lag episode in `berth_tracker_lagged_total`.
     pub(crate) fn new(
         attachments: Store<VolumeAttachment>,
+        attachments_by_pv: Index<VolumeAttachment>,
         nodes: Store<Node>,
         channel_capacity: usize,
         metrics: Option<&Metrics>,
@@ -238,7 +243,7 @@ impl Tracker {
         Self {
             inner: Arc::new(Inner {
                 attachments,
-                by_pv: Index::new(attachment_pv),
+                by_pv: attachments_by_pv,
                 nodes,
                 capacity: channel_capacity.max(1),
                 events: metrics.map(|m| m.volume_attachment_events.clone()),
@@ -294,11 +299,11 @@ impl Tracker {
     /// `Apply` and `Delete` are routed to the registrations interested in
     /// the attachment's PV; `InitDone` (the store was replaced by a
     /// re-list) reaches every registration as [`Hint::Resync`]; `Init` and
-    /// `InitApply` do not change the store and are only counted.
+    /// `InitApply` do not change the store and are only counted. The index
+    /// by PV must have been fed the event already: a hint must find it as
+    /// up to date as the store.
     pub(crate) fn observe_attachment_event(&self, event: &Event<VolumeAttachment>) {
         self.inner.count_event();
-        // The index first: a hint must find it as up to date as the store.
-        self.inner.by_pv.observe(event);
         match event {
             Event::Apply(va) | Event::Delete(va) => self.route_attachment(va),
             Event::InitDone => self.resync(),
@@ -694,6 +699,7 @@ mod tests {
     /// tracker, in that order.
     struct Feed {
         vas: Writer<VolumeAttachment>,
+        by_pv: Index<VolumeAttachment>,
         nodes: Writer<Node>,
         tracker: Tracker,
     }
@@ -701,6 +707,7 @@ mod tests {
     impl Feed {
         fn va_event(&mut self, ev: Event<VolumeAttachment>) {
             self.vas.apply_watcher_event(&ev);
+            self.by_pv.observe(&ev);
             self.tracker.observe_attachment_event(&ev);
         }
         fn node_event(&mut self, ev: Event<Node>) {
@@ -729,9 +736,17 @@ mod tests {
         let metrics = Metrics::new().expect("metrics register");
         let vas = Writer::<VolumeAttachment>::default();
         let nodes = Writer::<Node>::default();
-        let tracker = Tracker::new(vas.as_reader(), nodes.as_reader(), capacity, Some(&metrics));
+        let by_pv = Index::new(crate::cache::attachment_pv);
+        let tracker = Tracker::new(
+            vas.as_reader(),
+            by_pv.clone(),
+            nodes.as_reader(),
+            capacity,
+            Some(&metrics),
+        );
         let feed = Feed {
             vas,
+            by_pv,
             nodes,
             tracker: tracker.clone(),
         };

@@ -19,6 +19,8 @@ pub(crate) const RETRY_FAILED_AFTER: Duration = Duration::from_secs(30);
 
 struct Running {
     progress: watch::Receiver<Progress>,
+    /// The Machine as the drain's last `status.drain` write returned it.
+    written: watch::Receiver<Option<Machine>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -64,6 +66,7 @@ impl Drainer {
             }
         }
         let (tx, rx) = watch::channel(Progress::default());
+        let (written_tx, written) = watch::channel(None);
         let key = job.machine.clone();
         let deps = Arc::clone(&self.deps);
         let done = self.done.clone();
@@ -76,13 +79,20 @@ impl Drainer {
         let task = tokio::spawn(
             async move {
                 let key = job.machine.clone();
-                run(deps, job, tx).await;
+                run(deps, job, tx, written_tx).await;
                 let _ = done.send(key);
             }
             .instrument(span),
         );
         let progress = rx.borrow().clone();
-        if let Some(old) = running.insert(key, Running { progress: rx, task }) {
+        if let Some(old) = running.insert(
+            key,
+            Running {
+                progress: rx,
+                written,
+                task,
+            },
+        ) {
             old.task.abort();
         }
         progress
@@ -92,6 +102,14 @@ impl Drainer {
     /// as finished drains).
     pub(crate) fn wake(&self, machine: ObjectRef<Machine>) {
         let _ = self.done.send(machine);
+    }
+
+    /// The Machine as its drain's last write of `status.drain` returned it:
+    /// the version a status write of the reconciler's that this write made
+    /// conflict can be made again on (see [`crate::machine::write`]).
+    pub(crate) fn last_written(&self, machine: &ObjectRef<Machine>) -> Option<Machine> {
+        let running = self.running.lock().ok()?;
+        running.get(machine)?.written.borrow().clone()
     }
 
     /// Whether this Machine's drain ran here and ended drained or forced.

@@ -59,9 +59,7 @@ mod pass;
 mod progress;
 mod run;
 
-use k8s_openapi::api::core::v1::{
-    Node, ObjectReference, PersistentVolume, PersistentVolumeClaim, Pod,
-};
+use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::Client;
@@ -89,11 +87,6 @@ pub(crate) struct Deps {
     pub(crate) pvs: Store<PersistentVolume>,
     pub(crate) pdbs: Store<PodDisruptionBudget>,
     pub(crate) attachments: Store<VolumeAttachment>,
-    #[expect(
-        dead_code,
-        reason = "never read; removed together with its construction in machine/mod.rs"
-    )]
-    pub(crate) nodes: Store<Node>,
     pub(crate) indexes: Indexes,
     pub(crate) tracker: Tracker,
     /// Bumped after every pod event, once the pod store has applied it.

@@ -24,6 +24,7 @@ use super::eviction::Eviction;
 use super::progress::write_status;
 use super::run::Run;
 use super::{Deps, Job, Outcome, Progress};
+use crate::api::Machine;
 use crate::drain::deadline::{grace_period, pod_gone_bound};
 use crate::drain::evict::{self, Evicted};
 use crate::drain::pdb::PdbVerdict;
@@ -32,12 +33,18 @@ use crate::drain::select::{NamespacedName, fmt_key};
 use crate::telemetry::EvictionResult;
 use crate::volumes::Interest;
 
-pub(super) async fn run(deps: Arc<Deps>, job: Job, progress: watch::Sender<Progress>) {
+pub(super) async fn run(
+    deps: Arc<Deps>,
+    job: Job,
+    progress: watch::Sender<Progress>,
+    written: watch::Sender<Option<Machine>>,
+) {
     let writer = tokio::spawn(write_status(
         deps.client.clone(),
         job.machine.clone(),
         job.deadline.started,
         progress.subscribe(),
+        written,
     ));
     deps.metrics.drains_in_progress.inc();
     let started = std::time::Instant::now();

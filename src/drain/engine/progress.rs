@@ -85,12 +85,14 @@ impl Progress {
 /// Writes progress to the Machine's status. Bursts are coalesced (at most
 /// one write per [`STATUS_WRITE_INTERVAL`], always of the latest value),
 /// except that a completed migration step is written at once. Ends when
-/// the drain drops its sender, after writing the final state.
+/// the drain drops its sender, after writing the final state. Each write's
+/// answer (the Machine as the API server now has it) goes to `written`.
 pub(super) async fn write_status(
     client: Client,
     machine: ObjectRef<Machine>,
     started: Timestamp,
     mut rx: watch::Receiver<Progress>,
+    written_to: watch::Sender<Option<Machine>>,
 ) {
     let api: Api<Machine> =
         Api::namespaced(client, machine.namespace.as_deref().unwrap_or_default());
@@ -107,7 +109,8 @@ pub(super) async fn write_status(
                 .patch_status(&machine.name, &apply, &Patch::Apply(&patch))
                 .await
             {
-                Ok(_) => {
+                Ok(m) => {
+                    written_to.send_replace(Some(m));
                     written = Some(patch);
                     last_write = Some(Instant::now());
                 }
@@ -133,10 +136,12 @@ pub(super) async fn write_status(
     }
     // The drain ended; write its final state if it changed since.
     let last = rx.borrow().status_patch(&machine.name, started);
-    if written.as_ref() != Some(&last) {
-        let _ = api
+    if written.as_ref() != Some(&last)
+        && let Ok(m) = api
             .patch_status(&machine.name, &apply, &Patch::Apply(&last))
-            .await;
+            .await
+    {
+        written_to.send_replace(Some(m));
     }
 }
 

@@ -440,6 +440,11 @@ async fn a_node_is_drained_in_volume_aware_order() {
 /// A bare pod on `node` guarded by a PDB that can never allow its eviction
 /// (minAvailable 1 of 1: "misconfigured").
 async fn guarded_pod(client: &Client, ns: &str, node: &str) {
+    guarded_pod_with_grace(client, ns, node, 1).await;
+}
+
+/// A pod on `node` whose PodDisruptionBudget allows no disruption.
+async fn guarded_pod_with_grace(client: &Client, ns: &str, node: &str, grace: i64) {
     let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), ns);
     create(
         pdbs.clone(),
@@ -455,7 +460,7 @@ async fn guarded_pod(client: &Client, ns: &str, node: &str) {
             "metadata": {"name": "guarded", "labels": {"app": "guarded"}},
             "spec": {
                 "nodeName": node,
-                "terminationGracePeriodSeconds": 1,
+                "terminationGracePeriodSeconds": grace,
                 "containers": [{"name": "main", "image": "registry.invalid/app:1"}]
             }
         })),
@@ -521,6 +526,257 @@ async fn a_passed_deadline_force_deletes_what_a_pdb_holds() {
             .expect("get")
             .is_none()
     );
+    ctl.stop().await;
+}
+
+/// At the deadline a pod a PodDisruptionBudget still holds is deleted with
+/// its own grace period, at the deadline minus that grace: it gets all of
+/// it, and is gone by the deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_deadline_a_pod_is_deleted_with_its_whole_grace_period() {
+    let client = client().await;
+    let ns = "drain-grace";
+    support::namespace(&client, ns).await;
+    pool_class(
+        &client,
+        ns,
+        serde_json::json!({"timeout": "14s", "forceAfterDeadline": true}),
+    )
+    .await;
+    let ctl = start_controller(&client, ns, "drain-grace").await;
+    let node = running_machine(&client, ns, "g", ns).await;
+    guarded_pod_with_grace(&client, ns, &node, 6).await;
+
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    machines
+        .delete("g", &DeleteParams::default())
+        .await
+        .expect("delete");
+    let deadline = machines
+        .get("g")
+        .await
+        .expect("get")
+        .metadata
+        .deletion_timestamp
+        .expect("being deleted")
+        .0
+        + k8s_openapi::jiff::SignedDuration::from_secs(14);
+    let pod = wait::for_one(
+        Api::<Pod>::namespaced(client.clone(), ns),
+        LONG,
+        "the guarded pod deleted",
+        |p| p.name_any() == "guarded" && p.metadata.deletion_timestamp.is_some(),
+    )
+    .await
+    .expect("the pod is deleted before the deadline");
+    assert_eq!(
+        pod.metadata.deletion_grace_period_seconds,
+        Some(6),
+        "its own grace period"
+    );
+    // The API server sets deletionTimestamp to the request plus the grace
+    // period: the request came at the deadline minus the grace period
+    // (within a second of the deadline's whole-second resolution and the
+    // controller's reaction).
+    let ends = pod
+        .metadata
+        .deletion_timestamp
+        .as_ref()
+        .expect("deleting")
+        .0;
+    let off = ends.duration_since(deadline).as_secs_f64();
+    assert!(
+        (-2.0..=2.0).contains(&off),
+        "the pod's grace ends at the deadline, {off:.1}s off"
+    );
+    wait::for_none(machines, LONG, "g gone", |m| m.name_any() == "g")
+        .await
+        .expect("the Machine goes");
+    let evs = events(&client, ns, "g").await;
+    assert!(
+        first(&evs, "DrainForced", &format!("{ns}/guarded"))
+            .is_some_and(|e| e.2.contains("PodDisruptionBudgets bypassed")),
+        "{evs:?}"
+    );
+    assert!(
+        first(&evs, "ForcedAtDeadline", &format!("{ns}/guarded")).is_some(),
+        "{evs:?}"
+    );
+    ctl.stop().await;
+}
+
+/// After the deadline budgets are bypassed but volumes are not: stateful
+/// pods held by a budget are deleted one at a time, the next only once the
+/// volume of the one before has left the Node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_the_deadline_stateful_pods_still_move_one_at_a_time() {
+    let client = client().await;
+    let ns = "drain-after";
+    support::namespace(&client, ns).await;
+    pool_class(
+        &client,
+        ns,
+        serde_json::json!({"timeout": "8s", "forceAfterDeadline": true}),
+    )
+    .await;
+    let ctl = start_controller(&client, ns, "drain-after").await;
+    let node = running_machine(&client, ns, "s", ns).await;
+    stateful(&client, ns, "db", 2, None).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    wait::until(pods.clone(), LONG, "db running on s", |ps| {
+        ps.iter()
+            .filter(|p| p.name_any().starts_with("db-") && on_node(p, &node) && running(p))
+            .count()
+            == 2
+    })
+    .await
+    .expect("the StatefulSet runs");
+    let vas: Api<VolumeAttachment> = Api::all(client.clone());
+    wait::until(vas, LONG, "2 volumes attached to s", |all| {
+        all.iter()
+            .filter(|va| {
+                va.spec.node_name == node && va.status.as_ref().is_some_and(|s| s.attached)
+            })
+            .count()
+            == 2
+    })
+    .await
+    .expect("the volumes attach");
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), ns);
+    create(
+        pdbs.clone(),
+        json(serde_json::json!({
+            "metadata": {"name": "db"},
+            "spec": {"minAvailable": 2, "selector": {"matchLabels": {"app": "db"}}}
+        })),
+    )
+    .await;
+    wait::for_one(pdbs, LONG, "the PDB observed", |p| {
+        p.status
+            .as_ref()
+            .is_some_and(|s| s.current_healthy.unwrap_or(0) == 2)
+    })
+    .await
+    .expect("the disruption controller computes the PDB");
+    running_machine(&client, ns, "t", ns).await;
+
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    machines
+        .delete("s", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait::for_none(machines, Duration::from_secs(120), "s gone", |m| {
+        m.name_any() == "s"
+    })
+    .await
+    .expect("the deletion completes");
+    let evs = events(&client, ns, "s").await;
+    let log: Vec<String> = evs
+        .iter()
+        .map(|(t, r, n)| format!("{t} {r}: {n}"))
+        .collect();
+    let log = log.join("\n");
+    let forced_0 = first(&evs, "ForcedAtDeadline", &format!("{ns}/db-0"))
+        .unwrap_or_else(|| panic!("db-0 forced: {log}"));
+    let detached_0 = first(&evs, "VolumeDetached", &format!("{ns}-db-0"))
+        .unwrap_or_else(|| panic!("db-0's volume detached: {log}"));
+    let forced_1 = first(&evs, "ForcedAtDeadline", &format!("{ns}/db-1"))
+        .unwrap_or_else(|| panic!("db-1 forced: {log}"));
+    assert!(
+        forced_0.0 <= detached_0.0 && detached_0.0 <= forced_1.0,
+        "db-1 goes only once db-0's volume left the Node:\n{log}"
+    );
+    assert!(
+        first(&evs, "VolumeDetached", &format!("{ns}-db-1")).is_some(),
+        "the last volume's detach is waited for before the VM goes:\n{log}"
+    );
+    ctl.stop().await;
+}
+
+/// A pod that a finalizer keeps after its grace period is reported once
+/// (a Warning and the Drained condition name the finalizer) and holds the
+/// Machine only until the deadline plus its grace period; berth never
+/// removes someone else's finalizer, and does not delete the pod again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_held_by_a_finalizer_is_reported_once_and_lets_the_machine_go() {
+    const FINALIZER: &str = "example.com/keep";
+    let client = client().await;
+    let ns = "drain-held";
+    support::namespace(&client, ns).await;
+    pool_class(
+        &client,
+        ns,
+        serde_json::json!({"timeout": "10s", "forceAfterDeadline": true}),
+    )
+    .await;
+    let ctl = start_controller(&client, ns, "drain-held").await;
+    let node = running_machine(&client, ns, "h", ns).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    create(
+        pods.clone(),
+        json::<Pod>(serde_json::json!({
+            "metadata": {"name": "held", "finalizers": [FINALIZER]},
+            "spec": {
+                "nodeName": node,
+                "terminationGracePeriodSeconds": 2,
+                "containers": [{"name": "main", "image": "registry.invalid/app:1"}]
+            }
+        })),
+    )
+    .await;
+    wait::for_one(pods.clone(), LONG, "held running", |p| {
+        p.name_any() == "held" && running(p)
+    })
+    .await
+    .expect("the pod runs");
+
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    let started = std::time::Instant::now();
+    machines
+        .delete("h", &DeleteParams::default())
+        .await
+        .expect("delete");
+    let m = wait::for_one(machines.clone(), LONG, "the hold named", |m| {
+        m.name_any() == "h"
+            && support::condition(m, "Drained").is_some_and(|c| c.reason == "PodHeldByFinalizer")
+    })
+    .await
+    .expect("the Drained condition names the hold");
+    let msg = support::condition(&m, "Drained")
+        .map(|c| c.message.clone())
+        .unwrap_or_default();
+    assert!(
+        msg.contains(&format!("{ns}/held")) && msg.contains(FINALIZER),
+        "{msg}"
+    );
+    wait::for_none(machines, LONG, "h gone", |m| m.name_any() == "h")
+        .await
+        .expect("the Machine goes once the hold is released");
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_secs(11),
+        "held until the deadline plus the grace period: {took:?}"
+    );
+    let evs = events(&client, ns, "h").await;
+    let held: Vec<_> = evs
+        .iter()
+        .filter(|(_, r, _)| r == "PodHeldByFinalizer")
+        .collect();
+    assert_eq!(held.len(), 1, "reported once: {evs:?}");
+    assert!(held[0].2.contains(FINALIZER), "{held:?}");
+    let pod = pods.get("held").await.expect("the pod is still there");
+    assert_eq!(
+        pod.metadata.finalizers.as_deref(),
+        Some(&[FINALIZER.to_string()][..]),
+        "berth leaves other controllers' finalizers alone"
+    );
+    pods.patch(
+        "held",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(serde_json::json!({"metadata": {"finalizers": null}})),
+    )
+    .await
+    .expect("release the pod");
     ctl.stop().await;
 }
 

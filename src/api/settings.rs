@@ -22,8 +22,12 @@ pub(crate) fn duration_rule() -> Rule {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct DrainSettings {
-    /// Deadline for the whole drain, measured from the deletion request and
-    /// never reset by a retry or a restart (default 2h).
+    /// Deadline for the whole drain, measured from the deletion request
+    /// (pre-drain hook time counts) and never reset by a retry or a restart
+    /// (default 2h). At the deadline PodDisruptionBudgets stop being
+    /// honoured, volumes do not: see `forceAfterDeadline`. A pod that a
+    /// finalizer keeps after its grace period holds the Machine until the
+    /// deadline plus its grace period.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = duration_rule())]
     pub timeout: Option<String>,
@@ -37,7 +41,12 @@ pub struct DrainSettings {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = duration_rule())]
     pub volume_reattach_timeout: Option<String>,
-    /// Force-delete the pods left when the deadline passes (default true).
+    /// At the deadline, delete the pods still not evicted, their
+    /// PodDisruptionBudgets bypassed, each with its own grace period at the
+    /// deadline minus that grace period; stateful pods still one at a time,
+    /// each one's volume detach still waited for (default true). When
+    /// false, the drain fails at the deadline naming the pods left, and is
+    /// retried every 30 s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub force_after_deadline: Option<bool>,
     /// Evictions of one pod refused by a PodDisruptionBudget before it counts

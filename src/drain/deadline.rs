@@ -64,11 +64,35 @@ impl Deadline {
         step_bound.min(self.remaining(now))
     }
 
+    /// Whether a pod that cannot go (held by a finalizer after its grace
+    /// period) stops holding the drain at `now`: from the deadline plus the
+    /// pod's own grace period on, the time a pod deleted at the deadline
+    /// would have had.
+    pub fn releases(&self, grace: Duration, now: Timestamp) -> bool {
+        self.elapsed(now) >= self.timeout.saturating_add(grace)
+    }
+
+    /// How long until [`Deadline::releases`] holds for a pod of `grace`;
+    /// zero once it does.
+    pub fn until_release(&self, grace: Duration, now: Timestamp) -> Duration {
+        self.timeout
+            .saturating_add(grace)
+            .saturating_sub(self.elapsed(now))
+    }
+
     /// The instant of the deadline, when it is representable.
     pub fn expires_at(&self) -> Option<Timestamp> {
         let timeout = SignedDuration::try_from(self.timeout).ok()?;
         self.started.checked_add(timeout).ok()
     }
+}
+
+/// Whether `pod`, being deleted, no longer holds the drain of `deadline`
+/// at `now` ([`Deadline::releases`] for its grace period): a pod that a
+/// finalizer (or a kubelet that stopped answering) keeps from going does
+/// not keep the Machine forever. A pod not being deleted always holds it.
+pub fn released(pod: &Pod, deadline: &Deadline, now: Timestamp) -> bool {
+    pod.metadata.deletion_timestamp.is_some() && deadline.releases(grace_period(pod), now)
 }
 
 /// A pod's termination grace period; a negative value counts as zero.
@@ -139,6 +163,28 @@ mod tests {
 
     const fn secs(s: u64) -> Duration {
         Duration::from_secs(s)
+    }
+
+    #[test]
+    fn a_pod_that_cannot_go_holds_the_drain_until_the_deadline_plus_its_grace() {
+        let d = Deadline::new(ts(1_000), Duration::from_secs(600));
+        let grace = Duration::from_secs(30);
+        assert!(!d.releases(grace, ts(1_600)), "at the deadline");
+        assert_eq!(d.until_release(grace, ts(1_600)), grace);
+        assert!(!d.releases(grace, ts(1_629)));
+        assert!(d.releases(grace, ts(1_630)), "deadline plus grace");
+        assert_eq!(d.until_release(grace, ts(1_700)), Duration::ZERO);
+        assert!(d.releases(Duration::ZERO, ts(1_600)), "no grace");
+        assert!(!d.releases(grace, ts(0)), "clock before the start");
+    }
+
+    #[test]
+    fn only_a_pod_being_deleted_is_released() {
+        let d = Deadline::new(ts(1_000), Duration::from_secs(600));
+        let going = pod("a", "p").grace(10).deleting(ts(1_100));
+        assert!(!released(&going, &d, ts(1_609)));
+        assert!(released(&going, &d, ts(1_610)));
+        assert!(!released(&pod("a", "q").grace(10), &d, ts(9_999)));
     }
 
     #[test]

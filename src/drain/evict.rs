@@ -12,22 +12,49 @@ use kube::{Client, ResourceExt};
 pub enum Evicted {
     /// The API server accepted the eviction: the pod is terminating.
     Accepted,
-    /// The pod (this UID) no longer exists: 404, or 409 because the name
-    /// now belongs to a replacement.
+    /// The pod (this UID) no longer exists: 404, or 409 and a read shows
+    /// the name gone or taken by a replacement.
     Gone,
     /// 429: a PodDisruptionBudget refuses the disruption now.
     Refused { message: String },
-    /// Anything else (network, 5xx, 403...). Retried with backoff.
+    /// Anything else (network, 5xx, 403, a 409 while the pod is still
+    /// there...). Retried with backoff.
     Failed(kube::Error),
 }
 
 impl Evicted {
-    fn from_error(e: kube::Error) -> Self {
-        match e {
-            kube::Error::Api(s) if s.code == 404 || s.code == 409 => Evicted::Gone,
+    /// What an error answer means, before any read: a 409 stays an error,
+    /// to be settled by [`Evicted::after_conflict`].
+    fn from_error(e: kube::Error) -> Result<Self, kube::Error> {
+        Ok(match e {
+            kube::Error::Api(s) if s.code == 409 => return Err(kube::Error::Api(s)),
+            kube::Error::Api(s) if s.code == 404 => Evicted::Gone,
             kube::Error::Api(s) if s.code == 429 => Evicted::Refused { message: s.message },
             other => Evicted::Failed(other),
+        })
+    }
+
+    /// A 409 Conflict means the UID precondition failed (the pod is gone
+    /// and its name perhaps taken by a replacement), or that the write
+    /// raced another (a PodDisruptionBudget's status updated by two
+    /// evictions at once): `current`, the pod read after it, tells which.
+    fn after_conflict(pod: &Pod, current: Option<&Pod>, conflict: kube::Error) -> Self {
+        match current {
+            Some(c) if c.metadata.uid == pod.metadata.uid => Evicted::Failed(conflict),
+            _ => Evicted::Gone,
         }
+    }
+}
+
+/// Settles an error answer about `pod`: a 409 by reading the pod once.
+async fn settle(api: &Api<Pod>, pod: &Pod, e: kube::Error) -> Evicted {
+    let conflict = match Evicted::from_error(e) {
+        Ok(settled) => return settled,
+        Err(conflict) => conflict,
+    };
+    match api.get_opt(&pod.name_any()).await {
+        Ok(current) => Evicted::after_conflict(pod, current.as_ref(), conflict),
+        Err(read) => Evicted::Failed(read),
     }
 }
 
@@ -55,7 +82,7 @@ pub async fn evict(client: &Client, pod: &Pod) -> Evicted {
     };
     match api.evict(&pod.name_any(), &params).await {
         Ok(_) => Evicted::Accepted,
-        Err(e) => Evicted::from_error(e),
+        Err(e) => settle(&api, pod, e).await,
     }
 }
 
@@ -68,7 +95,7 @@ pub async fn delete(client: &Client, pod: &Pod, grace: Option<u32>) -> Evicted {
     let api: Api<Pod> = Api::namespaced(client.clone(), &ns);
     match api.delete(&pod.name_any(), &uid_only(pod, grace)).await {
         Ok(_) => Evicted::Accepted,
-        Err(e) => Evicted::from_error(e),
+        Err(e) => settle(&api, pod, e).await,
     }
 }
 
@@ -86,23 +113,46 @@ mod tests {
 
     #[test]
     fn responses_are_classified() {
-        assert!(matches!(Evicted::from_error(api_error(404)), Evicted::Gone));
+        assert!(matches!(
+            Evicted::from_error(api_error(404)),
+            Ok(Evicted::Gone)
+        ));
         assert!(
-            matches!(Evicted::from_error(api_error(409)), Evicted::Gone),
-            "a UID precondition failure means our pod is gone"
+            Evicted::from_error(api_error(409)).is_err(),
+            "a 409 is settled by reading the pod"
         );
         match Evicted::from_error(api_error(429)) {
-            Evicted::Refused { message } => assert_eq!(message, "status 429"),
+            Ok(Evicted::Refused { message }) => assert_eq!(message, "status 429"),
             other => panic!("429 is a refusal, got {other:?}"),
         }
         assert!(matches!(
             Evicted::from_error(api_error(500)),
-            Evicted::Failed(_)
+            Ok(Evicted::Failed(_))
         ));
         assert!(matches!(
             Evicted::from_error(api_error(403)),
-            Evicted::Failed(_)
+            Ok(Evicted::Failed(_))
         ));
+    }
+
+    #[test]
+    fn a_conflict_means_gone_only_when_the_pod_is() {
+        let with_uid = |uid: &str| {
+            let mut p = Pod::default();
+            p.metadata.uid = Some(uid.into());
+            p
+        };
+        let ours = with_uid("u-1");
+        let cases = [
+            (None, true, "the pod is gone"),
+            (Some(with_uid("u-2")), true, "a replacement took the name"),
+            (Some(with_uid("u-1")), false, "our pod is still there"),
+        ];
+        for (current, gone, what) in cases {
+            let e = Evicted::after_conflict(&ours, current.as_ref(), api_error(409));
+            assert_eq!(matches!(e, Evicted::Gone), gone, "{what}: {e:?}");
+            assert_eq!(matches!(e, Evicted::Failed(_)), !gone, "{what}: {e:?}");
+        }
     }
 
     #[test]

@@ -51,7 +51,7 @@ use crate::drain::deadline::{
     StepBounds, detach_bound, grace_period, pod_gone_bound, reattach_bound,
 };
 use crate::drain::pdb::{PdbFinding, findings_for};
-use crate::drain::select::{NamespacedName, PodClass, classify, fmt_key, pod_key};
+use crate::drain::select::{NamespacedName, PodClass, classify, finished, fmt_key, pod_key};
 use crate::drain::volume::{VolumeIndex, VolumeRef, attached_nodes};
 use crate::volumes::{pv_of, unique_name_of};
 
@@ -70,7 +70,11 @@ pub struct TerminatingPod {
     pub pod: NamespacedName,
     pub uid: Option<String>,
     pub since: Timestamp,
+    /// Its own grace period: a pod that cannot go holds the drain until the
+    /// deadline plus this.
+    pub grace: Duration,
     /// The PVs it uses; their last evicted user waits for this pod first.
+    /// None for a finished pod, which no longer uses them.
     pub pvs: Vec<String>,
 }
 
@@ -306,12 +310,12 @@ pub(crate) fn plan(
                 class,
             }),
             PodClass::Terminating { since } => {
-                let pvs: Vec<String> = index
-                    .pod_volumes(pod)
-                    .refs
-                    .into_iter()
-                    .map(|v| v.pv)
-                    .collect();
+                let pvs: Vec<String> = if finished(pod) {
+                    Vec::new()
+                } else {
+                    let refs = index.pod_volumes(pod).refs;
+                    refs.into_iter().map(|v| v.pv).collect()
+                };
                 for pv in &pvs {
                     already_going
                         .entry(pv.clone())
@@ -322,6 +326,7 @@ pub(crate) fn plan(
                     pod: key,
                     uid,
                     since,
+                    grace: grace_period(pod),
                     pvs,
                 });
             }
@@ -764,6 +769,7 @@ mod tests {
                 pod: key("db", "old-0"),
                 uid: Some("uid-old-0".into()),
                 since: ts(10),
+                grace: secs(30),
                 pvs: vec!["pv-old".into()],
             }]
         );
@@ -778,6 +784,27 @@ mod tests {
         assert!(p.stateless[0].notes[0].contains("claim web/unbound (volume d) is not bound"));
         assert_eq!(p.stateless[0].bounds.total(), secs(60));
         assert_eq!(p.stateful_order(), vec![key("db", "pg-0")]);
+    }
+
+    #[test]
+    fn a_finished_pod_being_deleted_is_waited_on_and_frees_its_volumes() {
+        let pods = [pod("batch", "job-0")
+            .phase("Succeeded")
+            .grace(5)
+            .deleting(ts(10))
+            .claim("d", "data")];
+        let pvcs = [pvc("batch", "data", Some("pv-d"))];
+        let pvs = [csi_pv("pv-d", "d.csi", "h")];
+        let p = plan_of(&pods, &pvcs, &pvs);
+        assert!(p.to_delete.is_empty(), "not deleted again");
+        assert_eq!(
+            p.terminating
+                .iter()
+                .map(|t| (t.pod.clone(), t.grace, t.pvs.len()))
+                .collect::<Vec<_>>(),
+            vec![(key("batch", "job-0"), secs(5), 0)],
+            "it no longer uses its volume"
+        );
     }
 
     #[test]

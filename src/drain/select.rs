@@ -11,13 +11,17 @@
 //!    is left alone and ends with the VM. Only the kind is compared, as
 //!    `kubectl drain` does, which also covers DaemonSet-like controllers of
 //!    other API groups.
-//! 3. **Terminal**: phase `Succeeded` or `Failed`. The pod runs no containers
-//!    and the attach/detach controller no longer counts it as using its
-//!    volumes, so nothing waits for it: it is deleted outright, even when a
-//!    deletion is already under way (a delete is idempotent, while waiting on
-//!    a finished pod held by a finalizer could stall the drain).
-//! 4. **Terminating**: `metadata.deletionTimestamp` is set. Waited on, not
-//!    evicted again.
+//! 3. **Terminal**: phase `Succeeded` or `Failed`, and not being deleted yet.
+//!    The pod runs no containers and the attach/detach controller no longer
+//!    counts it as using its volumes: it is deleted outright, once.
+//! 4. **Terminating**: `metadata.deletionTimestamp` is set (finished pods
+//!    included: deleting one again would change nothing, and doing so each
+//!    pass was a request loop when a finalizer held it). Waited on, not
+//!    evicted or deleted again. A pod that a finalizer holds after its grace
+//!    period cannot go until someone removes the finalizer
+//!    ([`held_by_finalizers`]): it is reported, and holds the drain only
+//!    until the deadline plus its grace period
+//!    ([`Deadline::releases`](super::deadline::Deadline::releases)).
 //! 5. **Evictable**: everything else; evicted through the Eviction API.
 
 use std::fmt;
@@ -106,6 +110,9 @@ pub fn classify(pod: &Pod) -> PodClass {
             owner: owner.name.clone(),
         };
     }
+    if let Some(since) = &meta.deletion_timestamp {
+        return PodClass::Terminating { since: since.0 };
+    }
     if let Some(phase @ ("Succeeded" | "Failed")) =
         pod.status.as_ref().and_then(|s| s.phase.as_deref())
     {
@@ -113,10 +120,28 @@ pub fn classify(pod: &Pod) -> PodClass {
             phase: phase.to_string(),
         };
     }
-    if let Some(since) = &meta.deletion_timestamp {
-        return PodClass::Terminating { since: since.0 };
-    }
     PodClass::Evictable
+}
+
+/// Whether a pod runs no containers any more (phase `Succeeded` or
+/// `Failed`): the attach/detach controller no longer counts it as using
+/// its volumes.
+pub fn finished(pod: &Pod) -> bool {
+    matches!(
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Succeeded" | "Failed")
+    )
+}
+
+/// The finalizers of a pod being deleted whose grace period ended by `now`
+/// (its `deletionTimestamp`, which the API server sets to the deletion
+/// request plus the grace period, has passed): the pod cannot go until they
+/// are removed. `None` for a pod not being deleted, still within its
+/// grace, or without finalizers.
+pub fn held_by_finalizers(pod: &Pod, now: Timestamp) -> Option<&[String]> {
+    let ends = pod.metadata.deletion_timestamp.as_ref()?.0;
+    let finalizers = pod.metadata.finalizers.as_deref()?;
+    (ends <= now && !finalizers.is_empty()).then_some(finalizers)
 }
 
 #[cfg(test)]
@@ -176,11 +201,9 @@ mod tests {
                 },
             ),
             (
-                "terminal wins over terminating",
+                "a finished pod being deleted is not deleted again",
                 pod("a", "p").phase("Succeeded").deleting(since),
-                PodClass::Terminal {
-                    phase: "Succeeded".into(),
-                },
+                PodClass::Terminating { since },
             ),
             (
                 "pending pod",
@@ -196,6 +219,21 @@ mod tests {
         for (what, pod, want) in cases {
             assert_eq!(classify(&pod), want, "{what}");
         }
+    }
+
+    #[test]
+    fn a_pod_is_held_by_its_finalizers_only_after_its_grace_period() {
+        let held = |p: &Pod, now| held_by_finalizers(p, ts(now)).map(<[String]>::to_vec);
+        let mut p = pod("a", "p").deleting(ts(100));
+        assert_eq!(held(&p, 200), None, "no finalizers: it goes");
+        p.metadata.finalizers = Some(vec!["example.com/keep".into()]);
+        assert_eq!(held(&p, 99), None, "still within its grace");
+        assert_eq!(held(&p, 100), Some(vec!["example.com/keep".to_string()]));
+        let mut running = pod("a", "q");
+        running.metadata.finalizers = Some(vec!["example.com/keep".into()]);
+        assert_eq!(held(&running, 200), None, "not being deleted");
+        assert!(finished(&pod("a", "p").phase("Failed")));
+        assert!(!finished(&pod("a", "p").phase("Running")));
     }
 
     #[test]

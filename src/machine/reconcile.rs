@@ -36,8 +36,8 @@ use crate::api::{
     CORDON_TAINT_KEY, FINALIZER, FORCE_DELETION_LABEL, Machine, MachineStatus, NodeReference,
     PRE_DRAIN_HOOK_PREFIX, PRE_TERMINATE_HOOK_PREFIX,
 };
-use crate::drain::deadline::Deadline;
-use crate::drain::engine::{Job, Outcome, Progress, RETRY_FAILED_AFTER};
+use crate::drain::deadline::{Deadline, released};
+use crate::drain::engine::{Job, Outcome, Progress, RESTART_ENDED_AFTER, RETRY_FAILED_AFTER};
 use crate::providers::{MachineRequest, Provider, ProviderError};
 use crate::telemetry::RESULT_CONFLICT;
 
@@ -674,9 +674,20 @@ async fn cleanup_step(
         None => node_from_api(m, ctx).await?,
     };
     let node_facts = node.as_deref().map(|n| decide::node_facts(n, now));
+    let deadline = m
+        .metadata
+        .deletion_timestamp
+        .as_ref()
+        .map(|t| Deadline::new(t.0, settings.drain_timeout));
     let (pods_to_drain, pods_on_node) = match &node_facts {
         Some(n) => {
             let pods = pods_on(ctx, &n.name);
+            // A pod being deleted that cannot go (a finalizer) no longer
+            // holds the Machine from the deadline plus its grace period on.
+            let pods: Vec<_> = pods
+                .into_iter()
+                .filter(|p| !deadline.is_some_and(|d| released(p, &d, now)))
+                .collect();
             let on_node: Vec<String> = pods
                 .iter()
                 .filter(|p| decide::drain_skip_reason(p) != Some("mirror pod"))
@@ -782,7 +793,7 @@ async fn cleanup_step(
                 .into()
         }
         DeletionStep::Drain { node, pods } => {
-            let Some(started) = m.metadata.deletion_timestamp.as_ref().map(|t| t.0) else {
+            let Some(deadline) = deadline else {
                 return Ok(Next::Wait(Action::await_change()).into());
             };
             let job = Job {
@@ -790,7 +801,7 @@ async fn cleanup_step(
                 machine_ref: m.object_ref(&()),
                 node: node.clone(),
                 settings: settings.clone(),
-                deadline: Deadline::new(started, settings.drain_timeout),
+                deadline,
             };
             let progress = ctx.drainer.ensure(job, !pods.is_empty());
             let rec = deletion_record(&step, &DeletionOutcome::Drain(drain_view(&progress)));
@@ -798,6 +809,7 @@ async fn cleanup_step(
             // a failed drain is retried after a pause.
             let action = match progress.outcome {
                 Some(Outcome::Failed { .. }) => Action::requeue(RETRY_FAILED_AFTER),
+                Some(_) if !pods.is_empty() => Action::requeue(RESTART_ENDED_AFTER),
                 _ => Action::await_change(),
             };
             record(ctx, m, &rec, Write::IfChanged)
@@ -830,6 +842,7 @@ fn drain_view(p: &Progress) -> DrainView<'_> {
         Some(Outcome::Failed { message }) => DrainView::Failed(message),
         Some(Outcome::Drained | Outcome::Forced { .. }) => DrainView::Ended,
         None => match &p.blocked_by {
+            Some(b) if p.held => DrainView::Held(b),
             Some(b) => DrainView::Blocked(b),
             None => DrainView::Running,
         },

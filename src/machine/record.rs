@@ -190,6 +190,8 @@ pub(crate) enum DrainView<'a> {
     Running,
     /// Running, blocked by this (a PDB, a pod that will not go).
     Blocked(&'a str),
+    /// A pod being deleted is held by a finalizer.
+    Held(&'a str),
     /// Ended (drained or forced), yet the step's pods are on the Node:
     /// they came back, and a new drain starts.
     Ended,
@@ -276,6 +278,11 @@ pub(crate) fn deletion_record(step: &DeletionStep, outcome: &DeletionOutcome<'_>
                     "EvictionBlocked",
                     State::Waiting,
                     format!("draining Node {node}: blocked: {by}"),
+                ),
+                DrainView::Held(by) => (
+                    "PodHeldByFinalizer",
+                    State::Waiting,
+                    format!("draining Node {node}: {by}"),
                 ),
                 DrainView::Running => (
                     "Draining",
@@ -595,6 +602,16 @@ mod tests {
                     vec![(DRAINED, false, "EvictionBlocked")],
                     ("Delete", "Drain", "Waiting"),
                     "draining Node n1: blocked: PDB ns/db allows no disruption".into(),
+                ),
+            ),
+            (
+                drain(),
+                O::Drain(DrainView::Held("pod ns/x is held by finalizer f")),
+                (
+                    None,
+                    vec![(DRAINED, false, "PodHeldByFinalizer")],
+                    ("Delete", "Drain", "Waiting"),
+                    "draining Node n1: pod ns/x is held by finalizer f".into(),
                 ),
             ),
             (

@@ -511,6 +511,25 @@ impl Drop for ReconcileTimer {
     }
 }
 
+/// Holds one count of a gauge (a drain in `berth_drains_in_progress`) for
+/// as long as it lives: given back when dropped, so a task that is aborted
+/// (a forgotten Machine, lost leadership) gives it back too.
+#[derive(Debug)]
+pub(crate) struct GaugeHold(IntGauge);
+
+impl GaugeHold {
+    pub(crate) fn new(gauge: &IntGauge) -> Self {
+        gauge.inc();
+        Self(gauge.clone())
+    }
+}
+
+impl Drop for GaugeHold {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -553,6 +572,29 @@ mod tests {
             ALL_NAMES.len(),
             "unexpected families: {names:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_held_gauge_is_given_back_when_its_task_is_aborted() {
+        let m = Metrics::new().expect("metrics register");
+        let gauge = m.drains_in_progress.clone();
+        let task = tokio::spawn(async move {
+            let _hold = GaugeHold::new(&gauge);
+            std::future::pending::<()>().await;
+        });
+        tokio::task::yield_now().await;
+        while m.drains_in_progress.get() == 0 {
+            tokio::task::yield_now().await;
+        }
+        task.abort();
+        assert!(task.await.is_err_and(|e| e.is_cancelled()));
+        assert_eq!(m.drains_in_progress.get(), 0);
+        {
+            let _a = GaugeHold::new(&m.drains_in_progress);
+            let _b = GaugeHold::new(&m.drains_in_progress);
+            assert_eq!(m.drains_in_progress.get(), 2);
+        }
+        assert_eq!(m.drains_in_progress.get(), 0);
     }
 
     #[test]

@@ -17,6 +17,11 @@ use crate::api::Machine;
 /// How long after a failed drain the reconciler may start it again.
 pub(crate) const RETRY_FAILED_AFTER: Duration = Duration::from_secs(30);
 
+/// How long after a drain that ended (drained or forced) it may start
+/// again for pods that came back: pods that keep coming back cost one
+/// drain each this often, never a loop on the API server.
+pub(crate) const RESTART_ENDED_AFTER: Duration = Duration::from_secs(5);
+
 struct Running {
     progress: watch::Receiver<Progress>,
     /// The Machine as the drain's last `status.drain` write returned it.
@@ -48,8 +53,9 @@ impl Drainer {
 
     /// The progress of `job`'s drain, starting it if it is not running: the
     /// first time, after a controller restart, or when it failed at least
-    /// [`RETRY_FAILED_AFTER`] ago. A finished drain is not started again
-    /// unless `pods_left` says pods came back.
+    /// [`RETRY_FAILED_AFTER`] ago. A drain that ended is started again
+    /// only when `pods_left` says pods came back, and no sooner than
+    /// [`RESTART_ENDED_AFTER`] after it ended.
     pub(crate) fn ensure(&self, job: Job, pods_left: bool) -> Progress {
         let Ok(mut running) = self.running.lock() else {
             return Progress::default();
@@ -59,7 +65,8 @@ impl Drainer {
             let restart = match (&p.outcome, p.finished_at) {
                 (None, _) => false,
                 (Some(Outcome::Failed { .. }), Some(at)) => at.elapsed() >= RETRY_FAILED_AFTER,
-                (Some(_), _) => pods_left,
+                (Some(_), Some(at)) => pods_left && at.elapsed() >= RESTART_ENDED_AFTER,
+                (Some(_), None) => pods_left,
             };
             if !restart {
                 return p;

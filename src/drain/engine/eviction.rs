@@ -2,12 +2,13 @@
 //! PodDisruptionBudget refuses it: with exponential backoff and jitter, and
 //! at once when a budget in the pod's namespace changes. After
 //! `maxEvictRetries` refusals, or at once for a misconfigured budget, the
-//! pod is reported as blocked, naming the budget. A budget is never
-//! bypassed here; only the deadline ends the retries.
+//! pod is reported as blocked, naming the budget. A budget is bypassed only
+//! at the deadline, with `forceAfterDeadline`: the pod is then deleted with
+//! its own grace period, at the deadline minus that grace period.
 
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use kube::runtime::events::EventType;
 use tokio::time::Instant;
 
@@ -27,6 +28,9 @@ const MAX_EVICT_BACKOFF: Duration = Duration::from_secs(30);
 pub(super) enum Eviction {
     /// The API server accepted it (perhaps after refusals).
     Accepted(ObjectReference),
+    /// The deadline came first: the pod was deleted, its budget bypassed,
+    /// with its own grace period (and a Warning says so).
+    Forced,
     /// The pod was gone already, or replaced by one of the same name.
     Gone,
     /// The drain's deadline passed first.
@@ -36,72 +40,65 @@ pub(super) enum Eviction {
 impl Run {
     /// Evicts one pod, retrying refusals, and says what became of it. The
     /// caller announces an accepted eviction (refusals are announced here).
+    ///
+    /// With `forceAfterDeadline`, a pod still not evicted at the deadline
+    /// minus its grace period is deleted instead, the PodDisruptionBudget
+    /// bypassed, so that it still gets its whole grace period by the
+    /// deadline. Without it, after the deadline one eviction is tried (the
+    /// drain's last try) and a refusal ends it.
     pub(super) async fn evict(&self, planned: &PlannedPod) -> Eviction {
         let key = fmt_key(&planned.pod);
         let Some(pod) = self.pod(&planned.pod, planned.uid.as_deref()) else {
             return Eviction::Gone;
         };
+        let force_at = self.force_at(planned.grace);
         let mut backoff = evict_backoff();
         let mut refusals = 0u32;
+        let mut failures_after_deadline = 0u32;
         loop {
-            if self.expired() {
+            let forcing = force_at.is_some_and(|at| Instant::now() >= at);
+            if !forcing && self.expired() && (!self.last_try() || refusals > 0) {
                 return Eviction::Expired;
             }
             let mut pdb_changes = self.deps.pdb_changes.clone();
             pdb_changes.borrow_and_update();
-            let pause = match evict::evict(&self.deps.client, &pod).await {
+            let answer = if forcing {
+                evict::delete(&self.deps.client, &pod, None).await
+            } else {
+                evict::evict(&self.deps.client, &pod).await
+            };
+            let pause = match answer {
                 Evicted::Accepted => {
-                    self.deps.metrics.record_eviction(EvictionResult::Evicted);
-                    self.count_evicted(&planned.pod);
-                    self.update(|p| {
-                        if p.blocked_by.as_deref().is_some_and(|b| b.contains(&key)) {
-                            p.blocked_by = None;
-                        }
+                    self.deps.metrics.record_eviction(if forcing {
+                        EvictionResult::Forced
+                    } else {
+                        EvictionResult::Evicted
                     });
+                    self.count_evicted(&planned.pod);
+                    self.update(|p| p.unblock(&key));
+                    if forcing {
+                        self.forced(&planned.pod);
+                        self.event(
+                            EventType::Warning,
+                            "ForcedAtDeadline",
+                            format!(
+                                "deleted pod {key} with its grace period of {}s, its PodDisruptionBudget bypassed: the drain deadline is at {}",
+                                planned.grace.as_secs(),
+                                self.job
+                                    .deadline
+                                    .expires_at()
+                                    .map_or_else(String::new, |t| t.to_string())
+                            ),
+                            Some(pod_ref(&pod)),
+                        );
+                        return Eviction::Forced;
+                    }
                     return Eviction::Accepted(pod_ref(&pod));
                 }
                 Evicted::Gone => return Eviction::Gone,
                 Evicted::Refused { message } => {
                     refusals += 1;
-                    let pdbs = self.pdbs_for(std::slice::from_ref(&*pod));
-                    let findings = findings_for(&pod, &pdbs);
-                    let misconfigured = findings
-                        .iter()
-                        .find(|f| f.verdict == PdbVerdict::Misconfigured);
-                    let blocking = misconfigured
-                        .or_else(|| findings.iter().find(|f| f.verdict != PdbVerdict::Allows))
-                        .map(|f| f.description.clone())
-                        .unwrap_or_else(|| message.clone());
-                    let stuck =
-                        misconfigured.is_some() || refusals >= self.job.settings.max_evict_retries;
-                    self.deps
-                        .metrics
-                        .record_eviction(if misconfigured.is_some() {
-                            EvictionResult::MisconfiguredPdb
-                        } else {
-                            EvictionResult::PdbBlocked
-                        });
-                    let why = if misconfigured.is_some() {
-                        format!(
-                            "pod {key}: misconfigured PodDisruptionBudget, eviction can never succeed: {blocking}"
-                        )
-                    } else if stuck {
-                        format!("pod {key}: eviction refused {refusals} times: {blocking}")
-                    } else {
-                        format!("pod {key}: eviction refused: {blocking}")
-                    };
-                    if (stuck && refusals == self.job.settings.max_evict_retries.max(1))
-                        || (misconfigured.is_some() && refusals == 1)
-                    {
-                        self.event(
-                            EventType::Warning,
-                            "EvictionBlocked",
-                            why.clone(),
-                            Some(pod_ref(&pod)),
-                        );
-                    }
-                    self.update(|p| p.blocked_by = Some(why));
-                    if stuck {
+                    if self.refused(&pod, &key, refusals, &message) {
                         MAX_EVICT_BACKOFF
                     } else {
                         backoff.next().unwrap_or(MAX_EVICT_BACKOFF)
@@ -109,21 +106,75 @@ impl Run {
                 }
                 Evicted::Failed(e) => {
                     self.deps.metrics.record_eviction(EvictionResult::Error);
-                    tracing::warn!(pod = %key, error = %e, "eviction failed");
+                    tracing::warn!(pod = %key, forcing, error = %e, "eviction failed");
+                    if self.expired() {
+                        // After the deadline nothing else ends the retries.
+                        failures_after_deadline += 1;
+                        if failures_after_deadline >= self.job.settings.max_evict_retries.max(1) {
+                            return Eviction::Expired;
+                        }
+                    }
                     backoff.next().unwrap_or(MAX_EVICT_BACKOFF)
                 }
             };
             // Retry after the pause, or as soon as a PodDisruptionBudget
-            // changes, or give up at the deadline.
+            // changes, or when the pod is due to be deleted, or give up at
+            // the deadline.
             let until = Instant::now() + pause;
+            let stop = force_at.map_or_else(|| self.deadline(), |at| at.max(Instant::now()));
             tokio::select! {
-                _ = tokio::time::sleep_until(until.min(self.deadline())) => {}
+                _ = tokio::time::sleep_until(until.min(stop)) => {}
                 _ = pdb_changes.changed() => {}
             }
             if self.pod(&planned.pod, planned.uid.as_deref()).is_none() {
                 return Eviction::Gone;
             }
         }
+    }
+
+    /// Records a refusal (429) of pod `key`'s eviction, the `refusals`-th,
+    /// and says whether the pod counts as stuck: after `maxEvictRetries`
+    /// refusals, or at once for a misconfigured budget (a Warning says so
+    /// once, naming the budget). Stuck, it is retried at the backoff's
+    /// ceiling.
+    fn refused(&self, pod: &Pod, key: &str, refusals: u32, message: &str) -> bool {
+        let pdbs = self.pdbs_for(std::slice::from_ref(pod));
+        let findings = findings_for(pod, &pdbs);
+        let misconfigured = findings
+            .iter()
+            .find(|f| f.verdict == PdbVerdict::Misconfigured);
+        let blocking = misconfigured
+            .or_else(|| findings.iter().find(|f| f.verdict != PdbVerdict::Allows))
+            .map_or_else(|| message.to_string(), |f| f.description.clone());
+        let stuck = misconfigured.is_some() || refusals >= self.job.settings.max_evict_retries;
+        self.deps
+            .metrics
+            .record_eviction(if misconfigured.is_some() {
+                EvictionResult::MisconfiguredPdb
+            } else {
+                EvictionResult::PdbBlocked
+            });
+        let why = if misconfigured.is_some() {
+            format!(
+                "pod {key}: misconfigured PodDisruptionBudget, eviction can never succeed: {blocking}"
+            )
+        } else if stuck {
+            format!("pod {key}: eviction refused {refusals} times: {blocking}")
+        } else {
+            format!("pod {key}: eviction refused: {blocking}")
+        };
+        if (stuck && refusals == self.job.settings.max_evict_retries.max(1))
+            || (misconfigured.is_some() && refusals == 1)
+        {
+            self.event(
+                EventType::Warning,
+                "EvictionBlocked",
+                why.clone(),
+                Some(pod_ref(pod)),
+            );
+        }
+        self.update(|p| p.block(key, why));
+        stuck
     }
 }
 

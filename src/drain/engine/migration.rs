@@ -49,12 +49,14 @@ struct Migration<'a> {
 
 impl Run {
     /// Moves one stateful pod of `plan`: evict → gone → detached →
-    /// replacement → attached elsewhere.
-    pub(super) async fn migrate(&self, plan: &DrainPlan, pod: &PlannedPod) {
+    /// replacement → attached elsewhere. Says whether its volumes left this
+    /// Node (the pod went and they detached); if not, no other stateful pod
+    /// may go in this pass.
+    pub(super) async fn migrate(&self, plan: &DrainPlan, pod: &PlannedPod) -> bool {
         let mut m = Migration::register(self, plan, pod);
         let key = m.key.clone();
         let span = tracing::info_span!("migrate", pod = %key, pvs = %m.pvs.join(","));
-        m.steps().instrument(span).await;
+        let moved = m.steps().instrument(span).await;
         self.update(|p| {
             if p.current_pod.as_deref() == Some(key.as_str()) {
                 p.current_pod = None;
@@ -62,6 +64,7 @@ impl Run {
                 p.waiting_for = None;
             }
         });
+        moved
     }
 }
 
@@ -86,21 +89,33 @@ impl<'a> Migration<'a> {
         }
     }
 
-    async fn steps(&mut self) {
+    /// The steps, in order; false when the volumes did not leave the Node
+    /// (not evicted, not gone, or not detached in time).
+    async fn steps(&mut self) -> bool {
         if !self.evict().await {
-            return;
+            return false;
         }
         let evicted_at = std::time::Instant::now();
-        if !self.pod_gone().await || self.pvs.is_empty() {
-            return;
+        if !self.pod_gone().await {
+            return false;
+        }
+        if self.pvs.is_empty() {
+            return true;
         }
         if !self.detached(evicted_at).await {
-            return;
+            return false;
+        }
+        if self.run.expired() {
+            // Past the deadline availability is given up, data is not: the
+            // volumes left this Node, the next pod may go.
+            tracing::info!(pvs = %self.pvs.join(","), "deadline passed: not waiting for the volumes to attach elsewhere");
+            return true;
         }
         let expected = self.replacement().await;
         if !expected.is_empty() {
             self.attached(&expected).await;
         }
+        true
     }
 
     /// Evicts the pod; false when the deadline passed first.
@@ -118,7 +133,7 @@ impl<'a> Migration<'a> {
                 run.announce_evicted(vec![pod]);
                 true
             }
-            Eviction::Gone => true,
+            Eviction::Gone | Eviction::Forced => true,
         }
     }
 
@@ -128,7 +143,7 @@ impl<'a> Migration<'a> {
         let (run, key, planned) = (self.run, &self.key, self.pod);
         run.step(|p| p.waiting_for = Some(format!("pod {key} to terminate")));
         let uid = planned.uid.as_deref();
-        let bound = run.bounded(planned.bounds.pod_gone);
+        let bound = run.volume_bound(planned.bounds.pod_gone);
         if run.wait_gone(&planned.pod, uid, bound).await {
             return true;
         }
@@ -153,7 +168,7 @@ impl<'a> Migration<'a> {
             .bounds
             .detach
             .unwrap_or(run.job.settings.volume_detach_timeout);
-        let until = run.bounded(bound);
+        let until = run.volume_bound(bound);
         self.others_gone(&pvs, until).await;
         let node = &run.job.node;
         run.step(|p| p.waiting_for = Some(format!("{pvs} to detach from Node {node}")));

@@ -27,10 +27,16 @@
 //! when a PDB in the pod's namespace changes. After `maxEvictRetries`
 //! refusals, or at once for a misconfigured PDB, the pod is reported as
 //! blocked, naming the PDB, and retried only when a PDB changes or the
-//! backoff ceiling passes. When the deadline passes, the pods left are
-//! force-deleted if `forceAfterDeadline`, otherwise the drain fails with
-//! the list of pods and why; the reconciler retries it later, with the same
-//! deadline.
+//! backoff ceiling passes. The deadline gives up budgets, never volumes:
+//! with `forceAfterDeadline`, a pod still not evicted is deleted with its
+//! own grace period at the deadline minus that grace period, and the passes
+//! go on after the deadline, stateful pods still one at a time with their
+//! pod-gone and detach waits (never cut at the deadline), until a pass
+//! moves nothing; without it, one last pass tries each pod once more and
+//! the drain fails with the list of pods and why; the reconciler retries it
+//! later, with the same deadline. A pod that a finalizer holds after its
+//! grace period is reported once and holds the drain until the deadline
+//! plus its grace period.
 //!
 //! Progress goes to `Machine.status.drain` through one writer task that
 //! coalesces updates and is the only writer of that field; Events record
@@ -69,7 +75,7 @@ use tokio::sync::watch;
 
 pub use self::batch::evicted_note;
 pub use self::drainer::Drainer;
-pub(crate) use self::drainer::RETRY_FAILED_AFTER;
+pub(crate) use self::drainer::{RESTART_ENDED_AFTER, RETRY_FAILED_AFTER};
 pub(crate) use self::progress::Progress;
 use super::deadline::Deadline;
 use crate::api::Machine;

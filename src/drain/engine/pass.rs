@@ -11,6 +11,8 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::jiff::Timestamp;
@@ -25,12 +27,11 @@ use super::progress::write_status;
 use super::run::Run;
 use super::{Deps, Job, Outcome, Progress};
 use crate::api::Machine;
-use crate::drain::deadline::{grace_period, pod_gone_bound};
 use crate::drain::evict::{self, Evicted};
 use crate::drain::pdb::PdbVerdict;
 use crate::drain::plan::{DetachingVolume, DrainPlan};
-use crate::drain::select::{NamespacedName, fmt_key};
-use crate::telemetry::EvictionResult;
+use crate::drain::select::fmt_key;
+use crate::telemetry::{EvictionResult, GaugeHold};
 use crate::volumes::Interest;
 
 pub(super) async fn run(
@@ -46,11 +47,11 @@ pub(super) async fn run(
         progress.subscribe(),
         written,
     ));
-    deps.metrics.drains_in_progress.inc();
+    let in_progress = GaugeHold::new(&deps.metrics.drains_in_progress);
     let started = std::time::Instant::now();
     let r = Run::new(Arc::clone(&deps), job, progress);
     let outcome = r.passes().await;
-    deps.metrics.drains_in_progress.dec();
+    drop(in_progress);
     deps.metrics
         .record_drain(outcome.label(), started.elapsed());
     match &outcome {
@@ -63,7 +64,10 @@ pub(super) async fn run(
         Outcome::Forced { pods } => r.event(
             EventType::Warning,
             "DrainForced",
-            format!("drain deadline passed: force-deleted {}", pods.join(", ")),
+            format!(
+                "drain deadline passed: deleted {} with their PodDisruptionBudgets bypassed",
+                pods.join(", ")
+            ),
             None,
         ),
         Outcome::Failed { message } => {
@@ -78,6 +82,7 @@ pub(super) async fn run(
         p.current_pod = None;
         p.current_volume = None;
         p.waiting_for = None;
+        p.blocked_pod = None;
         if let Outcome::Failed { message } = &outcome {
             p.blocked_by = Some(message.clone());
         } else {
@@ -90,37 +95,98 @@ pub(super) async fn run(
     drop(writer);
 }
 
+/// How long after its grace period a pod evicted in a pass is waited for
+/// there, before the next pass takes it as a pod being deleted.
+const LEFT_TO_NEXT_PASS: Duration = Duration::from_secs(5);
+
 /// What a pass found and did.
 enum Pass {
     /// Nothing was left to do.
     Done,
-    /// Work was done; plan again.
+    /// Work was done, or waited for; plan again.
     Again,
-    /// The deadline passed.
-    Deadline,
 }
 
 impl Run {
+    /// Passes until nothing is left. Before the deadline a pass honours
+    /// every PodDisruptionBudget. After it, with `forceAfterDeadline`, the
+    /// passes go on with budgets bypassed (see [`Run::evict`]) and volumes
+    /// still honoured, until a pass moves nothing; without it, one last
+    /// pass tries each pod once more and the drain fails with what is left.
     async fn passes(&self) -> Outcome {
         loop {
+            if self.expired() && !self.job.settings.force_after_deadline {
+                return self.at_deadline().await;
+            }
+            let expired = self.expired();
+            let before = self.work_done();
             match self.pass().await {
-                Pass::Done => return Outcome::Drained,
-                Pass::Again => continue,
-                Pass::Deadline => return self.at_deadline().await,
+                Pass::Done => return self.ended(),
+                Pass::Again if expired && self.work_done() == before => return self.stalled(),
+                Pass::Again => {}
             }
         }
     }
 
-    async fn pass(&self) -> Pass {
-        if self.expired() {
-            return Pass::Deadline;
+    /// Nothing is left: drained, or forced if budgets were bypassed.
+    fn ended(&self) -> Outcome {
+        let pods = self.forced_pods();
+        if pods.is_empty() {
+            Outcome::Drained
+        } else {
+            Outcome::Forced { pods }
         }
+    }
+
+    /// After the deadline, a pass moved nothing: the pods left cannot be
+    /// removed now. The drain fails naming them, and is retried later.
+    fn stalled(&self) -> Outcome {
+        let left = self.left();
+        if left.is_empty() {
+            return self.ended();
+        }
+        Outcome::Failed {
+            message: format!(
+                "drain deadline of {} passed and {} pods could not be removed: {}",
+                humantime::format_duration(self.job.deadline.timeout),
+                left.len(),
+                left.join(", ")
+            ),
+        }
+    }
+
+    /// The pods that still hold the drain, each with why.
+    fn left(&self) -> Vec<String> {
+        let plan = self.plan();
+        let evictable = plan.stateless.iter().chain(plan.stateful.iter()).map(|p| {
+            let why = p
+                .pdbs
+                .iter()
+                .find(|f| f.verdict != PdbVerdict::Allows)
+                .map_or("not evicted in time", |f| f.description.as_str());
+            format!("{} ({why})", fmt_key(&p.pod))
+        });
+        let terminating = plan
+            .terminating
+            .iter()
+            .filter(|t| !self.released(t))
+            .map(|t| format!("{} (still terminating)", fmt_key(&t.pod)));
+        let finished = plan
+            .to_delete
+            .iter()
+            .map(|t| format!("{} (finished, not yet deleted)", fmt_key(&t.pod)));
+        evictable.chain(terminating).chain(finished).collect()
+    }
+
+    async fn pass(&self) -> Pass {
         let plan = self.plan();
         let leftover = self.not_abandoned(&plan.detaching);
-        let remaining = plan.stateless.len()
-            + plan.stateful.len()
-            + plan.terminating.len()
-            + plan.to_delete.len();
+        let holding = plan
+            .terminating
+            .iter()
+            .filter(|t| !self.released(t))
+            .count();
+        let remaining = plan.stateless.len() + plan.stateful.len() + holding + plan.to_delete.len();
         self.update(|p| {
             p.pods_remaining = u32::try_from(remaining).unwrap_or(u32::MAX);
             p.pods_total = p.pods_total.max(p.pods_evicted + p.pods_remaining);
@@ -146,15 +212,27 @@ impl Run {
             .iter()
             .map(|p| async move { (p, self.evict(p).await) })
             .collect();
+        // A stateful pod whose volumes did not leave the Node stops the
+        // chain for this pass: the next pass waits for them first.
+        let halted = AtomicBool::new(false);
         let migrations: Vec<_> = plan
             .stateful
             .iter()
-            .map(|p| self.migrate(&plan, p))
+            .map(|p| {
+                let halted = &halted;
+                let plan = &plan;
+                async move {
+                    if !halted.load(Ordering::Acquire) && !self.migrate(plan, p).await {
+                        halted.store(true, Ordering::Release);
+                    }
+                }
+            })
             .collect();
         let terminating: Vec<_> = plan
             .terminating
             .iter()
-            .map(|t| self.wait_gone(&t.pod, t.uid.as_deref(), self.deadline()))
+            .filter(|t| t.pvs.is_empty() && !self.released(t))
+            .map(|t| self.wait_terminating(t))
             .collect();
         // The bound is on eviction requests in flight; waiting for the
         // evicted pods to go costs nothing but a watch receiver each, so
@@ -173,7 +251,7 @@ impl Run {
                             batch.push(pod, Instant::now());
                             leaving.push(p);
                         }
-                        Some((p, Eviction::Gone)) => leaving.push(p),
+                        Some((p, Eviction::Gone | Eviction::Forced)) => leaving.push(p),
                         Some((_, Eviction::Expired)) => {}
                         None => break,
                     },
@@ -185,7 +263,13 @@ impl Run {
             self.announce_evicted(batch.take());
             let gone: Vec<_> = leaving
                 .into_iter()
-                .map(|p| self.wait_gone(&p.pod, p.uid.as_deref(), self.deadline()))
+                .map(|p| {
+                    // Until its grace period is over and a little more: one
+                    // still there then is left to the next pass, which
+                    // names what holds it (`wait_terminating`).
+                    let until = self.bounded(p.grace.saturating_add(LEFT_TO_NEXT_PASS));
+                    self.wait_gone(&p.pod, p.uid.as_deref(), until)
+                })
                 .collect();
             futures::future::join_all(gone).await;
         };
@@ -194,13 +278,12 @@ impl Run {
             // restart, or by someone else) come first: their volumes must be
             // gone from this Node before the next stateful eviction.
             let going: Vec<_> = plan.terminating_with_volumes().collect();
-            for t in &going {
+            for t in going.iter().filter(|t| !self.released(t)) {
                 self.update(|p| {
                     p.current_pod = Some(fmt_key(&t.pod));
                     p.waiting_for = Some(format!("pod {} to terminate", fmt_key(&t.pod)));
                 });
-                self.wait_gone(&t.pod, t.uid.as_deref(), self.deadline())
-                    .await;
+                self.wait_terminating(t).await;
             }
             let leftover = if going.is_empty() {
                 leftover
@@ -220,11 +303,7 @@ impl Run {
         // pods have slack: polled first, its eviction is sent ahead of theirs
         // when many drains start at once and every request queues.
         tokio::join!(stateful, stateless, terminating);
-        if self.expired() {
-            Pass::Deadline
-        } else {
-            Pass::Again
-        }
+        Pass::Again
     }
 
     /// Deletes the pods that finished (Succeeded or Failed).
@@ -263,7 +342,7 @@ impl Run {
         let mut reg = self.deps.tracker.register(interest);
         let started = std::time::Instant::now();
         match reg
-            .wait_detached(self.bounded(self.job.settings.volume_detach_timeout))
+            .wait_detached(self.volume_bound(self.job.settings.volume_detach_timeout))
             .await
         {
             Ok(()) => {
@@ -271,6 +350,9 @@ impl Run {
                     .metrics
                     .volume_detach_wait
                     .observe(started.elapsed().as_secs_f64());
+                // A completed step: written at once, and progress for a pass
+                // after the deadline.
+                self.step(|p| p.waiting_for = None);
                 self.event(
                     EventType::Normal,
                     "VolumeDetached",
@@ -288,7 +370,11 @@ impl Run {
                 return;
             }
         }
-        // And attached where a pod still needs them.
+        // And attached where a pod still needs them, unless the deadline
+        // passed (availability is what it gives up).
+        if self.expired() {
+            return;
+        }
         let needed: BTreeSet<String> = names
             .iter()
             .filter_map(|n| self.deps.pvs.get(&ObjectRef::new(n)))
@@ -333,99 +419,27 @@ impl Run {
         }
     }
 
-    /// The deadline passed: force what is left, or fail saying what.
+    /// The deadline passed without `forceAfterDeadline`: one last pass
+    /// tries each pod once more (a budget may have been relaxed since),
+    /// stateful pods still one at a time with their volume waits; then the
+    /// drain fails with what is left, and the reconciler runs it again
+    /// later.
     async fn at_deadline(&self) -> Outcome {
-        let plan = self.plan();
-        let left: Vec<(NamespacedName, Option<String>, String)> = plan
-            .stateless
-            .iter()
-            .chain(plan.stateful.iter())
-            .map(|p| {
-                let why = p
-                    .pdbs
-                    .iter()
-                    .find(|f| f.verdict != PdbVerdict::Allows)
-                    .map(|f| f.description.clone())
-                    .unwrap_or_else(|| "not evicted in time".into());
-                (p.pod.clone(), p.uid.clone(), why)
-            })
-            .chain(
-                plan.terminating
-                    .iter()
-                    .map(|t| (t.pod.clone(), t.uid.clone(), "still terminating".into())),
-            )
-            .chain(plan.to_delete.iter().map(|t| {
-                (
-                    t.pod.clone(),
-                    t.uid.clone(),
-                    "finished, not yet deleted".into(),
-                )
-            }))
-            .collect();
+        self.start_last_try();
+        if let Pass::Done = self.pass().await {
+            return self.ended();
+        }
+        let left = self.left();
         if left.is_empty() {
-            return Outcome::Drained;
+            return self.ended();
         }
-        if !self.job.settings.force_after_deadline {
-            // No forcing: one more polite attempt per pod (a budget may have
-            // been relaxed since), then fail with what is left. The
-            // reconciler runs the drain again later.
-            let mut still = Vec::new();
-            for (k, uid, why) in left {
-                let terminating = plan.terminating.iter().any(|t| t.pod == k);
-                let Some(pod) = self.pod(&k, uid.as_deref()) else {
-                    continue;
-                };
-                let leaving = terminating
-                    || match evict::evict(&self.deps.client, &pod).await {
-                        Evicted::Accepted | Evicted::Gone => {
-                            self.deps.metrics.record_eviction(EvictionResult::Evicted);
-                            self.count_evicted(&k);
-                            true
-                        }
-                        _ => false,
-                    };
-                // A pod on its way out gets its grace period to finish.
-                let bound = pod_gone_bound(grace_period(&pod));
-                let gone = leaving
-                    && self
-                        .wait_gone(&k, uid.as_deref(), Instant::now() + bound)
-                        .await;
-                if !gone {
-                    still.push((k, uid, why));
-                }
-            }
-            let left = still;
-            if left.is_empty() {
-                return Outcome::Drained;
-            }
-            let list: Vec<String> = left
-                .iter()
-                .map(|(k, _, why)| format!("{} ({why})", fmt_key(k)))
-                .collect();
-            return Outcome::Failed {
-                message: format!(
-                    "drain deadline of {} passed with {} pods left and forceAfterDeadline=false: {}",
-                    humantime::format_duration(self.job.deadline.timeout),
-                    left.len(),
-                    list.join(", ")
-                ),
-            };
+        Outcome::Failed {
+            message: format!(
+                "drain deadline of {} passed with {} pods left and forceAfterDeadline=false: {}",
+                humantime::format_duration(self.job.deadline.timeout),
+                left.len(),
+                left.join(", ")
+            ),
         }
-        let mut forced = Vec::new();
-        for (k, uid, _) in &left {
-            if let Some(pod) = self.pod(k, uid.as_deref()) {
-                match evict::delete(&self.deps.client, &pod, Some(0)).await {
-                    Evicted::Accepted | Evicted::Gone => {
-                        self.deps.metrics.record_eviction(EvictionResult::Forced);
-                        self.count_evicted(k);
-                        forced.push(fmt_key(k));
-                    }
-                    other => {
-                        tracing::warn!(pod = %fmt_key(k), result = ?other, "force delete failed")
-                    }
-                }
-            }
-        }
-        Outcome::Forced { pods: forced }
     }
 }

@@ -37,6 +37,12 @@ pub(crate) struct Progress {
     pub(crate) current_volume: Option<String>,
     pub(crate) waiting_for: Option<String>,
     pub(crate) blocked_by: Option<String>,
+    /// The pod (`namespace/name`) `blocked_by` is about, if one: the
+    /// block is cleared when that pod, and no other, is evicted.
+    pub(crate) blocked_pod: Option<String>,
+    /// Whether the block is a finalizer holding a pod being deleted (not
+    /// a refused eviction).
+    pub(crate) held: bool,
     pub(crate) outcome: Option<Outcome>,
     /// When the outcome was reached.
     pub(crate) finished_at: Option<Instant>,
@@ -51,6 +57,29 @@ pub(crate) struct Progress {
 }
 
 impl Progress {
+    /// Records that pod `key`'s eviction is blocked, and why.
+    pub(crate) fn block(&mut self, key: &str, why: String) {
+        self.blocked_by = Some(why);
+        self.blocked_pod = Some(key.to_string());
+        self.held = false;
+    }
+
+    /// Records that a finalizer holds pod `key`, being deleted, and what
+    /// the drain does about it.
+    pub(crate) fn hold(&mut self, key: &str, why: String) {
+        self.block(key, why);
+        self.held = true;
+    }
+
+    /// Clears the block if it is about pod `key`.
+    pub(crate) fn unblock(&mut self, key: &str) {
+        if self.blocked_pod.as_deref() == Some(key) {
+            self.blocked_by = None;
+            self.blocked_pod = None;
+            self.held = false;
+        }
+    }
+
     /// `status.drain` as this progress records it, for a drain that
     /// started at `started`.
     fn drain_status(&self, started: Timestamp) -> DrainStatus {
@@ -159,6 +188,20 @@ mod tests {
     use super::*;
 
     #[test]
+    fn evicting_a_pod_clears_its_own_block_and_no_other() {
+        let mut p = Progress::default();
+        p.block("db/pg-10", "pod db/pg-10: eviction refused".into());
+        p.unblock("db/pg-1");
+        assert_eq!(
+            p.blocked_by.as_deref(),
+            Some("pod db/pg-10: eviction refused"),
+            "pg-1 is not pg-10"
+        );
+        p.unblock("db/pg-10");
+        assert_eq!((p.blocked_by, p.blocked_pod), (None, None));
+    }
+
+    #[test]
     fn progress_waits_for_the_interval_but_a_step_does_not() {
         let t0 = Instant::now();
         let soon = t0 + Duration::from_millis(300);
@@ -188,6 +231,8 @@ mod tests {
             current_volume: Some("pv-0".into()),
             waiting_for: Some("pv-0 to detach".into()),
             blocked_by: None,
+            blocked_pod: None,
+            held: false,
             outcome: None,
             finished_at: None,
             finished_on: Some(Timestamp::from_second(1_700_000_000).expect("valid")),

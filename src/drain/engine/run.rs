@@ -5,6 +5,7 @@
 //! [`plan`](crate::drain::plan); nothing here decides an order.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -17,12 +18,17 @@ use kube::runtime::reflector::ObjectRef;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::batch::pv_ref;
+use super::batch::{pod_ref_key, pv_ref};
 use super::{Deps, Job, Progress};
 use crate::cache::{claim_key, claim_names};
-use crate::drain::plan::{DetachingVolume, DrainPlan, detaching_volumes, plan, still_to_wait_for};
+use crate::drain::evict::{self, Evicted};
+use crate::drain::plan::{
+    DetachingVolume, DrainPlan, TerminatingPod, detaching_volumes, plan, still_to_wait_for,
+};
+use crate::drain::select::held_by_finalizers;
 use crate::drain::select::{NamespacedName, fmt_key};
 use crate::drain::volume::replacement_expected;
+use crate::telemetry::EvictionResult;
 use crate::volumes::WaitError;
 
 /// One drain, from its first pass to its outcome.
@@ -35,6 +41,13 @@ pub(super) struct Run {
     /// Volumes whose detach wait timed out: warned about once, not waited
     /// for again (the reconciler's own volume step still guards the VM).
     abandoned: Mutex<BTreeSet<String>>,
+    /// Pods (by UID) reported as held by a finalizer: reported once.
+    reported_held: Mutex<BTreeSet<String>>,
+    /// Pods deleted with their PodDisruptionBudget bypassed (the deadline).
+    forced: Mutex<Vec<String>>,
+    /// Set for the drain's last pass after the deadline without forcing:
+    /// each pod gets one more eviction attempt.
+    last_try: AtomicBool,
 }
 
 impl Run {
@@ -45,6 +58,133 @@ impl Run {
             progress,
             evicted: Mutex::new(BTreeSet::new()),
             abandoned: Mutex::new(BTreeSet::new()),
+            reported_held: Mutex::new(BTreeSet::new()),
+            forced: Mutex::new(Vec::new()),
+            last_try: AtomicBool::new(false),
+        }
+    }
+
+    /// With `forceAfterDeadline`, when a pod of grace period `grace` that
+    /// is still not evicted gets deleted instead, bypassing its budget: at
+    /// the deadline minus its grace period, so that it is gone by the
+    /// deadline. `None` without forcing.
+    pub(super) fn force_at(&self, grace: Duration) -> Option<Instant> {
+        self.job.settings.force_after_deadline.then(|| {
+            let deadline = self.deadline();
+            deadline.checked_sub(grace).unwrap_or(deadline)
+        })
+    }
+
+    /// Records a pod deleted with its budget bypassed.
+    pub(super) fn forced(&self, key: &NamespacedName) {
+        if let Ok(mut f) = self.forced.lock() {
+            f.push(fmt_key(key));
+        }
+    }
+
+    /// The pods deleted with their budget bypassed so far.
+    pub(super) fn forced_pods(&self) -> Vec<String> {
+        self.forced.lock().map(|f| f.clone()).unwrap_or_default()
+    }
+
+    /// Whether this is the last pass after the deadline without forcing.
+    pub(super) fn last_try(&self) -> bool {
+        self.last_try.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn start_last_try(&self) {
+        self.last_try.store(true, Ordering::Relaxed);
+    }
+
+    /// Pods evicted or deleted and migration steps completed so far: a pass
+    /// after the deadline that changes neither made no progress.
+    pub(super) fn work_done(&self) -> (u32, u64) {
+        let p = self.progress.borrow();
+        (p.pods_evicted, p.steps_done)
+    }
+
+    /// When a pod being deleted, with grace period `grace`, stops holding
+    /// this drain (see [`Deadline::releases`](crate::drain::deadline::Deadline::releases)).
+    pub(super) fn release_of(&self, grace: Duration) -> Instant {
+        Instant::now() + self.job.deadline.until_release(grace, Timestamp::now())
+    }
+
+    /// Whether a pod already being deleted no longer holds this drain.
+    pub(super) fn released(&self, t: &TerminatingPod) -> bool {
+        self.job.deadline.releases(t.grace, Timestamp::now())
+    }
+
+    /// Waits for a pod that was already being deleted to be gone, until it
+    /// no longer holds the drain. If a finalizer still holds it once its
+    /// grace period is over, says so once (a Warning, and `blockedBy` while
+    /// it holds the drain).
+    pub(super) async fn wait_terminating(&self, t: &TerminatingPod) {
+        let uid = t.uid.as_deref();
+        let release = self.release_of(t.grace);
+        let grace_ends = Instant::now()
+            + Duration::try_from(t.since.duration_since(Timestamp::now())).unwrap_or_default();
+        if self.wait_gone(&t.pod, uid, grace_ends.min(release)).await {
+            return;
+        }
+        let key = fmt_key(&t.pod);
+        if let Some(pod) = self.pod(&t.pod, uid)
+            && let Some(finalizers) = held_by_finalizers(&pod, Timestamp::now())
+        {
+            let first = self
+                .reported_held
+                .lock()
+                .map(|mut r| r.insert(t.uid.clone().unwrap_or_else(|| key.clone())))
+                .unwrap_or(false);
+            let until = self
+                .job
+                .deadline
+                .expires_at()
+                .and_then(|d| {
+                    let grace = k8s_openapi::jiff::SignedDuration::try_from(t.grace).ok()?;
+                    d.checked_add(grace).ok()
+                })
+                .map_or_else(|| "the deadline".to_string(), |t| t.to_string());
+            let why = format!(
+                "pod {key} is held by finalizer {} after its grace period; the drain waits for it until {until} (the deadline plus its grace period), then goes on without it",
+                finalizers.join(", ")
+            );
+            if first {
+                self.event(
+                    EventType::Warning,
+                    "PodHeldByFinalizer",
+                    why.clone(),
+                    Some(pod_ref_key(&t.pod)),
+                );
+            }
+            self.update(|p| p.hold(&key, why));
+        } else if self.job.settings.force_after_deadline {
+            // Its grace period is over and no finalizer holds it: the kubelet
+            // did not confirm it stopped. At the deadline, and only then,
+            // such a pod is deleted at once (grace 0).
+            if self.wait_gone(&t.pod, uid, self.deadline()).await {
+                return;
+            }
+            if let Some(pod) = self.pod(&t.pod, uid)
+                && held_by_finalizers(&pod, Timestamp::now()).is_none()
+            {
+                self.force_gone(&t.pod, &pod).await;
+            }
+        }
+        self.wait_gone(&t.pod, uid, release).await;
+        self.update(|p| p.unblock(&key));
+    }
+
+    /// Deletes with grace 0 a pod whose grace period already passed.
+    async fn force_gone(&self, key: &NamespacedName, pod: &Pod) {
+        match evict::delete(&self.deps.client, pod, Some(0)).await {
+            Evicted::Accepted => {
+                self.deps.metrics.record_eviction(EvictionResult::Forced);
+                self.forced(key);
+            }
+            Evicted::Gone => {}
+            other => {
+                tracing::warn!(pod = %fmt_key(key), result = ?other, "force delete failed");
+            }
         }
     }
 
@@ -57,9 +197,25 @@ impl Run {
         self.now_instant_of(self.job.deadline.remaining(Timestamp::now()))
     }
 
-    /// A step's own bound, cut to the deadline.
+    /// The bound of a wait that keeps data safe (a pod gone, its volumes
+    /// detached): with `forceAfterDeadline` the step's own bound, never cut
+    /// at the deadline, since budgets are what the deadline gives up, not
+    /// volumes; without it, as [`Run::bounded`].
+    pub(super) fn volume_bound(&self, step: Duration) -> Instant {
+        if self.job.settings.force_after_deadline {
+            return self.now_instant_of(step);
+        }
+        self.bounded(step)
+    }
+
+    /// A step's own bound, cut to the deadline; after the deadline (the
+    /// last try without forcing), the step's own bound.
     pub(super) fn bounded(&self, step: Duration) -> Instant {
-        self.now_instant_of(self.job.deadline.bound(Timestamp::now(), step))
+        let now = Timestamp::now();
+        if self.job.deadline.expired(now) {
+            return self.now_instant_of(step);
+        }
+        self.now_instant_of(self.job.deadline.bound(now, step))
     }
 
     pub(super) fn expired(&self) -> bool {

@@ -52,4 +52,6 @@ bench:
 
 ## manifests: regenerate the committed CRDs, the chart's CRD template and deploy/berth.yaml from the code and the chart
 manifests:
-	BERTH_BLESS=1 BERTH_TESTBED_BIN="$$(bash hack/testbed/build.sh --bin-dir)" cargo test --locked --test crd --test chart committed
+	# The CRDs first: deploy/berth.yaml is rendered from the chart's CRD template.
+	BERTH_BLESS=1 cargo test --locked --test crd committed
+	BERTH_BLESS=1 BERTH_TESTBED_BIN="$$(bash hack/testbed/build.sh --bin-dir)" cargo test --locked --test chart committed

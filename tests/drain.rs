@@ -31,25 +31,27 @@ const DETACH_DELAY: Duration = Duration::from_millis(1500);
 /// One control plane for this file, with slow enough attach/detach that an
 /// overlap would show.
 async fn client() -> Client {
-    static BED: OnceCell<TestBed> = OnceCell::const_new();
     support::init_logs();
-    let bed = BED
-        .get_or_init(|| async {
-            let bed = TestBed::start(
-                Options::end_to_end()
-                    .attach_delay(ATTACH_DELAY)
-                    .detach_delay(DETACH_DELAY),
-            )
+    bed().await.client().await.expect("admin client")
+}
+
+async fn bed() -> &'static TestBed {
+    static BED: OnceCell<TestBed> = OnceCell::const_new();
+    BED.get_or_init(|| async {
+        let bed = TestBed::start(
+            Options::end_to_end()
+                .attach_delay(ATTACH_DELAY)
+                .detach_delay(DETACH_DELAY),
+        )
+        .await
+        .expect("the end-to-end test bed starts");
+        let client = bed.client().await.expect("client");
+        berth::api::install_crds(client, LONG)
             .await
-            .expect("the end-to-end test bed starts");
-            let client = bed.client().await.expect("client");
-            berth::api::install_crds(client, LONG)
-                .await
-                .expect("CRDs installed");
-            bed
-        })
-        .await;
-    bed.client().await.expect("admin client")
+            .expect("CRDs installed");
+        bed
+    })
+    .await
 }
 
 fn json<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> T {
@@ -1120,4 +1122,130 @@ async fn a_restart_mid_drain_never_evicts_while_a_volume_is_detaching() {
         "after the restart, db-1 waited for db-0's volume to move: {log}"
     );
     ctl.stop().await;
+}
+
+/// A controller killed with SIGKILL at each point of a volume move (after
+/// the eviction, after the pod is gone, after its volume detached) resumes
+/// the move from `status.drain.moves`: no other stateful pod is evicted
+/// before the first one's volume is attached where its replacement runs,
+/// and the Machine goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_controller_resumes_a_volume_move_wherever_it_stopped() {
+    use support::process::Berth;
+    let client = client().await;
+    let ns = "drain-killed";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
+    let flags = ["--namespace", ns, "--leader-elect=false"];
+    let kubeconfig = bed().await.kubeconfig_path();
+    let mut berth = Berth::spawn(kubeconfig, &flags);
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    // Two replicas that take 4 s to stop: time to kill the controller after
+    // the eviction and before the pod is gone.
+    for i in 0..2 {
+        let pv = format!("{ns}-db-{i}");
+        create(
+            Api::all(client.clone()),
+            csi_pv(&pv, &format!("vol-{pv}"), ns, &format!("data-db-{i}")),
+        )
+        .await;
+    }
+    let mut sts = stateful_set("db", 2, 4);
+    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        spec.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
+    }
+    create(Api::namespaced(client.clone(), ns), sts).await;
+    let vas: Api<VolumeAttachment> = Api::all(client.clone());
+    wait::until(vas.clone(), LONG, "2 volumes attached to A", |all| {
+        all.iter()
+            .filter(|va| {
+                va.spec.node_name == node_a && va.status.as_ref().is_some_and(|s| s.attached)
+            })
+            .count()
+            == 2
+    })
+    .await
+    .expect("the volumes attach");
+    running_machine(&client, ns, "b", ns).await;
+
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    machines
+        .delete("a", &DeleteParams::default())
+        .await
+        .expect("delete a");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let old = wait::for_one(pods.clone(), LONG, "db-0 evicted", |p| {
+        p.name_any() == "db-0" && on_node(p, &node_a) && p.metadata.deletion_timestamp.is_some()
+    })
+    .await
+    .expect("the first eviction");
+    let moves = machines
+        .get("a")
+        .await
+        .expect("get a")
+        .status
+        .and_then(|s| s.drain)
+        .map(|d| d.moves)
+        .unwrap_or_default();
+    assert_eq!(
+        moves.iter().map(|m| m.pod.as_str()).collect::<Vec<_>>(),
+        [format!("{ns}/db-0")],
+        "the move is recorded before its eviction"
+    );
+    // 1. Killed right after the eviction.
+    berth.kill().await;
+    berth = Berth::spawn(kubeconfig, &flags);
+    // 2. Killed right after the pod is gone.
+    let old_uid = old.metadata.uid.clone();
+    wait::until(pods.clone(), LONG, "the old db-0 gone", |ps| {
+        !ps.iter().any(|p| p.metadata.uid == old_uid)
+    })
+    .await
+    .expect("db-0 goes");
+    berth.kill().await;
+    berth = Berth::spawn(kubeconfig, &flags);
+    // 3. Killed right after its volume detached from A.
+    let pv0 = format!("{ns}-db-0");
+    wait::until(vas, LONG, "db-0's volume detached from A", |all| {
+        !all.iter().any(|va| {
+            va.spec.node_name == node_a
+                && va.spec.source.persistent_volume_name.as_deref() == Some(pv0.as_str())
+        })
+    })
+    .await
+    .expect("the volume detaches");
+    berth.kill().await;
+    let berth = Berth::spawn(kubeconfig, &flags);
+
+    wait::for_none(machines, Duration::from_secs(180), "a gone", |m| {
+        m.name_any() == "a"
+    })
+    .await
+    .expect("the resumed drain completes");
+    let evs = events(&client, ns, "a").await;
+    let log: Vec<String> = evs
+        .iter()
+        .map(|(t, r, n)| format!("{t} {r}: {n}"))
+        .collect();
+    let log = log.join("\n");
+    let evicted: Vec<&str> = evs
+        .iter()
+        .filter(|(_, r, _)| r == "Evicted")
+        .map(|(_, _, n)| n.as_str())
+        .collect();
+    assert_eq!(
+        evicted,
+        [
+            format!("evicted pod {ns}/db-0"),
+            format!("evicted pod {ns}/db-1")
+        ],
+        "each pod evicted once: {log}"
+    );
+    let attached = first(&evs, "VolumeAttached", &pv0).unwrap_or_else(|| panic!("{log}"));
+    let next = first(&evs, "Evicted", &format!("{ns}/db-1")).unwrap_or_else(|| panic!("{log}"));
+    assert!(
+        attached.0 <= next.0,
+        "db-1 waited for db-0's volume to attach elsewhere across three kills: {log}"
+    );
+    berth.terminate().await;
 }

@@ -254,6 +254,26 @@ pub struct DrainStatus {
     /// `DrainForced` or `DrainFailed` Event says which), to the microsecond.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_at: Option<MicroTime>,
+    /// Volume moves in flight: each stateful pod evicted (recorded before
+    /// its eviction is sent) whose volumes have not yet attached where a pod
+    /// needs them again. A controller that restarts resumes each one (waits
+    /// for its pod to go, its volumes to detach from this Node and attach
+    /// elsewhere) before it evicts another stateful pod.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub moves: Vec<VolumeMove>,
+}
+
+/// A stateful pod's volumes on their way to another Node.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeMove {
+    /// The pod evicted (`namespace/name`).
+    pub pod: String,
+    /// Its UID: a pod of the same name with another UID is its replacement.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<String>,
+    /// The PersistentVolumes moving with it.
+    pub volumes: Vec<String>,
 }
 
 fn free_form_object(_: &mut schemars::SchemaGenerator) -> schemars::Schema {

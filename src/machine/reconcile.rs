@@ -802,6 +802,12 @@ async fn cleanup_step(
                 node: node.clone(),
                 settings: settings.clone(),
                 deadline,
+                moves: m
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.drain.as_ref())
+                    .map(|d| d.moves.clone())
+                    .unwrap_or_default(),
             };
             let progress = ctx.drainer.ensure(job, !pods.is_empty());
             let rec = deletion_record(&step, &DeletionOutcome::Drain(drain_view(&progress)));

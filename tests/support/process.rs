@@ -145,6 +145,16 @@ impl Berth {
             .expect("exit status")
     }
 
+    /// SIGKILL: the process stops wherever it is, with no chance to clean
+    /// up, as when its node dies or the OOM killer takes it.
+    pub async fn kill(mut self) {
+        self.child.start_kill().expect("SIGKILL sent");
+        tokio::time::timeout(LONG, self.child.wait())
+            .await
+            .expect("exits after SIGKILL")
+            .expect("exit status");
+    }
+
     pub fn logs_contain(&self, needle: &str) -> bool {
         !self.log_lines_matching(needle).is_empty()
     }

@@ -91,8 +91,19 @@ impl<'a> Migration<'a> {
 
     /// The steps, in order; false when the volumes did not leave the Node
     /// (not evicted, not gone, or not detached in time).
+    ///
+    /// The move is recorded in `status.drain.moves` before the eviction and
+    /// stays recorded while the pod may still be going (a restart resumes
+    /// it); it ends once the volumes attached elsewhere, or when nothing is
+    /// left to wait for.
     async fn steps(&mut self) -> bool {
+        let (run, key) = (self.run, self.key.clone());
+        if !self.pvs.is_empty() {
+            run.begin_move(&key, self.pod.uid.as_deref(), &self.pvs)
+                .await;
+        }
         if !self.evict().await {
+            run.end_move(&key);
             return false;
         }
         let evicted_at = std::time::Instant::now();
@@ -102,20 +113,19 @@ impl<'a> Migration<'a> {
         if self.pvs.is_empty() {
             return true;
         }
-        if !self.detached(evicted_at).await {
-            return false;
-        }
-        if self.run.expired() {
+        let detached = self.detached(evicted_at).await;
+        if detached && run.expired() {
             // Past the deadline availability is given up, data is not: the
             // volumes left this Node, the next pod may go.
             tracing::info!(pvs = %self.pvs.join(","), "deadline passed: not waiting for the volumes to attach elsewhere");
-            return true;
+        } else if detached {
+            let expected = self.replacement().await;
+            if !expected.is_empty() {
+                self.attached(&expected).await;
+            }
         }
-        let expected = self.replacement().await;
-        if !expected.is_empty() {
-            self.attached(&expected).await;
-        }
-        true
+        run.end_move(&key);
+        detached
     }
 
     /// Evicts the pod; false when the deadline passed first.

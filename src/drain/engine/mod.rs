@@ -135,6 +135,10 @@ pub(crate) struct Job {
     /// Starts at the Machine's `deletionTimestamp`, which is also
     /// `status.drain.startedAt`.
     pub(crate) deadline: Deadline,
+    /// The volume moves in flight that `status.drain` records (a previous
+    /// run's, if the controller restarted): resumed before any other
+    /// stateful pod is evicted.
+    pub(crate) moves: Vec<crate::api::VolumeMove>,
 }
 
 #[cfg(test)]

@@ -40,16 +40,18 @@ pub(super) async fn run(
     progress: watch::Sender<Progress>,
     written: watch::Sender<Option<Machine>>,
 ) {
+    let (steps_written, flushed) = watch::channel(0);
     let writer = tokio::spawn(write_status(
         deps.client.clone(),
         job.machine.clone(),
         job.deadline.started,
         progress.subscribe(),
         written,
+        steps_written,
     ));
     let in_progress = GaugeHold::new(&deps.metrics.drains_in_progress);
     let started = std::time::Instant::now();
-    let r = Run::new(Arc::clone(&deps), job, progress);
+    let r = Run::new(Arc::clone(&deps), job, progress, flushed);
     let outcome = r.passes().await;
     drop(in_progress);
     deps.metrics
@@ -290,8 +292,17 @@ impl Run {
             } else {
                 self.detaching()
             };
+            // Moves in flight that a previous run recorded (the controller
+            // restarted after an eviction, a pod gone or a detach): their
+            // volumes must be attached where they are needed before the next
+            // stateful eviction, even those already off this Node.
+            let resumed = self.resumed_moves();
+            let leftover = self.with_moved_volumes(leftover, &resumed);
             if !leftover.is_empty() {
                 self.wait_detaching(&leftover).await;
+            }
+            for m in &resumed {
+                self.end_move(&m.pod);
             }
             futures::stream::iter(migrations)
                 .buffered(self.job.settings.max_parallel_volume_migrations.max(1) as usize)

@@ -7,6 +7,7 @@
 //! Machine can undo its progress. It writes `startedAt` itself, from the
 //! drain's deadline (the Machine's `deletionTimestamp`).
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
@@ -18,7 +19,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::Outcome;
-use crate::api::{DrainStatus, Machine};
+use crate::api::{DrainStatus, Machine, VolumeMove};
 
 /// Shortest time between two writes of a drain's progress, unless a step
 /// of a volume migration completed (see [`Progress::steps_done`]).
@@ -54,6 +55,9 @@ pub(crate) struct Progress {
     /// so that `status.drain` names what the drain waits for now, not
     /// what it waited for a second ago.
     pub(crate) steps_done: u64,
+    /// Volume moves in flight, by pod (`namespace/name`): written to
+    /// `status.drain.moves`, so that a restart resumes them.
+    pub(crate) moves: BTreeMap<String, VolumeMove>,
 }
 
 impl Progress {
@@ -95,6 +99,7 @@ impl Progress {
             waiting_for: self.waiting_for.clone(),
             blocked_by: self.blocked_by.clone(),
             finished_at: self.finished_on.map(MicroTime),
+            moves: self.moves.values().cloned().collect(),
         }
     }
 
@@ -122,6 +127,7 @@ pub(super) async fn write_status(
     started: Timestamp,
     mut rx: watch::Receiver<Progress>,
     written_to: watch::Sender<Option<Machine>>,
+    steps_written: watch::Sender<u64>,
 ) {
     let api: Api<Machine> =
         Api::namespaced(client, machine.namespace.as_deref().unwrap_or_default());
@@ -133,13 +139,16 @@ pub(super) async fn write_status(
             let p = rx.borrow_and_update();
             (p.status_patch(&machine.name, started), p.steps_done)
         };
-        if written.as_ref() != Some(&patch) {
+        if written.as_ref() == Some(&patch) {
+            steps_written.send_replace(steps);
+        } else {
             match api
                 .patch_status(&machine.name, &apply, &Patch::Apply(&patch))
                 .await
             {
                 Ok(m) => {
                     written_to.send_replace(Some(m));
+                    steps_written.send_replace(steps);
                     written = Some(patch);
                     last_write = Some(Instant::now());
                 }
@@ -237,6 +246,7 @@ mod tests {
             finished_at: None,
             finished_on: Some(Timestamp::from_second(1_700_000_000).expect("valid")),
             steps_done: 3,
+            moves: BTreeMap::new(),
         };
         let started = Timestamp::from_second(1_699_999_000).expect("valid");
         let patch = p.status_patch("m-1", started);

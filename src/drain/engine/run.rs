@@ -20,6 +20,7 @@ use tokio::time::Instant;
 
 use super::batch::{pod_ref_key, pv_ref};
 use super::{Deps, Job, Progress};
+use crate::api::VolumeMove;
 use crate::cache::{claim_key, claim_names};
 use crate::drain::evict::{self, Evicted};
 use crate::drain::plan::{
@@ -29,7 +30,10 @@ use crate::drain::select::held_by_finalizers;
 use crate::drain::select::{NamespacedName, fmt_key};
 use crate::drain::volume::replacement_expected;
 use crate::telemetry::EvictionResult;
-use crate::volumes::WaitError;
+use crate::volumes::{WaitError, unique_name_of};
+
+/// Longest wait for a volume move to be recorded before its eviction.
+const FLUSH_BOUND: Duration = Duration::from_secs(5);
 
 /// One drain, from its first pass to its outcome.
 pub(super) struct Run {
@@ -45,17 +49,33 @@ pub(super) struct Run {
     reported_held: Mutex<BTreeSet<String>>,
     /// Pods deleted with their PodDisruptionBudget bypassed (the deadline).
     forced: Mutex<Vec<String>>,
+    /// The last `steps_done` the status writer wrote.
+    flushed: watch::Receiver<u64>,
     /// Set for the drain's last pass after the deadline without forcing:
     /// each pod gets one more eviction attempt.
     last_try: AtomicBool,
 }
 
 impl Run {
-    pub(super) fn new(deps: Arc<Deps>, job: Job, progress: watch::Sender<Progress>) -> Self {
+    pub(super) fn new(
+        deps: Arc<Deps>,
+        job: Job,
+        progress: watch::Sender<Progress>,
+        flushed: watch::Receiver<u64>,
+    ) -> Self {
+        // The moves a previous run recorded stay recorded until resumed.
+        progress.send_modify(|p| {
+            p.moves = job
+                .moves
+                .iter()
+                .map(|m| (m.pod.clone(), m.clone()))
+                .collect();
+        });
         Self {
             deps,
             job,
             progress,
+            flushed,
             evicted: Mutex::new(BTreeSet::new()),
             abandoned: Mutex::new(BTreeSet::new()),
             reported_held: Mutex::new(BTreeSet::new()),
@@ -378,6 +398,87 @@ impl Run {
             f(p);
             p.steps_done += 1;
         });
+    }
+
+    /// Records a volume move in `status.drain.moves` and waits (at most
+    /// [`FLUSH_BOUND`]) until it is written, so that a controller killed
+    /// right after the eviction that follows finds it on restart.
+    pub(super) async fn begin_move(&self, key: &str, uid: Option<&str>, pvs: &[String]) {
+        let mut target = 0;
+        self.step(|p| {
+            p.moves.insert(
+                key.to_string(),
+                VolumeMove {
+                    pod: key.to_string(),
+                    uid: uid.map(String::from),
+                    volumes: pvs.to_vec(),
+                },
+            );
+            target = p.steps_done + 1;
+        });
+        let mut flushed = self.flushed.clone();
+        let written = tokio::time::timeout(FLUSH_BOUND, flushed.wait_for(|w| *w >= target)).await;
+        if !matches!(written, Ok(Ok(_))) {
+            tracing::warn!(
+                pod = key,
+                "the volume move could not be recorded in status before the eviction"
+            );
+        }
+    }
+
+    /// The move of pod `key`'s volumes is over (moved, given up, or never
+    /// started).
+    pub(super) fn end_move(&self, key: &str) {
+        self.update(|p| {
+            p.moves.remove(key);
+        });
+    }
+
+    /// The recorded moves whose pod is gone: the volumes of each are
+    /// waited for (detached from this Node, attached where a pod needs them)
+    /// before another stateful pod is evicted. A recorded pod still there
+    /// and not being deleted was never evicted (the controller stopped in
+    /// between): its record goes, its migration records it again.
+    pub(super) fn resumed_moves(&self) -> Vec<VolumeMove> {
+        let moves: Vec<VolumeMove> = self.progress.borrow().moves.values().cloned().collect();
+        let mut resumed = Vec::new();
+        for m in moves {
+            let Some((ns, name)) = m.pod.split_once('/') else {
+                self.end_move(&m.pod);
+                continue;
+            };
+            let key = (ns.to_string(), name.to_string());
+            match self.pod(&key, m.uid.as_deref()) {
+                None => resumed.push(m),
+                Some(p) if p.metadata.deletion_timestamp.is_none() => self.end_move(&m.pod),
+                Some(_) => {}
+            }
+        }
+        resumed
+    }
+
+    /// The volumes of `moves`, as [`DetachingVolume`]s, added to `leftover`
+    /// (each PV once).
+    pub(super) fn with_moved_volumes(
+        &self,
+        mut leftover: Vec<DetachingVolume>,
+        moves: &[VolumeMove],
+    ) -> Vec<DetachingVolume> {
+        for pv in moves.iter().flat_map(|m| &m.volumes) {
+            if leftover.iter().any(|v| &v.pv == pv) {
+                continue;
+            }
+            let csi_unique_name = self
+                .deps
+                .pvs
+                .get(&ObjectRef::new(pv))
+                .and_then(|p| unique_name_of(&p));
+            leftover.push(DetachingVolume {
+                pv: pv.clone(),
+                csi_unique_name,
+            });
+        }
+        leftover
     }
 
     /// Counts a pod evicted or deleted, once per pod.

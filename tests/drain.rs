@@ -1044,35 +1044,7 @@ async fn a_restart_mid_drain_never_evicts_while_a_volume_is_detaching() {
     let node_a = running_machine(&client, ns, "a", ns).await;
     // Two replicas that take 6 s to stop: the first is still terminating
     // (its volume still attached) when the controller restarts.
-    for i in 0..2 {
-        let pv = format!("{ns}-db-{i}");
-        create(
-            Api::all(client.clone()),
-            csi_pv(&pv, &format!("vol-{pv}"), ns, &format!("data-db-{i}")),
-        )
-        .await;
-    }
-    let mut sts = stateful_set("db", 2, 6);
-    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
-        spec.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
-    }
-    create(Api::namespaced(client.clone(), ns), sts).await;
-    wait::until(
-        Api::<VolumeAttachment>::all(client.clone()),
-        LONG,
-        "2 volumes attached to A",
-        |all| {
-            all.iter()
-                .filter(|va| {
-                    va.spec.node_name == node_a && va.status.as_ref().is_some_and(|s| s.attached)
-                })
-                .count()
-                == 2
-        },
-    )
-    .await
-    .expect("the volumes attach");
-    running_machine(&client, ns, "b", ns).await;
+    two_replicas_on(&client, ns, &node_a, 6).await;
 
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     machines
@@ -1094,33 +1066,7 @@ async fn a_restart_mid_drain_never_evicts_while_a_volume_is_detaching() {
     .await
     .expect("the resumed drain completes");
 
-    let evs = events(&client, ns, "a").await;
-    let log: Vec<String> = evs
-        .iter()
-        .map(|(t, r, n)| format!("{t} {r}: {n}"))
-        .collect();
-    let log = log.join("\n");
-    let evicted: Vec<&str> = evs
-        .iter()
-        .filter(|(_, r, _)| r == "Evicted")
-        .map(|(_, _, n)| n.as_str())
-        .collect();
-    assert_eq!(
-        evicted,
-        [
-            format!("evicted pod {ns}/db-0"),
-            format!("evicted pod {ns}/db-1")
-        ],
-        "each pod evicted once: {log}"
-    );
-    let pv0 = format!("{ns}-db-0");
-    let detached = first(&evs, "VolumeDetached", &pv0).unwrap_or_else(|| panic!("{log}"));
-    let attached = first(&evs, "VolumeAttached", &pv0).unwrap_or_else(|| panic!("{log}"));
-    let next = first(&evs, "Evicted", &format!("{ns}/db-1")).unwrap_or_else(|| panic!("{log}"));
-    assert!(
-        detached.0 <= attached.0 && attached.0 <= next.0,
-        "after the restart, db-1 waited for db-0's volume to move: {log}"
-    );
+    each_evicted_once_and_db_1_after_db_0_moved(&client, ns).await;
     ctl.stop().await;
 }
 
@@ -1142,31 +1088,8 @@ async fn a_killed_controller_resumes_a_volume_move_wherever_it_stopped() {
     let node_a = running_machine(&client, ns, "a", ns).await;
     // Two replicas that take 4 s to stop: time to kill the controller after
     // the eviction and before the pod is gone.
-    for i in 0..2 {
-        let pv = format!("{ns}-db-{i}");
-        create(
-            Api::all(client.clone()),
-            csi_pv(&pv, &format!("vol-{pv}"), ns, &format!("data-db-{i}")),
-        )
-        .await;
-    }
-    let mut sts = stateful_set("db", 2, 4);
-    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
-        spec.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
-    }
-    create(Api::namespaced(client.clone(), ns), sts).await;
+    two_replicas_on(&client, ns, &node_a, 4).await;
     let vas: Api<VolumeAttachment> = Api::all(client.clone());
-    wait::until(vas.clone(), LONG, "2 volumes attached to A", |all| {
-        all.iter()
-            .filter(|va| {
-                va.spec.node_name == node_a && va.status.as_ref().is_some_and(|s| s.attached)
-            })
-            .count()
-            == 2
-    })
-    .await
-    .expect("the volumes attach");
-    running_machine(&client, ns, "b", ns).await;
 
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     machines
@@ -1222,7 +1145,49 @@ async fn a_killed_controller_resumes_a_volume_move_wherever_it_stopped() {
     })
     .await
     .expect("the resumed drain completes");
-    let evs = events(&client, ns, "a").await;
+    each_evicted_once_and_db_1_after_db_0_moved(&client, ns).await;
+    berth.terminate().await;
+}
+
+/// StatefulSet `db`, 2 replicas with a PV each and grace period `grace`, on
+/// the pool's Node `node`, their volumes attached; then a second Machine,
+/// `b`, for them to move to.
+async fn two_replicas_on(client: &Client, ns: &str, node: &str, grace: i64) {
+    for i in 0..2 {
+        let pv = format!("{ns}-db-{i}");
+        create(
+            Api::all(client.clone()),
+            csi_pv(&pv, &format!("vol-{pv}"), ns, &format!("data-db-{i}")),
+        )
+        .await;
+    }
+    let mut sts = stateful_set("db", 2, grace);
+    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        spec.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
+    }
+    create(Api::namespaced(client.clone(), ns), sts).await;
+    wait::until(
+        Api::<VolumeAttachment>::all(client.clone()),
+        LONG,
+        "2 volumes attached",
+        |all| {
+            all.iter()
+                .filter(|va| {
+                    va.spec.node_name == node && va.status.as_ref().is_some_and(|s| s.attached)
+                })
+                .count()
+                == 2
+        },
+    )
+    .await
+    .expect("the volumes attach");
+    running_machine(client, ns, "b", ns).await;
+}
+
+/// From Machine `a`'s Events: db-0 and db-1 each evicted once, and db-1
+/// only after db-0's volume detached and attached elsewhere.
+async fn each_evicted_once_and_db_1_after_db_0_moved(client: &Client, ns: &str) {
+    let evs = events(client, ns, "a").await;
     let log: Vec<String> = evs
         .iter()
         .map(|(t, r, n)| format!("{t} {r}: {n}"))
@@ -1241,11 +1206,121 @@ async fn a_killed_controller_resumes_a_volume_move_wherever_it_stopped() {
         ],
         "each pod evicted once: {log}"
     );
+    let pv0 = format!("{ns}-db-0");
+    let detached = first(&evs, "VolumeDetached", &pv0).unwrap_or_else(|| panic!("{log}"));
+    let attached = first(&evs, "VolumeAttached", &pv0).unwrap_or_else(|| panic!("{log}"));
+    let next = first(&evs, "Evicted", &format!("{ns}/db-1")).unwrap_or_else(|| panic!("{log}"));
+    assert!(
+        detached.0 <= attached.0 && attached.0 <= next.0,
+        "db-1 waited for db-0's volume to detach and attach elsewhere: {log}"
+    );
+}
+
+/// A replacement the scheduler cannot place is reported at once, with the
+/// scheduler's own message, not after the reattach timeout; no second pod
+/// of its workload is evicted until it is placed, and other workloads are
+/// not held up by it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replacement_that_cannot_be_placed_holds_back_its_workload_only() {
+    let client = client().await;
+    let ns = "drain-unplaced";
+    support::namespace(&client, ns).await;
+    pool_class(
+        &client,
+        ns,
+        serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "5m"}),
+    )
+    .await;
+    let ctl = start_controller(&client, ns, "drain-unplaced").await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    stateful(&client, ns, "db", 2, None).await;
+    stateful(&client, ns, "solo", 1, None).await;
+    let vas: Api<VolumeAttachment> = Api::all(client.clone());
+    wait::until(vas, LONG, "3 volumes attached to A", |all| {
+        all.iter()
+            .filter(|va| {
+                va.spec.node_name == node_a && va.status.as_ref().is_some_and(|s| s.attached)
+            })
+            .count()
+            == 3
+    })
+    .await
+    .expect("the volumes attach");
+
+    // No other Node in the pool: no replacement can be placed.
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    let started = std::time::Instant::now();
+    machines
+        .delete("a", &DeleteParams::default())
+        .await
+        .expect("delete a");
+    let m = wait::for_one(machines.clone(), LONG, "the replacement reported", |m| {
+        m.name_any() == "a"
+            && m.status
+                .as_ref()
+                .and_then(|s| s.drain.as_ref())
+                .and_then(|d| d.blocked_by.as_deref())
+                .is_some_and(|b| b.contains("cannot be scheduled"))
+    })
+    .await
+    .expect("reported while the reattach timeout (5m) is far");
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(60), "reported after {took:?}");
+    let blocked = m
+        .status
+        .as_ref()
+        .and_then(|s| s.drain.as_ref())
+        .and_then(|d| d.blocked_by.clone())
+        .unwrap_or_default();
+    assert!(
+        blocked.contains("nodes are available") && blocked.contains("StatefulSet/"),
+        "the scheduler's message and the workload held back: {blocked}"
+    );
+    // The other workload is not held up by it.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    wait::until(pods.clone(), LONG, "solo-0 evicted from A", |ps| {
+        !ps.iter()
+            .any(|p| p.name_any() == "solo-0" && on_node(p, &node_a))
+    })
+    .await
+    .expect("solo-0 is evicted although db is held back");
+    let on_a: Vec<String> = pods
+        .list(&Default::default())
+        .await
+        .expect("list pods")
+        .iter()
+        .filter(|p| on_node(p, &node_a) && p.metadata.deletion_timestamp.is_none())
+        .map(|p| p.name_any())
+        .collect();
+    assert_eq!(
+        on_a,
+        ["db-1"],
+        "db's second pod stays while db-0's replacement cannot be placed"
+    );
+
+    // A Node for the replacements: they land, and the drain completes.
+    running_machine(&client, ns, "b", ns).await;
+    wait::for_none(machines, Duration::from_secs(180), "a gone", |m| {
+        m.name_any() == "a"
+    })
+    .await
+    .expect("the drain completes once the replacements are placed");
+    let evs = events(&client, ns, "a").await;
+    let log: Vec<String> = evs
+        .iter()
+        .map(|(t, r, n)| format!("{t} {r}: {n}"))
+        .collect();
+    let log = log.join("\n");
+    let pv0 = format!("{ns}-db-0");
     let attached = first(&evs, "VolumeAttached", &pv0).unwrap_or_else(|| panic!("{log}"));
     let next = first(&evs, "Evicted", &format!("{ns}/db-1")).unwrap_or_else(|| panic!("{log}"));
     assert!(
         attached.0 <= next.0,
-        "db-1 waited for db-0's volume to attach elsewhere across three kills: {log}"
+        "db-1 went only once db-0's replacement had its volume: {log}"
     );
-    berth.terminate().await;
+    assert!(
+        first(&evs, "ReplacementUnschedulable", &format!("{ns}/db-0")).is_some(),
+        "{log}"
+    );
+    ctl.stop().await;
 }

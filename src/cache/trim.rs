@@ -45,8 +45,18 @@ pub fn pod(pod: &mut Pod) {
         };
     }
     if let Some(status) = pod.status.as_mut() {
+        // The scheduler's refusal (PodScheduled False) is kept: the drain
+        // reports a replacement it cannot place.
+        let unscheduled = status
+            .conditions
+            .take()
+            .into_iter()
+            .flatten()
+            .filter(|c| c.type_ == "PodScheduled" && c.status == "False")
+            .collect::<Vec<_>>();
         *status = PodStatus {
             phase: status.phase.take(),
+            conditions: (!unscheduled.is_empty()).then_some(unscheduled),
             ..PodStatus::default()
         };
     }
@@ -136,6 +146,25 @@ mod tests {
         assert_eq!(status.phase.as_deref(), Some("Running"));
         assert_eq!(status.pod_ip, None);
         assert_eq!(status.container_statuses, None);
+        assert_eq!(status.conditions, None, "Ready is not read");
+
+        let mut pending = full_pod("pg-1", Some("data-pg-1"));
+        pending.status = serde_json::from_value(serde_json::json!({
+            "phase": "Pending",
+            "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                            "message": "0/3 nodes are available"}]
+        }))
+        .expect("status");
+        pod(&mut pending);
+        let kept = pending
+            .status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default();
+        assert_eq!(
+            kept.iter().map(|c| c.reason.as_deref()).collect::<Vec<_>>(),
+            [Some("Unschedulable")],
+            "the scheduler's refusal is kept"
+        );
 
         let mut no_claims = full_pod("web", None);
         pod(&mut no_claims);

@@ -194,9 +194,112 @@ pub fn replacement_expected<'a>(
     })
 }
 
+/// The scheduler's word on a replacement it cannot place: the first pod
+/// of `pods` (by namespace and name) that uses `claim`, is not the evicted
+/// pod and whose `PodScheduled` condition is False for reason
+/// `Unschedulable`, with the scheduler's message.
+pub fn unschedulable_replacement<'a>(
+    claim: &NamespacedName,
+    pods: impl IntoIterator<Item = &'a Pod>,
+    evicted_pod_uid: &str,
+) -> Option<(NamespacedName, String)> {
+    let mut found: Vec<(NamespacedName, String)> = pods
+        .into_iter()
+        .filter(|pod| replacement_expected(claim, [*pod], evicted_pod_uid))
+        .filter_map(|pod| {
+            let cond = pod
+                .status
+                .as_ref()?
+                .conditions
+                .iter()
+                .flatten()
+                .find(|c| c.type_ == "PodScheduled")?;
+            (cond.status == "False" && cond.reason.as_deref() == Some("Unschedulable")).then(|| {
+                (
+                    crate::drain::select::pod_key(pod),
+                    cond.message.clone().unwrap_or_default(),
+                )
+            })
+        })
+        .collect();
+    found.sort();
+    found.into_iter().next()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unschedulable_replacement_is_named_with_the_schedulers_message() {
+        use k8s_openapi::api::core::v1::{PodCondition, PodStatus};
+        let claim = ("db".to_string(), "data-pg-0".to_string());
+        let with_scheduled = |p: Pod, status: &str, reason: &str| {
+            let mut p = p;
+            p.status = Some(PodStatus {
+                conditions: Some(vec![PodCondition {
+                    type_: "PodScheduled".into(),
+                    status: status.into(),
+                    reason: Some(reason.into()),
+                    message: Some(
+                        "0/3 nodes are available: 3 node(s) had volume node affinity conflict."
+                            .into(),
+                    ),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            });
+            p
+        };
+        let evicted = with_scheduled(
+            pod("db", "pg-0").uid("old").claim("d", "data-pg-0"),
+            "False",
+            "Unschedulable",
+        );
+        let pending = with_scheduled(
+            pod("db", "pg-0")
+                .uid("new")
+                .claim("d", "data-pg-0")
+                .on_node(None),
+            "False",
+            "Unschedulable",
+        );
+        let placed = with_scheduled(
+            pod("db", "pg-0").uid("new").claim("d", "data-pg-0"),
+            "True",
+            "",
+        );
+        let other_claim = with_scheduled(
+            pod("db", "pg-1")
+                .uid("x")
+                .claim("d", "data-pg-1")
+                .on_node(None),
+            "False",
+            "Unschedulable",
+        );
+        assert_eq!(
+            unschedulable_replacement(&claim, [&evicted, &pending], "old"),
+            Some((
+                ("db".to_string(), "pg-0".to_string()),
+                "0/3 nodes are available: 3 node(s) had volume node affinity conflict.".to_string()
+            ))
+        );
+        assert_eq!(
+            unschedulable_replacement(&claim, [&evicted], "old"),
+            None,
+            "the evicted pod is not its replacement"
+        );
+        assert_eq!(
+            unschedulable_replacement(&claim, [&placed], "old"),
+            None,
+            "placed"
+        );
+        assert_eq!(
+            unschedulable_replacement(&claim, [&other_claim], "old"),
+            None,
+            "another claim"
+        );
+    }
     use crate::drain::fixtures::{
         NODE, PodFixture, csi_pv, ephemeral_pvc, host_pv, pod, pvc, ts, va,
     };

@@ -24,6 +24,7 @@ use tracing::Instrument;
 use super::batch::{pod_ref_key, pv_ref};
 use super::eviction::Eviction;
 use super::run::Run;
+use crate::api::VolumeMove;
 use crate::drain::plan::{DrainPlan, PlannedPod, PlannedVolume, VolumeWait};
 use crate::drain::select::fmt_key;
 use crate::volumes::{Interest, Registration};
@@ -279,6 +280,38 @@ impl<'a> Migration<'a> {
         expected
     }
 
+    /// The scheduler cannot place the replacement `pod` of this pod: says
+    /// so at once, with its message, and holds back the other pods of the
+    /// same workload until it is placed (other workloads go on).
+    fn unplaceable(&self, pod: &str, message: &str) {
+        let run = self.run;
+        let holds = match &self.pod.controller {
+            Some(c) => format!("no other pod of {c} is evicted until it is placed"),
+            None => "it has no controller; nothing else is held back".to_string(),
+        };
+        let why = format!(
+            "replacement {pod} of evicted pod {} cannot be scheduled: {message}; {holds}",
+            self.key
+        );
+        run.event(
+            EventType::Warning,
+            "ReplacementUnschedulable",
+            why.clone(),
+            Some(pod_ref_key(&self.pod.pod)),
+        );
+        run.update(|p| p.block(&self.key, why));
+        if let Some(c) = &self.pod.controller {
+            run.hold_workload(
+                c,
+                VolumeMove {
+                    pod: self.key.clone(),
+                    uid: self.pod.uid.clone(),
+                    volumes: self.pvs.clone(),
+                },
+            );
+        }
+    }
+
     /// Waits for the `expected` volumes to attach on another Node, within
     /// the reattach timeout; a warning when they do not.
     async fn attached(&mut self, expected: &[&PlannedVolume]) {
@@ -290,7 +323,26 @@ impl<'a> Migration<'a> {
         run.step(|p| p.waiting_for = Some(waiting));
         let detached_at = std::time::Instant::now();
         let until = run.bounded(run.job.settings.volume_reattach_timeout);
-        match self.reg.wait_attached_elsewhere(until).await {
+        // The scheduler may say at once that the replacement cannot be
+        // placed: no need to sit out the timeout to know.
+        let uid = self.pod.uid.clone().unwrap_or_default();
+        let claims: Vec<_> = expected.iter().map(|v| v.volume.claim.clone()).collect();
+        let unplaceable = || {
+            claims
+                .iter()
+                .find_map(|c| run.unschedulable_replacement(c, &uid))
+        };
+        let reported = run.wait_pods_until(until, || unplaceable().is_some());
+        let attached = tokio::select! {
+            attached = self.reg.wait_attached_elsewhere(until) => attached,
+            true = reported => {
+                if let Some((pod, message)) = unplaceable() {
+                    self.unplaceable(&fmt_key(&pod), &message);
+                }
+                return;
+            }
+        };
+        match attached {
             Ok(moved) => {
                 let took = detached_at.elapsed().as_secs_f64();
                 run.deps.metrics.volume_reattach_wait.observe(took);

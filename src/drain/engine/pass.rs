@@ -143,13 +143,19 @@ impl Run {
     /// After the deadline, a pass moved nothing: the pods left cannot be
     /// removed now. The drain fails naming them, and is retried later.
     fn stalled(&self) -> Outcome {
+        self.unless_drained("could not be removed")
+    }
+
+    /// Drained (or forced) if no pod holds the drain any more; otherwise
+    /// failed, naming the pods left and why, after the deadline.
+    fn unless_drained(&self, why: &str) -> Outcome {
         let left = self.left();
         if left.is_empty() {
             return self.ended();
         }
         Outcome::Failed {
             message: format!(
-                "drain deadline of {} passed and {} pods could not be removed: {}",
+                "drain deadline of {} passed and {} pods {why}: {}",
                 humantime::format_duration(self.job.deadline.timeout),
                 left.len(),
                 left.join(", ")
@@ -216,15 +222,25 @@ impl Run {
             .collect();
         // A stateful pod whose volumes did not leave the Node stops the
         // chain for this pass: the next pass waits for them first.
+        // A pod of a workload whose last replacement the scheduler cannot
+        // place is held back (`held`); other workloads go on.
         let halted = AtomicBool::new(false);
+        let held = AtomicBool::new(false);
         let migrations: Vec<_> = plan
             .stateful
             .iter()
             .map(|p| {
-                let halted = &halted;
+                let (halted, held) = (&halted, &held);
                 let plan = &plan;
                 async move {
-                    if !halted.load(Ordering::Acquire) && !self.migrate(plan, p).await {
+                    if halted.load(Ordering::Acquire) {
+                        return;
+                    }
+                    if self.workload_held(p.controller.as_deref()) {
+                        held.store(true, Ordering::Release);
+                        return;
+                    }
+                    if !self.migrate(plan, p).await {
                         halted.store(true, Ordering::Release);
                     }
                 }
@@ -297,7 +313,14 @@ impl Run {
             // volumes must be attached where they are needed before the next
             // stateful eviction, even those already off this Node.
             let resumed = self.resumed_moves();
-            let leftover = self.with_moved_volumes(leftover, &resumed);
+            // And the workloads held back whose replacement is now placed:
+            // its volumes attach there before their next pod goes.
+            let placed = self.placed_workloads();
+            for m in &placed {
+                self.update(|p| p.unblock(&m.pod));
+            }
+            let moved: Vec<_> = resumed.iter().chain(&placed).cloned().collect();
+            let leftover = self.with_moved_volumes(leftover, &moved);
             if !leftover.is_empty() {
                 self.wait_detaching(&leftover).await;
             }
@@ -308,6 +331,12 @@ impl Run {
                 .buffered(self.job.settings.max_parallel_volume_migrations.max(1) as usize)
                 .collect::<Vec<()>>()
                 .await;
+            if held.load(Ordering::Acquire) {
+                // Only held-back pods are left of some workload: wait, on pod
+                // events, for a replacement to be placed (or the deadline).
+                self.wait_pods_until(self.deadline(), || self.any_placed())
+                    .await;
+            }
         };
         let terminating = futures::future::join_all(terminating);
         // The stateful chain is the drain's critical path and the stateless
@@ -440,17 +469,6 @@ impl Run {
         if let Pass::Done = self.pass().await {
             return self.ended();
         }
-        let left = self.left();
-        if left.is_empty() {
-            return self.ended();
-        }
-        Outcome::Failed {
-            message: format!(
-                "drain deadline of {} passed with {} pods left and forceAfterDeadline=false: {}",
-                humantime::format_duration(self.job.deadline.timeout),
-                left.len(),
-                left.join(", ")
-            ),
-        }
+        self.unless_drained("are left and forceAfterDeadline=false")
     }
 }

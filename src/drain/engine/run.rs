@@ -28,7 +28,7 @@ use crate::drain::plan::{
 };
 use crate::drain::select::held_by_finalizers;
 use crate::drain::select::{NamespacedName, fmt_key};
-use crate::drain::volume::replacement_expected;
+use crate::drain::volume::{replacement_expected, unschedulable_replacement};
 use crate::telemetry::EvictionResult;
 use crate::volumes::{WaitError, unique_name_of};
 
@@ -51,6 +51,10 @@ pub(super) struct Run {
     forced: Mutex<Vec<String>>,
     /// The last `steps_done` the status writer wrote.
     flushed: watch::Receiver<u64>,
+    /// Workloads (by controller) whose last evicted pod's replacement the
+    /// scheduler cannot place, with that pod's move: none of their other
+    /// pods is evicted until it is placed (before the deadline).
+    stuck: Mutex<BTreeMap<String, VolumeMove>>,
     /// Set for the drain's last pass after the deadline without forcing:
     /// each pod gets one more eviction attempt.
     last_try: AtomicBool,
@@ -80,6 +84,7 @@ impl Run {
             abandoned: Mutex::new(BTreeSet::new()),
             reported_held: Mutex::new(BTreeSet::new()),
             forced: Mutex::new(Vec::new()),
+            stuck: Mutex::new(BTreeMap::new()),
             last_try: AtomicBool::new(false),
         }
     }
@@ -479,6 +484,86 @@ impl Run {
             });
         }
         leftover
+    }
+
+    /// The replacement of the pod evicted as `evicted_uid`, among the users
+    /// of `claim`, if the scheduler cannot place it: its key and the
+    /// scheduler's message.
+    pub(super) fn unschedulable_replacement(
+        &self,
+        claim: &NamespacedName,
+        evicted_uid: &str,
+    ) -> Option<(NamespacedName, String)> {
+        let users = self
+            .deps
+            .indexes
+            .pods_by_claim
+            .get(&self.deps.pods, &claim_key(&claim.0, &claim.1));
+        unschedulable_replacement(claim, users.iter().map(|p| &**p), evicted_uid)
+    }
+
+    /// Holds back the other pods of `controller` until the replacement of
+    /// the pod `moved` left is placed.
+    pub(super) fn hold_workload(&self, controller: &str, moved: VolumeMove) {
+        if let Ok(mut s) = self.stuck.lock() {
+            s.insert(controller.to_string(), moved);
+        }
+    }
+
+    /// Whether pods of `controller` are held back now (never after the
+    /// deadline, when availability is what is given up).
+    pub(super) fn workload_held(&self, controller: Option<&str>) -> bool {
+        controller
+            .is_some_and(|c| !self.expired() && self.stuck.lock().is_ok_and(|s| s.contains_key(c)))
+    }
+
+    /// Takes the held workloads whose replacement is no longer
+    /// unschedulable (placed, or gone), with the moves they were held for.
+    pub(super) fn placed_workloads(&self) -> Vec<VolumeMove> {
+        let Ok(mut stuck) = self.stuck.lock() else {
+            return Vec::new();
+        };
+        let held: Vec<(String, VolumeMove)> =
+            stuck.iter().map(|(c, m)| (c.clone(), m.clone())).collect();
+        let mut placed = Vec::new();
+        for (controller, m) in held {
+            let still = self.claims_of(&m).iter().any(|c| {
+                self.unschedulable_replacement(c, m.uid.as_deref().unwrap_or(""))
+                    .is_some()
+            });
+            if !still || self.expired() {
+                stuck.remove(&controller);
+                placed.push(m);
+            }
+        }
+        placed
+    }
+
+    /// Whether any held workload's replacement was placed.
+    pub(super) fn any_placed(&self) -> bool {
+        let held: Vec<VolumeMove> = self
+            .stuck
+            .lock()
+            .map(|s| s.values().cloned().collect())
+            .unwrap_or_default();
+        held.iter().any(|m| {
+            self.claims_of(m).iter().all(|c| {
+                self.unschedulable_replacement(c, m.uid.as_deref().unwrap_or(""))
+                    .is_none()
+            })
+        })
+    }
+
+    /// The claims of the PVs of a move, from their `claimRef`.
+    fn claims_of(&self, m: &VolumeMove) -> Vec<NamespacedName> {
+        m.volumes
+            .iter()
+            .filter_map(|pv| self.deps.pvs.get(&ObjectRef::new(pv)))
+            .filter_map(|pv| {
+                let c = pv.spec.as_ref()?.claim_ref.as_ref()?;
+                Some((c.namespace.clone()?, c.name.clone()?))
+            })
+            .collect()
     }
 
     /// Counts a pod evicted or deleted, once per pod.

@@ -1324,3 +1324,70 @@ async fn a_replacement_that_cannot_be_placed_holds_back_its_workload_only() {
     );
     ctl.stop().await;
 }
+
+/// A replacement that tolerates the cordon and is scheduled back onto the
+/// draining Node is reported once and not evicted again: no eviction loop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_scheduled_back_onto_the_draining_node_is_not_evicted_in_a_loop() {
+    let client = client().await;
+    let ns = "drain-back";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
+    let ctl = start_controller(&client, ns, "drain-back").await;
+    let node = running_machine(&client, ns, "a", ns).await;
+    create(
+        Api::namespaced(client.clone(), ns),
+        json::<Deployment>(serde_json::json!({
+            "metadata": {"name": "sticky"},
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": {"app": "sticky"}},
+                "template": {
+                    "metadata": {"labels": {"app": "sticky"}},
+                    "spec": {
+                        "nodeSelector": {POOL: ns},
+                        "tolerations": [{"operator": "Exists"}],
+                        // Long enough for the replacement to be scheduled
+                        // back before the evicted pod is gone.
+                        "terminationGracePeriodSeconds": 5,
+                        "containers": [{"name": "main", "image": "registry.invalid/sticky:1"}]
+                    }
+                }
+            }
+        })),
+    )
+    .await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    wait::until(pods.clone(), LONG, "sticky running on a", |ps| {
+        ps.iter()
+            .any(|p| p.name_any().starts_with("sticky-") && on_node(p, &node) && running(p))
+    })
+    .await
+    .expect("the pod runs");
+
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    machines
+        .delete("a", &DeleteParams::default())
+        .await
+        .expect("delete a");
+    wait::for_none(machines, Duration::from_secs(120), "a gone", |m| {
+        m.name_any() == "a"
+    })
+    .await
+    .expect("the drain ends although the pod came back");
+    let evs = events(&client, ns, "a").await;
+    let log: Vec<String> = evs
+        .iter()
+        .map(|(t, r, n)| format!("{t} {r}: {n}"))
+        .collect();
+    let log = log.join("\n");
+    let evicted = evs
+        .iter()
+        .filter(|(_, r, n)| r == "Evicted" && n.contains("sticky-"))
+        .count();
+    assert_eq!(evicted, 1, "evicted once: {log}");
+    let returned: Vec<_> = evs.iter().filter(|(_, r, _)| r == "PodReturned").collect();
+    assert_eq!(returned.len(), 1, "reported once: {log}");
+    assert!(returned[0].2.contains("tolerates the cordon"), "{log}");
+    ctl.stop().await;
+}

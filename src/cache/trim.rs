@@ -36,8 +36,15 @@ pub fn pod(pod: &mut Pod) {
                 .filter(|v| v.persistent_volume_claim.is_some() || v.ephemeral.is_some())
                 .collect::<Vec<_>>()
         });
+        // Only the tolerations that let it come back to a cordoned Node.
+        let tolerations = spec.tolerations.take().map(|ts| {
+            ts.into_iter()
+                .filter(crate::drain::select::tolerates_cordon)
+                .collect::<Vec<_>>()
+        });
         *spec = PodSpec {
             node_name: spec.node_name.take(),
+            tolerations: tolerations.filter(|t| !t.is_empty()),
             priority: spec.priority,
             termination_grace_period_seconds: spec.termination_grace_period_seconds,
             volumes: volumes.filter(|v| !v.is_empty()),
@@ -109,7 +116,7 @@ mod tests {
                 "priority": 100,
                 "terminationGracePeriodSeconds": 30,
                 "containers": [{"name": "c", "image": "db:1", "env": [{"name": "A", "value": "b"}]}],
-                "tolerations": [{"key": "k", "operator": "Exists"}],
+                "tolerations": [{"key": "k", "operator": "Exists"}, {"operator": "Exists"}],
                 "volumes": volumes
             },
             "status": {
@@ -138,7 +145,11 @@ mod tests {
         assert_eq!(spec.priority, Some(100));
         assert_eq!(spec.termination_grace_period_seconds, Some(30));
         assert!(spec.containers.is_empty());
-        assert_eq!(spec.tolerations, None);
+        assert_eq!(
+            spec.tolerations.as_ref().map(Vec::len),
+            Some(1),
+            "the toleration that lets it come back to a cordoned Node"
+        );
         let volumes = spec.volumes.as_ref().expect("the claim's volume");
         assert_eq!(volumes.len(), 1);
         assert_eq!(volumes[0].name, "data");

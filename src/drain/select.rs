@@ -26,7 +26,7 @@
 
 use std::fmt;
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, Toleration};
 use k8s_openapi::jiff::Timestamp;
 
 /// The annotation the kubelet puts on the API mirror of a static pod.
@@ -144,6 +144,40 @@ pub fn held_by_finalizers(pod: &Pod, now: Timestamp) -> Option<&[String]> {
     (ends <= now && !finalizers.is_empty()).then_some(finalizers)
 }
 
+/// Whether a toleration tolerates berth's cordon taint
+/// ([`CORDON_TAINT_KEY`](crate::api::CORDON_TAINT_KEY), `NoSchedule`): a
+/// pod with one may be scheduled back onto the Node being drained.
+pub fn tolerates_cordon(t: &Toleration) -> bool {
+    let effect_ok = t
+        .effect
+        .as_deref()
+        .is_none_or(|e| e.is_empty() || e == "NoSchedule");
+    let key_ok = match t.key.as_deref() {
+        None | Some("") => t.operator.as_deref() == Some("Exists"),
+        Some(k) => k == crate::api::CORDON_TAINT_KEY,
+    };
+    effect_ok && key_ok
+}
+
+/// Whether `pod` came back to the Node after its drain started (at
+/// `drain_started`): created since, and tolerating the cordon, the
+/// scheduler put it there again. Evicting it again would only bring it
+/// back, so the drain leaves it to end with the VM, as it does a
+/// DaemonSet's pods, and says so once.
+pub fn came_back(pod: &Pod, drain_started: Timestamp) -> bool {
+    let created_since = pod
+        .metadata
+        .creation_timestamp
+        .as_ref()
+        .is_some_and(|t| t.0 > drain_started);
+    created_since
+        && pod
+            .spec
+            .iter()
+            .flat_map(|s| s.tolerations.iter().flatten())
+            .any(tolerates_cordon)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -234,6 +268,59 @@ mod tests {
         assert_eq!(held(&running, 200), None, "not being deleted");
         assert!(finished(&pod("a", "p").phase("Failed")));
         assert!(!finished(&pod("a", "p").phase("Running")));
+    }
+
+    #[test]
+    fn a_pod_that_tolerates_the_cordon_and_came_since_came_back() {
+        let tol = |key: Option<&str>, op: &str, effect: Option<&str>| Toleration {
+            key: key.map(String::from),
+            operator: Some(op.into()),
+            effect: effect.map(String::from),
+            ..Default::default()
+        };
+        let cases = [
+            (tol(None, "Exists", None), true, "tolerates everything"),
+            (
+                tol(
+                    Some(crate::api::CORDON_TAINT_KEY),
+                    "Exists",
+                    Some("NoSchedule"),
+                ),
+                true,
+                "berth's taint",
+            ),
+            (
+                tol(Some(crate::api::CORDON_TAINT_KEY), "Equal", None),
+                true,
+                "berth's taint, any effect",
+            ),
+            (
+                tol(None, "Exists", Some("NoExecute")),
+                false,
+                "another effect",
+            ),
+            (
+                tol(
+                    Some("node.kubernetes.io/not-ready"),
+                    "Exists",
+                    Some("NoExecute"),
+                ),
+                false,
+                "the defaults",
+            ),
+            (tol(None, "Equal", None), false, "an empty key needs Exists"),
+        ];
+        for (t, want, what) in cases {
+            assert_eq!(tolerates_cordon(&t), want, "{what}");
+        }
+        let mut p = pod("a", "web-x");
+        p.metadata.creation_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            ts(200),
+        ));
+        assert!(!came_back(&p, ts(100)), "no toleration");
+        p.spec.get_or_insert_default().tolerations = Some(vec![tol(None, "Exists", None)]);
+        assert!(came_back(&p, ts(100)));
+        assert!(!came_back(&p, ts(300)), "there before the drain started");
     }
 
     #[test]

@@ -38,6 +38,7 @@ use crate::api::{
 };
 use crate::drain::deadline::{Deadline, released};
 use crate::drain::engine::{Job, Outcome, Progress, RESTART_ENDED_AFTER, RETRY_FAILED_AFTER};
+use crate::drain::select::came_back;
 use crate::providers::{MachineRequest, Provider, ProviderError};
 use crate::telemetry::RESULT_CONFLICT;
 
@@ -684,9 +685,12 @@ async fn cleanup_step(
             let pods = pods_on(ctx, &n.name);
             // A pod being deleted that cannot go (a finalizer) no longer
             // holds the Machine from the deadline plus its grace period on.
+            // Nor does a pod that came back since the drain started: it
+            // ends with the VM (the drain reports it).
             let pods: Vec<_> = pods
                 .into_iter()
                 .filter(|p| !deadline.is_some_and(|d| released(p, &d, now)))
+                .filter(|p| !deadline.is_some_and(|d| came_back(p, d.started)))
                 .collect();
             let on_node: Vec<String> = pods
                 .iter()

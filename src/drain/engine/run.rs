@@ -26,8 +26,8 @@ use crate::drain::evict::{self, Evicted};
 use crate::drain::plan::{
     DetachingVolume, DrainPlan, TerminatingPod, detaching_volumes, plan, still_to_wait_for,
 };
-use crate::drain::select::held_by_finalizers;
 use crate::drain::select::{NamespacedName, fmt_key};
+use crate::drain::select::{came_back, held_by_finalizers, pod_key};
 use crate::drain::volume::{replacement_expected, unschedulable_replacement};
 use crate::telemetry::EvictionResult;
 use crate::volumes::{WaitError, unique_name_of};
@@ -45,8 +45,9 @@ pub(super) struct Run {
     /// Volumes whose detach wait timed out: warned about once, not waited
     /// for again (the reconciler's own volume step still guards the VM).
     abandoned: Mutex<BTreeSet<String>>,
-    /// Pods (by UID) reported as held by a finalizer: reported once.
-    reported_held: Mutex<BTreeSet<String>>,
+    /// Pods (by UID) reported as held by a finalizer, or as come back:
+    /// each reported once.
+    reported: Mutex<BTreeSet<String>>,
     /// Pods deleted with their PodDisruptionBudget bypassed (the deadline).
     forced: Mutex<Vec<String>>,
     /// The last `steps_done` the status writer wrote.
@@ -82,7 +83,7 @@ impl Run {
             flushed,
             evicted: Mutex::new(BTreeSet::new()),
             abandoned: Mutex::new(BTreeSet::new()),
-            reported_held: Mutex::new(BTreeSet::new()),
+            reported: Mutex::new(BTreeSet::new()),
             forced: Mutex::new(Vec::new()),
             stuck: Mutex::new(BTreeMap::new()),
             last_try: AtomicBool::new(false),
@@ -156,7 +157,7 @@ impl Run {
             && let Some(finalizers) = held_by_finalizers(&pod, Timestamp::now())
         {
             let first = self
-                .reported_held
+                .reported
                 .lock()
                 .map(|mut r| r.insert(t.uid.clone().unwrap_or_else(|| key.clone())))
                 .unwrap_or(false);
@@ -282,15 +283,39 @@ impl Run {
         still_to_wait_for(detaching, &abandoned)
     }
 
-    /// Copies of the pods bound to this Node.
+    /// Copies of the pods bound to this Node, less those that came back
+    /// since the drain started ([`came_back`]): each of those is reported
+    /// once, and left to end with the VM.
     fn pods_on_node(&self) -> Vec<Pod> {
-        self.deps
+        let pods = self
+            .deps
             .indexes
             .pods_by_node
-            .get(&self.deps.pods, &self.job.node)
+            .get(&self.deps.pods, &self.job.node);
+        let (returned, staying): (Vec<_>, Vec<_>) = pods
             .into_iter()
-            .map(|p| (*p).clone())
-            .collect()
+            .partition(|p| came_back(p, self.job.deadline.started));
+        for p in returned {
+            let uid = p.metadata.uid.clone().unwrap_or_default();
+            let first = self
+                .reported
+                .lock()
+                .map(|mut r| r.insert(format!("returned/{uid}")))
+                .unwrap_or(false);
+            if first {
+                let key = fmt_key(&pod_key(&p));
+                self.event(
+                    EventType::Warning,
+                    "PodReturned",
+                    format!(
+                        "pod {key} was scheduled back onto Node {} after its drain started: it tolerates the cordon (berth.dev/terminating:NoSchedule); it is not evicted again, and ends with the VM",
+                        self.job.node
+                    ),
+                    Some(pod_ref_key(&pod_key(&p))),
+                );
+            }
+        }
+        staying.into_iter().map(|p| (*p).clone()).collect()
     }
 
     /// Copies of the VolumeAttachments to this Node.

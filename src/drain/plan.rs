@@ -562,7 +562,7 @@ impl fmt::Display for DrainPlan {
             "Deadline: drain.timeout {} from the Machine's deletion; then {}",
             format_duration(s.drain_timeout),
             if s.force_after_deadline {
-                "the pods left are force-deleted"
+                "budgets are bypassed (each pod left deleted with its grace period, at the deadline minus it), volumes still waited for"
             } else {
                 "the drain fails and is retried"
             }
@@ -1428,7 +1428,8 @@ mod tests {
         assert!(report.contains("exceeds drain.timeout 1h"), "{report}");
         assert!(report.contains("evicted one at a time"), "{report}");
         assert!(
-            report.contains("then the pods left are force-deleted"),
+            report
+                .contains("then budgets are bypassed (each pod left deleted with its grace period"),
             "{report}"
         );
     }

@@ -170,12 +170,15 @@ pub fn came_back(pod: &Pod, drain_started: Timestamp) -> bool {
         .creation_timestamp
         .as_ref()
         .is_some_and(|t| t.0 > drain_started);
-    created_since
-        && pod
-            .spec
-            .iter()
-            .flat_map(|s| s.tolerations.iter().flatten())
-            .any(tolerates_cordon)
+    created_since && tolerates_any_cordon(pod)
+}
+
+/// Whether one of the pod's tolerations tolerates the cordon.
+pub fn tolerates_any_cordon(pod: &Pod) -> bool {
+    pod.spec
+        .iter()
+        .flat_map(|s| s.tolerations.iter().flatten())
+        .any(tolerates_cordon)
 }
 
 #[cfg(test)]

@@ -38,7 +38,7 @@ use crate::api::{
 };
 use crate::drain::deadline::{Deadline, released};
 use crate::drain::engine::{Job, Outcome, Progress, RESTART_ENDED_AFTER, RETRY_FAILED_AFTER};
-use crate::drain::select::came_back;
+use crate::drain::select::{came_back, tolerates_any_cordon};
 use crate::providers::{MachineRequest, Provider, ProviderError};
 use crate::telemetry::RESULT_CONFLICT;
 
@@ -687,10 +687,14 @@ async fn cleanup_step(
             // holds the Machine from the deadline plus its grace period on.
             // Nor does a pod that came back since the drain started: it
             // ends with the VM (the drain reports it).
+            // (After a drain that ended here, any pod that tolerates the
+            // cordon came back: creation times have whole seconds only.)
+            let ended = ctx.drainer.finished(&ObjectRef::from_obj(m));
             let pods: Vec<_> = pods
                 .into_iter()
                 .filter(|p| !deadline.is_some_and(|d| released(p, &d, now)))
                 .filter(|p| !deadline.is_some_and(|d| came_back(p, d.started)))
+                .filter(|p| !(ended && tolerates_any_cordon(p)))
                 .collect();
             let on_node: Vec<String> = pods
                 .iter()

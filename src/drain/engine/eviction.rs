@@ -75,6 +75,7 @@ impl Run {
                         EvictionResult::Evicted
                     });
                     self.count_evicted(&planned.pod);
+                    self.evicted_pod(&pod, planned.controller.as_deref());
                     self.update(|p| p.unblock(&key));
                     if forcing {
                         self.forced(&planned.pod);

@@ -23,11 +23,12 @@ use super::{Deps, Job, Progress};
 use crate::api::VolumeMove;
 use crate::cache::{claim_key, claim_names};
 use crate::drain::evict::{self, Evicted};
+use crate::drain::plan::controller_of;
 use crate::drain::plan::{
     DetachingVolume, DrainPlan, TerminatingPod, detaching_volumes, plan, still_to_wait_for,
 };
 use crate::drain::select::{NamespacedName, fmt_key};
-use crate::drain::select::{came_back, held_by_finalizers, pod_key};
+use crate::drain::select::{came_back, held_by_finalizers, pod_key, tolerates_any_cordon};
 use crate::drain::volume::{replacement_expected, unschedulable_replacement};
 use crate::telemetry::EvictionResult;
 use crate::volumes::{WaitError, unique_name_of};
@@ -42,6 +43,9 @@ pub(super) struct Run {
     pub(super) progress: watch::Sender<Progress>,
     /// Pods this run has evicted or deleted, to count progress once each.
     evicted: Mutex<BTreeSet<String>>,
+    /// Their UIDs, and their controllers.
+    evicted_uids: Mutex<BTreeSet<String>>,
+    evicted_controllers: Mutex<BTreeSet<String>>,
     /// Volumes whose detach wait timed out: warned about once, not waited
     /// for again (the reconciler's own volume step still guards the VM).
     abandoned: Mutex<BTreeSet<String>>,
@@ -82,6 +86,8 @@ impl Run {
             progress,
             flushed,
             evicted: Mutex::new(BTreeSet::new()),
+            evicted_uids: Mutex::new(BTreeSet::new()),
+            evicted_controllers: Mutex::new(BTreeSet::new()),
             abandoned: Mutex::new(BTreeSet::new()),
             reported: Mutex::new(BTreeSet::new()),
             forced: Mutex::new(Vec::new()),
@@ -292,9 +298,15 @@ impl Run {
             .indexes
             .pods_by_node
             .get(&self.deps.pods, &self.job.node);
-        let (returned, staying): (Vec<_>, Vec<_>) = pods
-            .into_iter()
-            .partition(|p| came_back(p, self.job.deadline.started));
+        // Also a pod created in the same second as the deletion request
+        // (whole-second timestamps) that replaces one this drain evicted.
+        let evicted_from = self.evicted_controllers();
+        let (returned, staying): (Vec<_>, Vec<_>) = pods.into_iter().partition(|p| {
+            came_back(p, self.job.deadline.started)
+                || (tolerates_any_cordon(p)
+                    && controller_of(p).is_some_and(|c| evicted_from.contains(&c))
+                    && !self.was_evicted(p))
+        });
         for p in returned {
             let uid = p.metadata.uid.clone().unwrap_or_default();
             let first = self
@@ -589,6 +601,30 @@ impl Run {
                 Some((c.namespace.clone()?, c.name.clone()?))
             })
             .collect()
+    }
+
+    /// Records a pod this drain evicted, and its controller: a new pod of
+    /// that controller on this Node that tolerates the cordon came back.
+    pub(super) fn evicted_pod(&self, pod: &Pod, controller: Option<&str>) {
+        if let (Some(uid), Ok(mut e)) = (pod.metadata.uid.clone(), self.evicted_uids.lock()) {
+            e.insert(uid);
+        }
+        if let (Some(c), Ok(mut e)) = (controller, self.evicted_controllers.lock()) {
+            e.insert(c.to_string());
+        }
+    }
+
+    fn evicted_controllers(&self) -> BTreeSet<String> {
+        self.evicted_controllers
+            .lock()
+            .map(|e| e.clone())
+            .unwrap_or_default()
+    }
+
+    /// Whether this drain evicted or deleted this very pod (by UID).
+    fn was_evicted(&self, pod: &Pod) -> bool {
+        let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+        self.evicted_uids.lock().is_ok_and(|e| e.contains(uid))
     }
 
     /// Counts a pod evicted or deleted, once per pod.

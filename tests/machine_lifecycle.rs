@@ -513,6 +513,37 @@ async fn the_force_deletion_label_skips_hooks_and_drain_and_force_deletes_pods()
     pods.create(&PostParams::default(), &pod)
         .await
         .expect("create pod");
+    // A DaemonSet's pod (its controller would recreate it: left to the
+    // VM's end), and a pod a finalizer holds (deleted once, not in a loop).
+    let extra: [Pod; 2] = [
+        serde_json::from_value(serde_json::json!({
+            // A DaemonSet of another API group (OpenKruise's), which the
+            // test bed does not serve: the garbage collector leaves the pod
+            // alone, and berth goes by the kind, as kubectl drain does.
+            "metadata": {"name": "agent", "ownerReferences": [{
+                "apiVersion": "apps.kruise.io/v1alpha1", "kind": "DaemonSet", "name": "agent",
+                "uid": "00000000-0000-0000-0000-000000000001", "controller": true
+            }]},
+            "spec": {
+                "nodeName": node_name,
+                "containers": [{"name": "main", "image": "registry.invalid/agent:1"}]
+            }
+        }))
+        .expect("pod"),
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "kept", "finalizers": ["example.com/keep"]},
+            "spec": {
+                "nodeName": node_name,
+                "containers": [{"name": "main", "image": "registry.invalid/app:1"}]
+            }
+        }))
+        .expect("pod"),
+    ];
+    for p in &extra {
+        pods.create(&PostParams::default(), p)
+            .await
+            .expect("create pod");
+    }
     machines
         .patch(
             "m4",
@@ -539,6 +570,24 @@ async fn the_force_deletion_label_skips_hooks_and_drain_and_force_deletes_pods()
         pods.get_opt("slow").await.expect("get pod").is_none(),
         "the pod was force-deleted"
     );
+    let agent = pods.get("agent").await.expect("the DaemonSet's pod stays");
+    assert_eq!(
+        agent.metadata.deletion_timestamp, None,
+        "a DaemonSet's pod is left to the VM's end"
+    );
+    let kept = pods.get("kept").await.expect("the finalizer holds it");
+    assert_eq!(
+        kept.metadata.deletion_grace_period_seconds,
+        Some(0),
+        "force-deleted once"
+    );
+    pods.patch(
+        "kept",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"metadata": {"finalizers": null}})),
+    )
+    .await
+    .expect("release the pod");
     assert!(
         Api::<Node>::all(client.clone())
             .get_opt(&node_name)

@@ -20,7 +20,9 @@ pub const GROUP: &str = "berth.dev";
 /// The finalizer berth puts on every Machine it manages.
 pub const FINALIZER: &str = "machine.berth.dev/finalizer";
 /// A Machine with this label set to `"true"` is deleted without a drain:
-/// pods are force-deleted and the VM goes.
+/// its pods are force-deleted (grace 0, each pinned to its UID, once; a
+/// DaemonSet's pods and static pods are left to the VM's end) and the VM
+/// goes.
 pub const FORCE_DELETION_LABEL: &str = "berth.dev/force-deletion";
 /// Annotations with this prefix on a Machine hold its deletion before the
 /// drain (lifecycle hooks for other controllers).

@@ -38,6 +38,7 @@ use crate::api::{
 };
 use crate::drain::deadline::{Deadline, released};
 use crate::drain::engine::{Job, Outcome, Progress, RESTART_ENDED_AFTER, RETRY_FAILED_AFTER};
+use crate::drain::evict::Evicted;
 use crate::drain::select::{came_back, tolerates_any_cordon};
 use crate::providers::{MachineRequest, Provider, ProviderError};
 use crate::telemetry::RESULT_CONFLICT;
@@ -696,9 +697,20 @@ async fn cleanup_step(
                 .filter(|p| !deadline.is_some_and(|d| came_back(p, d.started)))
                 .filter(|p| !(ended && tolerates_any_cordon(p)))
                 .collect();
+            // What the force-deletion label deletes: neither the mirror of a
+            // static pod nor a DaemonSet's pod (its controller would only
+            // recreate it; it ends with the VM), nor a pod force-deleted
+            // already (a finalizer holds it: deleting it again would be a
+            // request loop).
             let on_node: Vec<String> = pods
                 .iter()
-                .filter(|p| decide::drain_skip_reason(p) != Some("mirror pod"))
+                .filter(|p| {
+                    !matches!(
+                        decide::drain_skip_reason(p),
+                        Some("mirror pod" | "DaemonSet pod")
+                    )
+                })
+                .filter(|p| p.metadata.deletion_grace_period_seconds != Some(0))
                 .map(|p| key(p))
                 .collect();
             let to_drain = pods
@@ -781,18 +793,21 @@ async fn cleanup_step(
         }
         DeletionStep::ForceDeletePods { pods, .. } => {
             ctx.drainer.forget(&ObjectRef::from_obj(m));
+            // Each delete is pinned to the UID the cache shows: a pod that
+            // took the same name elsewhere is never touched.
             for p in pods {
-                let Some((ns, pod)) = p.split_once('/') else {
+                let Some((ns, name)) = p.split_once('/') else {
                     continue;
                 };
-                let api: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
-                match api
-                    .delete(pod, &DeleteParams::default().grace_period(0))
-                    .await
-                {
-                    Ok(_) => {}
-                    Err(kube::Error::Api(e)) if e.code == 404 => {}
-                    Err(e) => return Err(at(Step::PodDelete)(e)),
+                let Some(pod) = ctx.stores.pods.get(&ObjectRef::new(name).within(ns)) else {
+                    continue;
+                };
+                match crate::drain::evict::delete(&ctx.client, &pod, Some(0)).await {
+                    Evicted::Accepted | Evicted::Gone => {}
+                    Evicted::Refused { message } => {
+                        tracing::warn!(pod = %p, %message, "force delete refused");
+                    }
+                    Evicted::Failed(e) => return Err(at(Step::PodDelete)(e)),
                 }
             }
             record(ctx, m, &as_decided, Write::IfChanged)

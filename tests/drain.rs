@@ -1391,3 +1391,91 @@ async fn a_pod_scheduled_back_onto_the_draining_node_is_not_evicted_in_a_loop() 
     assert!(returned[0].2.contains("tolerates the cordon"), "{log}");
     ctl.stop().await;
 }
+
+/// A Machine whose class is gone still drains with its own settings: its
+/// `forceAfterDeadline: false` holds (the drain fails at the deadline, it
+/// does not force), and the DrainSettings condition and a Warning say what
+/// the drain uses instead of the class.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_machine_whose_class_is_gone_keeps_its_own_drain_settings() {
+    let client = client().await;
+    let ns = "drain-noclass";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
+    let ctl = start_controller(&client, ns, "drain-noclass").await;
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    let mut m = machine("k", ns);
+    m.spec.drain = Some(json(
+        serde_json::json!({"timeout": "6s", "forceAfterDeadline": false}),
+    ));
+    machines
+        .create(&PostParams::default(), &m)
+        .await
+        .expect("create machine");
+    wait::for_one(machines.clone(), LONG, "k Running", |m| {
+        m.name_any() == "k" && phase(m) == Some("Running")
+    })
+    .await
+    .expect("the Machine runs");
+    let node = FakeProvider::node_name(ns, "k");
+    guarded_pod(&client, ns, &node).await;
+
+    let classes: Api<berth::api::MachineClass> = Api::all(client.clone());
+    classes
+        .delete(ns, &DeleteParams::default())
+        .await
+        .expect("delete the class");
+    wait::for_none(classes, LONG, "the class gone", |c| c.name_any() == ns)
+        .await
+        .expect("the class goes");
+    machines
+        .delete("k", &DeleteParams::default())
+        .await
+        .expect("delete k");
+    let m = wait::for_one(machines.clone(), LONG, "the drain failed", |m| {
+        m.name_any() == "k"
+            && support::condition(m, "Drained").is_some_and(|c| c.reason == "DrainFailed")
+    })
+    .await
+    .expect("the Machine's own forceAfterDeadline=false holds");
+    let settings = support::condition(&m, "DrainSettings").expect("DrainSettings condition");
+    assert_eq!(
+        (settings.status.as_str(), settings.reason.as_str()),
+        ("False", "ClassNotFound"),
+        "{settings:?}"
+    );
+    assert!(
+        settings.message.contains("forceAfterDeadline false")
+            && settings.message.contains("timeout 6s"),
+        "{}",
+        settings.message
+    );
+    assert!(
+        Api::<Pod>::namespaced(client.clone(), ns)
+            .get_opt("guarded")
+            .await
+            .expect("get pod")
+            .is_some(),
+        "the pod was not forced"
+    );
+    let warned = support::events_until(&client, ns, "k", &["DrainSettingsFromMachine"]).await;
+    assert!(
+        warned
+            .iter()
+            .any(|e| e.reason.as_deref() == Some("DrainSettingsFromMachine")),
+        "a Warning says so"
+    );
+
+    // The class back and the budget gone, the deletion completes.
+    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
+    Api::<PodDisruptionBudget>::namespaced(client.clone(), ns)
+        .delete("guard", &DeleteParams::default())
+        .await
+        .expect("delete pdb");
+    wait::for_none(machines, Duration::from_secs(120), "k gone", |m| {
+        m.name_any() == "k"
+    })
+    .await
+    .expect("the deletion completes");
+    ctl.stop().await;
+}

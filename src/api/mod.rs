@@ -48,6 +48,11 @@ pub mod conditions {
     /// it and without a providerID never had a VM, so its deletion needs no
     /// provider (which may not even be resolvable).
     pub const VM_REQUESTED: &str = "VMRequested";
+    /// The drain of a Machine being deleted uses its class's settings. False
+    /// when the class is missing or invalid: the drain then uses the
+    /// Machine's own `spec.drain` and built-in defaults for the rest, and
+    /// the message says which.
+    pub const DRAIN_SETTINGS: &str = "DrainSettings";
 }
 
 /// A class of Machines: which provider creates them, with what parameters,

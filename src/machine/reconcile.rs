@@ -26,11 +26,11 @@ use super::decide::{
 };
 use super::record::{
     CreationContext, DeletionOutcome, DrainView, StepRecord, Unresolved, VmAnswer, creation_record,
-    deletion_record, unresolved_record, vm_answer_record,
+    deletion_record, unresolved_record, vm_answer_record, with_settings_condition,
 };
 use super::status::{State, condition, next_status};
 use super::write::{StatusWrite, write_status};
-use crate::api::conditions::{VM_REQUESTED, VOLUMES_DETACHED};
+use crate::api::conditions::{DRAIN_SETTINGS, VM_REQUESTED, VOLUMES_DETACHED};
 use crate::api::settings::{ResolvedSettings, resolve};
 use crate::api::{
     CORDON_TAINT_KEY, FINALIZER, FORCE_DELETION_LABEL, Machine, MachineStatus, NodeReference,
@@ -664,10 +664,13 @@ async fn cleanup_step(
     ctx: &Context,
 ) -> Result<Stepped, Error> {
     let resolved = resolve_machine(m, ctx);
-    let settings = resolved
-        .as_ref()
-        .map(|r| r.settings.clone())
-        .unwrap_or_default();
+    // A class that cannot be resolved never silently drops the Machine's own
+    // drain settings: they apply over the built-in defaults, and the
+    // DrainSettings condition says so.
+    let settings = match &resolved {
+        Ok(r) => r.settings.clone(),
+        Err(_) => resolve(m.spec.drain.as_ref(), None, None, None).unwrap_or_default(),
+    };
     let now = Timestamp::now();
     let node = match known_node.or_else(|| find_node(m, ctx)) {
         Some(n) => Some(n),
@@ -834,6 +837,31 @@ async fn cleanup_step(
             };
             let progress = ctx.drainer.ensure(job, !pods.is_empty());
             let rec = deletion_record(&step, &DeletionOutcome::Drain(drain_view(&progress)));
+            let was_false =
+                condition(m.status.as_ref(), DRAIN_SETTINGS).is_some_and(|c| c.status == "False");
+            let unresolved = resolved.as_ref().err();
+            let rec = with_settings_condition(rec, unresolved, was_false, &describe(&settings));
+            if let Some(why) = unresolved
+                && !was_false
+            {
+                ctx.events.publish(
+                    Event {
+                        type_: EventType::Warning,
+                        reason: "DrainSettingsFromMachine".into(),
+                        note: Some(truncate(
+                            &format!(
+                                "{}: the drain uses the Machine's own spec.drain and built-in defaults for the rest ({})",
+                                why.message,
+                                describe(&settings)
+                            ),
+                            1000,
+                        )),
+                        action: "Drain".into(),
+                        secondary: None,
+                    },
+                    m.object_ref(&()),
+                );
+            }
             // The engine's progress writes and its end wake this Machine;
             // a failed drain is retried after a pause.
             let action = match progress.outcome {
@@ -863,6 +891,17 @@ async fn cleanup_step(
                 .into()
         }
     })
+}
+
+/// The drain settings an operator checks first, in words.
+fn describe(s: &ResolvedSettings) -> String {
+    format!(
+        "timeout {}, forceAfterDeadline {}, volumeDetachTimeout {}, volumeReattachTimeout {}",
+        humantime::format_duration(s.drain_timeout),
+        s.force_after_deadline,
+        humantime::format_duration(s.volume_detach_timeout),
+        humantime::format_duration(s.volume_reattach_timeout)
+    )
 }
 
 /// How the `Drain` step reports the engine's progress.

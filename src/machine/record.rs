@@ -11,7 +11,9 @@ use std::time::Duration;
 use super::decide::{CreationStep, DeletionStep};
 use super::status::{Cond, Report, State};
 use crate::api::MachinePhase;
-use crate::api::conditions::{DRAINED, NODE_HEALTHY, READY, VM_REQUESTED, VOLUMES_DETACHED};
+use crate::api::conditions::{
+    DRAIN_SETTINGS, DRAINED, NODE_HEALTHY, READY, VM_REQUESTED, VOLUMES_DETACHED,
+};
 
 /// What one step writes into a Machine's status.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,6 +53,37 @@ impl StepRecord {
         self.conditions
             .push(Cond::new(type_, status, reason, message));
         self
+    }
+}
+
+/// Adds to a deletion step's record what the drain's settings come from:
+/// `DrainSettings` False when the class cannot be resolved (`unresolved`),
+/// naming why and the settings used instead (`uses`); True again once it
+/// can, if the condition said otherwise (`was_false`). A Machine whose
+/// class always resolved never gets the condition.
+pub(crate) fn with_settings_condition(
+    rec: StepRecord,
+    unresolved: Option<&Unresolved>,
+    was_false: bool,
+    uses: &str,
+) -> StepRecord {
+    match unresolved {
+        Some(why) => rec.condition(
+            DRAIN_SETTINGS,
+            false,
+            why.reason,
+            format!(
+                "{}: the drain uses the Machine's own spec.drain and built-in defaults for the rest ({uses})",
+                why.message
+            ),
+        ),
+        None if was_false => rec.condition(
+            DRAIN_SETTINGS,
+            true,
+            "ClassResolved",
+            "the drain uses the MachineClass's settings under the Machine's own",
+        ),
+        None => rec,
     }
 }
 

@@ -393,6 +393,39 @@ pub(crate) fn deletion_record(step: &DeletionStep, outcome: &DeletionOutcome<'_>
 mod tests {
     use super::*;
 
+    #[test]
+    fn an_unresolved_class_is_named_with_the_settings_the_drain_uses() {
+        let base = || StepRecord::report("Delete", "Drain", State::Processing, "draining");
+        let why = Unresolved {
+            reason: "ClassNotFound",
+            message: "MachineClass \"gone\" does not exist".into(),
+        };
+        let r = with_settings_condition(base(), Some(&why), false, "timeout 2h");
+        assert_eq!(r.conditions.len(), 1);
+        let c = &r.conditions[0];
+        assert_eq!(
+            (c.type_, c.status, c.reason),
+            (DRAIN_SETTINGS, false, "ClassNotFound")
+        );
+        assert!(
+            c.message.contains("Machine's own spec.drain"),
+            "{}",
+            c.message
+        );
+        assert!(c.message.contains("timeout 2h"), "{}", c.message);
+        let fixed = with_settings_condition(base(), None, true, "");
+        assert_eq!(
+            (fixed.conditions[0].status, fixed.conditions[0].reason),
+            (true, "ClassResolved")
+        );
+        assert!(
+            with_settings_condition(base(), None, false, "")
+                .conditions
+                .is_empty(),
+            "a class that always resolved adds nothing"
+        );
+    }
+
     const MIN: Duration = Duration::from_secs(60);
 
     /// A record as a tuple that reads in a table: phase, conditions as

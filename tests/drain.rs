@@ -1479,3 +1479,69 @@ async fn a_machine_whose_class_is_gone_keeps_its_own_drain_settings() {
     .expect("the deletion completes");
     ctl.stop().await;
 }
+
+/// The Node object deleted by hand while its VM runs: the deletion still
+/// drains the pods (found by spec.nodeName), says the Node object is gone,
+/// and deletes the VM only after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_machine_whose_node_object_is_gone_is_still_drained_before_its_vm_goes() {
+    let client = client().await;
+    let ns = "drain-nodegone";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
+    let ctl = start_controller(&client, ns, "drain-nodegone").await;
+    let node = running_machine(&client, ns, "a", ns).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    create(
+        pods.clone(),
+        json::<Pod>(serde_json::json!({
+            "metadata": {"name": "app"},
+            "spec": {
+                "nodeName": node,
+                "terminationGracePeriodSeconds": 1,
+                "containers": [{"name": "main", "image": "registry.invalid/app:1"}]
+            }
+        })),
+    )
+    .await;
+    wait::for_one(pods.clone(), LONG, "app running", |p| {
+        p.name_any() == "app" && running(p)
+    })
+    .await
+    .expect("the pod runs");
+
+    Api::<Node>::all(client.clone())
+        .delete(&node, &DeleteParams::default())
+        .await
+        .expect("delete the Node object");
+    wait::for_none(
+        Api::<Node>::all(client.clone()),
+        LONG,
+        "the Node gone",
+        |n| n.name_any() == node,
+    )
+    .await
+    .expect("the Node object goes");
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    machines
+        .delete("a", &DeleteParams::default())
+        .await
+        .expect("delete a");
+    wait::for_none(machines, LONG, "a gone", |m| m.name_any() == "a")
+        .await
+        .expect("the deletion completes");
+    let evs = events(&client, ns, "a").await;
+    let log: Vec<String> = evs
+        .iter()
+        .map(|(t, r, n)| format!("{t} {r}: {n}"))
+        .collect();
+    let log = log.join("\n");
+    let gone = first(&evs, "NodeGone", &node).unwrap_or_else(|| panic!("{log}"));
+    let evicted = first(&evs, "Evicted", &format!("{ns}/app")).unwrap_or_else(|| panic!("{log}"));
+    let vm = first(&evs, "DeleteVmAndNode", "VM deleted").unwrap_or_else(|| panic!("{log}"));
+    assert!(
+        gone.0 <= evicted.0 && evicted.0 <= vm.0,
+        "said, drained, then the VM: {log}"
+    );
+    ctl.stop().await;
+}

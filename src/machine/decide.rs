@@ -100,6 +100,10 @@ pub(crate) struct DeletionFacts {
     pub(crate) pre_terminate_hooks: Vec<String>,
     /// The Machine's Node, if it exists.
     pub(crate) node: Option<NodeFacts>,
+    /// The name of the Machine's Node when its object is gone while the VM
+    /// may still run (deleted by hand): the drain still runs, finding pods
+    /// and attachments by `spec.nodeName`.
+    pub(crate) node_gone: Option<String>,
     /// Pods on the Node that a drain has to move (`namespace/name`).
     pub(crate) pods_to_drain: Vec<String>,
     /// Pods on the Node that are not yet gone at all (force path).
@@ -192,6 +196,21 @@ pub(crate) fn next_deletion_step(f: &DeletionFacts) -> DeletionStep {
         if !f.volume_attachments.is_empty() && !f.volume_detach_timed_out {
             return DeletionStep::WaitVolumesDetached {
                 node: n.name.clone(),
+                attachments: f.volume_attachments.clone(),
+            };
+        }
+    } else if let Some(name) = &f.node_gone {
+        // Nothing to cordon: the kubelet may still run the pods, so they
+        // are drained, and their volumes waited for, all the same.
+        if !f.pods_to_drain.is_empty() || f.drain_pending {
+            return DeletionStep::Drain {
+                node: name.clone(),
+                pods: f.pods_to_drain.clone(),
+            };
+        }
+        if !f.volume_attachments.is_empty() && !f.volume_detach_timed_out {
+            return DeletionStep::WaitVolumesDetached {
+                node: name.clone(),
                 attachments: f.volume_attachments.clone(),
             };
         }
@@ -353,6 +372,39 @@ mod tests {
             node: Some(node(true, true)),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_node_object_gone_while_the_vm_runs_is_still_drained() {
+        let gone = |pods: Vec<String>, pending: bool, vas: Vec<String>| DeletionFacts {
+            phase: Some(MachinePhase::Terminating),
+            node: None,
+            node_gone: Some("n1".into()),
+            pods_to_drain: pods,
+            drain_pending: pending,
+            volume_attachments: vas,
+            ..Default::default()
+        };
+        assert_eq!(
+            next_deletion_step(&gone(vec!["a/p".into()], true, vec![])),
+            DeletionStep::Drain {
+                node: "n1".into(),
+                pods: vec!["a/p".into()]
+            },
+            "no cordon: drained by spec.nodeName"
+        );
+        assert_eq!(
+            next_deletion_step(&gone(vec![], false, vec!["va-1".into()])),
+            DeletionStep::WaitVolumesDetached {
+                node: "n1".into(),
+                attachments: vec!["va-1".into()]
+            }
+        );
+        assert_eq!(
+            next_deletion_step(&gone(vec![], false, vec![])),
+            DeletionStep::DeleteVmAndNode { node: None },
+            "then the VM; no Node object to delete"
+        );
     }
 
     #[test]

@@ -679,14 +679,30 @@ async fn cleanup_step(
         None => node_from_api(m, ctx).await?,
     };
     let node_facts = node.as_deref().map(|n| decide::node_facts(n, now));
+    // The Node object deleted by hand while the VM may still run: its name
+    // still finds the pods and attachments (by spec.nodeName).
+    let vm_requested =
+        m.spec.provider_id.is_some() || condition(m.status.as_ref(), VM_REQUESTED).is_some();
+    let node_gone = match (&node_facts, vm_requested) {
+        (None, true) => m
+            .status
+            .as_ref()
+            .and_then(|s| s.node_ref.as_ref())
+            .map(|r| r.name.clone()),
+        _ => None,
+    };
+    let node_name = node_facts
+        .as_ref()
+        .map(|n| n.name.clone())
+        .or_else(|| node_gone.clone());
     let deadline = m
         .metadata
         .deletion_timestamp
         .as_ref()
         .map(|t| Deadline::new(t.0, settings.drain_timeout));
-    let (pods_to_drain, pods_on_node) = match &node_facts {
+    let (pods_to_drain, pods_on_node) = match &node_name {
         Some(n) => {
-            let pods = pods_on(ctx, &n.name);
+            let pods = pods_on(ctx, n);
             // A pod being deleted that cannot go (a finalizer) no longer
             // holds the Machine from the deadline plus its grace period on.
             // Nor does a pod that came back since the drain started: it
@@ -725,12 +741,12 @@ async fn cleanup_step(
         }
         None => (vec![], vec![]),
     };
-    let attachments: Vec<String> = match &node_facts {
+    let attachments: Vec<String> = match &node_name {
         Some(n) => ctx
             .stores
             .indexes
             .attachments_by_node
-            .get(&ctx.stores.attachments, &n.name)
+            .get(&ctx.stores.attachments, n)
             .iter()
             .map(|va| va.name_any())
             .collect(),
@@ -749,6 +765,7 @@ async fn cleanup_step(
         pre_drain_hooks: decide::hooks(annotations.keys(), PRE_DRAIN_HOOK_PREFIX),
         pre_terminate_hooks: decide::hooks(annotations.keys(), PRE_TERMINATE_HOOK_PREFIX),
         node: node_facts.clone(),
+        node_gone: node_gone.clone(),
         pods_to_drain,
         pods_on_node,
         drain_pending: !ctx.drainer.finished(&ObjectRef::from_obj(m)),
@@ -835,6 +852,22 @@ async fn cleanup_step(
                     .map(|d| d.moves.clone())
                     .unwrap_or_default(),
             };
+            if let Some(gone) = &node_gone
+                && !ctx.drainer.knows(&ObjectRef::from_obj(m))
+            {
+                ctx.events.publish(
+                    Event {
+                        type_: EventType::Warning,
+                        reason: "NodeGone".into(),
+                        note: Some(format!(
+                            "the Node object {gone} is gone while its VM may still run: draining its pods by spec.nodeName; the VM is deleted after"
+                        )),
+                        action: "Drain".into(),
+                        secondary: None,
+                    },
+                    m.object_ref(&()),
+                );
+            }
             let progress = ctx.drainer.ensure(job, !pods.is_empty());
             let rec = deletion_record(&step, &DeletionOutcome::Drain(drain_view(&progress)));
             let was_false =

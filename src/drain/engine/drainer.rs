@@ -119,6 +119,14 @@ impl Drainer {
         running.get(machine)?.written.borrow().clone()
     }
 
+    /// Whether a drain of this Machine was started here (running or
+    /// ended).
+    pub(crate) fn knows(&self, machine: &ObjectRef<Machine>) -> bool {
+        self.running
+            .lock()
+            .is_ok_and(|running| running.contains_key(machine))
+    }
+
     /// Whether this Machine's drain ran here and ended drained or forced.
     /// After a restart nothing has run yet, so the drain runs again: it
     /// finds the pods gone and only waits for volumes still detaching.

@@ -722,7 +722,13 @@ async fn cleanup_step(
         volume_detach_timed_out: detach_wait.is_some_and(|w| w >= settings.volume_detach_timeout),
     };
     let step = next_deletion_step(&facts);
-    let as_decided = deletion_record(&step, &DeletionOutcome::AsDecided);
+    // What the drain found about node-local volumes outlives its step.
+    let drained = ctx.drainer.progress(&ObjectRef::from_obj(m));
+    let as_decided = match &drained {
+        Some(p) => deletion_record(&step, &DeletionOutcome::AsDecided)
+            .node_local(&p.node_local_lost, p.held.as_deref()),
+        None => deletion_record(&step, &DeletionOutcome::AsDecided),
+    };
     Ok(match &step {
         DeletionStep::MarkTerminating => match record(ctx, m, &as_decided, Write::IfChanged).await?
         {
@@ -791,9 +797,16 @@ async fn cleanup_step(
                 node: node.clone(),
                 settings: settings.clone(),
                 deadline: Deadline::new(started, settings.drain_timeout),
+                data_loss_allowed: crate::drain::class::allows_data_loss(
+                    m.metadata.annotations.as_ref(),
+                ),
             };
             let progress = ctx.drainer.ensure(job, !pods.is_empty());
-            let rec = deletion_record(&step, &DeletionOutcome::Drain(drain_view(&progress)));
+            let rec = deletion_record(&step, &DeletionOutcome::Drain(drain_view(&progress)))
+                .node_local(
+                    progress.node_local_lost.as_slice(),
+                    progress.held.as_deref(),
+                );
             // The engine's progress writes and its end wake this Machine;
             // a failed drain is retried after a pause.
             let action = match progress.outcome {

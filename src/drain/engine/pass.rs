@@ -38,6 +38,7 @@ pub(super) async fn run(
     job: Job,
     progress: watch::Sender<Progress>,
     written: watch::Sender<Option<Machine>>,
+    data_loss_allowed: watch::Receiver<bool>,
 ) {
     let writer = tokio::spawn(write_status(
         deps.client.clone(),
@@ -48,7 +49,7 @@ pub(super) async fn run(
     ));
     deps.metrics.drains_in_progress.inc();
     let started = std::time::Instant::now();
-    let r = Run::new(Arc::clone(&deps), job, progress);
+    let r = Run::new(Arc::clone(&deps), job, progress, data_loss_allowed);
     let outcome = r.passes().await;
     deps.metrics.drains_in_progress.dec();
     deps.metrics
@@ -341,11 +342,11 @@ impl Run {
             .iter()
             .chain(plan.stateful.iter())
             .map(|p| {
+                let pdb = p.pdbs.iter().find(|f| f.verdict != PdbVerdict::Allows);
                 let why = p
-                    .pdbs
-                    .iter()
-                    .find(|f| f.verdict != PdbVerdict::Allows)
-                    .map(|f| f.description.clone())
+                    .held
+                    .clone()
+                    .or_else(|| pdb.map(|f| f.description.clone()))
                     .unwrap_or_else(|| "not evicted in time".into());
                 (p.pod.clone(), p.uid.clone(), why)
             })
@@ -372,18 +373,22 @@ impl Run {
             let mut still = Vec::new();
             for (k, uid, why) in left {
                 let terminating = plan.terminating.iter().any(|t| t.pod == k);
+                // `nodeLocalVolumes: Block` holds a pod until an operator
+                // allows it; only forcing at the deadline overrides that.
+                let held = plan.stateful.iter().any(|p| p.pod == k && p.held.is_some());
                 let Some(pod) = self.pod(&k, uid.as_deref()) else {
                     continue;
                 };
                 let leaving = terminating
-                    || match evict::evict(&self.deps.client, &pod).await {
-                        Evicted::Accepted | Evicted::Gone => {
-                            self.deps.metrics.record_eviction(EvictionResult::Evicted);
-                            self.count_evicted(&k);
-                            true
-                        }
-                        _ => false,
-                    };
+                    || !held
+                        && match evict::evict(&self.deps.client, &pod).await {
+                            Evicted::Accepted | Evicted::Gone => {
+                                self.deps.metrics.record_eviction(EvictionResult::Evicted);
+                                self.count_evicted(&k);
+                                true
+                            }
+                            _ => false,
+                        };
                 // A pod on its way out gets its grace period to finish.
                 let bound = pod_gone_bound(grace_period(&pod));
                 let gone = leaving

@@ -48,6 +48,12 @@ pub(crate) struct Progress {
     /// so that `status.drain` names what the drain waits for now, not
     /// what it waited for a second ago.
     pub(crate) steps_done: u64,
+    /// Node-local PVs whose pods were evicted (`PV <name> (pod <ns/name>)`),
+    /// for the `NodeLocalVolumes` condition: their data is lost with the VM.
+    pub(crate) node_local_lost: Vec<String>,
+    /// Why a pod with node-local volumes is held (`nodeLocalVolumes:
+    /// Block`), for the `NodeLocalVolumes` condition.
+    pub(crate) held: Option<String>,
 }
 
 impl Progress {
@@ -192,6 +198,7 @@ mod tests {
             finished_at: None,
             finished_on: Some(Timestamp::from_second(1_700_000_000).expect("valid")),
             steps_done: 3,
+            ..Default::default()
         };
         let started = Timestamp::from_second(1_699_999_000).expect("valid");
         let patch = p.status_patch("m-1", started);

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use k8s_openapi::api::storage::v1::VolumeAttachment;
+use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::ObjectRef;
@@ -20,9 +20,12 @@ use tokio::time::Instant;
 use super::batch::pv_ref;
 use super::{Deps, Job, Progress};
 use crate::cache::{claim_key, claim_names};
+use crate::drain::class::{VolumeClass, VolumeContext};
 use crate::drain::plan::{DetachingVolume, DrainPlan, detaching_volumes, plan, still_to_wait_for};
 use crate::drain::select::{NamespacedName, fmt_key};
-use crate::drain::volume::replacement_expected;
+use crate::drain::volume::{
+    Moved, replacement_expected, replacements, users_elsewhere, volume_moved,
+};
 use crate::volumes::WaitError;
 
 /// One drain, from its first pass to its outcome.
@@ -35,16 +38,25 @@ pub(super) struct Run {
     /// Volumes whose detach wait timed out: warned about once, not waited
     /// for again (the reconciler's own volume step still guards the VM).
     abandoned: Mutex<BTreeSet<String>>,
+    /// Whether the Machine allows losing node-local data (its annotation),
+    /// as the reconciler last saw it.
+    pub(super) data_loss_allowed: watch::Receiver<bool>,
 }
 
 impl Run {
-    pub(super) fn new(deps: Arc<Deps>, job: Job, progress: watch::Sender<Progress>) -> Self {
+    pub(super) fn new(
+        deps: Arc<Deps>,
+        job: Job,
+        progress: watch::Sender<Progress>,
+        data_loss_allowed: watch::Receiver<bool>,
+    ) -> Self {
         Self {
             deps,
             job,
             progress,
             evicted: Mutex::new(BTreeSet::new()),
             abandoned: Mutex::new(BTreeSet::new()),
+            data_loss_allowed,
         }
     }
 
@@ -80,8 +92,61 @@ impl Run {
             &pvs,
             &pdbs,
             &vas,
+            &self.volume_context(),
             &self.job.settings,
         )
+    }
+
+    /// What classifying this Node's volumes needs: its Node object, the
+    /// CSIDrivers, and the Machine's permission to lose node-local data.
+    fn volume_context(&self) -> VolumeContext {
+        let node = self.deps.nodes.get(&ObjectRef::new(&self.job.node));
+        let drivers: Vec<CSIDriver> = self
+            .deps
+            .csi_drivers
+            .state()
+            .iter()
+            .map(|d| (**d).clone())
+            .collect();
+        VolumeContext::new(&self.job.node, node.as_deref(), &drivers)
+            .allowing_data_loss(*self.data_loss_allowed.borrow())
+    }
+
+    /// The pods that use `claim` on other Nodes now (see
+    /// [`users_elsewhere`]).
+    pub(super) fn users_elsewhere(&self, claim: &NamespacedName) -> BTreeSet<String> {
+        let users = self.claim_users(claim);
+        users_elsewhere(claim, users.iter().map(|p| &**p), &self.job.node)
+    }
+
+    /// Whether the volume of `claim` has moved with the pod that replaced
+    /// `evicted_uid` (see [`volume_moved`]).
+    pub(super) fn volume_moved(
+        &self,
+        pv: &str,
+        claim: &NamespacedName,
+        class: VolumeClass,
+        evicted_uid: &str,
+        users_before: &BTreeSet<String>,
+    ) -> Result<Moved, String> {
+        let users = self.claim_users(claim);
+        let new = replacements(claim, users.iter().map(|p| &**p), evicted_uid, users_before);
+        let vas: Vec<VolumeAttachment> = self
+            .deps
+            .indexes
+            .attachments_by_pv
+            .get(&self.deps.attachments, pv)
+            .iter()
+            .map(|va| (**va).clone())
+            .collect();
+        volume_moved(pv, class, &self.job.node, &new, &vas)
+    }
+
+    fn claim_users(&self, claim: &NamespacedName) -> Vec<Arc<Pod>> {
+        self.deps
+            .indexes
+            .pods_by_claim
+            .get(&self.deps.pods, &claim_key(&claim.0, &claim.1))
     }
 
     /// The plan's volumes still detaching (see
@@ -193,12 +258,20 @@ impl Run {
     /// Whether a pod other than `evicted_uid` still needs `claim` (see
     /// [`replacement_expected`]), read from the claim index.
     pub(super) fn replacement_expected(&self, claim: &NamespacedName, evicted_uid: &str) -> bool {
-        let users = self
-            .deps
-            .indexes
-            .pods_by_claim
-            .get(&self.deps.pods, &claim_key(&claim.0, &claim.1));
+        let users = self.claim_users(claim);
         replacement_expected(claim, users.iter().map(|p| &**p), evicted_uid)
+    }
+
+    /// Whether a pod other than `evicted_uid` and `users_before` uses
+    /// `claim` (see [`replacements`]).
+    pub(super) fn replaced(
+        &self,
+        claim: &NamespacedName,
+        evicted_uid: &str,
+        users_before: &BTreeSet<String>,
+    ) -> bool {
+        let users = self.claim_users(claim);
+        !replacements(claim, users.iter().map(|p| &**p), evicted_uid, users_before).is_empty()
     }
 
     /// The pod `key` from the cache, if it is still the one with `uid`.

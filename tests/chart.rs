@@ -215,6 +215,7 @@ const CLUSTER_GRANTS: &[(&str, &[&str], &[&str])] = &[
         &["volumeattachments"],
         &["get", "list", "watch"],
     ),
+    ("storage.k8s.io", &["csidrivers"], &["list", "watch"]),
     (
         "policy",
         &["poddisruptionbudgets"],

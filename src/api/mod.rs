@@ -14,7 +14,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, Time}
 use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use serde::{Deserialize, Serialize};
 
-pub use settings::{DrainSettings, ResolvedSettings, SettingsError};
+pub use settings::{DrainSettings, NodeLocalVolumes, ResolvedSettings, SettingsError};
 
 pub const GROUP: &str = "berth.dev";
 /// The finalizer berth puts on every Machine it manages.
@@ -29,6 +29,10 @@ pub const FORCE_DELETION_LABEL: &str = "berth.dev/force-deletion";
 pub const PRE_DRAIN_HOOK_PREFIX: &str = "pre-drain.delete.hook.berth.dev/";
 /// Annotations with this prefix hold the deletion before the VM is deleted.
 pub const PRE_TERMINATE_HOOK_PREFIX: &str = "pre-terminate.delete.hook.berth.dev/";
+/// Set to `"true"` on a pod, or on a Machine for all its pods, this lets a
+/// drain with `nodeLocalVolumes: Block` evict pods whose node-local
+/// PersistentVolumes lose their data with the VM.
+pub const ALLOW_NODE_LOCAL_DATA_LOSS: &str = "berth.dev/allow-node-local-data-loss";
 /// The NoSchedule taint berth puts on a Node it cordons.
 pub const CORDON_TAINT_KEY: &str = "berth.dev/terminating";
 
@@ -44,6 +48,11 @@ pub mod conditions {
     pub const DRAINED: &str = "Drained";
     /// No VolumeAttachment names the Node any more.
     pub const VOLUMES_DETACHED: &str = "VolumesDetached";
+    /// Pods on the Node use node-local PersistentVolumes, whose data is
+    /// lost with the VM: True with reason `DataLost` once such pods were
+    /// evicted (naming each PV), False with reason `EvictionHeld` while
+    /// `nodeLocalVolumes: Block` holds them (saying how to let them go).
+    pub const NODE_LOCAL_VOLUMES: &str = "NodeLocalVolumes";
     /// Set before the provider is first asked for the VM. A Machine without
     /// it and without a providerID never had a VM, so its deletion needs no
     /// provider (which may not even be resolvable).

@@ -62,6 +62,38 @@ pub struct DrainSettings {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub max_concurrent_evictions: Option<u32>,
+    /// What to do with a pod that uses a node-local PersistentVolume
+    /// (`spec.local`, `hostPath`, or node affinity only this Node meets),
+    /// whose data cannot follow it and is lost with the VM. `Evict` (the
+    /// default) evicts it without waiting for any reattach, with a Warning
+    /// Event and the `NodeLocalVolumes` condition naming each such PV.
+    /// `Block` does not evict it until the pod or the Machine is annotated
+    /// `berth.dev/allow-node-local-data-loss: "true"`; the drain deadline
+    /// still applies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_local_volumes: Option<NodeLocalVolumes>,
+}
+
+/// What to do with a pod that uses a node-local PersistentVolume
+/// (`spec.local`, `hostPath`, or node affinity only this Node meets), whose
+/// data cannot follow it and is lost with the VM. `Evict` (the default)
+/// evicts it without waiting for any reattach, with a Warning Event and the
+/// `NodeLocalVolumes` condition naming each such PV. `Block` does not evict
+/// it until the pod or the Machine is annotated
+/// `berth.dev/allow-node-local-data-loss: "true"`; the drain deadline still
+/// applies.
+#[derive(
+    schemars::JsonSchema, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq,
+)]
+pub enum NodeLocalVolumes {
+    /// Evict it; its data is lost with the VM (named in an Event and a
+    /// condition).
+    #[default]
+    Evict,
+    /// Do not evict it until an operator allows the loss with the
+    /// `berth.dev/allow-node-local-data-loss: "true"` annotation on the pod
+    /// or the Machine.
+    Block,
 }
 
 /// Settings with every default applied and every duration parsed.
@@ -74,6 +106,7 @@ pub struct ResolvedSettings {
     pub max_evict_retries: u32,
     pub max_parallel_volume_migrations: u32,
     pub max_concurrent_evictions: u32,
+    pub node_local_volumes: NodeLocalVolumes,
     pub creation_timeout: Duration,
     pub health_timeout: Duration,
 }
@@ -88,6 +121,7 @@ impl Default for ResolvedSettings {
             max_evict_retries: 10,
             max_parallel_volume_migrations: 1,
             max_concurrent_evictions: 20,
+            node_local_volumes: NodeLocalVolumes::Evict,
             creation_timeout: Duration::from_secs(20 * 60),
             health_timeout: Duration::from_secs(10 * 60),
         }
@@ -166,6 +200,10 @@ pub fn resolve(
             pick_u32(|s| s.max_concurrent_evictions),
             d.max_concurrent_evictions,
         )?,
+        node_local_volumes: machine
+            .and_then(|s| s.node_local_volumes)
+            .or_else(|| class.and_then(|s| s.node_local_volumes))
+            .unwrap_or(d.node_local_volumes),
         creation_timeout: dur(
             "creationTimeout",
             creation_timeout.map(str::to_string),
@@ -274,6 +312,33 @@ mod tests {
         assert_eq!(r.max_evict_retries, 3);
         assert_eq!(r.creation_timeout, Duration::from_secs(300));
         assert_eq!(r.health_timeout, ResolvedSettings::default().health_timeout);
+        assert_eq!(r.node_local_volumes, NodeLocalVolumes::Evict);
+    }
+
+    #[test]
+    fn node_local_volumes_resolve_machine_over_class_over_evict() {
+        let with = |v| DrainSettings {
+            node_local_volumes: v,
+            ..Default::default()
+        };
+        let (block, evict) = (
+            with(Some(NodeLocalVolumes::Block)),
+            with(Some(NodeLocalVolumes::Evict)),
+        );
+        let cases = [
+            (None, None, NodeLocalVolumes::Evict),
+            (None, Some(&block), NodeLocalVolumes::Block),
+            (Some(&evict), Some(&block), NodeLocalVolumes::Evict),
+            (Some(&block), None, NodeLocalVolumes::Block),
+        ];
+        for (machine, class, want) in cases {
+            let r = resolve(machine, class, None, None).expect("valid");
+            assert_eq!(r.node_local_volumes, want, "{machine:?} over {class:?}");
+        }
+        let json: DrainSettings =
+            serde_json::from_value(serde_json::json!({"nodeLocalVolumes": "Block"}))
+                .expect("parses");
+        assert_eq!(json.node_local_volumes, Some(NodeLocalVolumes::Block));
     }
 
     #[test]

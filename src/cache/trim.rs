@@ -9,7 +9,8 @@
 //! trimmed and untrimmed pods. A decision that starts reading another field
 //! must keep it here too.
 
-use k8s_openapi::api::core::v1::{Node, Pod, PodSpec, PodStatus};
+use k8s_openapi::api::core::v1::{EmptyDirVolumeSource, Node, Pod, PodSpec, PodStatus};
+use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec};
 use kube::Resource;
 
 /// Every object: `managedFields` (often the largest part of an object) and
@@ -25,15 +26,23 @@ pub fn metadata<K: Resource>(obj: &mut K) {
 
 /// A pod keeps its metadata (labels for PodDisruptionBudgets, owners, the
 /// mirror annotation, UID, deletion timestamp), of its spec the Node, the
-/// priority, the grace period and its claim-backed volumes
-/// (`persistentVolumeClaim` and generic `ephemeral`), and of its status the
-/// phase.
+/// priority, the grace period, its claim-backed volumes
+/// (`persistentVolumeClaim` and generic `ephemeral`) and the names of its
+/// `emptyDir` volumes (scratch, for the plan), and of its status the phase
+/// and the `Ready` condition (an attach-free volume has moved when the pod
+/// that uses it next is Ready).
 pub fn pod(pod: &mut Pod) {
     metadata(pod);
     if let Some(spec) = pod.spec.as_mut() {
         let volumes = spec.volumes.take().map(|vs| {
             vs.into_iter()
-                .filter(|v| v.persistent_volume_claim.is_some() || v.ephemeral.is_some())
+                .filter_map(|mut v| {
+                    if v.empty_dir.is_some() {
+                        v.empty_dir = Some(EmptyDirVolumeSource::default());
+                        return Some(v);
+                    }
+                    (v.persistent_volume_claim.is_some() || v.ephemeral.is_some()).then_some(v)
+                })
                 .collect::<Vec<_>>()
         });
         // Only the tolerations that let it come back to a cordoned Node.
@@ -52,21 +61,41 @@ pub fn pod(pod: &mut Pod) {
         };
     }
     if let Some(status) = pod.status.as_mut() {
-        // The scheduler's refusal (PodScheduled False) is kept: the drain
-        // reports a replacement it cannot place.
-        let unscheduled = status
+        // Ready (for the replacement of a volume that needs no attach) and
+        // the scheduler's refusal (PodScheduled False, with its message: the
+        // drain reports a replacement it cannot place) are kept.
+        let kept = status
             .conditions
             .take()
             .into_iter()
             .flatten()
-            .filter(|c| c.type_ == "PodScheduled" && c.status == "False")
+            .filter_map(|mut c| match (c.type_.as_str(), c.status.as_str()) {
+                ("Ready", _) => {
+                    c.message = None;
+                    c.reason = None;
+                    Some(c)
+                }
+                ("PodScheduled", "False") => Some(c),
+                _ => None,
+            })
             .collect::<Vec<_>>();
         *status = PodStatus {
             phase: status.phase.take(),
-            conditions: (!unscheduled.is_empty()).then_some(unscheduled),
+            conditions: (!kept.is_empty()).then_some(kept),
             ..PodStatus::default()
         };
     }
+}
+
+/// A CSIDriver keeps its name and `spec.attachRequired`.
+pub fn csi_driver(driver: &mut CSIDriver) {
+    metadata(driver);
+    driver.metadata.annotations = None;
+    driver.metadata.labels = None;
+    driver.spec = CSIDriverSpec {
+        attach_required: driver.spec.attach_required,
+        ..CSIDriverSpec::default()
+    };
 }
 
 /// A Node drops its list of container images (the largest part of a real
@@ -82,6 +111,7 @@ pub fn node(node: &mut Node) {
 mod tests {
     use super::*;
     use crate::api::settings::ResolvedSettings;
+    use crate::drain::class::VolumeContext;
     use crate::drain::fixtures::{
         PodFixture, csi_pv, match_labels, pdb, pod as fixture_pod, pvc, va,
     };
@@ -99,6 +129,7 @@ mod tests {
                 serde_json::json!({"name": "data", "persistentVolumeClaim": {"claimName": c}}),
             );
         }
+        volumes.push(serde_json::json!({"name": "cache", "emptyDir": {"sizeLimit": "1Gi"}}));
         serde_json::from_value(serde_json::json!({
             "metadata": {
                 "namespace": "db", "name": name, "uid": format!("uid-{name}"),
@@ -122,7 +153,10 @@ mod tests {
             "status": {
                 "phase": "Running",
                 "podIP": "10.0.0.1",
-                "conditions": [{"type": "Ready", "status": "True"}],
+                "conditions": [
+                    {"type": "Ready", "status": "True", "message": "m"},
+                    {"type": "PodScheduled", "status": "True"}
+                ],
                 "containerStatuses": [{"name": "c", "image": "db:1", "imageID": "x", "ready": true,
                                        "restartCount": 0}]
             }
@@ -151,13 +185,21 @@ mod tests {
             "the toleration that lets it come back to a cordoned Node"
         );
         let volumes = spec.volumes.as_ref().expect("the claim's volume");
-        assert_eq!(volumes.len(), 1);
+        assert_eq!(volumes.len(), 2);
         assert_eq!(volumes[0].name, "data");
+        assert_eq!(volumes[1].name, "cache");
+        assert_eq!(volumes[1].empty_dir, Some(Default::default()));
         let status = p.status.as_ref().expect("status");
         assert_eq!(status.phase.as_deref(), Some("Running"));
+        let conditions = status.conditions.as_ref().expect("Ready");
+        assert_eq!(conditions.len(), 1);
+        assert_eq!(
+            (conditions[0].type_.as_str(), conditions[0].status.as_str()),
+            ("Ready", "True")
+        );
+        assert_eq!(conditions[0].message, None);
         assert_eq!(status.pod_ip, None);
         assert_eq!(status.container_statuses, None);
-        assert_eq!(status.conditions, None, "Ready is not read");
 
         let mut pending = full_pod("pg-1", Some("data-pg-1"));
         pending.status = serde_json::from_value(serde_json::json!({
@@ -179,7 +221,14 @@ mod tests {
 
         let mut no_claims = full_pod("web", None);
         pod(&mut no_claims);
-        assert_eq!(no_claims.spec.and_then(|s| s.volumes), None);
+        let names: Vec<String> = no_claims
+            .spec
+            .and_then(|s| s.volumes)
+            .into_iter()
+            .flatten()
+            .map(|v| v.name)
+            .collect();
+        assert_eq!(names, ["cache"]);
     }
 
     #[test]
@@ -219,10 +268,33 @@ mod tests {
                 p
             })
             .collect();
-        let before = plan("node-1", &pods, &pvcs, &pvs, &pdbs, &vas, &settings);
-        let after = plan("node-1", &trimmed, &pvcs, &pvs, &pdbs, &vas, &settings);
+        let ctx = VolumeContext::default();
+        let before = plan("node-1", &pods, &pvcs, &pvs, &pdbs, &vas, &ctx, &settings);
+        let after = plan(
+            "node-1", &trimmed, &pvcs, &pvs, &pdbs, &vas, &ctx, &settings,
+        );
         assert_eq!(before.to_string(), after.to_string());
         assert_eq!(before.stateful.len(), 2, "{before}");
+    }
+
+    #[test]
+    fn a_csi_driver_keeps_its_name_and_attach_required() {
+        let mut d: CSIDriver = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "nfs.csi.k8s.io", "labels": {"a": "b"}},
+            "spec": {"attachRequired": false, "podInfoOnMount": true,
+                     "volumeLifecycleModes": ["Persistent"]}
+        }))
+        .expect("driver");
+        csi_driver(&mut d);
+        assert_eq!(d.metadata.name.as_deref(), Some("nfs.csi.k8s.io"));
+        assert_eq!(d.metadata.labels, None);
+        assert_eq!(
+            d.spec,
+            CSIDriverSpec {
+                attach_required: Some(false),
+                ..Default::default()
+            }
+        );
     }
 
     #[test]

@@ -193,7 +193,16 @@ pub fn csi_pv(name: &str, driver: &str, handle: &str) -> PersistentVolume {
     }
 }
 
-/// A PV that is not a CSI volume.
+/// A PV with no volume source berth knows: attachable, with no CSI name.
+pub fn bare_pv(name: &str) -> PersistentVolume {
+    PersistentVolume {
+        metadata: meta(None, name),
+        spec: Some(PersistentVolumeSpec::default()),
+        status: None,
+    }
+}
+
+/// A hostPath PV: node-local.
 pub fn host_pv(name: &str) -> PersistentVolume {
     PersistentVolume {
         metadata: meta(None, name),

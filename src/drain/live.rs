@@ -3,12 +3,13 @@
 //! caches and feeds the same pure `plan` function, so the plan printed and
 //! the drain performed cannot disagree.
 
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use k8s_openapi::api::storage::v1::VolumeAttachment;
+use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
 use kube::Client;
 use kube::api::{Api, ListParams};
 
+use super::class::{VolumeContext, allows_data_loss};
 use super::plan::{DrainPlan, plan};
 use crate::api::settings::resolve;
 use crate::api::{Machine, MachineClass};
@@ -86,6 +87,10 @@ pub async fn plan_machine(
         .list(&lp)
         .await?
         .items;
-    let plan = plan(&node, &pods, &pvcs, &pvs, &pdbs, &vas, &settings);
+    let drivers = Api::<CSIDriver>::all(client.clone()).list(&lp).await?.items;
+    let node_obj = Api::<Node>::all(client.clone()).get_opt(&node).await?;
+    let volumes = VolumeContext::new(&node, node_obj.as_ref(), &drivers)
+        .allowing_data_loss(allows_data_loss(machine.metadata.annotations.as_ref()));
+    let plan = plan(&node, &pods, &pvcs, &pvs, &pdbs, &vas, &volumes, &settings);
     Ok(LivePlan { machine, plan })
 }

@@ -1,6 +1,7 @@
 //! The volume-aware drain: which pods go, in what order, and the engine that
 //! evicts them and waits for their volumes to move.
 
+pub mod class;
 pub mod deadline;
 pub mod engine;
 pub mod evict;

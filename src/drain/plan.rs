@@ -14,7 +14,14 @@
 //! - Stateful pods are ordered by `by_priority`: `spec.priority` highest
 //!   first (missing = 0), ties by (namespace, name) ascending, compared
 //!   byte-wise. The order is total, so the same pods always give the same
-//!   plan.
+//!   plan. A pod held by `nodeLocalVolumes: Block` (it uses a node-local
+//!   volume and no annotation allows losing it) goes after all the others,
+//!   so that waiting for an operator holds up no other pod.
+//! - Each volume of a stateful pod has a class ([`crate::drain::class`]):
+//!   attachable volumes are waited on as below; an attach-free volume waits
+//!   for the pod that uses its claim next to be Running and Ready
+//!   elsewhere; a node-local volume is waited on for nothing (its data is
+//!   lost with the VM). Scratch (`emptyDir`) volumes are listed per pod.
 //! - A PV is waited on (detach, then reattach) by its **last user** in that
 //!   order only. An earlier user is evicted and waited for until gone; the
 //!   last user waits, before the detach, for every other user to be gone,
@@ -46,7 +53,10 @@ use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use k8s_openapi::jiff::Timestamp;
 
-use crate::api::settings::ResolvedSettings;
+use crate::api::settings::{NodeLocalVolumes, ResolvedSettings};
+use crate::drain::class::{
+    Classified, VolumeClass, VolumeContext, allows_data_loss, scratch_volumes,
+};
 use crate::drain::deadline::{
     StepBounds, detach_bound, grace_period, pod_gone_bound, reattach_bound,
 };
@@ -103,6 +113,15 @@ pub enum VolumeWait {
     /// DaemonSet pods on the Node use the volume too; it stays attached
     /// until the VM ends, so no detach is waited for.
     StaysAttached { pinned_by: Vec<NamespacedName> },
+    /// An attach-free volume: no detach or attach to wait for; the pod
+    /// that uses the claim next must be Running and Ready on another Node.
+    ReplacementReady,
+    /// An attach-free volume of an ephemeral claim, which dies with its
+    /// pod: nothing to wait for.
+    DiesWithPod,
+    /// A node-local volume: its data stays on this Node and is lost with
+    /// the VM; nothing can be waited for.
+    DataLost,
 }
 
 impl VolumeWait {
@@ -111,9 +130,14 @@ impl VolumeWait {
         matches!(self, Self::Detach { .. })
     }
 
-    /// Whether this pod waits for the volume to attach elsewhere.
+    /// Whether this pod waits for the volume to be used elsewhere: attached
+    /// where its replacement runs, or, attach-free, its replacement Running
+    /// and Ready.
     pub(crate) fn waits_for_reattach(&self) -> bool {
-        matches!(self, Self::Detach { reattach: true, .. })
+        matches!(
+            self,
+            Self::Detach { reattach: true, .. } | Self::ReplacementReady
+        )
     }
 }
 
@@ -121,6 +145,9 @@ impl VolumeWait {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PlannedVolume {
     pub volume: VolumeRef,
+    /// Its kind, which decides the wait, and why.
+    pub class: VolumeClass,
+    pub class_why: String,
     /// Nodes its VolumeAttachments say it is attached to now.
     pub attached_to: Vec<String>,
     pub wait: VolumeWait,
@@ -143,6 +170,11 @@ pub struct PlannedPod {
     pub pdbs: Vec<PdbFinding>,
     /// Claims that gave no volume, and why.
     pub notes: Vec<String>,
+    /// Its `emptyDir` volumes (scratch, lost with the pod).
+    pub scratch: Vec<String>,
+    /// Why the drain does not evict it yet (`nodeLocalVolumes: Block` and
+    /// a node-local volume), saying how to let it go.
+    pub held: Option<String>,
     /// Its controller (`Kind/name` of the ownerReference with
     /// `controller: true`), which is expected to replace it.
     pub controller: Option<String>,
@@ -156,6 +188,17 @@ pub(crate) fn controller_of(pod: &Pod) -> Option<String> {
         .flatten()
         .find(|o| o.controller == Some(true))
         .map(|o| format!("{}/{}", o.kind, o.name))
+}
+
+impl PlannedPod {
+    /// Its node-local PVs, whose data is lost with the VM.
+    pub(crate) fn node_local(&self) -> Vec<&str> {
+        self.volumes
+            .iter()
+            .filter(|v| v.class == VolumeClass::NodeLocal)
+            .map(|v| v.volume.pv.as_str())
+            .collect()
+    }
 }
 
 /// The order of stateful pods: priority highest first, then (namespace,
@@ -262,6 +305,7 @@ impl DrainPlan {
 
 /// Plans the drain of `node` from cached objects. `pods` may include pods of
 /// other Nodes; only those whose `spec.nodeName` is `node` are planned.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn plan(
     node: &str,
     pods: &[Pod],
@@ -269,6 +313,7 @@ pub(crate) fn plan(
     pvs: &[PersistentVolume],
     pdbs: &[PodDisruptionBudget],
     vas: &[VolumeAttachment],
+    volumes: &VolumeContext,
     settings: &ResolvedSettings,
 ) -> DrainPlan {
     let index = VolumeIndex::new(pvcs, pvs);
@@ -285,7 +330,14 @@ pub(crate) fn plan(
     // Users of each PV that the evictions do not remove.
     let mut pinned: BTreeMap<String, Vec<NamespacedName>> = BTreeMap::new();
     let mut already_going: BTreeMap<String, Vec<NamespacedName>> = BTreeMap::new();
-    let mut stateful: Vec<(PlannedPod, Vec<VolumeRef>)> = Vec::new();
+    let mut stateful: Vec<(PlannedPod, Vec<(VolumeRef, Classified)>)> = Vec::new();
+    let class_of = |v: &VolumeRef| match index.pv(&v.pv) {
+        Some(pv) => volumes.classify(pv),
+        None => Classified {
+            class: VolumeClass::Attachable,
+            why: "PV not found".into(),
+        },
+    };
 
     let on_node = pods
         .iter()
@@ -331,7 +383,7 @@ pub(crate) fn plan(
                 });
             }
             PodClass::Evictable => {
-                let volumes = index.pod_volumes(pod);
+                let pod_volumes = index.pod_volumes(pod);
                 let grace = grace_period(pod);
                 let planned = PlannedPod {
                     pod: key,
@@ -345,13 +397,21 @@ pub(crate) fn plan(
                     },
                     volumes: Vec::new(),
                     pdbs: findings_for(pod, pdbs),
-                    notes: volumes.notes,
+                    notes: pod_volumes.notes,
+                    scratch: scratch_volumes(pod),
+                    held: None,
                     controller: controller_of(pod),
                 };
-                if volumes.refs.is_empty() {
+                if pod_volumes.refs.is_empty() {
                     out.stateless.push(planned);
                 } else {
-                    stateful.push((planned, volumes.refs));
+                    let refs = pod_volumes.refs.into_iter().map(|v| {
+                        let c = class_of(&v);
+                        (v, c)
+                    });
+                    let mut p = (planned, refs.collect::<Vec<_>>());
+                    p.0.held = hold(pod, &p.1, volumes, settings);
+                    stateful.push(p);
                 }
             }
         }
@@ -361,20 +421,33 @@ pub(crate) fn plan(
     out.to_delete.sort_by(|a, b| a.pod.cmp(&b.pod));
     out.terminating.sort_by(|a, b| a.pod.cmp(&b.pod));
     out.stateless.sort_by(|a, b| a.pod.cmp(&b.pod));
-    stateful.sort_by(|(a, _), (b, _)| by_priority(a, b));
+    // A pod `nodeLocalVolumes: Block` holds waits for an operator: it goes
+    // last, so that it holds up no other pod.
+    stateful.sort_by(|(a, _), (b, _)| {
+        (a.held.is_some().cmp(&b.held.is_some())).then_with(|| by_priority(a, b))
+    });
 
     // The evicted users of each PV, in eviction order.
     let mut users: BTreeMap<&str, Vec<NamespacedName>> = BTreeMap::new();
     for (p, refs) in &stateful {
-        for v in refs {
-            users.entry(&v.pv).or_default().push(p.pod.clone());
+        for (v, c) in refs {
+            if c.class == VolumeClass::Attachable {
+                users.entry(&v.pv).or_default().push(p.pod.clone());
+            }
         }
     }
     let waits: Vec<Vec<VolumeWait>> = stateful
         .iter()
         .map(|(p, refs)| {
             refs.iter()
-                .map(|v| volume_wait(&p.pod, v, &users, &pinned, &already_going))
+                .map(|(v, c)| match c.class {
+                    VolumeClass::Attachable => {
+                        volume_wait(&p.pod, v, &users, &pinned, &already_going)
+                    }
+                    VolumeClass::AttachFree if v.ephemeral => VolumeWait::DiesWithPod,
+                    VolumeClass::AttachFree => VolumeWait::ReplacementReady,
+                    VolumeClass::NodeLocal | VolumeClass::Scratch => VolumeWait::DataLost,
+                })
                 .collect()
         })
         .collect();
@@ -383,9 +456,11 @@ pub(crate) fn plan(
         p.volumes = refs
             .into_iter()
             .zip(waits)
-            .map(|(volume, wait)| PlannedVolume {
+            .map(|((volume, class), wait)| PlannedVolume {
                 attached_to: attached_nodes(&volume.pv, vas),
                 volume,
+                class: class.class,
+                class_why: class.why,
                 wait,
             })
             .collect();
@@ -398,6 +473,36 @@ pub(crate) fn plan(
         out.stateful.push(p);
     }
     out
+}
+
+/// Why `nodeLocalVolumes: Block` holds `pod`, if it does: it uses
+/// node-local volumes and neither it nor the Machine allows losing them.
+fn hold(
+    pod: &Pod,
+    volumes: &[(VolumeRef, Classified)],
+    ctx: &VolumeContext,
+    settings: &ResolvedSettings,
+) -> Option<String> {
+    let local: Vec<&str> = volumes
+        .iter()
+        .filter(|(_, c)| c.class == VolumeClass::NodeLocal)
+        .map(|(v, _)| v.pv.as_str())
+        .collect();
+    if local.is_empty()
+        || settings.node_local_volumes != NodeLocalVolumes::Block
+        || ctx.data_loss_allowed
+        || allows_data_loss(pod.metadata.annotations.as_ref())
+    {
+        return None;
+    }
+    let key = fmt_key(&pod_key(pod));
+    let annotation = crate::api::ALLOW_NODE_LOCAL_DATA_LOSS;
+    Some(format!(
+        "pod {key} uses node-local PV {}, whose data is lost with the VM; nodeLocalVolumes is Block, so it is not evicted until the pod or the Machine is annotated {annotation}=true (kubectl annotate pod -n {} {} {annotation}=true), or the drain deadline passes",
+        local.join(", "),
+        pod.metadata.namespace.as_deref().unwrap_or_default(),
+        pod.metadata.name.as_deref().unwrap_or_default(),
+    ))
 }
 
 /// The volumes attached to `node` (a VolumeAttachment names the Node) that
@@ -494,9 +599,13 @@ impl fmt::Display for PlannedVolume {
         if self.volume.ephemeral {
             f.write_str(", ephemeral")?;
         }
-        match &self.volume.csi_unique_name {
-            Some(unique) => write!(f, ", {unique})")?,
-            None => f.write_str(", not CSI: recognised by VolumeAttachment only)")?,
+        write!(f, "), {}: {}", self.class, self.class_why)?;
+        match (&self.volume.csi_unique_name, self.class) {
+            (Some(unique), _) => write!(f, "; on the Node as {unique}")?,
+            (None, VolumeClass::Attachable) => {
+                f.write_str("; no CSI name: recognised by VolumeAttachment only")?;
+            }
+            (None, _) => {}
         }
         if self.attached_to.is_empty() {
             f.write_str(", attached nowhere per VolumeAttachments")
@@ -539,6 +648,15 @@ impl fmt::Display for VolumeWait {
                 "stays attached: also used by {}, which end(s) with the VM; no detach wait",
                 list(pinned_by)
             ),
+            Self::ReplacementReady => f.write_str(
+                "no detach or attach: waits for the pod that uses the claim next to be Running and Ready on another Node",
+            ),
+            Self::DiesWithPod => {
+                f.write_str("no wait: the ephemeral claim dies with its pod")
+            }
+            Self::DataLost => f.write_str(
+                "its data stays on this Node and is lost with the VM; evicted without any reattach wait",
+            ),
         }
     }
 }
@@ -549,6 +667,16 @@ fn write_pdbs_and_notes(f: &mut fmt::Formatter<'_>, p: &PlannedPod, indent: &str
     }
     for note in &p.notes {
         writeln!(f, "{indent}note: {note}")?;
+    }
+    if !p.scratch.is_empty() {
+        writeln!(
+            f,
+            "{indent}scratch: emptyDir {} (lost with the pod; nothing to wait for)",
+            p.scratch.join(", ")
+        )?;
+    }
+    if let Some(why) = &p.held {
+        writeln!(f, "{indent}HELD: {why}")?;
     }
     Ok(())
 }
@@ -565,6 +693,17 @@ impl fmt::Display for DrainPlan {
                 "budgets are bypassed (each pod left deleted with its grace period, at the deadline minus it), volumes still waited for"
             } else {
                 "the drain fails and is retried"
+            }
+        )?;
+
+        writeln!(
+            f,
+            "Node-local volumes: nodeLocalVolumes {}",
+            match s.node_local_volumes {
+                NodeLocalVolumes::Evict =>
+                    "Evict: their pods are evicted and their data is lost with the VM",
+                NodeLocalVolumes::Block =>
+                    "Block: their pods stay until annotated berth.dev/allow-node-local-data-loss=true (pod or Machine) or the deadline",
             }
         )?;
 
@@ -667,9 +806,14 @@ impl fmt::Display for DrainPlan {
 mod tests {
     use super::*;
     use crate::drain::fixtures::{
-        NODE, PodFixture, csi_pv, ephemeral_pvc, host_pv, match_labels, pdb, pod, pvc, ts, va,
+        NODE, PodFixture, bare_pv, csi_pv, ephemeral_pvc, host_pv, match_labels, pdb, pod, pvc, ts,
+        va,
     };
     use crate::drain::pdb::PdbVerdict;
+
+    fn ctx() -> VolumeContext {
+        VolumeContext::new(NODE, None, &[])
+    }
 
     fn key(ns: &str, name: &str) -> NamespacedName {
         (ns.to_string(), name.to_string())
@@ -691,6 +835,7 @@ mod tests {
             pvs,
             &[],
             &[],
+            &ctx(),
             &ResolvedSettings::default(),
         )
     }
@@ -709,6 +854,8 @@ mod tests {
             volumes: Vec::new(),
             pdbs: Vec::new(),
             notes: Vec::new(),
+            scratch: Vec::new(),
+            held: None,
             controller: None,
         }
     }
@@ -898,7 +1045,7 @@ mod tests {
         let pvs = [
             csi_pv("pv-shared", "d.csi", "s"),
             csi_pv("pv-own", "d.csi", "o"),
-            host_pv("pv-pinned"),
+            bare_pv("pv-pinned"),
         ];
         let p = plan_of(&pods, &pvcs, &pvs);
         assert_eq!(
@@ -1042,6 +1189,7 @@ mod tests {
             &pvs,
             &[],
             &vas,
+            &ctx(),
             &ResolvedSettings::default(),
         );
         let vols = &p.stateful[0].volumes;
@@ -1093,6 +1241,7 @@ mod tests {
             &pvs,
             &pdbs,
             &[],
+            &ctx(),
             &ResolvedSettings::default(),
         );
         assert_eq!(p.stateless[0].pdbs.len(), 1);
@@ -1183,7 +1332,7 @@ mod tests {
             force_after_deadline: false,
             ..Default::default()
         };
-        let report = plan(NODE, &pods, &pvcs, &pvs, &pdbs, &vas, &settings).to_string();
+        let report = plan(NODE, &pods, &pvcs, &pvs, &pdbs, &vas, &ctx(), &settings).to_string();
         let expected = [
             "Drain plan for Node node-1",
             "Deadline: drain.timeout 10m from the Machine's deletion; then the drain fails and is retried",
@@ -1195,11 +1344,12 @@ mod tests {
             "Without persistent volumes, evicted concurrently, up to 20 at a time (1):\n  web/a\n",
             "    note: claim web/missing (volume x) not found",
             "With persistent volumes, evicted up to 2 at a time, highest priority first (2):",
-            "  1. db/pg-0 (priority 100, grace 30s)\n       PV pv-s (claim db/shared, kubernetes.io/csi/ebs.csi.aws.com^vol-9), attached to node-1\n         shared: db/pg-1 uses it later and waits for it",
+            "  1. db/pg-0 (priority 100, grace 30s)\n       PV pv-s (claim db/shared), attachable: ebs.csi.aws.com has no CSIDriver object, so attach is required; on the Node as kubernetes.io/csi/ebs.csi.aws.com^vol-9, attached to node-1\n         shared: db/pg-1 uses it later and waits for it",
             "       PDB db/pg allows 0 disruptions with 3/3 healthy (misconfigured:",
             "  2. db/pg-1 (priority 0, grace 30s)",
             "         last user: waits until db/pg-0, db/old-0 are gone, then for detach, then for attach to another Node",
-            "       PV pv-l (claim db/logs, not CSI: recognised by VolumeAttachment only), attached nowhere per VolumeAttachments",
+            "       PV pv-l (claim db/logs), node-local: hostPath volume, attached nowhere per VolumeAttachments\n         its data stays on this Node and is lost with the VM; evicted without any reattach wait",
+            "Node-local volumes: nodeLocalVolumes Evict: their pods are evicted and their data is lost with the VM",
             "Critical path: worst case 6m, within drain.timeout 10m",
             "  1. db/pg-0: pod gone ≤ 1m\n",
             "  2. db/pg-1: pod gone ≤ 1m, detach ≤ 2m 30s, reattach ≤ 1m 30s",
@@ -1255,6 +1405,8 @@ mod tests {
                 csi_unique_name: Some("kubernetes.io/csi/d.csi^e".into()),
                 ephemeral: true,
             },
+            class: VolumeClass::Attachable,
+            class_why: "CSIDriver d.csi requires attach".into(),
             attached_to: vec![NODE.into(), "node-2".into()],
             wait: VolumeWait::LeftTo {
                 last_user: key("db", "b"),
@@ -1262,7 +1414,7 @@ mod tests {
         };
         assert_eq!(
             ephemeral.to_string(),
-            "PV pv-e (claim db/pg-0-scratch, ephemeral, kubernetes.io/csi/d.csi^e), attached to node-1, node-2"
+            "PV pv-e (claim db/pg-0-scratch, ephemeral), attachable: CSIDriver d.csi requires attach; on the Node as kubernetes.io/csi/d.csi^e, attached to node-1, node-2"
         );
     }
 
@@ -1313,6 +1465,7 @@ mod tests {
             &pvs,
             &[],
             &vas,
+            &ctx(),
             &ResolvedSettings::default(),
         );
         assert_eq!(p.detaching, left);
@@ -1356,7 +1509,7 @@ mod tests {
             max_parallel_volume_migrations: 2,
             ..Default::default()
         };
-        let p = plan(NODE, &pods, &pvcs, &pvs, &[], &vas, &settings);
+        let p = plan(NODE, &pods, &pvcs, &pvs, &[], &vas, &ctx(), &settings);
         let report = p.to_string();
         let at = |s: &str| report.find(s).unwrap_or_else(|| panic!("{s:?}:\n{report}"));
 
@@ -1415,6 +1568,184 @@ mod tests {
         );
     }
 
+    fn annotated(p: Pod, key: &str, value: &str) -> Pod {
+        let mut p = p;
+        p.metadata
+            .annotations
+            .get_or_insert_default()
+            .insert(key.into(), value.into());
+        p
+    }
+
+    fn with_empty_dir(mut p: Pod, name: &str) -> Pod {
+        let spec = p.spec.get_or_insert_default();
+        spec.volumes
+            .get_or_insert_default()
+            .push(k8s_openapi::api::core::v1::Volume {
+                name: name.into(),
+                empty_dir: Some(Default::default()),
+                ..Default::default()
+            });
+        p
+    }
+
+    #[test]
+    fn each_class_of_volume_gets_its_wait() {
+        use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec};
+        let nfs = CSIDriver {
+            metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                name: Some("nfs.csi".into()),
+                ..Default::default()
+            },
+            spec: CSIDriverSpec {
+                attach_required: Some(false),
+                ..Default::default()
+            },
+        };
+        let allow = crate::api::ALLOW_NODE_LOCAL_DATA_LOSS;
+        let pods = [
+            pod("db", "block").claim("d", "c-block"),
+            pod("db", "free").claim("d", "c-free").ephemeral("tmp"),
+            annotated(pod("db", "allowed").claim("d", "c-allowed"), allow, "true"),
+            annotated(pod("db", "not-true").claim("d", "c-not-true"), allow, "yes"),
+            with_empty_dir(pod("web", "cache"), "cache"),
+            pod("db", "shared-a").claim("d", "c-shared"),
+            pod("db", "shared-b").claim("d", "c-shared"),
+        ];
+        let pvcs = [
+            pvc("db", "c-block", Some("pv-block")),
+            pvc("db", "c-free", Some("pv-free")),
+            ephemeral_pvc("db", "free-tmp", "pv-free-tmp", "uid-free"),
+            pvc("db", "c-allowed", Some("pv-allowed")),
+            pvc("db", "c-not-true", Some("pv-not-true")),
+            pvc("db", "c-shared", Some("pv-shared")),
+        ];
+        let pvs = [
+            host_pv("pv-block"),
+            csi_pv("pv-free", "nfs.csi", "f"),
+            csi_pv("pv-free-tmp", "nfs.csi", "t"),
+            host_pv("pv-allowed"),
+            host_pv("pv-not-true"),
+            csi_pv("pv-shared", "nfs.csi", "s"),
+        ];
+        let plan_with = |mode, machine_allows| {
+            let settings = ResolvedSettings {
+                node_local_volumes: mode,
+                ..Default::default()
+            };
+            let ctx = VolumeContext::new(NODE, None, std::slice::from_ref(&nfs))
+                .allowing_data_loss(machine_allows);
+            plan(NODE, &pods, &pvcs, &pvs, &[], &[], &ctx, &settings)
+        };
+        let p = plan_with(NodeLocalVolumes::Block, false);
+        let find = |name: &str| {
+            p.stateful
+                .iter()
+                .chain(&p.stateless)
+                .find(|x| x.pod.1 == name)
+                .unwrap_or_else(|| panic!("{name}"))
+        };
+        // (pod, its volumes' classes and waits, held, reattach bound)
+        type Case<'a> = (&'a str, Vec<(VolumeClass, VolumeWait)>, bool, bool);
+        let cases: Vec<Case> = vec![
+            (
+                "block",
+                vec![(VolumeClass::NodeLocal, VolumeWait::DataLost)],
+                true,
+                false,
+            ),
+            (
+                "free",
+                vec![
+                    (VolumeClass::AttachFree, VolumeWait::ReplacementReady),
+                    (VolumeClass::AttachFree, VolumeWait::DiesWithPod),
+                ],
+                false,
+                true,
+            ),
+            (
+                "allowed",
+                vec![(VolumeClass::NodeLocal, VolumeWait::DataLost)],
+                false,
+                false,
+            ),
+            (
+                "not-true",
+                vec![(VolumeClass::NodeLocal, VolumeWait::DataLost)],
+                true,
+                false,
+            ),
+            (
+                "shared-a",
+                vec![(VolumeClass::AttachFree, VolumeWait::ReplacementReady)],
+                false,
+                true,
+            ),
+            (
+                "shared-b",
+                vec![(VolumeClass::AttachFree, VolumeWait::ReplacementReady)],
+                false,
+                true,
+            ),
+        ];
+        for (name, waits, held, reattach) in cases {
+            let planned = find(name);
+            let got: Vec<(VolumeClass, VolumeWait)> = planned
+                .volumes
+                .iter()
+                .map(|v| (v.class, v.wait.clone()))
+                .collect();
+            assert_eq!(got, waits, "{name}");
+            assert_eq!(planned.held.is_some(), held, "{name}: {:?}", planned.held);
+            assert_eq!(planned.bounds.detach, None, "{name}: nothing detaches");
+            assert_eq!(planned.bounds.reattach.is_some(), reattach, "{name}");
+        }
+        let order: Vec<&str> = p.stateful.iter().map(|x| x.pod.1.as_str()).collect();
+        assert_eq!(
+            order,
+            [
+                "allowed", "free", "shared-a", "shared-b", "block", "not-true"
+            ],
+            "held pods last"
+        );
+        let held = find("block").held.clone().unwrap_or_default();
+        for part in [
+            "pod db/block uses node-local PV pv-block",
+            "berth.dev/allow-node-local-data-loss=true",
+            "kubectl annotate pod -n db block berth.dev/allow-node-local-data-loss=true",
+        ] {
+            assert!(held.contains(part), "{held:?} lacks {part:?}");
+        }
+        // Scratch only: a stateless pod that lists its emptyDir.
+        assert_eq!(find("cache").scratch, ["cache"]);
+        assert!(p.stateless.iter().any(|x| x.pod.1 == "cache"));
+
+        // Evict holds nobody; neither does Block once the Machine allows.
+        for (mode, allows) in [
+            (NodeLocalVolumes::Evict, false),
+            (NodeLocalVolumes::Block, true),
+        ] {
+            let p = plan_with(mode, allows);
+            assert!(
+                p.stateful.iter().all(|x| x.held.is_none()),
+                "{mode:?}, machine allows: {allows}"
+            );
+        }
+
+        let report = p.to_string();
+        for line in [
+            "PV pv-free (claim db/c-free), attach-free: CSIDriver nfs.csi has attachRequired: false; on the Node as kubernetes.io/csi/nfs.csi^f",
+            "no detach or attach: waits for the pod that uses the claim next to be Running and Ready on another Node",
+            "no wait: the ephemeral claim dies with its pod",
+            "PV pv-block (claim db/c-block), node-local: hostPath volume",
+            "HELD: pod db/block uses node-local PV pv-block",
+            "    scratch: emptyDir cache (lost with the pod; nothing to wait for)",
+            "Node-local volumes: nodeLocalVolumes Block",
+        ] {
+            assert!(report.contains(line), "report lacks {line:?}:\n{report}");
+        }
+    }
+
     #[test]
     fn the_report_flags_a_worst_case_beyond_the_deadline() {
         let pods = [pod("db", "pg-0").grace(3600).claim("d", "data")];
@@ -1424,7 +1755,7 @@ mod tests {
             drain_timeout: secs(3600),
             ..Default::default()
         };
-        let report = plan(NODE, &pods, &pvcs, &pvs, &[], &[], &settings).to_string();
+        let report = plan(NODE, &pods, &pvcs, &pvs, &[], &[], &ctx(), &settings).to_string();
         assert!(report.contains("exceeds drain.timeout 1h"), "{report}");
         assert!(report.contains("evicted one at a time"), "{report}");
         assert!(

@@ -21,12 +21,13 @@
 //!
 //! All comparisons are exact string equality.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 
-use crate::drain::select::{NamespacedName, fmt_key};
+use crate::drain::class::VolumeClass;
+use crate::drain::select::{NamespacedName, fmt_key, pod_key};
 use crate::volumes::{is_attached, pv_of, unique_name_of};
 
 /// One persistent volume a pod uses, with the names it is recognised by.
@@ -75,6 +76,11 @@ impl<'a> VolumeIndex<'a> {
             .filter_map(|v| Some((v.metadata.name.as_deref()?, v)))
             .collect();
         Self { claims, volumes }
+    }
+
+    /// The PersistentVolume named `name`.
+    pub fn pv(&self, name: &str) -> Option<&'a PersistentVolume> {
+        self.volumes.get(name).copied()
     }
 
     /// The persistent volumes `pod` uses; see the module documentation.
@@ -176,22 +182,149 @@ pub fn replacement_expected<'a>(
     pods: impl IntoIterator<Item = &'a Pod>,
     evicted_pod_uid: &str,
 ) -> bool {
+    !replacements(claim, pods, evicted_pod_uid, &BTreeSet::new()).is_empty()
+}
+
+/// The pods that use `claim` in place of the evicted pod: live pods that
+/// reference it (as in [`replacement_expected`]), other than the evicted
+/// UID and the pods in `users_before` (the claim's users on other Nodes
+/// before the eviction: a ReadWriteMany volume already in use elsewhere
+/// says nothing about where the evicted pod's replacement went).
+pub fn replacements<'a>(
+    claim: &NamespacedName,
+    pods: impl IntoIterator<Item = &'a Pod>,
+    evicted_pod_uid: &str,
+    users_before: &BTreeSet<String>,
+) -> Vec<&'a Pod> {
     let (ns, name) = claim;
-    pods.into_iter().any(|pod| {
-        pod.metadata.namespace.as_deref() == Some(ns.as_str())
-            && pod.metadata.uid.as_deref() != Some(evicted_pod_uid)
-            && pod.metadata.deletion_timestamp.is_none()
-            && !matches!(
-                pod.status.as_ref().and_then(|s| s.phase.as_deref()),
-                Some("Succeeded" | "Failed")
-            )
-            && pod
-                .spec
-                .iter()
-                .flat_map(|s| s.volumes.iter().flatten())
-                .filter_map(|v| v.persistent_volume_claim.as_ref())
-                .any(|c| c.claim_name == *name)
-    })
+    pods.into_iter()
+        .filter(|pod| {
+            let uid = pod.metadata.uid.as_deref();
+            pod.metadata.namespace.as_deref() == Some(ns.as_str())
+                && uid != Some(evicted_pod_uid)
+                && !uid.is_some_and(|u| users_before.contains(u))
+                && pod.metadata.deletion_timestamp.is_none()
+                && !matches!(
+                    pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+                    Some("Succeeded" | "Failed")
+                )
+                && uses_claim(pod, name)
+        })
+        .collect()
+}
+
+fn uses_claim(pod: &Pod, claim: &str) -> bool {
+    pod.spec
+        .iter()
+        .flat_map(|s| s.volumes.iter().flatten())
+        .filter_map(|v| v.persistent_volume_claim.as_ref())
+        .any(|c| c.claim_name == claim)
+}
+
+/// The UIDs of the pods that use `claim` on a Node other than `node` (bound
+/// to it, live): taken before an eviction, they are not its replacement.
+pub fn users_elsewhere<'a>(
+    claim: &NamespacedName,
+    pods: impl IntoIterator<Item = &'a Pod>,
+    node: &str,
+) -> BTreeSet<String> {
+    pods.into_iter()
+        .filter(|p| p.metadata.namespace.as_deref() == Some(claim.0.as_str()))
+        .filter(|p| {
+            let on = p.spec.as_ref().and_then(|s| s.node_name.as_deref());
+            on.is_some_and(|n| n != node)
+        })
+        .filter(|p| uses_claim(p, &claim.1))
+        .filter_map(|p| p.metadata.uid.clone())
+        .collect()
+}
+
+/// Where a volume went: the Node and the pod that uses it there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Moved {
+    pub node: String,
+    pub pod: NamespacedName,
+}
+
+/// Whether a volume of class `class` has moved off `old_node` with its
+/// claim's `replacements`: for an attachable volume, a replacement is
+/// bound to another Node and a VolumeAttachment of `pv` to that Node is
+/// attached (and not being deleted); for an attach-free one, a replacement
+/// is Running and Ready on another Node. The first replacement (by
+/// namespace and name) that qualifies is the answer.
+///
+/// # Errors
+/// What is still awaited, in words that name the class.
+pub fn volume_moved(
+    pv: &str,
+    class: VolumeClass,
+    old_node: &str,
+    replacements: &[&Pod],
+    attachments: &[VolumeAttachment],
+) -> Result<Moved, String> {
+    let mut candidates: Vec<(NamespacedName, &str, &Pod)> = replacements
+        .iter()
+        .map(|p| {
+            let key = pod_key(p);
+            let node = p.spec.as_ref().and_then(|s| s.node_name.as_deref());
+            (key, node.unwrap_or_default(), *p)
+        })
+        .collect();
+    candidates.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut pending = Vec::new();
+    for (key, node, pod) in &candidates {
+        let who = format!("pod {}", fmt_key(key));
+        if node.is_empty() {
+            pending.push(format!("{who} is not scheduled yet"));
+            continue;
+        }
+        if *node == old_node {
+            pending.push(format!("{who} is on the draining Node {old_node}"));
+            continue;
+        }
+        let done = match class {
+            VolumeClass::AttachFree => {
+                let ready = is_running_and_ready(pod);
+                if !ready {
+                    pending.push(format!("{who} on Node {node} is not Running and Ready yet"));
+                }
+                ready
+            }
+            _ => {
+                let held = attachments.iter().any(|va| {
+                    pv_of(va) == Some(pv)
+                        && va.spec.node_name == *node
+                        && is_attached(va)
+                        && va.metadata.deletion_timestamp.is_none()
+                });
+                if !held {
+                    pending.push(format!("not attached on Node {node}, where {who} runs"));
+                }
+                held
+            }
+        };
+        if done {
+            return Ok(Moved {
+                node: node.to_string(),
+                pod: key.clone(),
+            });
+        }
+    }
+    if candidates.is_empty() {
+        pending.push("no pod uses its claim yet".into());
+    }
+    Err(format!("{class} PV {pv}: {}", pending.join("; ")))
+}
+
+/// Phase Running and condition Ready True.
+pub fn is_running_and_ready(pod: &Pod) -> bool {
+    let status = pod.status.as_ref();
+    status.and_then(|s| s.phase.as_deref()) == Some("Running")
+        && status
+            .and_then(|s| s.conditions.as_ref())
+            .into_iter()
+            .flatten()
+            .any(|c| c.type_ == "Ready" && c.status == "True")
 }
 
 /// The scheduler's word on a replacement it cannot place: the first pod
@@ -459,6 +592,162 @@ mod tests {
         assert_eq!(attached_nodes("pv-1", &vas), vec!["node-1", "node-b"]);
         assert_eq!(attached_nodes("pv-10", &vas), vec!["node-d"]);
         assert_eq!(attached_nodes("pv-2", &vas), Vec::<String>::new());
+    }
+
+    fn ready(mut p: Pod, ready: bool) -> Pod {
+        let status = p.status.get_or_insert_default();
+        status.conditions = Some(vec![k8s_openapi::api::core::v1::PodCondition {
+            type_: "Ready".into(),
+            status: if ready { "True" } else { "False" }.into(),
+            ..Default::default()
+        }]);
+        p
+    }
+
+    #[test]
+    fn users_on_other_nodes_before_the_eviction_are_not_its_replacement() {
+        let claim: NamespacedName = ("db".into(), "shared".into());
+        let before_eviction = [
+            pod("db", "evicted").claim("d", "shared"),
+            pod("db", "peer")
+                .claim("d", "shared")
+                .on_node(Some("node-2")),
+            pod("db", "pending").claim("d", "shared").on_node(None),
+            pod("db", "other")
+                .claim("d", "other")
+                .on_node(Some("node-3")),
+        ];
+        let before = users_elsewhere(&claim, &before_eviction, NODE);
+        assert_eq!(before, BTreeSet::from(["uid-peer".to_string()]));
+        let after = [
+            pod("db", "peer")
+                .claim("d", "shared")
+                .on_node(Some("node-2")),
+            pod("db", "evicted")
+                .uid("uid-new")
+                .claim("d", "shared")
+                .on_node(Some("node-3")),
+        ];
+        let got: Vec<String> = replacements(&claim, &after, "uid-evicted", &before)
+            .iter()
+            .map(|p| p.metadata.uid.clone().unwrap_or_default())
+            .collect();
+        assert_eq!(got, ["uid-new"]);
+        assert!(replacements(&claim, &after[..1], "uid-evicted", &before).is_empty());
+        // Without the list, the peer would count (the old rule).
+        assert!(replacement_expected(&claim, &after[..1], "uid-evicted"));
+    }
+
+    #[test]
+    fn a_volume_moved_where_its_replacement_runs() {
+        let attachable = VolumeClass::Attachable;
+        let free = VolumeClass::AttachFree;
+        let new = |node: Option<&str>| {
+            pod("db", "pg-0")
+                .uid("uid-new")
+                .claim("d", "data")
+                .on_node(node)
+        };
+        let on2 = new(Some("node-2"));
+        let unscheduled = new(None);
+        let back_here = new(Some(NODE));
+        let ready_on2 = ready(new(Some("node-2")), true);
+        let not_ready_on2 = ready(new(Some("node-2")), false);
+        let pending_on2 = ready(new(Some("node-2")).phase("Pending"), true);
+        let attached_2 = va("pv-1", "node-2", true);
+        let attached_3 = va("pv-1", "node-3", true);
+        let attaching_2 = va("pv-1", "node-2", false);
+        // (what, class, replacements, attachments, Ok(node) or a part of the error)
+        type Case<'a> = (
+            &'a str,
+            VolumeClass,
+            Vec<&'a Pod>,
+            Vec<VolumeAttachment>,
+            Result<&'a str, &'a str>,
+        );
+        let cases: Vec<Case> = vec![
+            (
+                "attached where it runs",
+                attachable,
+                vec![&on2],
+                vec![attached_2.clone()],
+                Ok("node-2"),
+            ),
+            (
+                "attached elsewhere only (ReadWriteMany peer)",
+                attachable,
+                vec![&on2],
+                vec![attached_3.clone()],
+                Err("attachable PV pv-1: not attached on Node node-2, where pod db/pg-0 runs"),
+            ),
+            (
+                "still attaching",
+                attachable,
+                vec![&on2],
+                vec![attaching_2],
+                Err("not attached on Node node-2"),
+            ),
+            (
+                "not scheduled",
+                attachable,
+                vec![&unscheduled],
+                vec![attached_3],
+                Err("not scheduled yet"),
+            ),
+            (
+                "no replacement",
+                attachable,
+                vec![],
+                vec![attached_2.clone()],
+                Err("no pod uses its claim yet"),
+            ),
+            (
+                "back on the draining Node",
+                attachable,
+                vec![&back_here],
+                vec![va("pv-1", NODE, true)],
+                Err("on the draining Node"),
+            ),
+            (
+                "attach-free, Running and Ready",
+                free,
+                vec![&ready_on2],
+                vec![],
+                Ok("node-2"),
+            ),
+            (
+                "attach-free, not Ready",
+                free,
+                vec![&not_ready_on2],
+                vec![],
+                Err("attach-free PV pv-1: pod db/pg-0 on Node node-2 is not Running and Ready yet"),
+            ),
+            (
+                "attach-free, Pending",
+                free,
+                vec![&pending_on2],
+                vec![],
+                Err("not Running and Ready"),
+            ),
+            (
+                "attach-free, no Ready condition",
+                free,
+                vec![&on2],
+                vec![attached_2],
+                Err("not Running and Ready"),
+            ),
+        ];
+        for (what, class, pods, vas, want) in cases {
+            let got = volume_moved("pv-1", class, NODE, &pods, &vas);
+            match (got, want) {
+                (Ok(m), Ok(node)) => {
+                    assert_eq!(m.node, node, "{what}");
+                    assert_eq!(m.pod, ("db".to_string(), "pg-0".to_string()), "{what}");
+                }
+                (Err(e), Err(part)) => assert!(e.contains(part), "{what}: {e:?} lacks {part:?}"),
+                (got, want) => panic!("{what}: {got:?}, wanted {want:?}"),
+            }
+        }
     }
 
     #[test]

@@ -24,7 +24,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use k8s_openapi::api::storage::v1::VolumeAttachment;
+use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
 use kube::api::Api;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
@@ -287,12 +287,19 @@ pub async fn run(
         pvs_w,
         watcher(Api::<PersistentVolume>::all(client.clone()), wc.clone()).modify(trim::metadata),
     );
-    // These three only fill caches; nothing is woken by them directly.
+    // CSIDrivers say which drivers attach: the drain's volume classes.
+    let (csi_drivers, csi_drivers_w) = reflector::store();
+    let csi_driver_events = reflector::reflector(
+        csi_drivers_w,
+        watcher(Api::<CSIDriver>::all(client.clone()), wc.clone()).modify(trim::csi_driver),
+    );
+    // These only fill caches; nothing is woken by them directly.
     let side_caches = tokio::spawn(async move {
         tokio::join!(
             pdb_events.default_backoff().for_each(|_| async {}),
             pvc_events.default_backoff().for_each(|_| async {}),
             pv_events.default_backoff().for_each(|_| async {}),
+            csi_driver_events.default_backoff().for_each(|_| async {}),
         );
     });
 
@@ -375,6 +382,8 @@ pub async fn run(
         pvs: pvs.clone(),
         pdbs: pdbs.clone(),
         attachments: attachments.clone(),
+        nodes: nodes.clone(),
+        csi_drivers,
         indexes,
         tracker,
         pod_changes,

@@ -773,7 +773,13 @@ async fn cleanup_step(
         volume_detach_timed_out: detach_wait.is_some_and(|w| w >= settings.volume_detach_timeout),
     };
     let step = next_deletion_step(&facts);
-    let as_decided = deletion_record(&step, &DeletionOutcome::AsDecided);
+    // What the drain found about node-local volumes outlives its step.
+    let drained = ctx.drainer.progress(&ObjectRef::from_obj(m));
+    let as_decided = match &drained {
+        Some(p) => deletion_record(&step, &DeletionOutcome::AsDecided)
+            .node_local(&p.node_local_lost, p.local_held.as_deref()),
+        None => deletion_record(&step, &DeletionOutcome::AsDecided),
+    };
     Ok(match &step {
         DeletionStep::MarkTerminating => match record(ctx, m, &as_decided, Write::IfChanged).await?
         {
@@ -851,6 +857,9 @@ async fn cleanup_step(
                     .and_then(|s| s.drain.as_ref())
                     .map(|d| d.moves.clone())
                     .unwrap_or_default(),
+                data_loss_allowed: crate::drain::class::allows_data_loss(
+                    m.metadata.annotations.as_ref(),
+                ),
             };
             if let Some(gone) = &node_gone
                 && !ctx.drainer.knows(&ObjectRef::from_obj(m))
@@ -869,7 +878,11 @@ async fn cleanup_step(
                 );
             }
             let progress = ctx.drainer.ensure(job, !pods.is_empty());
-            let rec = deletion_record(&step, &DeletionOutcome::Drain(drain_view(&progress)));
+            let rec = deletion_record(&step, &DeletionOutcome::Drain(drain_view(&progress)))
+                .node_local(
+                    progress.node_local_lost.as_slice(),
+                    progress.local_held.as_deref(),
+                );
             let was_false =
                 condition(m.status.as_ref(), DRAIN_SETTINGS).is_some_and(|c| c.status == "False");
             let unresolved = resolved.as_ref().err();

@@ -12,7 +12,8 @@ use super::decide::{CreationStep, DeletionStep};
 use super::status::{Cond, Report, State};
 use crate::api::MachinePhase;
 use crate::api::conditions::{
-    DRAIN_SETTINGS, DRAINED, NODE_HEALTHY, READY, VM_REQUESTED, VOLUMES_DETACHED,
+    DRAIN_SETTINGS, DRAINED, NODE_HEALTHY, NODE_LOCAL_VOLUMES, READY, VM_REQUESTED,
+    VOLUMES_DETACHED,
 };
 
 /// What one step writes into a Machine's status.
@@ -41,6 +42,26 @@ impl StepRecord {
     fn phase(mut self, phase: MachinePhase) -> Self {
         self.phase = Some(phase);
         self
+    }
+
+    /// Adds the `NodeLocalVolumes` condition of a drain: False while
+    /// `held` says why a pod with node-local volumes is not evicted, True
+    /// once pods were evicted with node-local volumes (`lost`, one entry
+    /// per PV); nothing when neither.
+    pub(crate) fn node_local(self, lost: &[String], held: Option<&str>) -> Self {
+        match (held, lost) {
+            (Some(why), _) => self.condition(NODE_LOCAL_VOLUMES, false, "EvictionHeld", why),
+            (None, []) => self,
+            (None, lost) => self.condition(
+                NODE_LOCAL_VOLUMES,
+                true,
+                "DataLost",
+                format!(
+                    "evicted with node-local volumes (nodeLocalVolumes: Evict); their data stays on the Node and is lost with the VM: {}",
+                    lost.join(", ")
+                ),
+            ),
+        }
     }
 
     fn condition(
@@ -587,6 +608,45 @@ mod tests {
             row(&unresolved_record(Some(MachinePhase::Running), &why)),
             want(MachinePhase::Running)
         );
+    }
+
+    #[test]
+    fn node_local_volumes_are_named_in_a_condition() {
+        let base = || StepRecord::report("Delete", "Drain", State::Processing, "x");
+        let lost = [
+            "PV pv-a (pod db/a)".to_string(),
+            "PV pv-b (pod db/b)".to_string(),
+        ];
+        let cases = [
+            (base().node_local(&[], None), None),
+            (
+                base().node_local(&lost, None),
+                Some((
+                    true,
+                    "DataLost",
+                    "lost with the VM: PV pv-a (pod db/a), PV pv-b (pod db/b)",
+                )),
+            ),
+            (
+                base().node_local(&lost, Some("annotate it")),
+                Some((false, "EvictionHeld", "annotate it")),
+            ),
+        ];
+        for (rec, want) in cases {
+            let got = rec
+                .conditions
+                .iter()
+                .find(|c| c.type_ == NODE_LOCAL_VOLUMES)
+                .map(|c| (c.status, c.reason, c.message.clone()));
+            match (got, want) {
+                (None, None) => {}
+                (Some((status, reason, message)), Some((s, r, m))) => {
+                    assert_eq!((status, reason), (s, r));
+                    assert!(message.contains(m), "{message:?} lacks {m:?}");
+                }
+                (got, want) => panic!("{got:?} vs {want:?}"),
+            }
+        }
     }
 
     #[test]

@@ -74,13 +74,15 @@
 //! (e.g. a predicate filter) that could drop events. `Tracker::close` ends
 //! pending waits with `WaitError::Closed` at shutdown.
 
+mod intree;
 mod predicate;
 mod tracker;
 
+pub use self::intree::migrated_csi_source;
 pub use self::predicate::{
     Attachment, CSI_UNIQUE_NAME_PREFIX, attached_elsewhere, attachments_of, csi_unique_name,
     detached_from, is_attached, is_deleting, pv_of, unique_name_of,
 };
 pub(crate) use self::tracker::{
-    DEFAULT_CHANNEL_CAPACITY, Interest, Registration, Tracker, WaitError,
+    DEFAULT_CHANNEL_CAPACITY, Interest, Registration, Signal, Tracker, WaitError,
 };

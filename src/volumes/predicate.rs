@@ -23,12 +23,19 @@ pub fn csi_unique_name(driver: &str, volume_handle: &str) -> String {
 /// The `node.status.volumesAttached` name of a PersistentVolume, computed
 /// from its `spec.csi` (driver and volume handle).
 ///
-/// `None` for a PV without a CSI source (an in-tree volume that is not
-/// migrated, a local or host-path volume): such a volume is then only
-/// recognised through its VolumeAttachment, by PV name.
+/// An in-tree PV that CSI migration moves to a CSI driver (EBS, GCE PD,
+/// Azure disk, Cinder, vSphere, Portworx) is listed under the name of its
+/// translated source ([`migrated_csi_source`](super::intree::migrated_csi_source)).
+///
+/// `None` for other PVs (a local or host-path volume, an attach-free
+/// in-tree kind, a source that does not translate): such a volume is then
+/// only recognised through its VolumeAttachment, by PV name.
 pub fn unique_name_of(pv: &PersistentVolume) -> Option<String> {
-    let csi = pv.spec.as_ref()?.csi.as_ref()?;
-    Some(csi_unique_name(&csi.driver, &csi.volume_handle))
+    if let Some(csi) = pv.spec.as_ref()?.csi.as_ref() {
+        return Some(csi_unique_name(&csi.driver, &csi.volume_handle));
+    }
+    let (driver, handle) = super::intree::migrated_csi_source(pv)?;
+    Some(csi_unique_name(driver, &handle))
 }
 
 /// The PersistentVolume a VolumeAttachment attaches

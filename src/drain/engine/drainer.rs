@@ -26,6 +26,8 @@ struct Running {
     progress: watch::Receiver<Progress>,
     /// The Machine as the drain's last `status.drain` write returned it.
     written: watch::Receiver<Option<Machine>>,
+    /// The Machine's permission to lose node-local data, as last seen.
+    data_loss_allowed: watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -61,6 +63,11 @@ impl Drainer {
             return Progress::default();
         };
         if let Some(r) = running.get(&job.machine) {
+            r.data_loss_allowed.send_if_modified(|a| {
+                let changed = *a != job.data_loss_allowed;
+                *a = job.data_loss_allowed;
+                changed
+            });
             let p = r.progress.borrow().clone();
             let restart = match (&p.outcome, p.finished_at) {
                 (None, _) => false,
@@ -74,6 +81,7 @@ impl Drainer {
         }
         let (tx, rx) = watch::channel(Progress::default());
         let (written_tx, written) = watch::channel(None);
+        let (allowed_tx, allowed) = watch::channel(job.data_loss_allowed);
         let key = job.machine.clone();
         let deps = Arc::clone(&self.deps);
         let done = self.done.clone();
@@ -86,7 +94,7 @@ impl Drainer {
         let task = tokio::spawn(
             async move {
                 let key = job.machine.clone();
-                run(deps, job, tx, written_tx).await;
+                run(deps, job, tx, written_tx, allowed).await;
                 let _ = done.send(key);
             }
             .instrument(span),
@@ -97,6 +105,7 @@ impl Drainer {
             Running {
                 progress: rx,
                 written,
+                data_loss_allowed: allowed_tx,
                 task,
             },
         ) {
@@ -125,6 +134,12 @@ impl Drainer {
         self.running
             .lock()
             .is_ok_and(|running| running.contains_key(machine))
+    }
+
+    /// The progress of this Machine's drain, if one ran here.
+    pub(crate) fn progress(&self, machine: &ObjectRef<Machine>) -> Option<Progress> {
+        let running = self.running.lock().ok()?;
+        Some(running.get(machine)?.progress.borrow().clone())
     }
 
     /// Whether this Machine's drain ran here and ended drained or forced.

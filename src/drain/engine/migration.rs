@@ -1,20 +1,25 @@
 //! One stateful pod's move off the Node, as named steps:
 //!
+//! 0. while `nodeLocalVolumes: Block` [holds](Migration::allowed) it, wait
+//!    for an operator's permission (or the deadline);
 //! 1. [`evict`](Migration::evict) it (registered with the volume tracker
 //!    first, so that no volume event can slip in between);
-//! 2. wait for the [pod to be gone](Migration::pod_gone);
-//! 3. wait for its volumes to be [detached](Migration::detached) from this
-//!    Node, once the pods the plan says must be gone first are gone;
+//! 2. wait for the [pod to be gone](Migration::pod_gone), and name any
+//!    node-local volume whose data is now lost;
+//! 3. wait for its attachable volumes to be [detached](Migration::detached)
+//!    from this Node, once the pods the plan says must be gone first are
+//!    gone;
 //! 4. wait for the [replacement](Migration::replacement) pod that needs them
 //!    again, if its controller makes one;
-//! 5. wait for the volumes such a pod needs to be
-//!    [attached](Migration::attached) on another Node (a warning if not in
-//!    time).
+//! 5. wait for the volumes to have [moved](Migration::moved) with it: an
+//!    attachable volume attached on the Node where the replacement runs, an
+//!    attach-free one's replacement Running and Ready on another Node (a
+//!    warning if not in time).
 //!
 //! Each step returns whether the next one is due; the first that is not
 //! ends the move.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use kube::runtime::events::EventType;
@@ -25,9 +30,11 @@ use super::batch::{pod_ref_key, pv_ref};
 use super::eviction::Eviction;
 use super::run::Run;
 use crate::api::VolumeMove;
-use crate::drain::plan::{DrainPlan, PlannedPod, PlannedVolume, VolumeWait};
+use crate::drain::class::{VolumeClass, allows_data_loss};
+use crate::drain::plan::{DrainPlan, PlannedPod, PlannedVolume};
 use crate::drain::select::fmt_key;
-use crate::volumes::{Interest, Registration};
+use crate::drain::volume::Moved;
+use crate::volumes::{Interest, Registration, Signal, WaitError};
 
 /// How long a drain waits, after a controlled stateful pod's volumes have
 /// detached, for its controller to create the pod that will use them again
@@ -46,6 +53,10 @@ struct Migration<'a> {
     pvs: Vec<String>,
     /// The tracker's registration for `pvs`, made before the eviction.
     reg: Registration,
+    /// The UIDs of the pods that used each claim this pod's volumes move
+    /// with on other Nodes before the eviction: they are not its
+    /// replacement (a ReadWriteMany volume already attached elsewhere).
+    users_before: BTreeMap<String, BTreeSet<String>>,
 }
 
 impl Run {
@@ -80,6 +91,15 @@ impl<'a> Migration<'a> {
         let interest = detach.iter().fold(Interest::new(&run.job.node), |i, v| {
             i.volume(v.volume.pv.clone(), v.volume.csi_unique_name.clone())
         });
+        let users_before = pod
+            .volumes
+            .iter()
+            .filter(|v| v.wait.waits_for_reattach())
+            .map(|v| {
+                let users = run.users_elsewhere(&v.volume.claim);
+                (v.volume.pv.clone(), users)
+            })
+            .collect();
         Self {
             run,
             plan,
@@ -87,21 +107,31 @@ impl<'a> Migration<'a> {
             key: fmt_key(&pod.pod),
             pvs: detach.iter().map(|v| v.volume.pv.clone()).collect(),
             reg: run.deps.tracker.register(interest),
+            users_before,
         }
     }
 
     /// The steps, in order; false when the volumes did not leave the Node
-    /// (not evicted, not gone, or not detached in time).
+    /// (held, not evicted, not gone, or not detached in time).
     ///
-    /// The move is recorded in `status.drain.moves` before the eviction and
-    /// stays recorded while the pod may still be going (a restart resumes
-    /// it); it ends once the volumes attached elsewhere, or when nothing is
-    /// left to wait for.
+    /// A move with volumes to wait for is recorded in `status.drain.moves`
+    /// before the eviction and stays recorded while the pod may still be
+    /// going (a restart resumes it); it ends once the volumes moved, or
+    /// when nothing is left to wait for.
     async fn steps(&mut self) -> bool {
         let (run, key) = (self.run, self.key.clone());
-        if !self.pvs.is_empty() {
-            run.begin_move(&key, self.pod.uid.as_deref(), &self.pvs)
-                .await;
+        if !self.allowed().await {
+            return false;
+        }
+        let recorded = !self.pvs.is_empty() || !self.pod.volumes.is_empty();
+        if recorded {
+            let pvs: Vec<String> = self
+                .pod
+                .volumes
+                .iter()
+                .map(|v| v.volume.pv.clone())
+                .collect();
+            run.begin_move(&key, self.pod.uid.as_deref(), &pvs).await;
         }
         if !self.evict().await {
             run.end_move(&key);
@@ -111,22 +141,143 @@ impl<'a> Migration<'a> {
         if !self.pod_gone().await {
             return false;
         }
-        if self.pvs.is_empty() {
-            return true;
-        }
-        let detached = self.detached(evicted_at).await;
+        self.data_lost();
+        let detached = self.pvs.is_empty() || self.detached(evicted_at).await;
         if detached && run.expired() {
             // Past the deadline availability is given up, data is not: the
             // volumes left this Node, the next pod may go.
-            tracing::info!(pvs = %self.pvs.join(","), "deadline passed: not waiting for the volumes to attach elsewhere");
+            tracing::info!(pvs = %self.pvs.join(","), "deadline passed: not waiting for the volumes to move");
         } else if detached {
+            // Off this Node: the pod is gone and its attachable volumes
+            // detached.
+            let left_at = std::time::Instant::now();
             let expected = self.replacement().await;
             if !expected.is_empty() {
-                self.attached(&expected).await;
+                self.moved(&expected, left_at).await;
             }
         }
         run.end_move(&key);
         detached
+    }
+
+    /// The pod's own classes of volume, for status and Events: e.g.
+    /// `attachable PV a, attach-free PV b`.
+    fn named(vs: &[&PlannedVolume]) -> String {
+        vs.iter()
+            .map(|v| format!("{} PV {}", v.class, v.volume.pv))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// While `nodeLocalVolumes: Block` holds the pod, waits for the pod or
+    /// the Machine to allow losing its node-local data, woken by pod events
+    /// and the reconciler; false when the deadline passed first (the
+    /// deadline rules then apply).
+    async fn allowed(&self) -> bool {
+        let (run, key) = (self.run, &self.key);
+        let Some(why) = &self.pod.held else {
+            return true;
+        };
+        // At the deadline, with forcing, the deadline rules apply to it too.
+        let forced = || run.expired() && run.job.settings.force_after_deadline;
+        if forced() {
+            return true;
+        }
+        let held = why.clone();
+        run.update(|p| {
+            p.current_pod = Some(key.clone());
+            p.current_volume = Some(self.pod.node_local().join(", "));
+            p.waiting_for = Some(format!(
+                "an operator to allow losing the node-local data of pod {key}"
+            ));
+            p.blocked_by = Some(held.clone());
+            p.local_held = Some(held);
+        });
+        run.event(
+            EventType::Warning,
+            "NodeLocalEvictionHeld",
+            why.clone(),
+            Some(pod_ref_key(&self.pod.pod)),
+        );
+        let uid = self.pod.uid.as_deref();
+        let permitted = || {
+            *run.data_loss_allowed.borrow()
+                || run
+                    .pod(&self.pod.pod, uid)
+                    .is_none_or(|p| allows_data_loss(p.metadata.annotations.as_ref()))
+        };
+        let mut machine = run.data_loss_allowed.clone();
+        let mut pods = run.deps.pod_changes.clone();
+        let until = run.deadline();
+        let allowed = loop {
+            machine.borrow_and_update();
+            pods.borrow_and_update();
+            if permitted() {
+                break true;
+            }
+            tokio::select! {
+                r = machine.changed() => if r.is_err() { break permitted() },
+                r = pods.changed() => if r.is_err() { break permitted() },
+                () = tokio::time::sleep_until(until) => break permitted(),
+            }
+        };
+        run.update(|p| {
+            p.blocked_by = None;
+            p.local_held = None;
+        });
+        if !allowed && forced() {
+            return true;
+        }
+        if allowed {
+            run.event(
+                EventType::Normal,
+                "NodeLocalEvictionAllowed",
+                format!(
+                    "losing the node-local data of pod {key} was allowed ({}=true): evicting it",
+                    crate::api::ALLOW_NODE_LOCAL_DATA_LOSS
+                ),
+                Some(pod_ref_key(&self.pod.pod)),
+            );
+        }
+        allowed
+    }
+
+    /// The pod is gone: names each node-local volume it used, whose data
+    /// stays on this Node and is lost with the VM.
+    fn data_lost(&self) {
+        let run = self.run;
+        let local: Vec<&PlannedVolume> = self
+            .pod
+            .volumes
+            .iter()
+            .filter(|v| v.class == VolumeClass::NodeLocal)
+            .collect();
+        if local.is_empty() {
+            return;
+        }
+        let which: Vec<String> = local
+            .iter()
+            .map(|v| format!("{} ({})", v.volume.pv, v.class_why))
+            .collect();
+        run.event(
+            EventType::Warning,
+            "NodeLocalDataLost",
+            format!(
+                "pod {} left Node {} without its node-local PV {}: the data cannot follow the pod and is lost with the VM",
+                self.key,
+                run.job.node,
+                which.join(", ")
+            ),
+            local.first().map(|v| pv_ref(&v.volume.pv)),
+        );
+        run.update(|p| {
+            for v in &local {
+                let entry = format!("PV {} (pod {})", v.volume.pv, self.key);
+                if !p.node_local_lost.contains(&entry) {
+                    p.node_local_lost.push(entry);
+                }
+            }
+        });
     }
 
     /// Evicts the pod; false when the deadline passed first.
@@ -182,7 +333,9 @@ impl<'a> Migration<'a> {
         let until = run.volume_bound(bound);
         self.others_gone(&pvs, until).await;
         let node = &run.job.node;
-        run.step(|p| p.waiting_for = Some(format!("{pvs} to detach from Node {node}")));
+        run.step(|p| {
+            p.waiting_for = Some(format!("attachable PV {pvs} to detach from Node {node}"));
+        });
         match self.reg.wait_detached(until).await {
             Ok(()) => {
                 let took = evicted_at.elapsed();
@@ -243,9 +396,11 @@ impl<'a> Migration<'a> {
         let reattach: Vec<&PlannedVolume> = planned
             .volumes
             .iter()
-            .filter(|v| matches!(v.wait, VolumeWait::Detach { reattach: true, .. }))
+            .filter(|v| v.wait.waits_for_reattach())
             .collect();
-        let missing = |v: &&PlannedVolume| !run.replacement_expected(&v.volume.claim, &uid);
+        let none = BTreeSet::new();
+        let before = |v: &PlannedVolume| self.users_before.get(&v.volume.pv).unwrap_or(&none);
+        let missing = |v: &&PlannedVolume| !run.replaced(&v.volume.claim, &uid, before(v));
         let replacement_wait = REPLACEMENT_WAIT.min(run.job.settings.volume_reattach_timeout);
         if let Some(controller) = &planned.controller
             && reattach.iter().any(missing)
@@ -270,8 +425,9 @@ impl<'a> Migration<'a> {
                 EventType::Normal,
                 "NoReplacement",
                 format!(
-                    "no pod references claim {} any more ({why}): not waiting for {} to attach elsewhere",
+                    "no new pod references claim {} ({why}): not waiting for {} PV {} to move",
                     fmt_key(&v.volume.claim),
+                    v.class,
                     v.volume.pv
                 ),
                 Some(pv_ref(&v.volume.pv)),
@@ -306,60 +462,127 @@ impl<'a> Migration<'a> {
                 VolumeMove {
                     pod: self.key.clone(),
                     uid: self.pod.uid.clone(),
-                    volumes: self.pvs.clone(),
+                    volumes: self
+                        .pod
+                        .volumes
+                        .iter()
+                        .map(|v| v.volume.pv.clone())
+                        .collect(),
                 },
             );
         }
     }
 
-    /// Waits for the `expected` volumes to attach on another Node, within
-    /// the reattach timeout; a warning when they do not.
-    async fn attached(&mut self, expected: &[&PlannedVolume]) {
+    /// Waits, within the reattach timeout, for the `expected` volumes to
+    /// have moved with the pod that now uses their claims: an attachable
+    /// volume attached on the Node where that pod runs, an attach-free one
+    /// with that pod Running and Ready on another Node. Woken by the
+    /// tracker (VolumeAttachment and Node events) and by pod events; a
+    /// warning when not in time.
+    async fn moved(&mut self, expected: &[&PlannedVolume], left_at: std::time::Instant) {
         let run = self.run;
-        let keep: BTreeSet<&str> = expected.iter().map(|v| v.volume.pv.as_str()).collect();
+        let keep: BTreeSet<&str> = expected
+            .iter()
+            .filter(|v| v.class == VolumeClass::Attachable)
+            .map(|v| v.volume.pv.as_str())
+            .collect();
         self.reg.retain_volumes(|pv| keep.contains(pv));
-        let names: Vec<&str> = keep.iter().copied().collect();
-        let waiting = format!("{} to attach on another Node", names.join(", "));
+        let waiting = format!(
+            "{} to move with the pod that replaces {}",
+            Self::named(expected),
+            self.key
+        );
         run.step(|p| p.waiting_for = Some(waiting));
-        let detached_at = std::time::Instant::now();
         let until = run.bounded(run.job.settings.volume_reattach_timeout);
+        let uid = self.pod.uid.clone().unwrap_or_default();
+        let none = BTreeSet::new();
+        let check = || -> Result<Vec<(&PlannedVolume, Moved)>, Vec<String>> {
+            let mut moved = Vec::new();
+            let mut pending = Vec::new();
+            for v in expected {
+                let before = self.users_before.get(&v.volume.pv).unwrap_or(&none);
+                match run.volume_moved(&v.volume.pv, &v.volume.claim, v.class, &uid, before) {
+                    Ok(m) => moved.push((*v, m)),
+                    Err(why) => pending.push(why),
+                }
+            }
+            if pending.is_empty() {
+                Ok(moved)
+            } else {
+                Err(pending)
+            }
+        };
+        let mut pods = run.deps.pod_changes.clone();
+        let mut tracker_open = !keep.is_empty();
         // The scheduler may say at once that the replacement cannot be
         // placed: no need to sit out the timeout to know.
-        let uid = self.pod.uid.clone().unwrap_or_default();
         let claims: Vec<_> = expected.iter().map(|v| v.volume.claim.clone()).collect();
         let unplaceable = || {
             claims
                 .iter()
                 .find_map(|c| run.unschedulable_replacement(c, &uid))
         };
-        let reported = run.wait_pods_until(until, || unplaceable().is_some());
-        let attached = tokio::select! {
-            attached = self.reg.wait_attached_elsewhere(until) => attached,
-            true = reported => {
-                if let Some((pod, message)) = unplaceable() {
-                    self.unplaceable(&fmt_key(&pod), &message);
-                }
+        let outcome = loop {
+            pods.borrow_and_update();
+            if let Ok(moved) = check() {
+                break Ok(moved);
+            }
+            if let Some((pod, message)) = unplaceable() {
+                self.unplaceable(&fmt_key(&pod), &message);
                 return;
             }
+            tokio::select! {
+                signal = self.reg.next_signal(), if tracker_open => {
+                    if signal == Signal::Closed {
+                        tracker_open = false;
+                    }
+                }
+                r = pods.changed() => if r.is_err() { break check() },
+                () = tokio::time::sleep_until(until) => break check(),
+            }
         };
-        match attached {
+        match outcome {
             Ok(moved) => {
-                let took = detached_at.elapsed().as_secs_f64();
+                let took = left_at.elapsed().as_secs_f64();
                 run.deps.metrics.volume_reattach_wait.observe(took);
-                for (pv, node) in moved {
+                for (v, m) in moved {
+                    let (reason, how) = match v.class {
+                        VolumeClass::AttachFree => (
+                            "VolumeMoved",
+                            format!(
+                                "moved with pod {}, Running and Ready on Node {} (nothing to detach or attach)",
+                                fmt_key(&m.pod),
+                                m.node
+                            ),
+                        ),
+                        _ => (
+                            "VolumeAttached",
+                            format!(
+                                "attached on Node {}, where pod {} runs",
+                                m.node,
+                                fmt_key(&m.pod)
+                            ),
+                        ),
+                    };
                     run.event(
                         EventType::Normal,
-                        "VolumeAttached",
+                        reason,
                         format!(
-                            "{pv} attached on Node {node} after {:.1}s (moved from {})",
-                            detached_at.elapsed().as_secs_f64(),
-                            run.job.node
+                            "{} PV {} {how}, {took:.1}s after it left Node {}",
+                            v.class, v.volume.pv, run.job.node
                         ),
-                        Some(pv_ref(&pv)),
+                        Some(pv_ref(&v.volume.pv)),
                     );
                 }
             }
-            Err(e) => run.warn_volume("VolumeReattachTimeout", &e, names.first().copied()),
+            Err(waiting_for) => {
+                let first = expected.first().map(|v| v.volume.pv.as_str());
+                run.warn_volume(
+                    "VolumeReattachTimeout",
+                    &WaitError::Timeout { waiting_for },
+                    first,
+                );
+            }
         }
     }
 }

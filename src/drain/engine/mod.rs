@@ -65,9 +65,11 @@ mod pass;
 mod progress;
 mod run;
 
-use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{
+    Node, ObjectReference, PersistentVolume, PersistentVolumeClaim, Pod,
+};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use k8s_openapi::api::storage::v1::VolumeAttachment;
+use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
 use kube::Client;
 use kube::runtime::reflector::{ObjectRef, Store};
 use std::sync::Arc;
@@ -93,6 +95,9 @@ pub(crate) struct Deps {
     pub(crate) pvs: Store<PersistentVolume>,
     pub(crate) pdbs: Store<PodDisruptionBudget>,
     pub(crate) attachments: Store<VolumeAttachment>,
+    pub(crate) nodes: Store<Node>,
+    /// Which CSI drivers attach (the volume classes).
+    pub(crate) csi_drivers: Store<CSIDriver>,
     pub(crate) indexes: Indexes,
     pub(crate) tracker: Tracker,
     /// Bumped after every pod event, once the pod store has applied it.
@@ -139,6 +144,10 @@ pub(crate) struct Job {
     /// run's, if the controller restarted): resumed before any other
     /// stateful pod is evicted.
     pub(crate) moves: Vec<crate::api::VolumeMove>,
+    /// The Machine is annotated `berth.dev/allow-node-local-data-loss:
+    /// "true"`: `nodeLocalVolumes: Block` holds none of its pods. A
+    /// running drain learns a change of it from the next reconcile.
+    pub(crate) data_loss_allowed: bool,
 }
 
 #[cfg(test)]

@@ -39,6 +39,7 @@ pub(super) async fn run(
     job: Job,
     progress: watch::Sender<Progress>,
     written: watch::Sender<Option<Machine>>,
+    data_loss_allowed: watch::Receiver<bool>,
 ) {
     let (steps_written, flushed) = watch::channel(0);
     let writer = tokio::spawn(write_status(
@@ -51,7 +52,7 @@ pub(super) async fn run(
     ));
     let in_progress = GaugeHold::new(&deps.metrics.drains_in_progress);
     let started = std::time::Instant::now();
-    let r = Run::new(Arc::clone(&deps), job, progress, flushed);
+    let r = Run::new(Arc::clone(&deps), job, progress, flushed, data_loss_allowed);
     let outcome = r.passes().await;
     drop(in_progress);
     deps.metrics
@@ -167,11 +168,12 @@ impl Run {
     fn left(&self) -> Vec<String> {
         let plan = self.plan();
         let evictable = plan.stateless.iter().chain(plan.stateful.iter()).map(|p| {
+            let pdb = p.pdbs.iter().find(|f| f.verdict != PdbVerdict::Allows);
             let why = p
-                .pdbs
-                .iter()
-                .find(|f| f.verdict != PdbVerdict::Allows)
-                .map_or("not evicted in time", |f| f.description.as_str());
+                .held
+                .as_deref()
+                .or_else(|| pdb.map(|f| f.description.as_str()))
+                .unwrap_or("not evicted in time");
             format!("{} ({why})", fmt_key(&p.pod))
         });
         let terminating = plan

@@ -58,6 +58,12 @@ pub(crate) struct Progress {
     /// Volume moves in flight, by pod (`namespace/name`): written to
     /// `status.drain.moves`, so that a restart resumes them.
     pub(crate) moves: BTreeMap<String, VolumeMove>,
+    /// Node-local PVs whose pods were evicted (`PV <name> (pod <ns/name>)`),
+    /// for the `NodeLocalVolumes` condition: their data is lost with the VM.
+    pub(crate) node_local_lost: Vec<String>,
+    /// Why a pod with node-local volumes is held (`nodeLocalVolumes:
+    /// Block`), for the `NodeLocalVolumes` condition.
+    pub(crate) local_held: Option<String>,
 }
 
 impl Progress {
@@ -246,7 +252,7 @@ mod tests {
             finished_at: None,
             finished_on: Some(Timestamp::from_second(1_700_000_000).expect("valid")),
             steps_done: 3,
-            moves: BTreeMap::new(),
+            ..Default::default()
         };
         let started = Timestamp::from_second(1_699_999_000).expect("valid");
         let patch = p.status_patch("m-1", started);

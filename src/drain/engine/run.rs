@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use k8s_openapi::api::storage::v1::VolumeAttachment;
+use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::ObjectRef;
@@ -22,14 +22,19 @@ use super::batch::{pod_ref_key, pv_ref};
 use super::{Deps, Job, Progress};
 use crate::api::VolumeMove;
 use crate::cache::{claim_key, claim_names};
+use crate::drain::class::{VolumeClass, VolumeContext};
 use crate::drain::evict::{self, Evicted};
-use crate::drain::plan::controller_of;
 use crate::drain::plan::{
-    DetachingVolume, DrainPlan, TerminatingPod, detaching_volumes, plan, still_to_wait_for,
+    DetachingVolume, DrainPlan, TerminatingPod, controller_of, detaching_volumes, plan,
+    still_to_wait_for,
 };
-use crate::drain::select::{NamespacedName, fmt_key};
-use crate::drain::select::{came_back, held_by_finalizers, pod_key, tolerates_any_cordon};
-use crate::drain::volume::{replacement_expected, unschedulable_replacement};
+use crate::drain::select::{
+    NamespacedName, came_back, fmt_key, held_by_finalizers, pod_key, tolerates_any_cordon,
+};
+use crate::drain::volume::{
+    Moved, replacement_expected, replacements, unschedulable_replacement, users_elsewhere,
+    volume_moved,
+};
 use crate::telemetry::EvictionResult;
 use crate::volumes::{WaitError, unique_name_of};
 
@@ -63,6 +68,9 @@ pub(super) struct Run {
     /// Set for the drain's last pass after the deadline without forcing:
     /// each pod gets one more eviction attempt.
     last_try: AtomicBool,
+    /// Whether the Machine allows losing node-local data (its annotation),
+    /// as the reconciler last saw it.
+    pub(super) data_loss_allowed: watch::Receiver<bool>,
 }
 
 impl Run {
@@ -71,6 +79,7 @@ impl Run {
         job: Job,
         progress: watch::Sender<Progress>,
         flushed: watch::Receiver<u64>,
+        data_loss_allowed: watch::Receiver<bool>,
     ) -> Self {
         // The moves a previous run recorded stay recorded until resumed.
         progress.send_modify(|p| {
@@ -93,6 +102,7 @@ impl Run {
             forced: Mutex::new(Vec::new()),
             stuck: Mutex::new(BTreeMap::new()),
             last_try: AtomicBool::new(false),
+            data_loss_allowed,
         }
     }
 
@@ -268,8 +278,61 @@ impl Run {
             &pvs,
             &pdbs,
             &vas,
+            &self.volume_context(),
             &self.job.settings,
         )
+    }
+
+    /// What classifying this Node's volumes needs: its Node object, the
+    /// CSIDrivers, and the Machine's permission to lose node-local data.
+    fn volume_context(&self) -> VolumeContext {
+        let node = self.deps.nodes.get(&ObjectRef::new(&self.job.node));
+        let drivers: Vec<CSIDriver> = self
+            .deps
+            .csi_drivers
+            .state()
+            .iter()
+            .map(|d| (**d).clone())
+            .collect();
+        VolumeContext::new(&self.job.node, node.as_deref(), &drivers)
+            .allowing_data_loss(*self.data_loss_allowed.borrow())
+    }
+
+    /// The pods that use `claim` on other Nodes now (see
+    /// [`users_elsewhere`]).
+    pub(super) fn users_elsewhere(&self, claim: &NamespacedName) -> BTreeSet<String> {
+        let users = self.claim_users(claim);
+        users_elsewhere(claim, users.iter().map(|p| &**p), &self.job.node)
+    }
+
+    /// Whether the volume of `claim` has moved with the pod that replaced
+    /// `evicted_uid` (see [`volume_moved`]).
+    pub(super) fn volume_moved(
+        &self,
+        pv: &str,
+        claim: &NamespacedName,
+        class: VolumeClass,
+        evicted_uid: &str,
+        users_before: &BTreeSet<String>,
+    ) -> Result<Moved, String> {
+        let users = self.claim_users(claim);
+        let new = replacements(claim, users.iter().map(|p| &**p), evicted_uid, users_before);
+        let vas: Vec<VolumeAttachment> = self
+            .deps
+            .indexes
+            .attachments_by_pv
+            .get(&self.deps.attachments, pv)
+            .iter()
+            .map(|va| (**va).clone())
+            .collect();
+        volume_moved(pv, class, &self.job.node, &new, &vas)
+    }
+
+    fn claim_users(&self, claim: &NamespacedName) -> Vec<Arc<Pod>> {
+        self.deps
+            .indexes
+            .pods_by_claim
+            .get(&self.deps.pods, &claim_key(&claim.0, &claim.1))
     }
 
     /// The plan's volumes still detaching (see
@@ -411,12 +474,20 @@ impl Run {
     /// Whether a pod other than `evicted_uid` still needs `claim` (see
     /// [`replacement_expected`]), read from the claim index.
     pub(super) fn replacement_expected(&self, claim: &NamespacedName, evicted_uid: &str) -> bool {
-        let users = self
-            .deps
-            .indexes
-            .pods_by_claim
-            .get(&self.deps.pods, &claim_key(&claim.0, &claim.1));
+        let users = self.claim_users(claim);
         replacement_expected(claim, users.iter().map(|p| &**p), evicted_uid)
+    }
+
+    /// Whether a pod other than `evicted_uid` and `users_before` uses
+    /// `claim` (see [`replacements`]).
+    pub(super) fn replaced(
+        &self,
+        claim: &NamespacedName,
+        evicted_uid: &str,
+        users_before: &BTreeSet<String>,
+    ) -> bool {
+        let users = self.claim_users(claim);
+        !replacements(claim, users.iter().map(|p| &**p), evicted_uid, users_before).is_empty()
     }
 
     /// The pod `key` from the cache, if it is still the one with `uid`.

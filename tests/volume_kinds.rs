@@ -1,0 +1,679 @@
+//! The drain per kind of volume, end to end on the test bed: an attach-free
+//! CSI driver, a node-local PV with `nodeLocalVolumes` Evict and Block, a
+//! ReadWriteMany volume used on two Nodes, and an in-tree PV as far as the
+//! test bed allows (its plan; the test bed has no attacher for migrated
+//! drivers). Each also checks what `berth plan` says.
+
+mod support;
+
+use std::time::Duration;
+
+use berth::api::Machine;
+use berth::providers::fake::FakeProvider;
+use berth_devkit::testbed::fixtures::{csi_pv, stateful_set};
+use berth_devkit::testbed::{Options, TestBed, wait};
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use support::{LONG, class, condition, machine, phase, start_controller};
+use tokio::sync::OnceCell;
+
+const POOL: &str = "testbed.berth.dev/pool";
+const ATTACH_DELAY: Duration = Duration::from_secs(3);
+const DETACH_DELAY: Duration = Duration::from_secs(1);
+/// A driver whose CSIDriver says `attachRequired: false`: the
+/// attach-detach controller never makes a VolumeAttachment for it.
+const ATTACH_FREE_DRIVER: &str = "nfs.testbed.berth.dev";
+const ALLOW: &str = "berth.dev/allow-node-local-data-loss";
+const HOOK: &str = "pre-terminate.delete.hook.berth.dev/test";
+
+async fn client() -> Client {
+    static BED: OnceCell<TestBed> = OnceCell::const_new();
+    support::init_logs();
+    let bed = BED
+        .get_or_init(|| async {
+            let bed = TestBed::start(
+                Options::end_to_end()
+                    .attach_delay(ATTACH_DELAY)
+                    .detach_delay(DETACH_DELAY),
+            )
+            .await
+            .expect("the end-to-end test bed starts");
+            let client = bed.client().await.expect("client");
+            berth::api::install_crds(client, LONG)
+                .await
+                .expect("CRDs installed");
+            bed
+        })
+        .await;
+    bed.client().await.expect("admin client")
+}
+
+fn json<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> T {
+    serde_json::from_value(v).expect("valid object")
+}
+
+async fn create<K>(api: Api<K>, obj: K)
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + serde::Serialize
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    let name = obj.name_any();
+    berth_devkit::testbed::create_or_keep(api, obj)
+        .await
+        .unwrap_or_else(|e| panic!("create {name}: {e}"));
+}
+
+async fn pool_class(client: &Client, pool: &str, drain: serde_json::Value) {
+    let mut c = class(
+        pool,
+        "fake",
+        serde_json::json!({"nodeLabels": {POOL: pool}}),
+    );
+    c.spec.drain = Some(serde_json::from_value(drain).expect("drain settings"));
+    create(Api::all(client.clone()), c).await;
+}
+
+/// A Running Machine of `class`, optionally held after its drain by a
+/// pre-terminate hook (so that its conditions can be read).
+async fn running_machine(client: &Client, ns: &str, name: &str, class: &str, hold: bool) -> String {
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    let mut m = machine(name, class);
+    if hold {
+        m.metadata
+            .annotations
+            .get_or_insert_default()
+            .insert(HOOK.into(), "true".into());
+    }
+    machines
+        .create(&PostParams::default(), &m)
+        .await
+        .expect("create machine");
+    wait::for_one(machines, LONG, "Machine Running", |m| {
+        m.name_any() == name && phase(m) == Some("Running")
+    })
+    .await
+    .expect("the Machine runs");
+    FakeProvider::node_name(ns, name)
+}
+
+type Ev = (k8s_openapi::jiff::Timestamp, String, String);
+
+async fn events(client: &Client, ns: &str, machine: &str) -> Vec<Ev> {
+    support::events_until(
+        client,
+        ns,
+        machine,
+        &["Drained", "DrainForced", "DrainFailed"],
+    )
+    .await
+    .iter()
+    .filter_map(|e| {
+        let t = e.event_time.as_ref().map(|t| t.0)?;
+        Some((
+            t,
+            e.reason.clone().unwrap_or_default(),
+            e.note.clone().unwrap_or_default(),
+        ))
+    })
+    .collect()
+}
+
+fn first<'a>(evs: &'a [Ev], reason: &str, needle: &str) -> Option<&'a Ev> {
+    evs.iter()
+        .find(|(_, r, n)| r == reason && n.contains(needle))
+}
+
+fn log_of(evs: &[Ev]) -> String {
+    evs.iter()
+        .map(|(t, r, n)| format!("{t} {r}: {n}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+async fn plan_text(client: &Client, ns: &str, machine: &str) -> String {
+    berth::drain::live::plan_machine(client, ns, machine)
+        .await
+        .expect("plan")
+        .plan
+        .to_string()
+}
+
+fn assert_contains(text: &str, parts: &[&str]) {
+    for p in parts {
+        assert!(text.contains(p), "lacks {p:?}:\n{text}");
+    }
+}
+
+async fn delete_machine(client: &Client, ns: &str, name: &str) {
+    Api::<Machine>::namespaced(client.clone(), ns)
+        .delete(name, &DeleteParams::default())
+        .await
+        .expect("delete machine");
+}
+
+async fn gone(client: &Client, ns: &str, name: &str, within: Duration) {
+    wait::for_none(
+        Api::<Machine>::namespaced(client.clone(), ns),
+        within,
+        &format!("{name} gone"),
+        |m| m.name_any() == name,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// A PV pinned to `node` (`spec.local` and node affinity), pre-bound to
+/// claim `claim`, and the claim.
+async fn local_volume(client: &Client, ns: &str, pv: &str, claim: &str, node: &str) {
+    create(
+        Api::<PersistentVolume>::all(client.clone()),
+        json(serde_json::json!({
+            "metadata": {"name": pv},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadWriteOnce"],
+                "persistentVolumeReclaimPolicy": "Retain",
+                "storageClassName": "",
+                "claimRef": {"namespace": ns, "name": claim},
+                "local": {"path": "/mnt/disks/a"},
+                "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}
+                ]}]}}
+            }
+        })),
+    )
+    .await;
+    create(
+        Api::<PersistentVolumeClaim>::namespaced(client.clone(), ns),
+        json(serde_json::json!({
+            "metadata": {"name": claim},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "",
+                "volumeName": pv,
+                "resources": {"requests": {"storage": "1Gi"}}
+            }
+        })),
+    )
+    .await;
+}
+
+/// A bare pod on `node` that mounts `claim`.
+fn claim_pod(name: &str, node: &str, claim: &str) -> Pod {
+    json(serde_json::json!({
+        "metadata": {"name": name},
+        "spec": {
+            "nodeName": node,
+            "terminationGracePeriodSeconds": 1,
+            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": claim}}],
+            "containers": [{"name": "main", "image": "registry.invalid/app:1",
+                "volumeMounts": [{"name": "data", "mountPath": "/data"}]}]
+        }
+    }))
+}
+
+async fn running_pods(client: &Client, ns: &str, names: &[&str]) {
+    wait::until(
+        Api::<Pod>::namespaced(client.clone(), ns),
+        LONG,
+        &format!("pods {names:?} running"),
+        |ps| {
+            names.iter().all(|n| {
+                ps.iter().any(|p| {
+                    p.name_any() == *n
+                        && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+                })
+            })
+        },
+    )
+    .await
+    .expect("pods run");
+}
+
+async fn annotate<K>(api: Api<K>, name: &str)
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    api.patch(
+        name,
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"metadata": {"annotations": {ALLOW: "true"}}})),
+    )
+    .await
+    .expect("annotate");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attach_free_stateful_set_drains_without_waiting_for_a_timeout() {
+    let client = client().await;
+    let ns = "kinds-free";
+    support::namespace(&client, ns).await;
+    create(
+        Api::<CSIDriver>::all(client.clone()),
+        json(serde_json::json!({
+            "metadata": {"name": ATTACH_FREE_DRIVER},
+            "spec": {"attachRequired": false}
+        })),
+    )
+    .await;
+    let reattach_timeout = Duration::from_secs(300);
+    pool_class(
+        &client,
+        ns,
+        serde_json::json!({"volumeReattachTimeout": "5m"}),
+    )
+    .await;
+    let ctl = start_controller(&client, ns, ns).await;
+    let node_a = running_machine(&client, ns, "a", ns, false).await;
+    for i in 0..2 {
+        let mut pv = csi_pv(
+            &format!("{ns}-{i}"),
+            &format!("share-{i}"),
+            ns,
+            &format!("data-share-{i}"),
+        );
+        if let Some(csi) = pv.spec.as_mut().and_then(|s| s.csi.as_mut()) {
+            csi.driver = ATTACH_FREE_DRIVER.into();
+        }
+        create(Api::all(client.clone()), pv).await;
+    }
+    let mut sts = stateful_set("share", 2, 1);
+    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        spec.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
+    }
+    create(Api::<StatefulSet>::namespaced(client.clone(), ns), sts).await;
+    running_pods(&client, ns, &["share-0", "share-1"]).await;
+    let node_b = running_machine(&client, ns, "b", ns, false).await;
+
+    let plan = plan_text(&client, ns, "a").await;
+    eprintln!("{plan}");
+    assert_contains(
+        &plan,
+        &[
+            &format!(
+                "PV {ns}-0 (claim {ns}/data-share-0), attach-free: CSIDriver {ATTACH_FREE_DRIVER} has attachRequired: false"
+            ),
+            "no detach or attach: waits for the pod that uses the claim next to be Running and Ready on another Node",
+        ],
+    );
+    assert!(!plan.contains("detach ≤"), "nothing detaches: {plan}");
+
+    let started = std::time::Instant::now();
+    delete_machine(&client, ns, "a").await;
+    gone(&client, ns, "a", Duration::from_secs(90)).await;
+    let took = started.elapsed();
+    let evs = events(&client, ns, "a").await;
+    let log = log_of(&evs);
+    eprintln!("drain of {node_a} took {took:?}:\n{log}");
+    assert!(
+        took < reattach_timeout / 5,
+        "took {took:?}, far under the reattach timeout: {log}"
+    );
+    for i in 0..2 {
+        let pv = format!("{ns}-{i}");
+        let moved = first(&evs, "VolumeMoved", &pv).unwrap_or_else(|| panic!("{pv}: {log}"));
+        assert!(
+            moved.2.contains("attach-free PV") && moved.2.contains(&node_b),
+            "{pv} followed its pod to {node_b}: {}",
+            moved.2
+        );
+    }
+    assert!(first(&evs, "VolumeReattachTimeout", "").is_none(), "{log}");
+    assert!(first(&evs, "VolumeDetached", "").is_none(), "{log}");
+    let vas = Api::<VolumeAttachment>::all(client.clone())
+        .list(&Default::default())
+        .await
+        .expect("list");
+    assert!(
+        !vas.items
+            .iter()
+            .any(|va| va.spec.attacher == ATTACH_FREE_DRIVER),
+        "never attached"
+    );
+    ctl.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_volume_is_evicted_and_its_loss_named() {
+    let client = client().await;
+    let ns = "kinds-evict";
+    support::namespace(&client, ns).await;
+    pool_class(
+        &client,
+        ns,
+        serde_json::json!({"volumeReattachTimeout": "5m"}),
+    )
+    .await;
+    let ctl = start_controller(&client, ns, ns).await;
+    let node = running_machine(&client, ns, "a", ns, true).await;
+    let pv = format!("{ns}-local");
+    local_volume(&client, ns, &pv, "data", &node).await;
+    create(
+        Api::<Pod>::namespaced(client.clone(), ns),
+        claim_pod("db", &node, "data"),
+    )
+    .await;
+    running_pods(&client, ns, &["db"]).await;
+
+    let plan = plan_text(&client, ns, "a").await;
+    assert_contains(
+        &plan,
+        &[
+            "Node-local volumes: nodeLocalVolumes Evict",
+            &format!("PV {pv} (claim {ns}/data), node-local: local volume (spec.local)"),
+            "its data stays on this Node and is lost with the VM; evicted without any reattach wait",
+        ],
+    );
+
+    let started = std::time::Instant::now();
+    delete_machine(&client, ns, "a").await;
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    let held = wait::for_one(machines.clone(), LONG, "the data loss named", |m| {
+        m.name_any() == "a"
+            && condition(m, "NodeLocalVolumes")
+                .is_some_and(|c| c.status == "True" && c.reason == "DataLost")
+    })
+    .await
+    .expect("the NodeLocalVolumes condition");
+    let took = started.elapsed();
+    let cond = condition(&held, "NodeLocalVolumes").expect("condition");
+    assert!(
+        cond.message.contains(&format!("PV {pv} (pod {ns}/db)"))
+            && cond.message.contains("lost with the VM"),
+        "{}",
+        cond.message
+    );
+    assert!(took < Duration::from_secs(30), "no reattach wait: {took:?}");
+    let evs = events(&client, ns, "a").await;
+    let log = log_of(&evs);
+    let lost = first(&evs, "NodeLocalDataLost", &pv).unwrap_or_else(|| panic!("{log}"));
+    assert!(lost.2.contains("lost with the VM"), "{}", lost.2);
+    assert!(first(&evs, "VolumeReattachTimeout", "").is_none(), "{log}");
+    Api::<Machine>::namespaced(client.clone(), ns)
+        .patch(
+            "a",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"metadata": {"annotations": {HOOK: null}}})),
+        )
+        .await
+        .expect("release the hook");
+    gone(&client, ns, "a", LONG).await;
+    ctl.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn block_holds_a_local_volume_until_an_operator_allows_it() {
+    let client = client().await;
+    let ns = "kinds-block";
+    support::namespace(&client, ns).await;
+    pool_class(
+        &client,
+        ns,
+        serde_json::json!({"nodeLocalVolumes": "Block", "timeout": "10m"}),
+    )
+    .await;
+    let ctl = start_controller(&client, ns, ns).await;
+    let node = running_machine(&client, ns, "a", ns, false).await;
+    for (p, claim) in [("x", "data-x"), ("y", "data-y")] {
+        local_volume(&client, ns, &format!("{ns}-{p}"), claim, &node).await;
+        create(
+            Api::<Pod>::namespaced(client.clone(), ns),
+            claim_pod(p, &node, claim),
+        )
+        .await;
+    }
+    running_pods(&client, ns, &["x", "y"]).await;
+    let plan = plan_text(&client, ns, "a").await;
+    assert_contains(
+        &plan,
+        &[
+            "Node-local volumes: nodeLocalVolumes Block",
+            &format!("HELD: pod {ns}/x uses node-local PV {ns}-x"),
+            &format!("kubectl annotate pod -n {ns} x {ALLOW}=true"),
+        ],
+    );
+
+    delete_machine(&client, ns, "a").await;
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    let held = |pod: &'static str| {
+        move |m: &Machine| {
+            condition(m, "NodeLocalVolumes").is_some_and(|c| {
+                c.status == "False"
+                    && c.reason == "EvictionHeld"
+                    && c.message
+                        .contains(&format!("pod {ns}/{pod} uses node-local PV"))
+            })
+        }
+    };
+    let blocked_by = |m: &Machine| {
+        m.status
+            .as_ref()
+            .and_then(|s| s.drain.as_ref())
+            .and_then(|d| d.blocked_by.clone())
+            .unwrap_or_default()
+    };
+    let m = wait::for_one(machines.clone(), LONG, "x held", |m| {
+        held("x")(m) && !blocked_by(m).is_empty()
+    })
+    .await
+    .expect("the hold is a condition and in status.drain");
+    let blocked = blocked_by(&m);
+    assert!(blocked.contains(&format!("{ALLOW}=true")), "{blocked}");
+    let drained = condition(&m, "Drained").expect("Drained");
+    assert_eq!(drained.reason, "EvictionBlocked", "{drained:?}");
+    // Held is held: a few seconds on, both pods are still there.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    for p in ["x", "y"] {
+        let pod = pods.get(p).await.expect("still there");
+        assert!(pod.metadata.deletion_timestamp.is_none(), "{p} not evicted");
+    }
+
+    // The pod's annotation lets x go; y is then held.
+    annotate(pods.clone(), "x").await;
+    wait::for_one(machines.clone(), LONG, "y held", held("y"))
+        .await
+        .expect("y held next");
+    wait::for_none(pods.clone(), LONG, "x evicted", |p| p.name_any() == "x")
+        .await
+        .expect("x evicted");
+    assert!(pods.get_opt("y").await.expect("get").is_some());
+    // The Machine's annotation lets every pod go.
+    annotate(machines.clone(), "a").await;
+    gone(&client, ns, "a", LONG).await;
+    let evs = events(&client, ns, "a").await;
+    let log = log_of(&evs);
+    for p in ["x", "y"] {
+        assert!(
+            first(&evs, "NodeLocalEvictionHeld", &format!("{ns}/{p}")).is_some(),
+            "{log}"
+        );
+        assert!(
+            first(&evs, "NodeLocalEvictionAllowed", &format!("{ns}/{p}")).is_some(),
+            "{log}"
+        );
+        assert!(
+            first(&evs, "NodeLocalDataLost", &format!("{ns}-{p}")).is_some(),
+            "{log}"
+        );
+    }
+    ctl.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_volume_has_moved_only_once_attached_where_the_replacement_runs() {
+    let client = client().await;
+    let ns = "kinds-rwx";
+    let peers = "kinds-rwx-peers";
+    support::namespace(&client, ns).await;
+    pool_class(
+        &client,
+        ns,
+        serde_json::json!({"volumeReattachTimeout": "5m"}),
+    )
+    .await;
+    pool_class(&client, peers, serde_json::json!({})).await;
+    let ctl = start_controller(&client, ns, ns).await;
+    let node_a = running_machine(&client, ns, "a", ns, false).await;
+    let node_c = running_machine(&client, ns, "c", peers, false).await;
+    let pv = format!("{ns}-shared");
+    let mut volume = csi_pv(&pv, "vol-shared", ns, "shared");
+    if let Some(spec) = volume.spec.as_mut() {
+        spec.access_modes = Some(vec!["ReadWriteMany".into()]);
+    }
+    create(Api::all(client.clone()), volume).await;
+    create(
+        Api::<PersistentVolumeClaim>::namespaced(client.clone(), ns),
+        json(serde_json::json!({
+            "metadata": {"name": "shared"},
+            "spec": {
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "",
+                "volumeName": pv,
+                "resources": {"requests": {"storage": "1Gi"}}
+            }
+        })),
+    )
+    .await;
+    // A peer on C uses the volume all along; the StatefulSet's pod on A
+    // moves.
+    create(
+        Api::<Pod>::namespaced(client.clone(), ns),
+        claim_pod("peer", &node_c, "shared"),
+    )
+    .await;
+    let mut sts = stateful_set("app", 1, 1);
+    if let Some(spec) = sts.spec.as_mut() {
+        spec.volume_claim_templates = None;
+        if let Some(pod) = spec.template.spec.as_mut() {
+            pod.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
+            pod.volumes = Some(vec![json(serde_json::json!({
+                "name": "data", "persistentVolumeClaim": {"claimName": "shared"}
+            }))]);
+        }
+    }
+    create(Api::<StatefulSet>::namespaced(client.clone(), ns), sts).await;
+    running_pods(&client, ns, &["peer", "app-0"]).await;
+    let vas: Api<VolumeAttachment> = Api::all(client.clone());
+    wait::until(vas.clone(), LONG, "attached on A and C", |all| {
+        [&node_a, &node_c].iter().all(|n| {
+            all.iter().any(|va| {
+                va.spec.source.persistent_volume_name.as_deref() == Some(pv.as_str())
+                    && va.spec.node_name == **n
+                    && va.status.as_ref().is_some_and(|s| s.attached)
+            })
+        })
+    })
+    .await
+    .expect("the volume attaches on both Nodes");
+    let node_b = running_machine(&client, ns, "b", ns, false).await;
+    let plan = plan_text(&client, ns, "a").await;
+    assert_contains(
+        &plan,
+        &[
+            &format!(
+                "PV {pv} (claim {ns}/shared), attachable: csi.testbed.berth.dev has no CSIDriver object, so attach is required"
+            ),
+            &format!("attached to {node_a}, {node_c}"),
+            "last user: waits for detach, then for attach to another Node",
+        ],
+    );
+
+    delete_machine(&client, ns, "a").await;
+    gone(&client, ns, "a", Duration::from_secs(90)).await;
+    let evs = events(&client, ns, "a").await;
+    let log = log_of(&evs);
+    eprintln!("{log}");
+    let detached = first(&evs, "VolumeDetached", &pv).unwrap_or_else(|| panic!("{log}"));
+    let attached = first(&evs, "VolumeAttached", &pv).unwrap_or_else(|| panic!("{log}"));
+    assert!(
+        attached.2.contains(&format!(
+            "attached on Node {node_b}, where pod {ns}/app-0 runs"
+        )),
+        "the wait ends where the replacement runs, not on {node_c}: {}",
+        attached.2
+    );
+    assert!(detached.0 <= attached.0, "{log}");
+    // The attacher marks the attachment on B attached ATTACH_DELAY after
+    // it was created (whose timestamp is rounded down to the second): the
+    // wait cannot have ended before, whatever C had all along.
+    let on_b = vas
+        .list(&Default::default())
+        .await
+        .expect("list")
+        .items
+        .into_iter()
+        .find(|va| {
+            va.spec.source.persistent_volume_name.as_deref() == Some(pv.as_str())
+                && va.spec.node_name == node_b
+        })
+        .expect("the attachment on B");
+    let created = on_b.metadata.creation_timestamp.expect("created").0;
+    let earliest = created
+        .checked_add(k8s_openapi::jiff::SignedDuration::try_from(ATTACH_DELAY).expect("delay"))
+        .expect("in range");
+    assert!(
+        attached.0 >= earliest,
+        "the attachment on {node_c} did not end the wait: attached on B no earlier than {earliest}: {log}"
+    );
+    ctl.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_tree_volume_is_planned_under_its_migrated_csi_name() {
+    let client = client().await;
+    let ns = "kinds-intree";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({})).await;
+    let ctl = start_controller(&client, ns, ns).await;
+    let node = running_machine(&client, ns, "a", ns, false).await;
+    let pv = format!("{ns}-ebs");
+    create(
+        Api::<PersistentVolume>::all(client.clone()),
+        json(serde_json::json!({
+            "metadata": {"name": pv},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadWriteOnce"],
+                "persistentVolumeReclaimPolicy": "Retain",
+                "storageClassName": "",
+                "claimRef": {"namespace": ns, "name": "data"},
+                "awsElasticBlockStore": {"volumeID": "aws://us-east-1a/vol-0123456789abcdef0"}
+            }
+        })),
+    )
+    .await;
+    create(
+        Api::<PersistentVolumeClaim>::namespaced(client.clone(), ns),
+        json(serde_json::json!({
+            "metadata": {"name": "data"},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "",
+                "volumeName": pv,
+                "resources": {"requests": {"storage": "1Gi"}}
+            }
+        })),
+    )
+    .await;
+    create(
+        Api::<Pod>::namespaced(client.clone(), ns),
+        claim_pod("db", &node, "data"),
+    )
+    .await;
+    running_pods(&client, ns, &["db"]).await;
+    let plan = plan_text(&client, ns, "a").await;
+    assert_contains(
+        &plan,
+        &[&format!(
+            "PV {pv} (claim {ns}/data), attachable: in-tree awsElasticBlockStore migrated to CSI, ebs.csi.aws.com has no CSIDriver object, so attach is required; on the Node as kubernetes.io/csi/ebs.csi.aws.com^vol-0123456789abcdef0"
+        )],
+    );
+    ctl.stop().await;
+}

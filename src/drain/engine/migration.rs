@@ -119,9 +119,11 @@ impl<'a> Migration<'a> {
         if !self.pvs.is_empty() && !self.detached(evicted_at).await {
             return;
         }
+        // Off this Node: the pod is gone and its attachable volumes detached.
+        let left_at = std::time::Instant::now();
         let expected = self.replacement().await;
         if !expected.is_empty() {
-            self.moved(&expected).await;
+            self.moved(&expected, left_at).await;
         }
     }
 
@@ -399,7 +401,7 @@ impl<'a> Migration<'a> {
     /// with that pod Running and Ready on another Node. Woken by the
     /// tracker (VolumeAttachment and Node events) and by pod events; a
     /// warning when not in time.
-    async fn moved(&mut self, expected: &[&PlannedVolume]) {
+    async fn moved(&mut self, expected: &[&PlannedVolume], left_at: std::time::Instant) {
         let run = self.run;
         let keep: BTreeSet<&str> = expected
             .iter()
@@ -413,7 +415,6 @@ impl<'a> Migration<'a> {
             self.key
         );
         run.step(|p| p.waiting_for = Some(waiting));
-        let detached_at = std::time::Instant::now();
         let until = run.bounded(run.job.settings.volume_reattach_timeout);
         let uid = self.pod.uid.clone().unwrap_or_default();
         let none = BTreeSet::new();
@@ -452,14 +453,14 @@ impl<'a> Migration<'a> {
         };
         match outcome {
             Ok(moved) => {
-                let took = detached_at.elapsed().as_secs_f64();
+                let took = left_at.elapsed().as_secs_f64();
                 run.deps.metrics.volume_reattach_wait.observe(took);
                 for (v, m) in moved {
                     let (reason, how) = match v.class {
                         VolumeClass::AttachFree => (
                             "VolumeMoved",
                             format!(
-                                "pod {} is Running and Ready on Node {} (nothing to detach or attach)",
+                                "moved with pod {}, Running and Ready on Node {} (nothing to detach or attach)",
                                 fmt_key(&m.pod),
                                 m.node
                             ),

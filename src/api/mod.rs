@@ -197,7 +197,10 @@ pub struct MachineStatus {
     /// The Node that registered with this Machine's providerID.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_ref: Option<NodeReference>,
-    /// Conditions: Ready, NodeHealthy, Drained, VolumesDetached, VMDeleted.
+    /// Conditions: Ready, NodeHealthy, Drained, VolumesDetached, VMRequested,
+    /// NodeLocalVolumes (a drain moved or holds node-local data),
+    /// DrainSettings (what the drain of a Machine whose class cannot be
+    /// resolved uses).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
     /// The step the controller took last and how it went.

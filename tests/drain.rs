@@ -13,7 +13,7 @@ use berth::api::Machine;
 use berth::providers::fake::FakeProvider;
 use berth_devkit::testbed::fixtures::{csi_pv, stateful_set};
 use berth_devkit::testbed::stages::COMPLETE_AFTER_ANNOTATION;
-use berth_devkit::testbed::{Options, TestBed, wait};
+use berth_devkit::testbed::{TestBed, wait};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -21,88 +21,23 @@ use k8s_openapi::api::scheduling::v1::PriorityClass;
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
-use support::{LONG, class, machine, phase, start_controller};
-use tokio::sync::OnceCell;
+use support::pool::{
+    POOL, create, delayed_bed, events, first, json, log_of, on_node, pod_running, pool_class,
+    running_machine,
+};
+use support::{LONG, machine, phase, start_controller};
 
-const POOL: &str = "testbed.berth.dev/pool";
 const ATTACH_DELAY: Duration = Duration::from_millis(1500);
 const DETACH_DELAY: Duration = Duration::from_millis(1500);
 
 /// One control plane for this file, with slow enough attach/detach that an
 /// overlap would show.
 async fn client() -> Client {
-    support::init_logs();
     bed().await.client().await.expect("admin client")
 }
 
 async fn bed() -> &'static TestBed {
-    static BED: OnceCell<TestBed> = OnceCell::const_new();
-    BED.get_or_init(|| async {
-        let bed = TestBed::start(
-            Options::end_to_end()
-                .attach_delay(ATTACH_DELAY)
-                .detach_delay(DETACH_DELAY),
-        )
-        .await
-        .expect("the end-to-end test bed starts");
-        let client = bed.client().await.expect("client");
-        berth::api::install_crds(client, LONG)
-            .await
-            .expect("CRDs installed");
-        bed
-    })
-    .await
-}
-
-fn json<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> T {
-    serde_json::from_value(v).expect("valid object")
-}
-
-async fn create<K>(api: Api<K>, obj: K)
-where
-    K: kube::Resource<DynamicType = ()>
-        + Clone
-        + serde::Serialize
-        + serde::de::DeserializeOwned
-        + std::fmt::Debug,
-{
-    let name = obj.name_any();
-    berth_devkit::testbed::create_or_keep(api, obj)
-        .await
-        .unwrap_or_else(|e| panic!("create {name}: {e}"));
-}
-
-/// A pool of fake Machines: class `pool` whose Nodes carry the pool label.
-async fn pool_class(client: &Client, pool: &str, drain: serde_json::Value) {
-    let mut c = class(
-        pool,
-        "fake",
-        serde_json::json!({"nodeLabels": {POOL: pool}}),
-    );
-    c.spec.drain = Some(serde_json::from_value(drain).expect("drain settings"));
-    create(Api::all(client.clone()), c).await;
-}
-
-async fn running_machine(client: &Client, ns: &str, name: &str, class: &str) -> String {
-    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
-    machines
-        .create(&PostParams::default(), &machine(name, class))
-        .await
-        .expect("create machine");
-    wait::for_one(machines, LONG, "Machine Running", |m| {
-        m.name_any() == name && phase(m) == Some("Running")
-    })
-    .await
-    .expect("the Machine runs");
-    FakeProvider::node_name(ns, name)
-}
-
-fn on_node(p: &Pod, node: &str) -> bool {
-    p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)
-}
-
-fn running(p: &Pod) -> bool {
-    p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+    delayed_bed(ATTACH_DELAY, DETACH_DELAY).await
 }
 
 async fn priority_classes(client: &Client) {
@@ -133,41 +68,6 @@ async fn stateful(client: &Client, ns: &str, name: &str, replicas: i32, priority
         spec.priority_class_name = priority.map(String::from);
     }
     create(Api::namespaced(client.clone(), ns), sts).await;
-}
-
-/// Berth's Events about a Machine, oldest first: (time, reason, note),
-/// once its drain's last one is in.
-async fn events(
-    client: &Client,
-    ns: &str,
-    machine: &str,
-) -> Vec<(k8s_openapi::jiff::Timestamp, String, String)> {
-    support::events_until(
-        client,
-        ns,
-        machine,
-        &["Drained", "DrainForced", "DrainFailed"],
-    )
-    .await
-    .iter()
-    .filter_map(|e| {
-        let t = e.event_time.as_ref().map(|t| t.0)?;
-        Some((
-            t,
-            e.reason.clone().unwrap_or_default(),
-            e.note.clone().unwrap_or_default(),
-        ))
-    })
-    .collect()
-}
-
-fn first<'a>(
-    evs: &'a [(k8s_openapi::jiff::Timestamp, String, String)],
-    reason: &str,
-    needle: &str,
-) -> Option<&'a (k8s_openapi::jiff::Timestamp, String, String)> {
-    evs.iter()
-        .find(|(_, r, n)| r == reason && n.contains(needle))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -247,7 +147,9 @@ async fn a_node_is_drained_in_volume_aware_order() {
     wait::until(pods.clone(), LONG, "all pods running on A", |ps| {
         let count = |prefix: &str| {
             ps.iter()
-                .filter(|p| p.name_any().starts_with(prefix) && on_node(p, &node_a) && running(p))
+                .filter(|p| {
+                    p.name_any().starts_with(prefix) && on_node(p, &node_a) && pod_running(p)
+                })
                 .count()
         };
         count("cache-") == 1
@@ -324,11 +226,7 @@ async fn a_node_is_drained_in_volume_aware_order() {
     .expect("the deletion completes");
     let took = started.elapsed();
     let evs = events(&client, ns, "a").await;
-    let log: Vec<String> = evs
-        .iter()
-        .map(|(t, r, n)| format!("{t} {r}: {n}"))
-        .collect();
-    let log = log.join("\n");
+    let log = log_of(&evs);
     eprintln!("drain of a took {took:?}; events:\n{log}");
 
     // Stateful pods: evicted in the planned order, and each one's volume
@@ -507,11 +405,7 @@ async fn a_passed_deadline_force_deletes_what_a_pdb_holds() {
         started.elapsed()
     );
     let evs = events(&client, ns, "f").await;
-    let log: Vec<String> = evs
-        .iter()
-        .map(|(t, r, n)| format!("{t} {r}: {n}"))
-        .collect();
-    let log = log.join("\n");
+    let log = log_of(&evs);
     let blocked = first(&evs, "EvictionBlocked", "guarded").unwrap_or_else(|| panic!("{log}"));
     assert!(
         blocked.2.contains("misconfigured") && blocked.2.contains(&format!("{ns}/guard")),
@@ -627,7 +521,7 @@ async fn after_the_deadline_stateful_pods_still_move_one_at_a_time() {
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     wait::until(pods.clone(), LONG, "db running on s", |ps| {
         ps.iter()
-            .filter(|p| p.name_any().starts_with("db-") && on_node(p, &node) && running(p))
+            .filter(|p| p.name_any().starts_with("db-") && on_node(p, &node) && pod_running(p))
             .count()
             == 2
     })
@@ -673,11 +567,7 @@ async fn after_the_deadline_stateful_pods_still_move_one_at_a_time() {
     .await
     .expect("the deletion completes");
     let evs = events(&client, ns, "s").await;
-    let log: Vec<String> = evs
-        .iter()
-        .map(|(t, r, n)| format!("{t} {r}: {n}"))
-        .collect();
-    let log = log.join("\n");
+    let log = log_of(&evs);
     let forced_0 = first(&evs, "ForcedAtDeadline", &format!("{ns}/db-0"))
         .unwrap_or_else(|| panic!("db-0 forced: {log}"));
     let detached_0 = first(&evs, "VolumeDetached", &format!("{ns}-db-0"))
@@ -727,7 +617,7 @@ async fn a_pod_held_by_a_finalizer_is_reported_once_and_lets_the_machine_go() {
     )
     .await;
     wait::for_one(pods.clone(), LONG, "held running", |p| {
-        p.name_any() == "held" && running(p)
+        p.name_any() == "held" && pod_running(p)
     })
     .await
     .expect("the pod runs");
@@ -900,11 +790,7 @@ async fn a_claim_no_pod_needs_any_more_is_not_waited_for() {
         .expect("the drain does not wait 5m for a reattach nobody needs");
     let took = started.elapsed();
     let evs = events(&client, ns, "o").await;
-    let log: Vec<String> = evs
-        .iter()
-        .map(|(t, r, n)| format!("{t} {r}: {n}"))
-        .collect();
-    let log = log.join("\n");
+    let log = log_of(&evs);
     assert!(first(&evs, "VolumeDetached", &pv).is_some(), "{log}");
     assert!(first(&evs, "NoReplacement", &pv).is_some(), "{log}");
     assert!(
@@ -1021,11 +907,7 @@ async fn a_controlled_pod_whose_replacement_comes_late_is_still_waited_for() {
         .await
         .expect("the drain ends once the volume attached on the new Node");
     let evs = events(&client, ns, "old").await;
-    let log: Vec<String> = evs
-        .iter()
-        .map(|(t, r, n)| format!("{t} {r}: {n}"))
-        .collect();
-    let log = log.join("\n");
+    let log = log_of(&evs);
     assert!(first(&evs, "NoReplacement", "").is_none(), "{log}");
     let attached = first(&evs, "VolumeAttached", &pv).expect("a VolumeAttached Event");
     assert!(attached.2.contains(&new), "{log}");
@@ -1188,11 +1070,7 @@ async fn two_replicas_on(client: &Client, ns: &str, node: &str, grace: i64) {
 /// only after db-0's volume detached and attached elsewhere.
 async fn each_evicted_once_and_db_1_after_db_0_moved(client: &Client, ns: &str) {
     let evs = events(client, ns, "a").await;
-    let log: Vec<String> = evs
-        .iter()
-        .map(|(t, r, n)| format!("{t} {r}: {n}"))
-        .collect();
-    let log = log.join("\n");
+    let log = log_of(&evs);
     let evicted: Vec<&str> = evs
         .iter()
         .filter(|(_, r, _)| r == "Evicted")
@@ -1306,11 +1184,7 @@ async fn a_replacement_that_cannot_be_placed_holds_back_its_workload_only() {
     .await
     .expect("the drain completes once the replacements are placed");
     let evs = events(&client, ns, "a").await;
-    let log: Vec<String> = evs
-        .iter()
-        .map(|(t, r, n)| format!("{t} {r}: {n}"))
-        .collect();
-    let log = log.join("\n");
+    let log = log_of(&evs);
     let pv0 = format!("{ns}-db-0");
     let attached = first(&evs, "VolumeAttached", &pv0).unwrap_or_else(|| panic!("{log}"));
     let next = first(&evs, "Evicted", &format!("{ns}/db-1")).unwrap_or_else(|| panic!("{log}"));
@@ -1360,7 +1234,7 @@ async fn a_pod_scheduled_back_onto_the_draining_node_is_not_evicted_in_a_loop() 
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     wait::until(pods.clone(), LONG, "sticky running on a", |ps| {
         ps.iter()
-            .any(|p| p.name_any().starts_with("sticky-") && on_node(p, &node) && running(p))
+            .any(|p| p.name_any().starts_with("sticky-") && on_node(p, &node) && pod_running(p))
     })
     .await
     .expect("the pod runs");
@@ -1376,11 +1250,7 @@ async fn a_pod_scheduled_back_onto_the_draining_node_is_not_evicted_in_a_loop() 
     .await
     .expect("the drain ends although the pod came back");
     let evs = events(&client, ns, "a").await;
-    let log: Vec<String> = evs
-        .iter()
-        .map(|(t, r, n)| format!("{t} {r}: {n}"))
-        .collect();
-    let log = log.join("\n");
+    let log = log_of(&evs);
     let evicted = evs
         .iter()
         .filter(|(_, r, n)| r == "Evicted" && n.contains("sticky-"))
@@ -1505,7 +1375,7 @@ async fn a_machine_whose_node_object_is_gone_is_still_drained_before_its_vm_goes
     )
     .await;
     wait::for_one(pods.clone(), LONG, "app running", |p| {
-        p.name_any() == "app" && running(p)
+        p.name_any() == "app" && pod_running(p)
     })
     .await
     .expect("the pod runs");
@@ -1537,11 +1407,7 @@ async fn a_machine_whose_node_object_is_gone_is_still_drained_before_its_vm_goes
     .await
     .expect("the deletion completes");
     let evs = events(&client, ns, "a").await;
-    let log: Vec<String> = evs
-        .iter()
-        .map(|(t, r, n)| format!("{t} {r}: {n}"))
-        .collect();
-    let log = log.join("\n");
+    let log = log_of(&evs);
     let gone = first(&evs, "NodeGone", &node).unwrap_or_else(|| panic!("{log}"));
     let evicted = first(&evs, "Evicted", &format!("{ns}/app")).unwrap_or_else(|| panic!("{log}"));
     let vm = first(&evs, "DeleteVmAndNode", "VM deleted").unwrap_or_else(|| panic!("{log}"));

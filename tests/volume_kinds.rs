@@ -9,18 +9,16 @@ mod support;
 use std::time::Duration;
 
 use berth::api::Machine;
-use berth::providers::fake::FakeProvider;
 use berth_devkit::testbed::fixtures::{csi_pv, stateful_set};
-use berth_devkit::testbed::{Options, TestBed, wait};
+use berth_devkit::testbed::wait;
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
-use support::{LONG, class, condition, machine, phase, start_controller};
-use tokio::sync::OnceCell;
+use support::pool::{POOL, create, delayed_bed, events, first, json, log_of, pool_class};
+use support::{LONG, condition, machine, start_controller};
 
-const POOL: &str = "testbed.berth.dev/pool";
 const ATTACH_DELAY: Duration = Duration::from_secs(3);
 const DETACH_DELAY: Duration = Duration::from_secs(1);
 /// A driver whose CSIDriver says `attachRequired: false`: the
@@ -30,59 +28,16 @@ const ALLOW: &str = "berth.dev/allow-node-local-data-loss";
 const HOOK: &str = "pre-terminate.delete.hook.berth.dev/test";
 
 async fn client() -> Client {
-    static BED: OnceCell<TestBed> = OnceCell::const_new();
-    support::init_logs();
-    let bed = BED
-        .get_or_init(|| async {
-            let bed = TestBed::start(
-                Options::end_to_end()
-                    .attach_delay(ATTACH_DELAY)
-                    .detach_delay(DETACH_DELAY),
-            )
-            .await
-            .expect("the end-to-end test bed starts");
-            let client = bed.client().await.expect("client");
-            berth::api::install_crds(client, LONG)
-                .await
-                .expect("CRDs installed");
-            bed
-        })
-        .await;
-    bed.client().await.expect("admin client")
-}
-
-fn json<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> T {
-    serde_json::from_value(v).expect("valid object")
-}
-
-async fn create<K>(api: Api<K>, obj: K)
-where
-    K: kube::Resource<DynamicType = ()>
-        + Clone
-        + serde::Serialize
-        + serde::de::DeserializeOwned
-        + std::fmt::Debug,
-{
-    let name = obj.name_any();
-    berth_devkit::testbed::create_or_keep(api, obj)
+    delayed_bed(ATTACH_DELAY, DETACH_DELAY)
         .await
-        .unwrap_or_else(|e| panic!("create {name}: {e}"));
-}
-
-async fn pool_class(client: &Client, pool: &str, drain: serde_json::Value) {
-    let mut c = class(
-        pool,
-        "fake",
-        serde_json::json!({"nodeLabels": {POOL: pool}}),
-    );
-    c.spec.drain = Some(serde_json::from_value(drain).expect("drain settings"));
-    create(Api::all(client.clone()), c).await;
+        .client()
+        .await
+        .expect("admin client")
 }
 
 /// A Running Machine of `class`, optionally held after its drain by a
 /// pre-terminate hook (so that its conditions can be read).
 async fn running_machine(client: &Client, ns: &str, name: &str, class: &str, hold: bool) -> String {
-    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     let mut m = machine(name, class);
     if hold {
         m.metadata
@@ -90,50 +45,7 @@ async fn running_machine(client: &Client, ns: &str, name: &str, class: &str, hol
             .get_or_insert_default()
             .insert(HOOK.into(), "true".into());
     }
-    machines
-        .create(&PostParams::default(), &m)
-        .await
-        .expect("create machine");
-    wait::for_one(machines, LONG, "Machine Running", |m| {
-        m.name_any() == name && phase(m) == Some("Running")
-    })
-    .await
-    .expect("the Machine runs");
-    FakeProvider::node_name(ns, name)
-}
-
-type Ev = (k8s_openapi::jiff::Timestamp, String, String);
-
-async fn events(client: &Client, ns: &str, machine: &str) -> Vec<Ev> {
-    support::events_until(
-        client,
-        ns,
-        machine,
-        &["Drained", "DrainForced", "DrainFailed"],
-    )
-    .await
-    .iter()
-    .filter_map(|e| {
-        let t = e.event_time.as_ref().map(|t| t.0)?;
-        Some((
-            t,
-            e.reason.clone().unwrap_or_default(),
-            e.note.clone().unwrap_or_default(),
-        ))
-    })
-    .collect()
-}
-
-fn first<'a>(evs: &'a [Ev], reason: &str, needle: &str) -> Option<&'a Ev> {
-    evs.iter()
-        .find(|(_, r, n)| r == reason && n.contains(needle))
-}
-
-fn log_of(evs: &[Ev]) -> String {
-    evs.iter()
-        .map(|(t, r, n)| format!("{t} {r}: {n}"))
-        .collect::<Vec<_>>()
-        .join("\n")
+    support::pool::running(client, ns, m).await
 }
 
 async fn plan_text(client: &Client, ns: &str, machine: &str) -> String {

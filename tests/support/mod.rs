@@ -1,6 +1,7 @@
 //! Shared set-up for tests that run the controller against the test bed.
 #![allow(dead_code)]
 
+pub mod pool;
 pub mod process;
 
 use std::sync::Arc;

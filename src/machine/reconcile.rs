@@ -26,7 +26,8 @@ use super::decide::{
 };
 use super::record::{
     CreationContext, DeletionOutcome, DrainView, StepRecord, Unresolved, VmAnswer, creation_record,
-    deletion_record, unresolved_record, vm_answer_record, with_settings_condition,
+    deletion_record, settings_message, unresolved_record, vm_answer_record,
+    with_settings_condition,
 };
 use super::status::{State, condition, next_status};
 use super::write::{StatusWrite, write_status};
@@ -864,17 +865,13 @@ async fn cleanup_step(
             if let Some(gone) = &node_gone
                 && !ctx.drainer.knows(&ObjectRef::from_obj(m))
             {
-                ctx.events.publish(
-                    Event {
-                        type_: EventType::Warning,
-                        reason: "NodeGone".into(),
-                        note: Some(format!(
-                            "the Node object {gone} is gone while its VM may still run: draining its pods by spec.nodeName; the VM is deleted after"
-                        )),
-                        action: "Drain".into(),
-                        secondary: None,
-                    },
-                    m.object_ref(&()),
+                warn(
+                    ctx,
+                    m,
+                    "NodeGone",
+                    format!(
+                        "the Node object {gone} is gone while its VM may still run: draining its pods by spec.nodeName; the VM is deleted after"
+                    ),
                 );
             }
             let progress = ctx.drainer.ensure(job, !pods.is_empty());
@@ -890,22 +887,11 @@ async fn cleanup_step(
             if let Some(why) = unresolved
                 && !was_false
             {
-                ctx.events.publish(
-                    Event {
-                        type_: EventType::Warning,
-                        reason: "DrainSettingsFromMachine".into(),
-                        note: Some(truncate(
-                            &format!(
-                                "{}: the drain uses the Machine's own spec.drain and built-in defaults for the rest ({})",
-                                why.message,
-                                describe(&settings)
-                            ),
-                            1000,
-                        )),
-                        action: "Drain".into(),
-                        secondary: None,
-                    },
-                    m.object_ref(&()),
+                warn(
+                    ctx,
+                    m,
+                    "DrainSettingsFromMachine",
+                    settings_message(why, &describe(&settings)),
                 );
             }
             // The engine's progress writes and its end wake this Machine;
@@ -937,6 +923,21 @@ async fn cleanup_step(
                 .into()
         }
     })
+}
+
+/// Publishes a Warning Event about the Machine, in the background (an
+/// Event never holds up a step).
+fn warn(ctx: &Context, m: &Machine, reason: &str, note: String) {
+    ctx.events.publish(
+        Event {
+            type_: EventType::Warning,
+            reason: reason.into(),
+            note: Some(truncate(&note, 1000)),
+            action: "Drain".into(),
+            secondary: None,
+        },
+        m.object_ref(&()),
+    );
 }
 
 /// The drain settings an operator checks first, in words.

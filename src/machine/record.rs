@@ -93,10 +93,7 @@ pub(crate) fn with_settings_condition(
             DRAIN_SETTINGS,
             false,
             why.reason,
-            format!(
-                "{}: the drain uses the Machine's own spec.drain and built-in defaults for the rest ({uses})",
-                why.message
-            ),
+            settings_message(why, uses),
         ),
         None if was_false => rec.condition(
             DRAIN_SETTINGS,
@@ -106,6 +103,15 @@ pub(crate) fn with_settings_condition(
         ),
         None => rec,
     }
+}
+
+/// What the drain of a Machine whose class cannot be resolved (`why`)
+/// uses instead (`uses`), for the condition and the Warning.
+pub(crate) fn settings_message(why: &Unresolved, uses: &str) -> String {
+    format!(
+        "{}: the drain uses the Machine's own spec.drain and built-in defaults for the rest ({uses})",
+        why.message
+    )
 }
 
 /// Why a Machine's class, provider or settings cannot be used.

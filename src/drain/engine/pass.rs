@@ -53,6 +53,7 @@ pub(super) async fn run(
     let in_progress = GaugeHold::new(&deps.metrics.drains_in_progress);
     let started = std::time::Instant::now();
     let r = Run::new(Arc::clone(&deps), job, progress, flushed, data_loss_allowed);
+    r.announce_resumed();
     let outcome = r.passes().await;
     drop(in_progress);
     deps.metrics

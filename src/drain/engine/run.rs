@@ -570,6 +570,36 @@ impl Run {
         resumed
     }
 
+    /// Names, once when a drain starts, each move an earlier run recorded
+    /// whose pod already left or is leaving: a controller stopped between
+    /// an eviction and its Event (killed, or stopped while the request was
+    /// in flight) leaves no Evicted Event for that pod, and this says what
+    /// the resumed drain found instead.
+    pub(super) fn announce_resumed(&self) {
+        let moves: Vec<VolumeMove> = self.progress.borrow().moves.values().cloned().collect();
+        for m in moves {
+            let Some((ns, name)) = m.pod.split_once('/') else {
+                continue;
+            };
+            let key = (ns.to_string(), name.to_string());
+            let state = match self.pod(&key, m.uid.as_deref()) {
+                None => "gone",
+                Some(p) if p.metadata.deletion_timestamp.is_some() => "terminating",
+                Some(_) => continue,
+            };
+            self.event(
+                EventType::Normal,
+                "MoveResumed",
+                format!(
+                    "resuming the move of pod {}'s volumes ({}) recorded by an earlier run: the pod is {state}",
+                    m.pod,
+                    m.volumes.join(", ")
+                ),
+                Some(pod_ref_key(&key)),
+            );
+        }
+    }
+
     /// The volumes of `moves`, as [`DetachingVolume`]s, added to `leftover`
     /// (each PV once).
     pub(super) fn with_moved_volumes(
@@ -631,35 +661,29 @@ impl Run {
         let Ok(mut stuck) = self.stuck.lock() else {
             return Vec::new();
         };
-        let held: Vec<(String, VolumeMove)> =
-            stuck.iter().map(|(c, m)| (c.clone(), m.clone())).collect();
-        let mut placed = Vec::new();
-        for (controller, m) in held {
-            let still = self.claims_of(&m).iter().any(|c| {
-                self.unschedulable_replacement(c, m.uid.as_deref().unwrap_or(""))
-                    .is_some()
-            });
-            if !still || self.expired() {
-                stuck.remove(&controller);
-                placed.push(m);
-            }
-        }
-        placed
+        let expired = self.expired();
+        let placed: Vec<String> = stuck
+            .iter()
+            .filter(|(_, m)| expired || !self.unplaced(m))
+            .map(|(c, _)| c.clone())
+            .collect();
+        placed.iter().filter_map(|c| stuck.remove(c)).collect()
     }
 
     /// Whether any held workload's replacement was placed.
     pub(super) fn any_placed(&self) -> bool {
-        let held: Vec<VolumeMove> = self
-            .stuck
+        self.stuck
             .lock()
-            .map(|s| s.values().cloned().collect())
-            .unwrap_or_default();
-        held.iter().any(|m| {
-            self.claims_of(m).iter().all(|c| {
-                self.unschedulable_replacement(c, m.uid.as_deref().unwrap_or(""))
-                    .is_none()
-            })
-        })
+            .is_ok_and(|s| s.values().any(|m| !self.unplaced(m)))
+    }
+
+    /// Whether the scheduler still cannot place the replacement of the pod
+    /// `m` moved.
+    fn unplaced(&self, m: &VolumeMove) -> bool {
+        let uid = m.uid.as_deref().unwrap_or("");
+        self.claims_of(m)
+            .iter()
+            .any(|c| self.unschedulable_replacement(c, uid).is_some())
     }
 
     /// The claims of the PVs of a move, from their `claimRef`.

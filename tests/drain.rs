@@ -21,6 +21,7 @@ use k8s_openapi::api::scheduling::v1::PriorityClass;
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
+use support::audit::{assert_no_request_loop, controller, controller_client};
 use support::pool::{
     POOL, create, delayed_bed, events, first, json, log_of, on_node, pod_running, pool_class,
     running_machine,
@@ -38,6 +39,17 @@ async fn client() -> Client {
 
 async fn bed() -> &'static TestBed {
     delayed_bed(ATTACH_DELAY, DETACH_DELAY).await
+}
+
+/// The controller for the case in `ns`, running as its own identity so the
+/// audit log shows its requests.
+async fn start(ns: &str, instance: &str) -> support::Running {
+    start_controller(&controller_client(bed().await).await, ns, instance).await
+}
+
+/// Ends the case in `ns`: no request loop (see `PEAK_10S_CEILING`).
+async fn calm(case: &str, ns: &str) {
+    assert_no_request_loop(bed().await, case, ns);
 }
 
 async fn priority_classes(client: &Client) {
@@ -77,7 +89,7 @@ async fn a_node_is_drained_in_volume_aware_order() {
     support::namespace(&client, ns).await;
     priority_classes(&client).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = start_controller(&client, ns, "drain-main").await;
+    let ctl = start(ns, "drain-main").await;
     let node_a = running_machine(&client, ns, "a", ns).await;
 
     // Stateful: `cache` (high priority) and `db` (3 replicas, low priority).
@@ -334,6 +346,7 @@ async fn a_node_is_drained_in_volume_aware_order() {
         .collect();
     assert_eq!(on_b.len(), 4, "{on_b:?}");
     assert!(on_b.values().all(|n| *n == node_b), "{on_b:?}");
+    calm("a_node_is_drained_in_volume_aware_order", ns).await;
     ctl.stop().await;
 }
 
@@ -386,7 +399,7 @@ async fn a_passed_deadline_force_deletes_what_a_pdb_holds() {
         serde_json::json!({"timeout": "12s", "forceAfterDeadline": true}),
     )
     .await;
-    let ctl = start_controller(&client, ns, "drain-force").await;
+    let ctl = start(ns, "drain-force").await;
     let node = running_machine(&client, ns, "f", ns).await;
     guarded_pod(&client, ns, &node).await;
 
@@ -422,6 +435,7 @@ async fn a_passed_deadline_force_deletes_what_a_pdb_holds() {
             .expect("get")
             .is_none()
     );
+    calm("a_passed_deadline_force_deletes_what_a_pdb_holds", ns).await;
     ctl.stop().await;
 }
 
@@ -439,7 +453,7 @@ async fn at_the_deadline_a_pod_is_deleted_with_its_whole_grace_period() {
         serde_json::json!({"timeout": "14s", "forceAfterDeadline": true}),
     )
     .await;
-    let ctl = start_controller(&client, ns, "drain-grace").await;
+    let ctl = start(ns, "drain-grace").await;
     let node = running_machine(&client, ns, "g", ns).await;
     guarded_pod_with_grace(&client, ns, &node, 6).await;
 
@@ -498,6 +512,11 @@ async fn at_the_deadline_a_pod_is_deleted_with_its_whole_grace_period() {
         first(&evs, "ForcedAtDeadline", &format!("{ns}/guarded")).is_some(),
         "{evs:?}"
     );
+    calm(
+        "at_the_deadline_a_pod_is_deleted_with_its_whole_grace_period",
+        ns,
+    )
+    .await;
     ctl.stop().await;
 }
 
@@ -515,7 +534,7 @@ async fn after_the_deadline_stateful_pods_still_move_one_at_a_time() {
         serde_json::json!({"timeout": "8s", "forceAfterDeadline": true}),
     )
     .await;
-    let ctl = start_controller(&client, ns, "drain-after").await;
+    let ctl = start(ns, "drain-after").await;
     let node = running_machine(&client, ns, "s", ns).await;
     stateful(&client, ns, "db", 2, None).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
@@ -582,6 +601,11 @@ async fn after_the_deadline_stateful_pods_still_move_one_at_a_time() {
         first(&evs, "VolumeDetached", &format!("{ns}-db-1")).is_some(),
         "the last volume's detach is waited for before the VM goes:\n{log}"
     );
+    calm(
+        "after_the_deadline_stateful_pods_still_move_one_at_a_time",
+        ns,
+    )
+    .await;
     ctl.stop().await;
 }
 
@@ -601,7 +625,7 @@ async fn a_pod_held_by_a_finalizer_is_reported_once_and_lets_the_machine_go() {
         serde_json::json!({"timeout": "10s", "forceAfterDeadline": true}),
     )
     .await;
-    let ctl = start_controller(&client, ns, "drain-held").await;
+    let ctl = start(ns, "drain-held").await;
     let node = running_machine(&client, ns, "h", ns).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     create(
@@ -616,11 +640,31 @@ async fn a_pod_held_by_a_finalizer_is_reported_once_and_lets_the_machine_go() {
         })),
     )
     .await;
+    // And a finished pod a finalizer holds: deleted once, not every pass.
+    create(
+        pods.clone(),
+        json::<Pod>(serde_json::json!({
+            "metadata": {"name": "done", "finalizers": [FINALIZER],
+                "annotations": {COMPLETE_AFTER_ANNOTATION: "0s"}},
+            "spec": {
+                "nodeName": node,
+                "terminationGracePeriodSeconds": 2,
+                "containers": [{"name": "main", "image": "registry.invalid/app:1"}]
+            }
+        })),
+    )
+    .await;
     wait::for_one(pods.clone(), LONG, "held running", |p| {
         p.name_any() == "held" && pod_running(p)
     })
     .await
     .expect("the pod runs");
+    wait::for_one(pods.clone(), LONG, "done finished", |p| {
+        p.name_any() == "done"
+            && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Succeeded")
+    })
+    .await
+    .expect("the pod finishes");
 
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     let started = std::time::Instant::now();
@@ -652,23 +696,36 @@ async fn a_pod_held_by_a_finalizer_is_reported_once_and_lets_the_machine_go() {
     let evs = events(&client, ns, "h").await;
     let held: Vec<_> = evs
         .iter()
-        .filter(|(_, r, _)| r == "PodHeldByFinalizer")
+        .filter(|(_, r, n)| r == "PodHeldByFinalizer" && n.contains(&format!("{ns}/held")))
         .collect();
     assert_eq!(held.len(), 1, "reported once: {evs:?}");
     assert!(held[0].2.contains(FINALIZER), "{held:?}");
-    let pod = pods.get("held").await.expect("the pod is still there");
-    assert_eq!(
-        pod.metadata.finalizers.as_deref(),
-        Some(&[FINALIZER.to_string()][..]),
-        "berth leaves other controllers' finalizers alone"
-    );
-    pods.patch(
-        "held",
-        &kube::api::PatchParams::default(),
-        &kube::api::Patch::Merge(serde_json::json!({"metadata": {"finalizers": null}})),
+    for name in ["held", "done"] {
+        let pod = pods.get(name).await.expect("the pod is still there");
+        assert_eq!(
+            pod.metadata.finalizers.as_deref(),
+            Some(&[FINALIZER.to_string()][..]),
+            "berth leaves other controllers' finalizers alone"
+        );
+        assert!(pod.metadata.deletion_timestamp.is_some(), "{name} deleted");
+        pods.patch(
+            name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"metadata": {"finalizers": null}})),
+        )
+        .await
+        .expect("release the pod");
+    }
+    let deletes = support::audit::requests(bed().await, ns)
+        .iter()
+        .filter(|r| r.verb == "delete" && r.resource == "pods" && r.name.as_deref() == Some("done"))
+        .count();
+    assert_eq!(deletes, 1, "the finished pod is deleted once");
+    calm(
+        "a_pod_held_by_a_finalizer_is_reported_once_and_lets_the_machine_go",
+        ns,
     )
-    .await
-    .expect("release the pod");
+    .await;
     ctl.stop().await;
 }
 
@@ -683,7 +740,7 @@ async fn without_forcing_a_passed_deadline_fails_the_drain_until_the_pdb_is_rela
         serde_json::json!({"timeout": "8s", "forceAfterDeadline": false}),
     )
     .await;
-    let ctl = start_controller(&client, ns, "drain-noforce").await;
+    let ctl = start(ns, "drain-noforce").await;
     let node = running_machine(&client, ns, "n", ns).await;
     guarded_pod(&client, ns, &node).await;
 
@@ -733,6 +790,11 @@ async fn without_forcing_a_passed_deadline_fails_the_drain_until_the_pdb_is_rela
     })
     .await
     .expect("the retried drain completes");
+    calm(
+        "without_forcing_a_passed_deadline_fails_the_drain_until_the_pdb_is_relaxed",
+        ns,
+    )
+    .await;
     ctl.stop().await;
 }
 
@@ -747,7 +809,7 @@ async fn a_claim_no_pod_needs_any_more_is_not_waited_for() {
         serde_json::json!({"volumeReattachTimeout": "5m"}),
     )
     .await;
-    let ctl = start_controller(&client, ns, "drain-orphan").await;
+    let ctl = start(ns, "drain-orphan").await;
     let node = running_machine(&client, ns, "o", ns).await;
     let pv = format!("{ns}-pv");
     claim_and_volume(&client, ns, &pv).await;
@@ -798,6 +860,7 @@ async fn a_claim_no_pod_needs_any_more_is_not_waited_for() {
         "no reattach wait: {log}"
     );
     assert!(took < Duration::from_secs(45), "took {took:?}: {log}");
+    calm("a_claim_no_pod_needs_any_more_is_not_waited_for", ns).await;
     ctl.stop().await;
 }
 
@@ -846,7 +909,7 @@ async fn a_controlled_pod_whose_replacement_comes_late_is_still_waited_for() {
     let ns = "drain-late";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = start_controller(&client, ns, "drain-late").await;
+    let ctl = start(ns, "drain-late").await;
     let old = running_machine(&client, ns, "old", ns).await;
     let new = running_machine(&client, ns, "new", ns).await;
     let pv = format!("{ns}-pv");
@@ -913,6 +976,11 @@ async fn a_controlled_pod_whose_replacement_comes_late_is_still_waited_for() {
     assert!(attached.2.contains(&new), "{log}");
     let drained = first(&evs, "Drained", "").expect("a Drained Event");
     assert!(drained.0 >= attached.0, "{log}");
+    calm(
+        "a_controlled_pod_whose_replacement_comes_late_is_still_waited_for",
+        ns,
+    )
+    .await;
     ctl.stop().await;
 }
 
@@ -922,7 +990,7 @@ async fn a_restart_mid_drain_never_evicts_while_a_volume_is_detaching() {
     let ns = "drain-restart";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = start_controller(&client, ns, "restart-1").await;
+    let ctl = start(ns, "restart-1").await;
     let node_a = running_machine(&client, ns, "a", ns).await;
     // Two replicas that take 6 s to stop: the first is still terminating
     // (its volume still attached) when the controller restarts.
@@ -941,7 +1009,7 @@ async fn a_restart_mid_drain_never_evicts_while_a_volume_is_detaching() {
     .expect("the first eviction");
     // Restart while db-0 terminates and its volume is attached to A.
     ctl.stop().await;
-    let ctl = start_controller(&client, ns, "restart-2").await;
+    let ctl = start(ns, "restart-2").await;
     wait::for_none(machines, Duration::from_secs(180), "a gone", |m| {
         m.name_any() == "a"
     })
@@ -949,6 +1017,11 @@ async fn a_restart_mid_drain_never_evicts_while_a_volume_is_detaching() {
     .expect("the resumed drain completes");
 
     each_evicted_once_and_db_1_after_db_0_moved(&client, ns).await;
+    calm(
+        "a_restart_mid_drain_never_evicts_while_a_volume_is_detaching",
+        ns,
+    )
+    .await;
     ctl.stop().await;
 }
 
@@ -965,7 +1038,7 @@ async fn a_killed_controller_resumes_a_volume_move_wherever_it_stopped() {
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
     let flags = ["--namespace", ns, "--leader-elect=false"];
-    let kubeconfig = bed().await.kubeconfig_path();
+    let kubeconfig = &controller(bed().await).await.kubeconfig;
     let mut berth = Berth::spawn(kubeconfig, &flags);
     let node_a = running_machine(&client, ns, "a", ns).await;
     // Two replicas that take 4 s to stop: time to kill the controller after
@@ -1028,6 +1101,11 @@ async fn a_killed_controller_resumes_a_volume_move_wherever_it_stopped() {
     .await
     .expect("the resumed drain completes");
     each_evicted_once_and_db_1_after_db_0_moved(&client, ns).await;
+    calm(
+        "a_killed_controller_resumes_a_volume_move_wherever_it_stopped",
+        ns,
+    )
+    .await;
     berth.terminate().await;
 }
 
@@ -1116,7 +1194,7 @@ async fn a_replacement_that_cannot_be_placed_holds_back_its_workload_only() {
         serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "5m"}),
     )
     .await;
-    let ctl = start_controller(&client, ns, "drain-unplaced").await;
+    let ctl = start(ns, "drain-unplaced").await;
     let node_a = running_machine(&client, ns, "a", ns).await;
     stateful(&client, ns, "db", 2, None).await;
     stateful(&client, ns, "solo", 1, None).await;
@@ -1203,6 +1281,11 @@ async fn a_replacement_that_cannot_be_placed_holds_back_its_workload_only() {
         first(&evs, "ReplacementUnschedulable", &format!("{ns}/db-0")).is_some(),
         "{log}"
     );
+    calm(
+        "a_replacement_that_cannot_be_placed_holds_back_its_workload_only",
+        ns,
+    )
+    .await;
     ctl.stop().await;
 }
 
@@ -1214,7 +1297,7 @@ async fn a_pod_scheduled_back_onto_the_draining_node_is_not_evicted_in_a_loop() 
     let ns = "drain-back";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = start_controller(&client, ns, "drain-back").await;
+    let ctl = start(ns, "drain-back").await;
     let node = running_machine(&client, ns, "a", ns).await;
     create(
         Api::namespaced(client.clone(), ns),
@@ -1266,6 +1349,11 @@ async fn a_pod_scheduled_back_onto_the_draining_node_is_not_evicted_in_a_loop() 
     let returned: Vec<_> = evs.iter().filter(|(_, r, _)| r == "PodReturned").collect();
     assert_eq!(returned.len(), 1, "reported once: {log}");
     assert!(returned[0].2.contains("tolerates the cordon"), "{log}");
+    calm(
+        "a_pod_scheduled_back_onto_the_draining_node_is_not_evicted_in_a_loop",
+        ns,
+    )
+    .await;
     ctl.stop().await;
 }
 
@@ -1279,7 +1367,7 @@ async fn a_machine_whose_class_is_gone_keeps_its_own_drain_settings() {
     let ns = "drain-noclass";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = start_controller(&client, ns, "drain-noclass").await;
+    let ctl = start(ns, "drain-noclass").await;
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     let mut m = machine("k", ns);
     m.spec.drain = Some(json(
@@ -1354,6 +1442,11 @@ async fn a_machine_whose_class_is_gone_keeps_its_own_drain_settings() {
     })
     .await
     .expect("the deletion completes");
+    calm(
+        "a_machine_whose_class_is_gone_keeps_its_own_drain_settings",
+        ns,
+    )
+    .await;
     ctl.stop().await;
 }
 
@@ -1366,7 +1459,7 @@ async fn a_machine_whose_node_object_is_gone_is_still_drained_before_its_vm_goes
     let ns = "drain-nodegone";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = start_controller(&client, ns, "drain-nodegone").await;
+    let ctl = start(ns, "drain-nodegone").await;
     let node = running_machine(&client, ns, "a", ns).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     create(
@@ -1422,5 +1515,144 @@ async fn a_machine_whose_node_object_is_gone_is_still_drained_before_its_vm_goes
         gone.0 <= evicted.0 && evicted.0 <= vm.0,
         "said, drained, then the VM: {log}"
     );
+    calm(
+        "a_machine_whose_node_object_is_gone_is_still_drained_before_its_vm_goes",
+        ns,
+    )
+    .await;
+    ctl.stop().await;
+}
+
+/// A volume still attached when the VM goes (here a DaemonSet's pod keeps
+/// it: the drain leaves DaemonSet pods to the VM's end) is named before the
+/// VM is deleted: a Warning, `VolumesDetached=False` naming it, and
+/// `berth_volumes_left_attached_total`. Once the VM is gone, the Node is
+/// tainted out of service, the attach-detach controller releases the
+/// volume, and only then is the Node deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_left_attached_at_vm_deletion_is_named_and_released_out_of_service() {
+    let client = client().await;
+    let ns = "drain-left";
+    support::namespace(&client, ns).await;
+    pool_class(
+        &client,
+        ns,
+        serde_json::json!({"timeout": "10m", "volumeDetachTimeout": "3s"}),
+    )
+    .await;
+    let ctl = start(ns, "left").await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    let pv = format!("{ns}-data");
+    claim_and_volume(&client, ns, &pv).await;
+    create(
+        Api::namespaced(client.clone(), ns),
+        json::<DaemonSet>(serde_json::json!({
+            "metadata": {"name": "keeper"},
+            "spec": {
+                "selector": {"matchLabels": {"app": "keeper"}},
+                "template": {
+                    "metadata": {"labels": {"app": "keeper"}},
+                    "spec": {
+                        "nodeSelector": {POOL: ns},
+                        "terminationGracePeriodSeconds": 1,
+                        "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}],
+                        "containers": [{"name": "main", "image": "registry.invalid/app:1",
+                            "volumeMounts": [{"name": "data", "mountPath": "/data"}]}]
+                    }
+                }
+            }
+        })),
+    )
+    .await;
+    let vas: Api<VolumeAttachment> = Api::all(client.clone());
+    let on_a = |va: &VolumeAttachment| {
+        va.spec.node_name == node_a && va.spec.source.persistent_volume_name.as_deref() == Some(&pv)
+    };
+    wait::for_one(vas.clone(), LONG, "the keeper's volume attached", |va| {
+        on_a(va) && va.status.as_ref().is_some_and(|s| s.attached)
+    })
+    .await
+    .expect("the volume attaches");
+
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    machines
+        .delete("a", &DeleteParams::default())
+        .await
+        .expect("delete a");
+    // Named before the VM goes.
+    wait::for_one(
+        machines.clone(),
+        LONG,
+        "VolumesDetached names the PV",
+        |m| {
+            m.status.as_ref().is_some_and(|s| {
+                s.conditions.iter().any(|c| {
+                    c.type_ == "VolumesDetached"
+                        && c.status == "False"
+                        && ["VolumesLeftAttached", "ReleasingVolumes"].contains(&c.reason.as_str())
+                        && c.message.contains(&pv)
+                })
+            })
+        },
+    )
+    .await
+    .expect("the condition");
+    // Once the VM is gone, the Node is declared out of service.
+    let nodes: Api<Node> = Api::all(client.clone());
+    wait::for_one(nodes, LONG, "Node a tainted out of service", |n| {
+        n.name_any() == node_a
+            && n.spec
+                .as_ref()
+                .and_then(|s| s.taints.as_ref())
+                .is_some_and(|ts| {
+                    ts.iter().any(|t| {
+                        t.key == "node.kubernetes.io/out-of-service" && t.effect == "NoExecute"
+                    })
+                })
+    })
+    .await
+    .expect("the out-of-service taint");
+    // The attach-detach controller lets the volume go well inside its own
+    // 6-minute force-detach wait, and the Machine goes after.
+    wait::until(
+        vas,
+        Duration::from_secs(120),
+        "the volume released",
+        |all| !all.iter().any(|va| on_a(va)),
+    )
+    .await
+    .expect("the VolumeAttachment goes");
+    wait::for_none(machines, LONG, "a gone", |m| m.name_any() == "a")
+        .await
+        .expect("the Machine goes");
+    let evs: Vec<_> = support::events_until(&client, ns, "a", &["VolumesReleased"])
+        .await
+        .iter()
+        .map(|e| {
+            (
+                e.reason.clone().unwrap_or_default(),
+                e.note.clone().unwrap_or_default(),
+            )
+        })
+        .collect();
+    let left: Vec<_> = evs
+        .iter()
+        .filter(|(r, _)| r == "VolumesLeftAttached")
+        .collect();
+    assert_eq!(left.len(), 1, "one Warning: {evs:?}");
+    assert!(
+        left[0].1.contains(&pv) && left[0].1.contains("volumeDetachTimeout"),
+        "{evs:?}"
+    );
+    assert_eq!(
+        ctl.metrics().volumes_left_attached.get(),
+        1,
+        "the volume counted once"
+    );
+    calm(
+        "a_volume_left_attached_at_vm_deletion_is_named_and_released_out_of_service",
+        ns,
+    )
+    .await;
     ctl.stop().await;
 }

@@ -481,7 +481,8 @@ async fn the_force_deletion_label_skips_hooks_and_drain_and_force_deletes_pods()
         serde_json::json!({"nodeLabels": {"pool": "force"}}),
     )
     .await;
-    let ctl = start_controller(&client, ns, "force-1").await;
+    // As its own identity: the audit log shows its requests.
+    let ctl = start_controller(&audit::controller_client(bed().await).await, ns, "force-1").await;
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     let mut m = machine("m4", "force");
     // A pre-drain hook would hold a normal deletion forever.
@@ -618,6 +619,11 @@ async fn the_force_deletion_label_skips_hooks_and_drain_and_force_deletes_pods()
     assert!(
         reasons.iter().any(|r| r.contains("ForceDeletePods")),
         "the forced pod deletion is on record: {reasons:?}"
+    );
+    audit::assert_no_request_loop(
+        bed().await,
+        "the_force_deletion_label_skips_hooks_and_drain_and_force_deletes_pods",
+        ns,
     );
     ctl.stop().await;
 }

@@ -16,6 +16,7 @@ use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
+use support::audit::{assert_no_request_loop, controller_client};
 use support::pool::{POOL, create, delayed_bed, events, first, json, log_of, pool_class};
 use support::{LONG, condition, machine, start_controller};
 
@@ -33,6 +34,18 @@ async fn client() -> Client {
         .client()
         .await
         .expect("admin client")
+}
+
+/// The controller for the case in `ns`, as its own identity (audited).
+async fn start(ns: &str) -> support::Running {
+    let bed = delayed_bed(ATTACH_DELAY, DETACH_DELAY).await;
+    start_controller(&controller_client(bed).await, ns, ns).await
+}
+
+/// Ends the case in `ns`: no request loop (see `PEAK_10S_CEILING`).
+async fn calm(case: &str, ns: &str) {
+    let bed = delayed_bed(ATTACH_DELAY, DETACH_DELAY).await;
+    assert_no_request_loop(bed, case, ns);
 }
 
 /// A Running Machine of `class`, optionally held after its drain by a
@@ -181,7 +194,7 @@ async fn an_attach_free_stateful_set_drains_without_waiting_for_a_timeout() {
         serde_json::json!({"volumeReattachTimeout": "5m"}),
     )
     .await;
-    let ctl = start_controller(&client, ns, ns).await;
+    let ctl = start(ns).await;
     let node_a = running_machine(&client, ns, "a", ns, false).await;
     for i in 0..2 {
         let mut pv = csi_pv(
@@ -248,6 +261,11 @@ async fn an_attach_free_stateful_set_drains_without_waiting_for_a_timeout() {
             .any(|va| va.spec.attacher == ATTACH_FREE_DRIVER),
         "never attached"
     );
+    calm(
+        "an_attach_free_stateful_set_drains_without_waiting_for_a_timeout",
+        ns,
+    )
+    .await;
     ctl.stop().await;
 }
 
@@ -262,7 +280,7 @@ async fn a_local_volume_is_evicted_and_its_loss_named() {
         serde_json::json!({"volumeReattachTimeout": "5m"}),
     )
     .await;
-    let ctl = start_controller(&client, ns, ns).await;
+    let ctl = start(ns).await;
     let node = running_machine(&client, ns, "a", ns, true).await;
     let pv = format!("{ns}-local");
     local_volume(&client, ns, &pv, "data", &node).await;
@@ -316,6 +334,7 @@ async fn a_local_volume_is_evicted_and_its_loss_named() {
         .await
         .expect("release the hook");
     gone(&client, ns, "a", LONG).await;
+    calm("a_local_volume_is_evicted_and_its_loss_named", ns).await;
     ctl.stop().await;
 }
 
@@ -330,7 +349,7 @@ async fn block_holds_a_local_volume_until_an_operator_allows_it() {
         serde_json::json!({"nodeLocalVolumes": "Block", "timeout": "10m"}),
     )
     .await;
-    let ctl = start_controller(&client, ns, ns).await;
+    let ctl = start(ns).await;
     let node = running_machine(&client, ns, "a", ns, false).await;
     for (p, claim) in [("x", "data-x"), ("y", "data-y")] {
         local_volume(&client, ns, &format!("{ns}-{p}"), claim, &node).await;
@@ -415,6 +434,7 @@ async fn block_holds_a_local_volume_until_an_operator_allows_it() {
             "{log}"
         );
     }
+    calm("block_holds_a_local_volume_until_an_operator_allows_it", ns).await;
     ctl.stop().await;
 }
 
@@ -431,7 +451,7 @@ async fn a_shared_volume_has_moved_only_once_attached_where_the_replacement_runs
     )
     .await;
     pool_class(&client, peers, serde_json::json!({})).await;
-    let ctl = start_controller(&client, ns, ns).await;
+    let ctl = start(ns).await;
     let node_a = running_machine(&client, ns, "a", ns, false).await;
     let node_c = running_machine(&client, ns, "c", peers, false).await;
     let pv = format!("{ns}-shared");
@@ -534,6 +554,11 @@ async fn a_shared_volume_has_moved_only_once_attached_where_the_replacement_runs
         attached.0 >= earliest,
         "the attachment on {node_c} did not end the wait: attached on B no earlier than {earliest}: {log}"
     );
+    calm(
+        "a_shared_volume_has_moved_only_once_attached_where_the_replacement_runs",
+        ns,
+    )
+    .await;
     ctl.stop().await;
 }
 
@@ -543,7 +568,7 @@ async fn an_in_tree_volume_is_planned_under_its_migrated_csi_name() {
     let ns = "kinds-intree";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({})).await;
-    let ctl = start_controller(&client, ns, ns).await;
+    let ctl = start(ns).await;
     let node = running_machine(&client, ns, "a", ns, false).await;
     let pv = format!("{ns}-ebs");
     create(
@@ -587,5 +612,10 @@ async fn an_in_tree_volume_is_planned_under_its_migrated_csi_name() {
             "PV {pv} (claim {ns}/data), attachable: in-tree awsElasticBlockStore migrated to CSI, ebs.csi.aws.com has no CSIDriver object, so attach is required; on the Node as kubernetes.io/csi/ebs.csi.aws.com^vol-0123456789abcdef0"
         )],
     );
+    calm(
+        "an_in_tree_volume_is_planned_under_its_migrated_csi_name",
+        ns,
+    )
+    .await;
     ctl.stop().await;
 }

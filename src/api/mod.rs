@@ -46,7 +46,11 @@ pub mod conditions {
     pub const NODE_HEALTHY: &str = "NodeHealthy";
     /// No pod the drain has to move is left on the Node.
     pub const DRAINED: &str = "Drained";
-    /// No VolumeAttachment names the Node any more.
+    /// No VolumeAttachment names the Node any more. False with reason
+    /// `Detaching` while they are waited for; `VolumesLeftAttached` when
+    /// the VM is deleted with some still attached (naming each PV);
+    /// `ReleasingVolumes` once the VM is gone and the Node is tainted
+    /// `node.kubernetes.io/out-of-service` to release them.
     pub const VOLUMES_DETACHED: &str = "VolumesDetached";
     /// Pods on the Node use node-local PersistentVolumes, whose data is
     /// lost with the VM: True with reason `DataLost` once such pods were

@@ -25,9 +25,9 @@ use super::decide::{
     next_deletion_step,
 };
 use super::record::{
-    CreationContext, DeletionOutcome, DrainView, StepRecord, Unresolved, VmAnswer, creation_record,
-    deletion_record, settings_message, unresolved_record, vm_answer_record,
-    with_settings_condition,
+    CreationContext, DeletionOutcome, DrainView, OUT_OF_SERVICE_TAINT, StepRecord, Unresolved,
+    VOLUMES_LEFT_REASONS, VmAnswer, creation_record, deletion_record, settings_message,
+    unresolved_record, vm_answer_record, volumes_left_message, with_settings_condition,
 };
 use super::status::{State, condition, next_status};
 use super::write::{StatusWrite, write_status};
@@ -62,6 +62,8 @@ pub(crate) enum Step {
     PodDelete,
     /// Deleting the Node object.
     NodeDelete,
+    /// Tainting the Node out of service once its VM is gone.
+    OutOfService,
     /// Asking the provider for the VM.
     ProviderCreate,
     /// Asking the provider to delete the VM.
@@ -79,6 +81,7 @@ impl Step {
             Step::Cordon => "error_cordon",
             Step::PodDelete => "error_pod_delete",
             Step::NodeDelete => "error_node_delete",
+            Step::OutOfService => "error_out_of_service",
             Step::ProviderCreate => "error_provider_create",
             Step::ProviderDelete => "error_provider_delete",
         }
@@ -93,6 +96,7 @@ impl Step {
             Step::Cordon => "cordon",
             Step::PodDelete => "pod deletion",
             Step::NodeDelete => "Node deletion",
+            Step::OutOfService => "out-of-service taint",
             Step::ProviderCreate => "VM creation",
             Step::ProviderDelete => "VM deletion",
         }
@@ -742,17 +746,27 @@ async fn cleanup_step(
         }
         None => (vec![], vec![]),
     };
-    let attachments: Vec<String> = match &node_name {
+    let on_node = match &node_name {
         Some(n) => ctx
             .stores
             .indexes
             .attachments_by_node
-            .get(&ctx.stores.attachments, n)
-            .iter()
-            .map(|va| va.name_any())
-            .collect(),
+            .get(&ctx.stores.attachments, n),
         None => vec![],
     };
+    let attachments: Vec<String> = on_node.iter().map(|va| va.name_any()).collect();
+    // The same, as an operator knows them: the PV, or the attachment of an
+    // inline volume.
+    let volumes: Vec<String> = on_node
+        .iter()
+        .map(|va| {
+            va.spec
+                .source
+                .persistent_volume_name
+                .clone()
+                .unwrap_or_else(|| format!("VolumeAttachment {}", va.name_any()))
+        })
+        .collect();
     let detach_wait = condition(m.status.as_ref(), VOLUMES_DETACHED)
         .filter(|c| c.status == "False")
         .map(|c| elapsed_since(Some(&c.last_transition_time)));
@@ -917,8 +931,19 @@ async fn cleanup_step(
                 .then(action)
                 .into()
         }
-        DeletionStep::DeleteVmAndNode { node } => {
-            delete_vm_and_node(m, ctx, resolved, &facts, &step, node.as_deref())
+        DeletionStep::DeleteVmAndNode { .. } => {
+            let left = Left {
+                volumes: &volumes,
+                why: if facts.force {
+                    "the deletion is forced".to_string()
+                } else {
+                    format!(
+                        "not detached within volumeDetachTimeout, {}",
+                        humantime::format_duration(settings.volume_detach_timeout)
+                    )
+                },
+            };
+            delete_vm_and_node(m, ctx, resolved, &facts, &step, node, left)
                 .await?
                 .into()
         }
@@ -998,15 +1023,31 @@ async fn cordon(ctx: &Context, node: &Node) -> Result<Node, Error> {
         .map_err(at(Step::Cordon))
 }
 
+/// The volumes still attached to the Machine's Node when its VM is to be
+/// deleted, and why.
+struct Left<'a> {
+    volumes: &'a [String],
+    why: String,
+}
+
+/// How long berth waits, once the VM is gone and its Node tainted out of
+/// service, for the attach-detach controller to release the volumes left
+/// before it deletes the Node anyway: that controller's own force-detach
+/// wait (`maxWaitForUnmountDuration`, 6 minutes), beyond which waiting
+/// gains nothing.
+const RELEASE_BOUND: Duration = Duration::from_secs(360);
+
 async fn delete_vm_and_node(
     m: &Machine,
     ctx: &Context,
     resolved: Result<Resolved, Unresolved>,
     facts: &DeletionFacts,
     step: &DeletionStep,
-    node: Option<&str>,
+    node: Option<Arc<Node>>,
+    left: Left<'_>,
 ) -> Result<Next, Error> {
     let mut m = Cow::Borrowed(m);
+    let node_name = node.as_ref().map(|n| n.name_any());
     let had_node = m
         .status
         .as_ref()
@@ -1039,6 +1080,35 @@ async fn delete_vm_and_node(
                 .then(Action::await_change()));
         }
     };
+    // Volumes still attached as the VM goes are said once, before it goes.
+    let left_reported = condition(m.status.as_ref(), VOLUMES_DETACHED)
+        .is_some_and(|c| c.status == "False" && VOLUMES_LEFT_REASONS.contains(&c.reason.as_str()));
+    if !left.volumes.is_empty() && !left_reported {
+        let outcome = DeletionOutcome::VolumesLeft {
+            volumes: left.volumes,
+            why: &left.why,
+            node_exists: node.is_some(),
+        };
+        match record(ctx, &m, &deletion_record(step, &outcome), Write::IfChanged).await? {
+            Recorded::Stale => return Ok(Next::Stale),
+            Recorded::Written(w) => m = Cow::Owned(*w),
+            Recorded::Unchanged => {}
+        }
+        ctx.metrics
+            .volumes_left_attached
+            .inc_by(left.volumes.len() as u64);
+        warn(
+            ctx,
+            &m,
+            "VolumesLeftAttached",
+            volumes_left_message(
+                node_name.as_deref().unwrap_or("(gone)"),
+                left.volumes,
+                &left.why,
+                node.is_some(),
+            ),
+        );
+    }
     let provider = r.provider.name();
     match r.provider.delete(&r.request).await {
         Ok(()) | Err(ProviderError::NotFound(_)) => {}
@@ -1069,9 +1139,60 @@ async fn delete_vm_and_node(
             });
         }
     }
-    if let Some(n) = node {
+    // The VM is gone (the provider said so): its Node may be declared out
+    // of service, and the volumes left on it released at once.
+    if let Some(n) = &node {
+        let name = n.name_any();
+        if !left.volumes.is_empty() {
+            // A taint put by someone else without a time counts from when
+            // the volumes were first waited for.
+            let waited_since = condition(m.status.as_ref(), VOLUMES_DETACHED)
+                .map_or_else(Timestamp::now, |c| c.last_transition_time.0);
+            let since = out_of_service(ctx, n, waited_since).await?;
+            let until = since + RELEASE_BOUND;
+            let now = Timestamp::now();
+            if now < until {
+                // VolumeAttachment events wake this Machine; this is the bound.
+                let wait = Duration::try_from(until.duration_since(now)).unwrap_or_default();
+                let until = until.to_string();
+                let outcome = DeletionOutcome::ReleasingVolumes {
+                    volumes: left.volumes,
+                    until: &until,
+                };
+                return Ok(
+                    record(ctx, &m, &deletion_record(step, &outcome), Write::IfChanged)
+                        .await?
+                        .then(Action::requeue(wait + Duration::from_millis(100))),
+                );
+            }
+            warn(
+                ctx,
+                &m,
+                "VolumesNotReleased",
+                format!(
+                    "{} still attached to Node {name} {} after it was tainted {OUT_OF_SERVICE_TAINT}: deleting the Node; the attach-detach controller detaches them when it sees it gone",
+                    left.volumes.join(", "),
+                    humantime::format_duration(RELEASE_BOUND)
+                ),
+            );
+        } else if condition(m.status.as_ref(), VOLUMES_DETACHED)
+            .is_some_and(|c| c.reason == VOLUMES_LEFT_REASONS[1])
+        {
+            ctx.events.publish(
+                Event {
+                    type_: EventType::Normal,
+                    reason: "VolumesReleased".into(),
+                    note: Some(format!(
+                        "the volumes left on Node {name} were released after it was tainted {OUT_OF_SERVICE_TAINT}"
+                    )),
+                    action: "Delete".into(),
+                    secondary: None,
+                },
+                m.object_ref(&()),
+            );
+        }
         match Api::<Node>::all(ctx.client.clone())
-            .delete(n, &DeleteParams::default())
+            .delete(&name, &DeleteParams::default())
             .await
         {
             Ok(_) => {}
@@ -1085,6 +1206,49 @@ async fn delete_vm_and_node(
         Recorded::Stale => Next::Stale,
         _ => Next::Finished,
     })
+}
+
+/// Puts the out-of-service taint on Node `node` (its VM is gone), unless
+/// it is there; returns when it was added (`otherwise` for a taint that
+/// does not say). Like the cordon, a compare-and-swap that never loses
+/// another writer's taint.
+async fn out_of_service(
+    ctx: &Context,
+    node: &Node,
+    otherwise: Timestamp,
+) -> Result<Timestamp, Error> {
+    let mut taints: Vec<Taint> = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.clone())
+        .unwrap_or_default();
+    if let Some(t) = taints
+        .iter()
+        .find(|t| t.key == OUT_OF_SERVICE_TAINT && t.effect == "NoExecute")
+    {
+        return Ok(t.time_added.as_ref().map_or(otherwise, |t| t.0));
+    }
+    let now = Timestamp::now();
+    taints.push(Taint {
+        key: OUT_OF_SERVICE_TAINT.into(),
+        value: Some("nodeshutdown".into()),
+        effect: "NoExecute".into(),
+        time_added: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(now)),
+    });
+    let patch = serde_json::json!({
+        "metadata": {"resourceVersion": node.resource_version()},
+        "spec": {"taints": taints},
+    });
+    Api::<Node>::all(ctx.client.clone())
+        .patch(
+            &node.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(patch),
+        )
+        .await
+        .map_err(at(Step::OutOfService))?;
+    tracing::info!(node = %node.name_any(), "VM gone: Node tainted out of service");
+    Ok(now)
 }
 
 #[cfg(test)]
@@ -1101,6 +1265,7 @@ mod tests {
             Step::Cordon,
             Step::PodDelete,
             Step::NodeDelete,
+            Step::OutOfService,
             Step::ProviderCreate,
             Step::ProviderDelete,
         ];

@@ -278,6 +278,60 @@ pub(crate) enum DeletionOutcome<'a> {
     VmDeleteInProgress(&'a str),
     /// `DeleteVmAndNode`: the provider refuses to delete the VM.
     VmDeleteRefused { provider: &'a str, error: &'a str },
+    /// `DeleteVmAndNode`, before the VM is deleted: these volumes are still
+    /// attached to its Node, for the reason `why`.
+    VolumesLeft {
+        volumes: &'a [String],
+        why: &'a str,
+        /// Whether the Node object exists to be tainted out of service.
+        node_exists: bool,
+    },
+    /// `DeleteVmAndNode`, the VM gone: its Node is tainted out of service
+    /// and these volumes are waited for, until `until`.
+    ReleasingVolumes {
+        volumes: &'a [String],
+        until: &'a str,
+    },
+}
+
+/// The reasons of the `VolumesDetached` condition while volumes left at
+/// the VM's deletion are reported and released: each is reported once.
+pub(crate) const VOLUMES_LEFT_REASONS: [&str; 2] = ["VolumesLeftAttached", "ReleasingVolumes"];
+
+/// The taint of non-graceful node shutdown (GA in Kubernetes 1.28): on a
+/// Node whose machine is known to be off, the attach-detach controller
+/// detaches its volumes at once instead of after its 6-minute force-detach
+/// wait, and the pod garbage collector deletes its terminating pods.
+pub(crate) const OUT_OF_SERVICE_TAINT: &str = "node.kubernetes.io/out-of-service";
+
+/// The Warning, and the condition message, for volumes still attached to
+/// Node `node` when its VM is deleted.
+pub(crate) fn volumes_left_message(
+    node: &str,
+    volumes: &[String],
+    why: &str,
+    node_exists: bool,
+) -> String {
+    let then = if node_exists {
+        format!(
+            "once the VM is gone, berth taints the Node {OUT_OF_SERVICE_TAINT} so that they are released at once, and deletes the Node after"
+        )
+    } else {
+        "the Node object is gone, so there is no Node to taint out of service: the attach-detach controller releases them after its own force-detach wait (about 6 minutes)".to_string()
+    };
+    format!(
+        "{} still attached to Node {node} as its VM is deleted ({why}): {}; whatever their pods did not flush is lost with the VM; {then}",
+        plural(volumes.len(), "volume"),
+        volumes.join(", ")
+    )
+}
+
+fn plural(n: usize, what: &str) -> String {
+    if n == 1 {
+        format!("1 {what}")
+    } else {
+        format!("{n} {what}s")
+    }
 }
 
 /// What a deletion step records. An outcome that does not belong to the
@@ -403,6 +457,34 @@ pub(crate) fn deletion_record(step: &DeletionStep, outcome: &DeletionOutcome<'_>
                 State::Failed,
                 format!("provider {provider} cannot delete the VM: {error}"),
             ),
+            DeletionOutcome::VolumesLeft {
+                volumes,
+                why,
+                node_exists,
+            } => {
+                let node = node.as_deref().unwrap_or("(gone)");
+                let msg = volumes_left_message(node, volumes, why, *node_exists);
+                StepRecord::report("Delete", name, State::Processing, msg.clone()).condition(
+                    VOLUMES_DETACHED,
+                    false,
+                    VOLUMES_LEFT_REASONS[0],
+                    msg,
+                )
+            }
+            DeletionOutcome::ReleasingVolumes { volumes, until } => {
+                let node = node.as_deref().unwrap_or("(gone)");
+                let msg = format!(
+                    "the VM is gone; Node {node} is tainted {OUT_OF_SERVICE_TAINT}, so that the attach-detach controller releases {} still attached: {}; the Node is deleted once they are released, or at {until}",
+                    volumes.len(),
+                    volumes.join(", ")
+                );
+                StepRecord::report("Delete", name, State::Waiting, msg.clone()).condition(
+                    VOLUMES_DETACHED,
+                    false,
+                    VOLUMES_LEFT_REASONS[1],
+                    msg,
+                )
+            }
             DeletionOutcome::AsDecided | DeletionOutcome::Drain(_) => StepRecord::report(
                 "Delete",
                 "DeleteVmAndNode",
@@ -614,6 +696,54 @@ mod tests {
             row(&unresolved_record(Some(MachinePhase::Running), &why)),
             want(MachinePhase::Running)
         );
+    }
+
+    #[test]
+    fn volumes_left_at_the_vms_deletion_are_named_then_released() {
+        let step = DeletionStep::DeleteVmAndNode {
+            node: Some("n1".into()),
+        };
+        let volumes = ["pv-a".to_string(), "pv-b".to_string()];
+        let left = deletion_record(
+            &step,
+            &DeletionOutcome::VolumesLeft {
+                volumes: &volumes,
+                why: "not detached within volumeDetachTimeout, 5m",
+                node_exists: true,
+            },
+        );
+        let c = &left.conditions[0];
+        assert_eq!(
+            (c.type_, c.status, c.reason),
+            (VOLUMES_DETACHED, false, VOLUMES_LEFT_REASONS[0])
+        );
+        for needle in [
+            "2 volumes",
+            "pv-a, pv-b",
+            "Node n1",
+            "volumeDetachTimeout",
+            OUT_OF_SERVICE_TAINT,
+        ] {
+            assert!(c.message.contains(needle), "{needle}: {}", c.message);
+        }
+        let gone = volumes_left_message("n1", &volumes[..1], "the deletion is forced", false);
+        assert!(gone.starts_with("1 volume still attached"), "{gone}");
+        assert!(gone.contains("no Node to taint"), "{gone}");
+
+        let releasing = deletion_record(
+            &step,
+            &DeletionOutcome::ReleasingVolumes {
+                volumes: &volumes,
+                until: "2026-11-23T10:00:00Z",
+            },
+        );
+        let c = &releasing.conditions[0];
+        assert_eq!(
+            (c.type_, c.status, c.reason),
+            (VOLUMES_DETACHED, false, VOLUMES_LEFT_REASONS[1])
+        );
+        assert!(c.message.contains("2026-11-23T10:00:00Z"), "{}", c.message);
+        assert_eq!(releasing.report.state, State::Waiting);
     }
 
     #[test]

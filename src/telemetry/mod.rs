@@ -141,6 +141,9 @@ pub struct Metrics {
     pub tracker_lagged: IntCounter,
     /// `berth_events_dropped_total`: Events not published.
     pub events_dropped: IntCounter,
+    /// `berth_volumes_left_attached_total`: volumes still attached to a
+    /// Node when its VM was deleted.
+    pub volumes_left_attached: IntCounter,
     /// `berth_provider_requests_total{driver,op,result}`.
     pub provider_requests: IntCounterVec,
     /// `berth_provider_request_duration_seconds{driver,op}`.
@@ -283,6 +286,10 @@ impl Metrics {
             "berth_events_dropped_total",
             "Kubernetes Events not published: their queue was full or the API server refused them.",
         )?)?;
+        let volumes_left_attached = r.add(IntCounter::new(
+            "berth_volumes_left_attached_total",
+            "Volumes (VolumeAttachments) still attached to a Node when its VM was deleted: their detach was not confirmed in volumeDetachTimeout, or the deletion was forced.",
+        )?)?;
         let provider_requests = r.add(IntCounterVec::new(
             Opts::new(
                 "berth_provider_requests_total",
@@ -329,6 +336,7 @@ impl Metrics {
             volume_attachment_events,
             tracker_lagged,
             events_dropped,
+            volumes_left_attached,
             provider_requests,
             provider_request_duration,
             node_not_ready_machines,
@@ -534,7 +542,7 @@ impl Drop for GaugeHold {
 mod tests {
     use super::*;
 
-    const ALL_NAMES: [&str; 15] = [
+    const ALL_NAMES: [&str; 16] = [
         "berth_machines",
         "berth_reconcile_total",
         "berth_reconcile_duration_seconds",
@@ -546,6 +554,7 @@ mod tests {
         "berth_volume_attachment_events_total",
         "berth_tracker_lagged_total",
         "berth_events_dropped_total",
+        "berth_volumes_left_attached_total",
         "berth_provider_requests_total",
         "berth_provider_request_duration_seconds",
         "berth_node_not_ready_machines",
@@ -610,6 +619,7 @@ mod tests {
         m.volume_attachment_events.inc();
         m.tracker_lagged.inc();
         m.events_dropped.inc();
+        m.volumes_left_attached.inc();
         m.record_provider_request("fake", "create", "ok", Duration::from_millis(30));
         m.node_not_ready_machines.set(1);
         m.leader.set(1);

@@ -1,6 +1,7 @@
 //! Shared set-up for tests that run the controller against the test bed.
 #![allow(dead_code)]
 
+pub mod audit;
 pub mod pool;
 pub mod process;
 
@@ -51,7 +52,7 @@ pub async fn events_until(
 pub async fn bed() -> &'static TestBed {
     static BED: OnceCell<TestBed> = OnceCell::const_new();
     BED.get_or_init(|| async {
-        let bed = TestBed::start(Options::end_to_end())
+        let bed = TestBed::start(Options::end_to_end().audit_only(&[&audit::controller_user()]))
             .await
             .expect("the end-to-end test bed starts");
         let client = bed.client().await.expect("client");
@@ -96,13 +97,19 @@ pub async fn namespace(client: &Client, ns: &str) {
     .expect("default service account");
 }
 
-/// The controller, scoped to one namespace, running in this process.
-pub struct Running(berth::machine::Spawned);
+/// The controller, scoped to one namespace, running in this process, and
+/// its metrics.
+pub struct Running(berth::machine::Spawned, Arc<berth::telemetry::Metrics>);
 
 impl Running {
     /// Graceful shutdown; waits for the controller to finish.
     pub async fn stop(self) {
         self.0.stop(LONG).await;
+    }
+
+    /// What the controller's metrics endpoint would show.
+    pub fn metrics(&self) -> &berth::telemetry::Metrics {
+        &self.1
     }
 }
 
@@ -114,12 +121,13 @@ pub async fn start_controller(client: &Client, ns: &str, instance: &str) -> Runn
         concurrency: 4,
     };
     let metrics = Arc::new(berth::telemetry::Metrics::new().expect("metrics"));
-    let mut spawned = berth::machine::spawn(client.clone(), providers, settings, metrics);
+    let mut spawned =
+        berth::machine::spawn(client.clone(), providers, settings, Arc::clone(&metrics));
     tokio::time::timeout(LONG, &mut spawned.ready)
         .await
         .expect("caches sync in time")
         .expect("controller reports ready");
-    Running(spawned)
+    Running(spawned, metrics)
 }
 
 pub fn class(name: &str, provider: &str, provider_spec: serde_json::Value) -> MachineClass {

@@ -18,15 +18,18 @@ use super::{LONG, class, machine, phase};
 pub const POOL: &str = "testbed.berth.dev/pool";
 
 /// One control plane for the test file, with simulated CSI attach and
-/// detach taking `attach` and `detach` (the first call's values hold).
+/// detach taking `attach` and `detach` (the first call's values hold), and
+/// an audit log of the controller's requests (see `support::audit`).
 pub async fn delayed_bed(attach: Duration, detach: Duration) -> &'static TestBed {
     static BED: OnceCell<TestBed> = OnceCell::const_new();
     super::init_logs();
     BED.get_or_init(|| async {
+        let user = super::audit::controller_user();
         let bed = TestBed::start(
             Options::end_to_end()
                 .attach_delay(attach)
-                .detach_delay(detach),
+                .detach_delay(detach)
+                .audit_only(&[&user]),
         )
         .await
         .expect("the end-to-end test bed starts");

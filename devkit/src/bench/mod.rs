@@ -37,12 +37,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use k8s_openapi::api::events::v1::Event;
-use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, PostParams};
+use kube::api::{Api, DeleteParams};
 use kube::{Client, ResourceExt};
 use serde::Serialize;
 
@@ -232,7 +231,8 @@ async fn drains(args: &BenchArgs) -> anyhow::Result<Vec<Run>> {
     )
     .await?;
     let admin = admin_client(&bed).await?;
-    let (controller, user) = controller_client(&bed, &admin).await?;
+    let id = controller_client(&bed, &admin).await?;
+    let (controller, user) = (id.client().await?, id.user);
 
     let metrics = Arc::new(Metrics::new()?);
     let mut controller = berth::machine::spawn(
@@ -277,12 +277,7 @@ async fn drains(args: &BenchArgs) -> anyhow::Result<Vec<Run>> {
 
 /// The controller's user name on the API server.
 fn controller_user() -> String {
-    format!("system:serviceaccount:{NS}:{SA}")
-}
-
-/// Where [`controller_client`] writes the controller's kubeconfig.
-fn controller_kubeconfig(bed: &TestBed) -> PathBuf {
-    bed.dir().join("bench-controller.kubeconfig")
+    crate::testbed::service_account_user(NS, SA)
 }
 
 /// The admin client of a fresh bench test bed, with the CRDs installed and
@@ -299,49 +294,13 @@ async fn admin_client(bed: &TestBed) -> anyhow::Result<Client> {
 }
 
 /// A client for the controller with an identity of its own (a
-/// ServiceAccount token), so the audit log tells its requests apart.
-async fn controller_client(bed: &TestBed, admin: &Client) -> anyhow::Result<(Client, String)> {
-    crate::testbed::create_or_keep(
-        Api::<ServiceAccount>::namespaced(admin.clone(), NS),
-        serde_json::from_value(serde_json::json!({"metadata": {"name": SA}}))?,
-    )
-    .await?;
-    crate::testbed::create_or_keep(
-        Api::<ClusterRoleBinding>::all(admin.clone()),
-        serde_json::from_value(serde_json::json!({
-            "metadata": {"name": SA},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
-            "subjects": [{"kind": "ServiceAccount", "name": SA, "namespace": NS}]
-        }))?,
-    )
-    .await?;
-    let token = Api::<ServiceAccount>::namespaced(admin.clone(), NS)
-        .create_token_request(
-            SA,
-            &PostParams::default(),
-            &serde_json::from_value(
-                serde_json::json!({"spec": {"audiences": [], "expirationSeconds": 7200}}),
-            )?,
-        )
-        .await?
-        .status
-        .map(|s| s.token)
-        .context("no token issued")?;
-    let kubeconfig = controller_kubeconfig(bed);
-    let ca = base64::Engine::encode(&base64::engine::general_purpose::STANDARD, bed.ca_pem()?);
-    std::fs::write(
-        &kubeconfig,
-        serde_yaml_ng::to_string(&serde_json::json!({
-            "apiVersion": "v1", "kind": "Config", "current-context": "bench",
-            "clusters": [{"name": "bed", "cluster": {"server": bed.server(), "certificate-authority-data": ca}}],
-            "users": [{"name": SA, "user": {"token": token}}],
-            "contexts": [{"name": "bench", "context": {"cluster": "bed", "user": SA, "namespace": NS}}]
-        }))?,
-    )?;
-    let kc = kube::config::Kubeconfig::read_from(&kubeconfig)?;
-    let mut config = kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?;
-    config.default_retry = false;
-    Ok((Client::try_from(config)?, controller_user()))
+/// ServiceAccount token), so the audit log tells its requests apart; and
+/// its kubeconfig, for a controller process.
+async fn controller_client(
+    bed: &TestBed,
+    admin: &Client,
+) -> anyhow::Result<crate::testbed::Identity> {
+    bed.identity(admin, NS, SA).await
 }
 
 async fn pool_class(admin: &Client, pool: &str) -> anyhow::Result<()> {

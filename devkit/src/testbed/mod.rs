@@ -18,6 +18,7 @@
 //! It never touches a cluster it did not start.
 
 pub mod fixtures;
+mod identity;
 mod pki;
 pub mod stages;
 pub(crate) mod supervisor;
@@ -34,6 +35,7 @@ use kube::api::Api;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+pub use self::identity::{Identity, service_account_user};
 use self::supervisor::{ProcessSpec, Supervisor};
 
 /// The annotations of a simulated Node, as the `fake` provider sets them:

@@ -397,8 +397,7 @@ async fn measure(args: &BenchArgs, s: &mut Scale) -> anyhow::Result<()> {
     .await?;
     eprintln!("scale: test bed ready at {}", bed.dir().display());
     let admin = super::admin_client(&bed).await?;
-    super::controller_client(&bed, &admin).await?;
-    let kubeconfig = super::controller_kubeconfig(&bed);
+    let kubeconfig = super::controller_client(&bed, &admin).await?.kubeconfig;
 
     // 1. Populate, through a first controller.
     let populate_started = Instant::now();

@@ -16,11 +16,13 @@
 //!   registrations it concerns (a VolumeAttachment to those interested in
 //!   its PV, a Node to those draining it), as a `Hint` through the
 //!   registration's own **bounded** channel.
-//! * `Registration::wait_detached` and
-//!   `Registration::wait_attached_elsewhere` evaluate a pure predicate
-//!   ([`detached_from`], [`attached_elsewhere`]) over the stores when they
-//!   start, after every hint and after every lag, until it holds or the
-//!   deadline passes. The deadline is the only timer: nothing polls.
+//! * `Registration::wait_detached` evaluates a pure predicate
+//!   ([`detached_from`]) over the stores when it starts, after every hint
+//!   and after every lag, until it holds or the deadline passes. The
+//!   deadline is the only timer: nothing polls. Waits for a volume to
+//!   attach where its replacement runs take the registration's signals
+//!   (`Registration::next_signal`) and evaluate the drain's own predicate
+//!   (`drain::volume::volume_moved`), which needs the pods too.
 //!
 //! # Why nothing is lost
 //!

@@ -15,7 +15,7 @@ use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
-use super::predicate::{attached_elsewhere, detached_from, pv_of};
+use super::predicate::{detached_from, pv_of};
 use crate::cache::Index;
 use crate::telemetry::Metrics;
 
@@ -432,34 +432,6 @@ impl Tracker {
         }
     }
 
-    /// Evaluates, without waiting, whether every volume of `interest` is
-    /// attached to a Node other than its Node (see [`attached_elsewhere`]).
-    /// Returns PV name → new Node.
-    ///
-    /// # Errors
-    /// One sentence per volume not attached elsewhere yet.
-    pub(crate) fn attached_elsewhere(
-        &self,
-        interest: &Interest,
-    ) -> Result<BTreeMap<String, String>, Vec<String>> {
-        let mut moved = BTreeMap::new();
-        let mut pending = Vec::new();
-        for (pv, _) in interest.volumes() {
-            let vas = self.inner.attachments_of(pv);
-            match attached_elsewhere(pv, &interest.node, vas.iter().map(AsRef::as_ref)) {
-                Ok(node) => {
-                    moved.insert(pv.to_owned(), node);
-                }
-                Err(why) => pending.push(why),
-            }
-        }
-        if pending.is_empty() {
-            Ok(moved)
-        } else {
-            Err(pending)
-        }
-    }
-
     /// Waits until both stores finished their initial list, or the
     /// deadline.
     async fn synced(&self, deadline: Instant) -> Result<(), WaitError> {
@@ -594,15 +566,6 @@ impl Registration {
         self.tracker().detached(&self.interest)
     }
 
-    /// [`Tracker::attached_elsewhere`] for this registration's interest,
-    /// now.
-    ///
-    /// # Errors
-    /// One sentence per volume not attached elsewhere yet.
-    pub(crate) fn attached_elsewhere(&self) -> Result<BTreeMap<String, String>, Vec<String>> {
-        self.tracker().attached_elsewhere(&self.interest)
-    }
-
     /// Waits until every volume is detached from the interest's Node: no
     /// VolumeAttachment for (PV, Node) left in the store, and the Node's
     /// `status.volumesAttached` no longer listing the PV's CSI unique name
@@ -614,23 +577,6 @@ impl Registration {
     /// passes; [`WaitError::Closed`] if the tracker is shut down first.
     pub(crate) async fn wait_detached(&mut self, deadline: Instant) -> Result<(), WaitError> {
         self.wait_until(deadline, "detach", Self::detached).await
-    }
-
-    /// Waits until every volume has a VolumeAttachment with
-    /// `status.attached == true` on a Node other than the interest's Node
-    /// (and not being deleted); returns PV name → new Node. See
-    /// [`attached_elsewhere`].
-    ///
-    /// # Errors
-    /// [`WaitError::Timeout`] naming the volumes not attached elsewhere yet
-    /// when `deadline` passes; [`WaitError::Closed`] if the tracker is shut
-    /// down first.
-    pub(crate) async fn wait_attached_elsewhere(
-        &mut self,
-        deadline: Instant,
-    ) -> Result<BTreeMap<String, String>, WaitError> {
-        self.wait_until(deadline, "reattach", Self::attached_elsewhere)
-            .await
     }
 
     /// Evaluates `check` over the stores once they are synced, then again
@@ -813,14 +759,6 @@ mod tests {
         // A deadline that has already passed still yields Ok: the store is
         // read before anything waits.
         reg.wait_detached(Instant::now()).await.expect("detached");
-        let moved = reg
-            .wait_attached_elsewhere(Instant::now())
-            .await
-            .expect("attached elsewhere");
-        assert_eq!(
-            moved,
-            BTreeMap::from([("pv-a".to_owned(), "node-b".to_owned())])
-        );
         // An empty interest is trivially satisfied.
         let mut empty = tracker.register(Interest::new("node-a"));
         empty.wait_detached(Instant::now()).await.expect("vacuous");
@@ -1011,50 +949,6 @@ mod tests {
             assert!(what.contains(fragment), "{what:?} lacks {fragment:?}");
         }
         assert!(err.to_string().starts_with("timed out waiting for: pv-a"));
-
-        let err = reg
-            .wait_attached_elsewhere(Instant::now() + SHORT)
-            .await
-            .expect_err("not attached elsewhere");
-        let WaitError::Timeout { waiting_for } = err else {
-            panic!("expected a timeout");
-        };
-        assert_eq!(waiting_for.len(), 2, "{waiting_for:?}");
-        assert!(waiting_for[0].starts_with("pv-a not attached"));
-        assert!(waiting_for[1].starts_with("pv-b not attached"));
-    }
-
-    #[tokio::test]
-    async fn attached_elsewhere_waits_for_attached_true_on_a_new_node() {
-        let (mut feed, tracker, _m) = setup(4);
-        let old = va("csi-1", "pv-a", "node-a", true);
-        feed.apply_va(old.clone());
-        let mut reg = tracker.register(interest_a());
-        let waiter = tokio::spawn(async move { reg.wait_attached_elsewhere(far()).await });
-        settle().await;
-
-        feed.delete_va(old);
-        settle().await;
-        assert!(!waiter.is_finished(), "the old attachment went, no new one");
-
-        feed.apply_va(va("csi-2", "pv-a", "node-b", false));
-        settle().await;
-        assert!(!waiter.is_finished(), "attached=false is not attached");
-
-        feed.apply_va(deleting(va("csi-3", "pv-a", "node-c", true)));
-        settle().await;
-        assert!(
-            !waiter.is_finished(),
-            "an attachment being deleted does not count"
-        );
-
-        feed.apply_va(va("csi-2", "pv-a", "node-b", true));
-        let moved = waiter.await.expect("waiter").expect("attached elsewhere");
-        assert_eq!(
-            moved,
-            BTreeMap::from([("pv-a".to_owned(), "node-b".to_owned())])
-        );
-        assert_eq!(tracker.registered(), 0);
     }
 
     #[tokio::test]
@@ -1267,16 +1161,17 @@ mod tests {
         assert!(pending[0].starts_with("pv-a still attached to node-a"));
         // Applies, deletes and re-lists reach the lookup by PV.
         feed.apply_va(va("csi-2", "pv-a", "node-b", true));
-        assert_eq!(
-            reg.attached_elsewhere().expect("moved")["pv-a"],
-            "node-b".to_string()
-        );
+        assert_eq!(tracker.attached_nodes("pv-a"), ["node-a", "node-b"]);
         feed.delete_va(va("csi-1", "pv-a", "node-a", true));
         assert_eq!(reg.detached(), Ok(()));
         feed.va_event(Event::Init);
         feed.va_event(Event::InitApply(va("csi-1", "pv-a", "node-a", true)));
         feed.va_event(Event::InitDone);
         assert!(reg.detached().is_err(), "the re-list brought csi-1 back");
-        assert!(reg.attached_elsewhere().is_err(), "and dropped csi-2");
+        assert_eq!(
+            tracker.attached_nodes("pv-a"),
+            ["node-a"],
+            "and dropped csi-2"
+        );
     }
 }

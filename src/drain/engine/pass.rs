@@ -27,12 +27,14 @@ use super::progress::write_status;
 use super::run::Run;
 use super::{Deps, Job, Outcome, Progress};
 use crate::api::Machine;
+use crate::drain::class::VolumeClass;
 use crate::drain::evict::{self, Evicted};
 use crate::drain::pdb::PdbVerdict;
 use crate::drain::plan::{DetachingVolume, DrainPlan};
-use crate::drain::select::fmt_key;
+use crate::drain::select::{NamespacedName, fmt_key};
+use crate::drain::volume::Moved;
 use crate::telemetry::{EvictionResult, GaugeHold};
-use crate::volumes::Interest;
+use crate::volumes::{Interest, Signal, WaitError};
 
 pub(super) async fn run(
     deps: Arc<Deps>,
@@ -418,46 +420,95 @@ impl Run {
         if self.expired() {
             return;
         }
-        let needed: BTreeSet<String> = names
+        // Each volume whose claim a pod still needs, with that claim: it
+        // has moved once attached on the Node where the pod that now uses
+        // the claim runs (attached on some other Node is not enough: a
+        // ReadWriteMany volume can be attached elsewhere all along).
+        let needed: Vec<(String, NamespacedName)> = names
             .iter()
             .filter_map(|n| self.deps.pvs.get(&ObjectRef::new(n)))
             .filter_map(|pv| {
                 let claim = pv.spec.as_ref()?.claim_ref.as_ref()?;
                 let key = (claim.namespace.clone()?, claim.name.clone()?);
-                self.replacement_expected(&key, "")
-                    .then(|| pv.metadata.name.clone())?
+                let name = pv.metadata.name.clone()?;
+                self.replacement_expected(&key, "").then_some((name, key))
             })
             .collect();
         if needed.is_empty() {
             return;
         }
-        reg.retain_volumes(|pv| needed.contains(pv));
+        let keep: BTreeSet<&str> = needed.iter().map(|(pv, _)| pv.as_str()).collect();
+        reg.retain_volumes(|pv| keep.contains(pv));
+        self.update(|p| {
+            p.waiting_for = Some(format!(
+                "volumes {} to attach where the pods that now use their claims run",
+                needed
+                    .iter()
+                    .map(|(pv, _)| pv.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+        });
         let detached_at = std::time::Instant::now();
-        match reg
-            .wait_attached_elsewhere(self.bounded(self.job.settings.volume_reattach_timeout))
-            .await
-        {
+        let until = self.bounded(self.job.settings.volume_reattach_timeout);
+        let none = BTreeSet::new();
+        // The pods gone are not known by UID here (they left before this
+        // run): every pod that uses the claim on another Node counts.
+        let check = || -> Result<Vec<(&str, Moved)>, Vec<String>> {
+            let (mut moved, mut pending) = (Vec::new(), Vec::new());
+            for (pv, claim) in &needed {
+                match self.volume_moved(pv, claim, VolumeClass::Attachable, "", &none) {
+                    Ok(m) => moved.push((pv.as_str(), m)),
+                    Err(why) => pending.push(why),
+                }
+            }
+            if pending.is_empty() {
+                Ok(moved)
+            } else {
+                Err(pending)
+            }
+        };
+        let mut pods = self.deps.pod_changes.clone();
+        let mut tracker_open = true;
+        let outcome = loop {
+            pods.borrow_and_update();
+            if let Ok(moved) = check() {
+                break Ok(moved);
+            }
+            tokio::select! {
+                signal = reg.next_signal(), if tracker_open => {
+                    if signal == Signal::Closed {
+                        tracker_open = false;
+                    }
+                }
+                r = pods.changed() => if r.is_err() { break check() },
+                () = tokio::time::sleep_until(until) => break check(),
+            }
+        };
+        match outcome {
             Ok(moved) => {
                 self.deps
                     .metrics
                     .volume_reattach_wait
                     .observe(detached_at.elapsed().as_secs_f64());
-                for (pv, node) in moved {
+                for (pv, m) in moved {
                     self.event(
                         EventType::Normal,
                         "VolumeAttached",
                         format!(
-                            "{pv} attached on Node {node} (moved from {})",
+                            "attachable PV {pv} attached on Node {}, where pod {} runs (moved from {})",
+                            m.node,
+                            fmt_key(&m.pod),
                             self.job.node
                         ),
-                        Some(pv_ref(&pv)),
+                        Some(pv_ref(pv)),
                     );
                 }
             }
-            Err(e) => self.warn_volume(
+            Err(waiting_for) => self.warn_volume(
                 "VolumeReattachTimeout",
-                &e,
-                needed.first().map(String::as_str),
+                &WaitError::Timeout { waiting_for },
+                needed.first().map(|(pv, _)| pv.as_str()),
             ),
         }
     }

@@ -56,6 +56,7 @@
 //! | `eviction` | one pod's eviction, retried while a budget refuses it |
 //! | `migration` | one stateful pod's move, step by step |
 //! | `batch` | Events for pods evicted together |
+//! | `rules` | the drain rules and order groups: one group a pass, pods waited on to complete |
 
 mod batch;
 mod drainer;
@@ -63,6 +64,7 @@ mod eviction;
 mod migration;
 mod pass;
 mod progress;
+mod rules;
 mod run;
 
 use k8s_openapi::api::core::v1::{

@@ -9,14 +9,24 @@
 //! - Evictable pods with at least one persistent volume
 //!   ([`VolumeIndex::pod_volumes`]) are **stateful**, the others
 //!   **stateless**.
-//! - Stateless pods are listed by (namespace, name); they are evicted
-//!   concurrently, so the order only makes the plan deterministic.
-//! - Stateful pods are ordered by `by_priority`: `spec.priority` highest
-//!   first (missing = 0), ties by (namespace, name) ascending, compared
-//!   byte-wise. The order is total, so the same pods always give the same
-//!   plan. A pod held by `nodeLocalVolumes: Block` (it uses a node-local
-//!   volume and no annotation allows losing it) goes after all the others,
-//!   so that waiting for an operator holds up no other pod.
+//! - Every evictable pod, and every pod a drain rule says to wait on, has
+//!   an **order group** ([`crate::drain::rules`]: 0, 1000 for critical
+//!   pods, or its `berth.dev/drain-order`). Groups go lowest first; the
+//!   engine works on one at a time (`DrainPlan::current_group`), and a
+//!   group starts once the pods of the groups before it are gone and their
+//!   volumes have moved. Pods a drain rule skips are listed with the
+//!   DaemonSet pods; their volumes, and those of pods waited on to
+//!   complete, stay attached until then.
+//! - Stateless pods are listed by (order, namespace, name); they are
+//!   evicted concurrently within their group, so the order only makes the
+//!   plan deterministic.
+//! - Stateful pods are ordered by group, then by `by_priority`:
+//!   `spec.priority` highest first (missing = 0), ties by (namespace, name)
+//!   ascending, compared byte-wise. The order is total, so the same pods
+//!   always give the same plan. A pod held by `nodeLocalVolumes: Block` (it
+//!   uses a node-local volume and no annotation allows losing it) goes after
+//!   all the others of its group, so that waiting for an operator holds up
+//!   no other pod of it.
 //! - Each volume of a stateful pod has a class ([`crate::drain::class`]):
 //!   attachable volumes are waited on as below; an attach-free volume waits
 //!   for the pod that uses its claim next to be Running and Ready

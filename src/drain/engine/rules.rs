@@ -69,7 +69,10 @@ impl Run {
                     format!(" ({})", why.join("; "))
                 })
                 .unwrap_or_default();
-            let pods = group.map_or(0, |g| g.stateless + g.stateful + g.waiting);
+            let pods = match group.map_or(0, |g| g.stateless + g.stateful + g.waiting) {
+                1 => "1 pod".to_string(),
+                n => format!("{n} pods"),
+            };
             self.event(
                 EventType::Normal,
                 "OrderGroupStarted",

@@ -25,8 +25,9 @@ pub fn metadata<K: Resource>(obj: &mut K) {
 }
 
 /// A pod keeps its metadata (labels for PodDisruptionBudgets, owners, the
-/// mirror annotation, UID, deletion timestamp), of its spec the Node, the
-/// priority, the grace period, its claim-backed volumes
+/// mirror annotation and the drain rule annotations, UID, deletion
+/// timestamp), of its spec the Node, the priority and its class (critical
+/// pods go last), the grace period, its claim-backed volumes
 /// (`persistentVolumeClaim` and generic `ephemeral`) and the names of its
 /// `emptyDir` volumes (scratch, for the plan), and of its status the phase
 /// and the `Ready` condition (an attach-free volume has moved when the pod
@@ -55,6 +56,7 @@ pub fn pod(pod: &mut Pod) {
             node_name: spec.node_name.take(),
             tolerations: tolerations.filter(|t| !t.is_empty()),
             priority: spec.priority,
+            priority_class_name: spec.priority_class_name.take(),
             termination_grace_period_seconds: spec.termination_grace_period_seconds,
             volumes: volumes.filter(|v| !v.is_empty()),
             ..PodSpec::default()
@@ -145,6 +147,7 @@ mod tests {
             "spec": {
                 "nodeName": "node-1",
                 "priority": 100,
+                "priorityClassName": "high",
                 "terminationGracePeriodSeconds": 30,
                 "containers": [{"name": "c", "image": "db:1", "env": [{"name": "A", "value": "b"}]}],
                 "tolerations": [{"key": "k", "operator": "Exists"}, {"operator": "Exists"}],
@@ -177,6 +180,7 @@ mod tests {
         let spec = p.spec.as_ref().expect("spec");
         assert_eq!(spec.node_name.as_deref(), Some("node-1"));
         assert_eq!(spec.priority, Some(100));
+        assert_eq!(spec.priority_class_name.as_deref(), Some("high"));
         assert_eq!(spec.termination_grace_period_seconds, Some(30));
         assert!(spec.containers.is_empty());
         assert_eq!(
@@ -233,7 +237,26 @@ mod tests {
 
     #[test]
     fn the_drain_plans_the_same_from_trimmed_pods() {
+        use crate::drain::rules::{DRAIN_ANNOTATION, ORDER_ANNOTATION};
+        let mut critical = full_pod("dns", None);
+        if let Some(spec) = critical.spec.as_mut() {
+            spec.priority = None;
+            spec.priority_class_name = Some("system-cluster-critical".into());
+        }
+        let ruled = |name: &str, key: &str, value: &str| {
+            let mut p = full_pod(name, None);
+            p.metadata
+                .annotations
+                .get_or_insert_default()
+                .insert(key.into(), value.into());
+            p
+        };
         let pods = vec![
+            critical,
+            ruled("batch", DRAIN_ANNOTATION, "wait-completed"),
+            ruled("agent", DRAIN_ANNOTATION, "skip"),
+            ruled("late", ORDER_ANNOTATION, "5"),
+            ruled("odd", ORDER_ANNOTATION, "soon"),
             full_pod("pg-0", Some("data-pg-0")),
             full_pod("pg-1", Some("data-pg-1")),
             full_pod("web", None),
@@ -275,6 +298,16 @@ mod tests {
         );
         assert_eq!(before.to_string(), after.to_string());
         assert_eq!(before.stateful.len(), 2, "{before}");
+        let report = after.to_string();
+        for line in [
+            "order 1000 (critical: priorityClassName system-cluster-critical): 1 without persistent volumes",
+            "order 5 (berth.dev/drain-order): 1 without persistent volumes",
+            "db/agent: drain rule berth.dev/drain=skip",
+            "db/batch: drain rule berth.dev/drain=wait-completed",
+            "db/odd: berth.dev/drain-order=\"soon\" is not a 32-bit integer",
+        ] {
+            assert!(report.contains(line), "{line:?}:\n{report}");
+        }
     }
 
     #[test]

@@ -9,14 +9,24 @@
 //! - Evictable pods with at least one persistent volume
 //!   ([`VolumeIndex::pod_volumes`]) are **stateful**, the others
 //!   **stateless**.
-//! - Stateless pods are listed by (namespace, name); they are evicted
-//!   concurrently, so the order only makes the plan deterministic.
-//! - Stateful pods are ordered by `by_priority`: `spec.priority` highest
-//!   first (missing = 0), ties by (namespace, name) ascending, compared
-//!   byte-wise. The order is total, so the same pods always give the same
-//!   plan. A pod held by `nodeLocalVolumes: Block` (it uses a node-local
-//!   volume and no annotation allows losing it) goes after all the others,
-//!   so that waiting for an operator holds up no other pod.
+//! - Every evictable pod, and every pod a drain rule says to wait on, has
+//!   an **order group** ([`crate::drain::rules`]: 0, 1000 for critical
+//!   pods, or its `berth.dev/drain-order`). Groups go lowest first; the
+//!   engine works on one at a time (`DrainPlan::current_group`), and a
+//!   group starts once the pods of the groups before it are gone and their
+//!   volumes have moved. Pods a drain rule skips are listed with the
+//!   DaemonSet pods; their volumes, and those of pods waited on to
+//!   complete, stay attached until then.
+//! - Stateless pods are listed by (order, namespace, name); they are
+//!   evicted concurrently within their group, so the order only makes the
+//!   plan deterministic.
+//! - Stateful pods are ordered by group, then by `by_priority`:
+//!   `spec.priority` highest first (missing = 0), ties by (namespace, name)
+//!   ascending, compared byte-wise. The order is total, so the same pods
+//!   always give the same plan. A pod held by `nodeLocalVolumes: Block` (it
+//!   uses a node-local volume and no annotation allows losing it) goes after
+//!   all the others of its group, so that waiting for an operator holds up
+//!   no other pod of it.
 //! - Each volume of a stateful pod has a class ([`crate::drain::class`]):
 //!   attachable volumes are waited on as below; an attach-free volume waits
 //!   for the pod that uses its claim next to be Running and Ready
@@ -61,6 +71,7 @@ use crate::drain::deadline::{
     StepBounds, detach_bound, grace_period, pod_gone_bound, reattach_bound,
 };
 use crate::drain::pdb::{PdbFinding, findings_for};
+use crate::drain::rules;
 use crate::drain::select::{NamespacedName, PodClass, classify, finished, fmt_key, pod_key};
 use crate::drain::volume::{VolumeIndex, VolumeRef, attached_nodes};
 use crate::volumes::{pv_of, unique_name_of};
@@ -86,6 +97,9 @@ pub struct TerminatingPod {
     /// The PVs it uses; their last evicted user waits for this pod first.
     /// None for a finished pod, which no longer uses them.
     pub pvs: Vec<String>,
+    /// Its order group ([`crate::drain::rules`]): a later group waits for
+    /// it to be gone.
+    pub order: i32,
 }
 
 /// A volume attached to the Node that no pod on it uses any more: its pod
@@ -160,6 +174,10 @@ pub struct PlannedPod {
     pub uid: Option<String>,
     /// `spec.priority`, 0 when unset.
     pub priority: i32,
+    /// Its order group ([`crate::drain::rules`]), and where that comes
+    /// from when not the default.
+    pub order: i32,
+    pub order_source: Option<String>,
     /// Termination grace period.
     pub grace: Duration,
     /// The bounds of its waits.
@@ -212,19 +230,38 @@ pub(crate) fn by_priority(a: &PlannedPod, b: &PlannedPod) -> Ordering {
 pub struct DrainPlan {
     pub node: String,
     pub settings: ResolvedSettings,
-    /// Mirror and DaemonSet pods, by (namespace, name).
+    /// Mirror and DaemonSet pods, and pods a drain rule skips, by
+    /// (namespace, name).
     pub skipped: Vec<ClassifiedPod>,
     /// Terminal pods, deleted outright, by (namespace, name).
     pub to_delete: Vec<ClassifiedPod>,
     /// Pods already being deleted, by (namespace, name).
     pub terminating: Vec<TerminatingPod>,
-    /// Pods without persistent volumes, by (namespace, name).
+    /// Pods without persistent volumes, by (order, namespace, name).
     pub stateless: Vec<PlannedPod>,
-    /// Pods with persistent volumes, in eviction order.
+    /// Pods with persistent volumes, in eviction order (order group first).
     pub stateful: Vec<PlannedPod>,
+    /// Pods a drain rule says to wait on until they complete, never
+    /// evicted, by (order, namespace, name). Their volumes stay attached
+    /// until then (as a DaemonSet pod's).
+    pub waiting: Vec<PlannedPod>,
+    /// Drain rule annotations not understood (the default was used), by
+    /// pod.
+    pub rule_problems: Vec<(NamespacedName, String)>,
     /// Volumes still detaching from pods that left, by PV name; waited for
     /// before the first stateful eviction.
     pub detaching: Vec<DetachingVolume>,
+}
+
+/// One order group of a plan, for its report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct OrderGroup {
+    pub(crate) order: i32,
+    pub(crate) stateless: usize,
+    pub(crate) stateful: usize,
+    pub(crate) waiting: usize,
+    /// Where the order of its pods comes from, when not the default.
+    pub(crate) why: BTreeSet<String>,
 }
 
 /// One stateful pod on the critical path.
@@ -286,6 +323,61 @@ impl DrainPlan {
             .flatten()
     }
 
+    /// The order group a pass works on now: the lowest order of a pod
+    /// still to evict, to wait on to complete, or (when `holding` says it
+    /// still holds the drain) still terminating. `None` when none is left.
+    /// A later group starts only once this one is empty.
+    pub(crate) fn current_group(&self, holding: impl Fn(&TerminatingPod) -> bool) -> Option<i32> {
+        let evictable = self.stateless.iter().chain(&self.stateful);
+        let planned = evictable.chain(&self.waiting).map(|p| p.order);
+        let going = self.terminating.iter().filter(|t| holding(t));
+        planned.chain(going.map(|t| t.order)).min()
+    }
+
+    /// This plan with only the pods of order group `order` to evict and to
+    /// wait on to complete; the rest (pods terminating, finished, volumes
+    /// detaching) as they are.
+    pub(crate) fn only_group(&self, order: i32) -> DrainPlan {
+        let keep = |ps: &[PlannedPod]| -> Vec<PlannedPod> {
+            ps.iter().filter(|p| p.order == order).cloned().collect()
+        };
+        DrainPlan {
+            stateless: keep(&self.stateless),
+            stateful: keep(&self.stateful),
+            waiting: keep(&self.waiting),
+            ..self.clone()
+        }
+    }
+
+    /// The order groups, lowest first, each with its pods (without
+    /// volumes, with, waited on to complete) and why it has that order.
+    pub(crate) fn groups(&self) -> Vec<OrderGroup> {
+        let mut groups: BTreeMap<i32, OrderGroup> = BTreeMap::new();
+        let all = [
+            (&self.stateless, 0),
+            (&self.stateful, 1),
+            (&self.waiting, 2),
+        ];
+        for (pods, kind) in all {
+            for p in pods {
+                let g = groups.entry(p.order).or_insert_with(|| OrderGroup {
+                    order: p.order,
+                    stateless: 0,
+                    stateful: 0,
+                    waiting: 0,
+                    why: BTreeSet::new(),
+                });
+                g.why.extend(p.order_source.iter().cloned());
+                *match kind {
+                    0 => &mut g.stateless,
+                    1 => &mut g.stateful,
+                    _ => &mut g.waiting,
+                } += 1;
+            }
+        }
+        groups.into_values().collect()
+    }
+
     /// The stateful pods in sequence with their bounds and the worst case.
     pub(crate) fn critical_path(&self) -> CriticalPath {
         let steps: Vec<CriticalStep> = self
@@ -325,6 +417,8 @@ pub(crate) fn plan(
         terminating: Vec::new(),
         stateless: Vec::new(),
         stateful: Vec::new(),
+        waiting: Vec::new(),
+        rule_problems: Vec::new(),
         detaching: detaching_volumes(node, pods, pvcs, pvs, vas),
     };
     // Users of each PV that the evictions do not remove.
@@ -345,8 +439,15 @@ pub(crate) fn plan(
     for pod in on_node {
         let key = pod_key(pod);
         let uid = pod.metadata.uid.clone();
-        match classify(pod) {
-            class @ (PodClass::Mirror | PodClass::DaemonSet { .. }) => {
+        let class = classify(pod);
+        let drain_rule = rules::rule(pod);
+        if !matches!(class, PodClass::Mirror | PodClass::DaemonSet { .. }) {
+            for problem in &drain_rule.problems {
+                out.rule_problems.push((key.clone(), problem.clone()));
+            }
+        }
+        match class {
+            class @ (PodClass::Mirror | PodClass::DaemonSet { .. } | PodClass::Skipped) => {
                 for v in index.pod_volumes(pod).refs {
                     pinned.entry(v.pv).or_default().push(key.clone());
                 }
@@ -380,15 +481,18 @@ pub(crate) fn plan(
                     since,
                     grace: grace_period(pod),
                     pvs,
+                    order: drain_rule.order,
                 });
             }
-            PodClass::Evictable => {
+            PodClass::WaitCompleted | PodClass::Evictable => {
                 let pod_volumes = index.pod_volumes(pod);
                 let grace = grace_period(pod);
                 let planned = PlannedPod {
                     pod: key,
                     uid,
                     priority: pod.spec.as_ref().and_then(|s| s.priority).unwrap_or(0),
+                    order: drain_rule.order,
+                    order_source: drain_rule.order_source(),
                     grace,
                     bounds: StepBounds {
                         pod_gone: pod_gone_bound(grace),
@@ -402,7 +506,14 @@ pub(crate) fn plan(
                     held: None,
                     controller: controller_of(pod),
                 };
-                if pod_volumes.refs.is_empty() {
+                if class == PodClass::WaitCompleted {
+                    // Its volumes stay attached until it completes: nobody
+                    // waits for them to detach before then.
+                    for v in pod_volumes.refs {
+                        pinned.entry(v.pv).or_default().push(planned.pod.clone());
+                    }
+                    out.waiting.push(planned);
+                } else if pod_volumes.refs.is_empty() {
                     out.stateless.push(planned);
                 } else {
                     let refs = pod_volumes.refs.into_iter().map(|v| {
@@ -420,11 +531,18 @@ pub(crate) fn plan(
     out.skipped.sort_by(|a, b| a.pod.cmp(&b.pod));
     out.to_delete.sort_by(|a, b| a.pod.cmp(&b.pod));
     out.terminating.sort_by(|a, b| a.pod.cmp(&b.pod));
-    out.stateless.sort_by(|a, b| a.pod.cmp(&b.pod));
-    // A pod `nodeLocalVolumes: Block` holds waits for an operator: it goes
-    // last, so that it holds up no other pod.
+    out.stateless
+        .sort_by(|a, b| (a.order, &a.pod).cmp(&(b.order, &b.pod)));
+    out.waiting
+        .sort_by(|a, b| (a.order, &a.pod).cmp(&(b.order, &b.pod)));
+    // Order groups first. Within one, a pod `nodeLocalVolumes: Block`
+    // holds waits for an operator: it goes last, so that it holds up no
+    // other pod of its group.
     stateful.sort_by(|(a, _), (b, _)| {
-        (a.held.is_some().cmp(&b.held.is_some())).then_with(|| by_priority(a, b))
+        a.order
+            .cmp(&b.order)
+            .then_with(|| a.held.is_some().cmp(&b.held.is_some()))
+            .then_with(|| by_priority(a, b))
     });
 
     // The evicted users of each PV, in eviction order.
@@ -661,6 +779,23 @@ impl fmt::Display for VolumeWait {
     }
 }
 
+/// `order 1000, critical: …` for a pod not in the default order group or
+/// with an order of its own, else nothing.
+fn order_of(p: &PlannedPod) -> Option<String> {
+    if p.order == rules::DEFAULT_ORDER && p.order_source.is_none() {
+        return None;
+    }
+    Some(match &p.order_source {
+        Some(source) => format!("order {}, {source}", p.order),
+        None => format!("order {}", p.order),
+    })
+}
+
+/// ` (order …)`, or nothing.
+fn order_suffix(p: &PlannedPod) -> String {
+    order_of(p).map_or_else(String::new, |o| format!(" ({o})"))
+}
+
 fn write_pdbs_and_notes(f: &mut fmt::Formatter<'_>, p: &PlannedPod, indent: &str) -> fmt::Result {
     for pdb in &p.pdbs {
         writeln!(f, "{indent}{pdb}")?;
@@ -707,6 +842,31 @@ impl fmt::Display for DrainPlan {
             }
         )?;
 
+        let groups = self.groups();
+        writeln!(
+            f,
+            "\nOrder groups, lowest first; each starts once every pod of the groups before it is gone and their volumes have moved ({}):",
+            groups.len()
+        )?;
+        for g in &groups {
+            write!(f, "  order {}", g.order)?;
+            if !g.why.is_empty() {
+                let why: Vec<&str> = g.why.iter().map(String::as_str).collect();
+                write!(f, " ({})", why.join("; "))?;
+            }
+            let counts = [
+                (g.stateless, "without persistent volumes"),
+                (g.stateful, "with persistent volumes"),
+                (g.waiting, "waited on to complete"),
+            ];
+            let counts: Vec<String> = counts
+                .iter()
+                .filter(|(n, _)| *n > 0)
+                .map(|(n, what)| format!("{n} {what}"))
+                .collect();
+            writeln!(f, ": {}", counts.join(", "))?;
+        }
+
         writeln!(f, "\nSkipped ({}):", self.skipped.len())?;
         for p in &self.skipped {
             writeln!(f, "  {}: {}", fmt_key(&p.pod), p.class)?;
@@ -715,6 +875,35 @@ impl fmt::Display for DrainPlan {
         writeln!(f, "\nDeleted outright ({}):", self.to_delete.len())?;
         for p in &self.to_delete {
             writeln!(f, "  {}: {}", fmt_key(&p.pod), p.class)?;
+        }
+
+        writeln!(
+            f,
+            "\nWaited on to complete, never evicted ({}):",
+            self.waiting.len()
+        )?;
+        for p in &self.waiting {
+            writeln!(
+                f,
+                "  {}{}: drain rule {}=wait-completed: the drain waits until it succeeds, fails or is gone; {}",
+                fmt_key(&p.pod),
+                order_suffix(p),
+                rules::DRAIN_ANNOTATION,
+                if s.force_after_deadline {
+                    "at the deadline minus its grace period it is deleted with its grace period"
+                } else {
+                    "at the deadline the drain fails naming it, and is retried"
+                }
+            )?;
+        }
+
+        writeln!(
+            f,
+            "\nDrain rules not understood, defaults used ({}):",
+            self.rule_problems.len()
+        )?;
+        for (pod, problem) in &self.rule_problems {
+            writeln!(f, "  {}: {problem}", fmt_key(pod))?;
         }
 
         writeln!(
@@ -753,7 +942,7 @@ impl fmt::Display for DrainPlan {
             self.stateless.len()
         )?;
         for p in &self.stateless {
-            writeln!(f, "  {}", fmt_key(&p.pod))?;
+            writeln!(f, "  {}{}", fmt_key(&p.pod), order_suffix(p))?;
             write_pdbs_and_notes(f, p, "    ")?;
         }
 
@@ -764,17 +953,18 @@ impl fmt::Display for DrainPlan {
         };
         writeln!(
             f,
-            "\nWith persistent volumes, evicted {pace}, highest priority first ({}):",
+            "\nWith persistent volumes, evicted {pace}, by order group, then highest priority first ({}):",
             self.stateful.len()
         )?;
         for (i, p) in self.stateful.iter().enumerate() {
             writeln!(
                 f,
-                "  {}. {} (priority {}, grace {})",
+                "  {}. {} (priority {}, grace {}{})",
                 i + 1,
                 fmt_key(&p.pod),
                 p.priority,
-                format_duration(p.grace)
+                format_duration(p.grace),
+                order_of(p).map_or_else(String::new, |o| format!(", {o}"))
             )?;
             for v in &p.volumes {
                 writeln!(f, "       {v}")?;
@@ -845,6 +1035,8 @@ mod tests {
             pod: key(ns, name),
             uid: None,
             priority,
+            order: 0,
+            order_source: None,
             grace: secs(30),
             bounds: StepBounds {
                 pod_gone: secs(60),
@@ -918,6 +1110,7 @@ mod tests {
                 since: ts(10),
                 grace: secs(30),
                 pvs: vec!["pv-old".into()],
+                order: 0,
             }]
         );
         assert_eq!(
@@ -1343,7 +1536,7 @@ mod tests {
             "Already terminating, waited on (1):\n  db/old-0: being deleted since 1970-01-01T00:00:00Z; uses PV pv-s",
             "Without persistent volumes, evicted concurrently, up to 20 at a time (1):\n  web/a\n",
             "    note: claim web/missing (volume x) not found",
-            "With persistent volumes, evicted up to 2 at a time, highest priority first (2):",
+            "With persistent volumes, evicted up to 2 at a time, by order group, then highest priority first (2):",
             "  1. db/pg-0 (priority 100, grace 30s)\n       PV pv-s (claim db/shared), attachable: ebs.csi.aws.com has no CSIDriver object, so attach is required; on the Node as kubernetes.io/csi/ebs.csi.aws.com^vol-9, attached to node-1\n         shared: db/pg-1 uses it later and waits for it",
             "       PDB db/pg allows 0 disruptions with 3/3 healthy (misconfigured:",
             "  2. db/pg-1 (priority 0, grace 30s)",
@@ -1744,6 +1937,144 @@ mod tests {
         ] {
             assert!(report.contains(line), "report lacks {line:?}:\n{report}");
         }
+    }
+
+    #[test]
+    fn critical_pods_and_order_groups_go_in_ascending_order() {
+        use crate::drain::rules::{DRAIN_ANNOTATION, ORDER_ANNOTATION};
+        let critical = |mut p: Pod, class: &str| {
+            p.spec.get_or_insert_default().priority_class_name = Some(class.into());
+            p
+        };
+        let pods = [
+            // Highest priority of all, but critical: last.
+            critical(pod("kube-system", "csi-node"), "system-node-critical")
+                .priority(2_000_001_000)
+                .claim("d", "plugin"),
+            critical(pod("kube-system", "dns"), "system-cluster-critical"),
+            pod("db", "pg-0").priority(100).claim("d", "data-0"),
+            pod("db", "pg-1").claim("d", "data-1"),
+            pod("web", "a"),
+            annotated(pod("web", "first"), ORDER_ANNOTATION, "-1"),
+            annotated(pod("web", "odd"), ORDER_ANNOTATION, "after-dns"),
+            annotated(pod("batch", "report"), DRAIN_ANNOTATION, "wait-completed")
+                .claim("d", "shared"),
+            annotated(pod("ops", "keep"), DRAIN_ANNOTATION, "skip").claim("d", "shared"),
+            annotated(pod("db", "pg-2"), DRAIN_ANNOTATION, "wait-completed").deleting(ts(0)),
+            pod("db", "pg-3").claim("d", "shared"),
+        ];
+        let pvcs = [
+            pvc("kube-system", "plugin", Some("pv-p")),
+            pvc("db", "data-0", Some("pv-0")),
+            pvc("db", "data-1", Some("pv-1")),
+            pvc("batch", "shared", Some("pv-s")),
+            pvc("ops", "shared", Some("pv-s")),
+            pvc("db", "shared", Some("pv-s")),
+        ];
+        let pvs = [
+            csi_pv("pv-p", "d.csi", "p"),
+            csi_pv("pv-0", "d.csi", "0"),
+            csi_pv("pv-1", "d.csi", "1"),
+            csi_pv("pv-s", "d.csi", "s"),
+        ];
+        let p = plan_of(&pods, &pvcs, &pvs);
+        let names =
+            |ps: &[PlannedPod]| -> Vec<String> { ps.iter().map(|x| fmt_key(&x.pod)).collect() };
+        assert_eq!(
+            names(&p.stateful),
+            ["db/pg-0", "db/pg-1", "db/pg-3", "kube-system/csi-node"],
+            "critical last, whatever its priority"
+        );
+        assert_eq!(
+            names(&p.stateless),
+            ["web/first", "web/a", "web/odd", "kube-system/dns"]
+        );
+        assert_eq!(names(&p.waiting), ["batch/report"]);
+        assert_eq!(
+            p.skipped
+                .iter()
+                .map(|x| (fmt_key(&x.pod), x.class.clone()))
+                .collect::<Vec<_>>(),
+            [("ops/keep".to_string(), PodClass::Skipped)]
+        );
+        // A pod waited on that is being deleted is waited on as such, in
+        // its group.
+        assert_eq!(p.terminating[0].pod, key("db", "pg-2"));
+        assert_eq!(p.terminating[0].order, 0);
+        // The volume a skipped pod and a pod waited on also use stays
+        // attached: nobody waits for it to detach before the VM goes.
+        let pg3 = p.stateful.iter().find(|x| x.pod.1 == "pg-3").expect("pg-3");
+        assert_eq!(
+            pg3.volumes[0].wait,
+            VolumeWait::StaysAttached {
+                pinned_by: vec![key("batch", "report"), key("ops", "keep")]
+            }
+        );
+        assert_eq!(
+            p.rule_problems,
+            [(
+                key("web", "odd"),
+                "berth.dev/drain-order=\"after-dns\" is not a 32-bit integer; order 0 used"
+                    .to_string()
+            )]
+        );
+
+        // The groups, and the one a pass works on.
+        let groups: Vec<(i32, usize, usize, usize)> = p
+            .groups()
+            .iter()
+            .map(|g| (g.order, g.stateless, g.stateful, g.waiting))
+            .collect();
+        assert_eq!(groups, [(-1, 1, 0, 0), (0, 2, 3, 1), (1000, 1, 1, 0)]);
+        assert_eq!(p.current_group(|_| true), Some(-1));
+        let first = p.only_group(-1);
+        assert_eq!(names(&first.stateless), ["web/first"]);
+        assert!(first.stateful.is_empty() && first.waiting.is_empty());
+        assert_eq!(first.terminating, p.terminating, "waited on in any group");
+        // Once the groups before it are empty, the critical group; a pod
+        // still terminating holds its group while it holds the drain.
+        let mut later = p.clone();
+        later.stateless.retain(|x| x.order >= 1000);
+        later.stateful.retain(|x| x.order >= 1000);
+        later.waiting.clear();
+        assert_eq!(later.current_group(|_| true), Some(0), "db/pg-2 going");
+        assert_eq!(later.current_group(|_| false), Some(1000));
+        later.stateless.clear();
+        later.stateful.clear();
+        assert_eq!(later.current_group(|_| false), None);
+
+        let report = p.to_string();
+        for line in [
+            "Order groups, lowest first; each starts once every pod of the groups before it is gone and their volumes have moved (3):\n  order -1 (berth.dev/drain-order): 1 without persistent volumes\n  order 0: 2 without persistent volumes, 3 with persistent volumes, 1 waited on to complete\n  order 1000 (critical: priorityClassName system-cluster-critical; critical: priorityClassName system-node-critical): 1 without persistent volumes, 1 with persistent volumes\n",
+            "  ops/keep: drain rule berth.dev/drain=skip: never evicted; ends with the VM",
+            "Waited on to complete, never evicted (1):\n  batch/report: drain rule berth.dev/drain=wait-completed: the drain waits until it succeeds, fails or is gone; at the deadline minus its grace period it is deleted with its grace period\n",
+            "Drain rules not understood, defaults used (1):\n  web/odd: berth.dev/drain-order=\"after-dns\" is not a 32-bit integer; order 0 used\n",
+            "  web/first (order -1, berth.dev/drain-order)\n  web/a\n  web/odd\n  kube-system/dns (order 1000, critical: priorityClassName system-cluster-critical)\n",
+            "  4. kube-system/csi-node (priority 2000001000, grace 30s, order 1000, critical: priorityClassName system-node-critical)",
+        ] {
+            assert!(report.contains(line), "report lacks {line:?}:\n{report}");
+        }
+        let at = |s: &str| report.find(s).unwrap_or_else(|| panic!("{s:?}:\n{report}"));
+        assert!(at("Order groups") < at("Skipped"));
+        let without_forcing = plan(
+            NODE,
+            &pods,
+            &pvcs,
+            &pvs,
+            &[],
+            &[],
+            &ctx(),
+            &ResolvedSettings {
+                force_after_deadline: false,
+                ..Default::default()
+            },
+        );
+        assert!(
+            without_forcing
+                .to_string()
+                .contains("at the deadline the drain fails naming it, and is retried"),
+            "{without_forcing}"
+        );
     }
 
     #[test]

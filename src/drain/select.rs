@@ -11,10 +11,14 @@
 //!    is left alone and ends with the VM. Only the kind is compared, as
 //!    `kubectl drain` does, which also covers DaemonSet-like controllers of
 //!    other API groups.
-//! 3. **Terminal**: phase `Succeeded` or `Failed`, and not being deleted yet.
+//! 3. **Skipped by rule**: the pod's drain rule
+//!    ([`DRAIN_ANNOTATION`](super::rules::DRAIN_ANNOTATION) `skip`) says
+//!    never to evict it: left alone, it ends with the VM, as a DaemonSet's
+//!    pods do.
+//! 4. **Terminal**: phase `Succeeded` or `Failed`, and not being deleted yet.
 //!    The pod runs no containers and the attach/detach controller no longer
 //!    counts it as using its volumes: it is deleted outright, once.
-//! 4. **Terminating**: `metadata.deletionTimestamp` is set (finished pods
+//! 5. **Terminating**: `metadata.deletionTimestamp` is set (finished pods
 //!    included: deleting one again would change nothing, and doing so each
 //!    pass was a request loop when a finalizer held it). Waited on, not
 //!    evicted or deleted again. A pod that a finalizer holds after its grace
@@ -22,12 +26,19 @@
 //!    ([`held_by_finalizers`]): it is reported, and holds the drain only
 //!    until the deadline plus its grace period
 //!    ([`Deadline::releases`](super::deadline::Deadline::releases)).
-//! 5. **Evictable**: everything else; evicted through the Eviction API.
+//! 6. **Waited on to complete**: the drain rule says `wait-completed`: not
+//!    evicted; the drain waits until it is terminal (then rule 4 deletes
+//!    it) or gone, bounded by the deadline.
+//! 7. **Evictable**: everything else; evicted through the Eviction API.
+//!
+//! Rules 3 and 6 and the pod's order group come from [`super::rules`].
 
 use std::fmt;
 
 use k8s_openapi::api::core::v1::{Pod, Toleration};
 use k8s_openapi::jiff::Timestamp;
+
+use super::rules::Behavior;
 
 /// The annotation the kubelet puts on the API mirror of a static pod.
 pub const MIRROR_ANNOTATION: &str = "kubernetes.io/config.mirror";
@@ -60,6 +71,10 @@ pub enum PodClass {
     Terminal { phase: String },
     /// Already being deleted since the given time: waited on.
     Terminating { since: Timestamp },
+    /// Its drain rule says `skip`: left to end with the VM.
+    Skipped,
+    /// Its drain rule says `wait-completed`: waited on until it completes.
+    WaitCompleted,
     /// Evicted through the Eviction API.
     Evictable,
 }
@@ -84,6 +99,16 @@ impl fmt::Display for PodClass {
                     "being deleted since {since}; waited on, not evicted again"
                 )
             }
+            Self::Skipped => write!(
+                f,
+                "drain rule {}=skip: never evicted; ends with the VM",
+                super::rules::DRAIN_ANNOTATION
+            ),
+            Self::WaitCompleted => write!(
+                f,
+                "drain rule {}=wait-completed: never evicted; waited on until it succeeds, fails or is gone",
+                super::rules::DRAIN_ANNOTATION
+            ),
             Self::Evictable => f.write_str("evicted through the Eviction API"),
         }
     }
@@ -110,6 +135,10 @@ pub fn classify(pod: &Pod) -> PodClass {
             owner: owner.name.clone(),
         };
     }
+    let behavior = super::rules::rule(pod).behavior;
+    if behavior == Behavior::Skip {
+        return PodClass::Skipped;
+    }
     if let Some(since) = &meta.deletion_timestamp {
         return PodClass::Terminating { since: since.0 };
     }
@@ -119,6 +148,9 @@ pub fn classify(pod: &Pod) -> PodClass {
         return PodClass::Terminal {
             phase: phase.to_string(),
         };
+    }
+    if behavior == Behavior::WaitCompleted {
+        return PodClass::WaitCompleted;
     }
     PodClass::Evictable
 }
@@ -186,6 +218,14 @@ mod tests {
     use super::*;
     use crate::drain::fixtures::{PodFixture, pod, ts};
 
+    fn rule(mut p: Pod, behavior: &str) -> Pod {
+        p.metadata.annotations.get_or_insert_default().insert(
+            crate::drain::rules::DRAIN_ANNOTATION.into(),
+            behavior.into(),
+        );
+        p
+    }
+
     #[test]
     fn every_pod_falls_into_exactly_one_class() {
         let since = ts(1_000);
@@ -251,6 +291,41 @@ mod tests {
                 "terminating",
                 pod("a", "p").deleting(since),
                 PodClass::Terminating { since },
+            ),
+            ("skip rule", rule(pod("a", "p"), "skip"), PodClass::Skipped),
+            (
+                "skip rule wins over terminal and terminating",
+                rule(pod("a", "p"), "skip").phase("Failed").deleting(since),
+                PodClass::Skipped,
+            ),
+            (
+                "daemonset wins over a skip rule",
+                rule(pod("a", "p"), "skip").owned_by("DaemonSet", "fluentd", true),
+                PodClass::DaemonSet {
+                    owner: "fluentd".into(),
+                },
+            ),
+            (
+                "wait-completed rule",
+                rule(pod("a", "p"), "wait-completed"),
+                PodClass::WaitCompleted,
+            ),
+            (
+                "a pod waited on that completed is deleted outright",
+                rule(pod("a", "p"), "wait-completed").phase("Succeeded"),
+                PodClass::Terminal {
+                    phase: "Succeeded".into(),
+                },
+            ),
+            (
+                "a pod waited on that is being deleted is waited on as such",
+                rule(pod("a", "p"), "wait-completed").deleting(since),
+                PodClass::Terminating { since },
+            ),
+            (
+                "a rule not understood is the default",
+                rule(pod("a", "p"), "maybe"),
+                PodClass::Evictable,
             ),
         ];
         for (what, pod, want) in cases {
@@ -347,6 +422,14 @@ mod tests {
                 "being deleted since 1970-01-01T00:00:00Z; waited on",
             ),
             (PodClass::Evictable, "Eviction API"),
+            (
+                PodClass::Skipped,
+                "drain rule berth.dev/drain=skip: never evicted; ends with the VM",
+            ),
+            (
+                PodClass::WaitCompleted,
+                "berth.dev/drain=wait-completed: never evicted; waited on until it succeeds, fails or is gone",
+            ),
         ];
         for (class, want) in cases {
             let got = class.to_string();

@@ -275,7 +275,8 @@ pub(crate) fn drain_skip_reason(pod: &Pod) -> Option<&'static str> {
         PodClass::Mirror => Some("mirror pod"),
         PodClass::DaemonSet { .. } => Some("DaemonSet pod"),
         PodClass::Terminal { .. } => Some("terminal pod"),
-        PodClass::Terminating { .. } | PodClass::Evictable => None,
+        PodClass::Skipped => Some("pod skipped by its drain rule"),
+        PodClass::Terminating { .. } | PodClass::WaitCompleted | PodClass::Evictable => None,
     }
 }
 

@@ -3,7 +3,8 @@
 //!
 //! One task per draining Machine, started by the reconciler's Drain step
 //! and owned by the [`Drainer`]. The task works in passes: each pass plans
-//! from the informer caches, then
+//! from the informer caches, takes the lowest order group with a pod left
+//! (critical pods last; see [`rules`](super::rules)), then
 //!
 //! 1. deletes terminal pods;
 //! 2. evicts the pods without persistent volumes, at most
@@ -15,7 +16,8 @@
 //!    for at all when no pod still references the claim). Before the first
 //!    stateful eviction it waits for volumes still detaching from pods that
 //!    left earlier (a restart mid-drain resumes exactly here);
-//! 4. waits for pods that were already terminating.
+//! 4. waits for pods that were already terminating, and for the group's
+//!    pods that a drain rule says to wait on until they complete.
 //!
 //! and repeats until a pass finds nothing left to do. Nothing polls: pod
 //! and PodDisruptionBudget waits wake on the informers' change signals,
@@ -56,6 +58,7 @@
 //! | `eviction` | one pod's eviction, retried while a budget refuses it |
 //! | `migration` | one stateful pod's move, step by step |
 //! | `batch` | Events for pods evicted together |
+//! | `rules` | the drain rules and order groups: one group a pass, pods waited on to complete |
 
 mod batch;
 mod drainer;
@@ -63,6 +66,7 @@ mod eviction;
 mod migration;
 mod pass;
 mod progress;
+mod rules;
 mod run;
 
 use k8s_openapi::api::core::v1::{

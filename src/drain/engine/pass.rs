@@ -170,11 +170,16 @@ impl Run {
     /// The pods that still hold the drain, each with why.
     fn left(&self) -> Vec<String> {
         let plan = self.plan();
+        let group = plan.current_group(|t| !self.released(t));
         let evictable = plan.stateless.iter().chain(plan.stateful.iter()).map(|p| {
             let pdb = p.pdbs.iter().find(|f| f.verdict != PdbVerdict::Allows);
+            let after = group
+                .filter(|g| p.order > *g)
+                .map(|g| format!("order group {}, after order group {g}", p.order));
             let why = p
                 .held
                 .as_deref()
+                .or(after.as_deref())
                 .or_else(|| pdb.map(|f| f.description.as_str()))
                 .unwrap_or("not evicted in time");
             format!("{} ({why})", fmt_key(&p.pod))
@@ -188,18 +193,33 @@ impl Run {
             .to_delete
             .iter()
             .map(|t| format!("{} (finished, not yet deleted)", fmt_key(&t.pod)));
-        evictable.chain(terminating).chain(finished).collect()
+        let waiting = plan.waiting.iter().map(|p| {
+            format!(
+                "{} (not completed; drain rule {}=wait-completed)",
+                fmt_key(&p.pod),
+                crate::drain::rules::DRAIN_ANNOTATION
+            )
+        });
+        evictable
+            .chain(waiting)
+            .chain(terminating)
+            .chain(finished)
+            .collect()
     }
 
     async fn pass(&self) -> Pass {
-        let plan = self.plan();
-        let leftover = self.not_abandoned(&plan.detaching);
-        let holding = plan
+        let full = self.plan();
+        let leftover = self.not_abandoned(&full.detaching);
+        let holding = full
             .terminating
             .iter()
             .filter(|t| !self.released(t))
             .count();
-        let remaining = plan.stateless.len() + plan.stateful.len() + holding + plan.to_delete.len();
+        let remaining = full.stateless.len()
+            + full.stateful.len()
+            + full.waiting.len()
+            + holding
+            + full.to_delete.len();
         self.update(|p| {
             p.pods_remaining = u32::try_from(remaining).unwrap_or(u32::MAX);
             p.pods_total = p.pods_total.max(p.pods_evicted + p.pods_remaining);
@@ -207,7 +227,19 @@ impl Run {
         if remaining == 0 && leftover.is_empty() {
             return Pass::Done;
         }
+        self.announce_rules(&full);
+        // One order group a pass: the lowest with a pod left. A later group
+        // evicts nothing before the volumes of the pods that left are off
+        // the Node (`gated`).
+        let group = full.current_group(|t| !self.released(t));
+        let gated = group.is_some_and(|g| self.enter_group(&full, g));
+        let plan = match group {
+            Some(g) => full.only_group(g),
+            None => full,
+        };
         tracing::info!(
+            group,
+            waiting = plan.waiting.len(),
             stateless = plan.stateless.len(),
             stateful = plan.stateful.len(),
             terminating = plan.terminating.len(),
@@ -296,7 +328,9 @@ impl Run {
                 .collect();
             futures::future::join_all(gone).await;
         };
-        let stateful = async {
+        // Before the first stateful eviction (and, in a later order group,
+        // before any eviction): the volumes of pods that left.
+        let volumes_off = async {
             // Stateful pods that were already terminating (evicted before a
             // restart, or by someone else) come first: their volumes must be
             // gone from this Node before the next stateful eviction.
@@ -332,6 +366,8 @@ impl Run {
             for m in &resumed {
                 self.end_move(&m.pod);
             }
+        };
+        let chain = async {
             futures::stream::iter(migrations)
                 .buffered(self.job.settings.max_parallel_volume_migrations.max(1) as usize)
                 .collect::<Vec<()>>()
@@ -344,10 +380,41 @@ impl Run {
             }
         };
         let terminating = futures::future::join_all(terminating);
-        // The stateful chain is the drain's critical path and the stateless
-        // pods have slack: polled first, its eviction is sent ahead of theirs
-        // when many drains start at once and every request queues.
-        tokio::join!(stateful, stateless, terminating);
+        // The pods waited on to complete are named once the group's
+        // evictions are done: `status.drain` then says what the drain waits
+        // for.
+        let waiting = self.wait_completed(&plan.waiting);
+        if gated {
+            volumes_off.await;
+            let evictions = async {
+                tokio::join!(chain, stateless);
+                waiting.await;
+            };
+            tokio::join!(evictions, terminating);
+        } else {
+            // The stateful chain is the drain's critical path and the
+            // stateless pods have slack: polled first, its eviction is sent
+            // ahead of theirs when many drains start at once and every
+            // request queues.
+            let stateful = async {
+                volumes_off.await;
+                chain.await;
+            };
+            let evictions = async {
+                tokio::join!(stateful, stateless);
+                waiting.await;
+            };
+            tokio::join!(evictions, terminating);
+        }
+        // After the deadline a pass that moved nothing ends the drain: an
+        // order group whose last pods went (waited for, not evicted, in
+        // this pass) is progress, the next group is due.
+        if self.expired()
+            && group.is_some()
+            && self.plan().current_group(|t| !self.released(t)) != group
+        {
+            self.step(|_| {});
+        }
         Pass::Again
     }
 

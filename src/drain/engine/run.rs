@@ -71,6 +71,8 @@ pub(super) struct Run {
     /// Whether the Machine allows losing node-local data (its annotation),
     /// as the reconciler last saw it.
     pub(super) data_loss_allowed: watch::Receiver<bool>,
+    /// The order groups this run has worked on: the first, and the last.
+    pub(super) groups: Mutex<Option<(i32, i32)>>,
 }
 
 impl Run {
@@ -103,6 +105,7 @@ impl Run {
             stuck: Mutex::new(BTreeMap::new()),
             last_try: AtomicBool::new(false),
             data_loss_allowed,
+            groups: Mutex::new(None),
         }
     }
 
@@ -214,6 +217,15 @@ impl Run {
         }
         self.wait_gone(&t.pod, uid, release).await;
         self.update(|p| p.unblock(&key));
+    }
+
+    /// Whether `what` (a pod's UID and a topic) is reported for the first
+    /// time in this drain: each report is made once.
+    pub(super) fn first_report(&self, what: String) -> bool {
+        self.reported
+            .lock()
+            .map(|mut r| r.insert(what))
+            .unwrap_or(false)
     }
 
     /// Deletes with grace 0 a pod whose grace period already passed.

@@ -1,0 +1,288 @@
+//! Drain rules: what a pod's owner asks of the drain, and the drain's own
+//! tiers. Pure functions from a pod to its [`Rule`]; the plan groups pods by
+//! it and the engine follows the groups.
+//!
+//! A pod says, with annotations (the service owner's own objects; in the
+//! spirit of Cluster API's MachineDrainRule, without a new object):
+//!
+//! - [`DRAIN_ANNOTATION`] `skip`: never evicted; left to end with the VM,
+//!   as a DaemonSet's pods are. `wait-completed`: never evicted; the drain
+//!   waits until the pod completes (`Succeeded` or `Failed`, then deleted
+//!   outright) or is gone, bounded by the drain deadline. `drain` (or
+//!   absent): evicted as usual.
+//! - [`ORDER_ANNOTATION`] an integer: the pod's **order group**. Groups go
+//!   in ascending order; a group starts once every pod of the groups before
+//!   it is gone (evicted, completed, or deleted) and their volumes have
+//!   moved. Within a group the pods without persistent volumes go
+//!   concurrently and the stateful ones in priority order, as always.
+//!
+//! Without an order annotation a pod's order is [`DEFAULT_ORDER`], unless
+//! it is **critical** ([`critical`]: priority class
+//! `system-cluster-critical` or `system-node-critical`, or `spec.priority`
+//! at or above [`SYSTEM_CRITICAL_PRIORITY`]): then [`CRITICAL_ORDER`], so
+//! that DNS, CSI controllers and the like leave after the workloads that
+//! need them. An explicit order wins over the critical default.
+//!
+//! A value the drain does not understand is reported (the plan names it,
+//! a Warning Event says it once) and the default is used; it never fails
+//! the drain.
+
+use k8s_openapi::api::core::v1::Pod;
+
+/// The annotation that sets a pod's drain behaviour.
+pub const DRAIN_ANNOTATION: &str = "berth.dev/drain";
+/// The annotation that sets a pod's order group.
+pub const ORDER_ANNOTATION: &str = "berth.dev/drain-order";
+/// The order group of a pod that is not critical and says nothing.
+pub const DEFAULT_ORDER: i32 = 0;
+/// The order group of a critical pod that says nothing.
+pub const CRITICAL_ORDER: i32 = 1000;
+/// Kubernetes' `SystemCriticalPriority`: user-defined priority classes stop
+/// at one billion, the two system classes are at or above this.
+pub const SYSTEM_CRITICAL_PRIORITY: i32 = 2_000_000_000;
+/// The priority classes Kubernetes reserves for critical pods.
+const CRITICAL_CLASSES: [&str; 2] = ["system-cluster-critical", "system-node-critical"];
+
+/// What the drain does with a pod, per its [`DRAIN_ANNOTATION`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Behavior {
+    /// Evicted (the default).
+    Drain,
+    /// Never evicted; ends with the VM.
+    Skip,
+    /// Never evicted; waited for until it completes or is gone.
+    WaitCompleted,
+}
+
+/// A pod's drain rule, as its annotations and priority make it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rule {
+    pub behavior: Behavior,
+    /// Its order group.
+    pub order: i32,
+    /// Why it is critical, if it is (`priorityClassName …` or
+    /// `priority …`).
+    pub critical: Option<String>,
+    /// Whether `order` was set by [`ORDER_ANNOTATION`].
+    pub explicit_order: bool,
+    /// Annotation values not understood, each with the default used.
+    pub problems: Vec<String>,
+}
+
+impl Rule {
+    /// Where its order comes from when not the default: `critical:
+    /// priorityClassName system-node-critical`, or the annotation.
+    pub fn order_source(&self) -> Option<String> {
+        match (&self.critical, self.explicit_order) {
+            (_, true) => Some(ORDER_ANNOTATION.to_string()),
+            (Some(why), false) => Some(format!("critical: {why}")),
+            (None, false) => None,
+        }
+    }
+}
+
+/// Why `pod` is critical, if it is.
+pub fn critical(pod: &Pod) -> Option<String> {
+    let spec = pod.spec.as_ref()?;
+    if let Some(class) = spec
+        .priority_class_name
+        .as_deref()
+        .filter(|c| CRITICAL_CLASSES.contains(c))
+    {
+        return Some(format!("priorityClassName {class}"));
+    }
+    spec.priority
+        .filter(|p| *p >= SYSTEM_CRITICAL_PRIORITY)
+        .map(|p| format!("priority {p}"))
+}
+
+/// The drain rule of `pod`; see the module documentation.
+pub fn rule(pod: &Pod) -> Rule {
+    let annotations = pod.metadata.annotations.as_ref();
+    let get = |k: &str| annotations.and_then(|a| a.get(k)).map(|v| v.trim());
+    let mut problems = Vec::new();
+    let behavior = match get(DRAIN_ANNOTATION) {
+        None | Some("drain") => Behavior::Drain,
+        Some("skip") => Behavior::Skip,
+        Some("wait-completed") => Behavior::WaitCompleted,
+        Some(other) => {
+            problems.push(format!(
+                "{DRAIN_ANNOTATION}={other:?} is not one of drain, skip, wait-completed; drain used"
+            ));
+            Behavior::Drain
+        }
+    };
+    let critical = critical(pod);
+    let default = if critical.is_some() {
+        CRITICAL_ORDER
+    } else {
+        DEFAULT_ORDER
+    };
+    let (order, explicit_order) = match get(ORDER_ANNOTATION) {
+        None => (default, false),
+        Some(v) => match v.parse::<i32>() {
+            Ok(o) => (o, true),
+            Err(_) => {
+                problems.push(format!(
+                    "{ORDER_ANNOTATION}={v:?} is not a 32-bit integer; order {default} used"
+                ));
+                (default, false)
+            }
+        },
+    };
+    Rule {
+        behavior,
+        order,
+        critical,
+        explicit_order,
+        problems,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::drain::fixtures::{PodFixture, pod};
+
+    fn annotated(mut p: Pod, kvs: &[(&str, &str)]) -> Pod {
+        let a = p.metadata.annotations.get_or_insert_default();
+        for (k, v) in kvs {
+            a.insert((*k).into(), (*v).into());
+        }
+        p
+    }
+
+    fn class(mut p: Pod, name: &str) -> Pod {
+        p.spec.get_or_insert_default().priority_class_name = Some(name.into());
+        p
+    }
+
+    #[test]
+    fn critical_pods_are_named_by_class_or_priority() {
+        let cases = [
+            (pod("a", "p"), None),
+            (pod("a", "p").priority(1_000_000_000), None),
+            (
+                pod("a", "p").priority(SYSTEM_CRITICAL_PRIORITY),
+                Some("priority 2000000000"),
+            ),
+            (
+                pod("a", "p").priority(2_000_001_000),
+                Some("priority 2000001000"),
+            ),
+            (
+                class(pod("a", "p"), "system-node-critical").priority(2_000_001_000),
+                Some("priorityClassName system-node-critical"),
+            ),
+            (
+                class(pod("a", "p"), "system-cluster-critical"),
+                Some("priorityClassName system-cluster-critical"),
+            ),
+            (class(pod("a", "p"), "high"), None),
+        ];
+        for (p, want) in cases {
+            assert_eq!(critical(&p).as_deref(), want, "{:?}", p.spec);
+        }
+    }
+
+    #[test]
+    fn annotations_set_the_behaviour_and_the_order() {
+        let node_critical = || class(pod("a", "p"), "system-node-critical");
+        // (pod, behaviour, order, explicit, problems)
+        let cases = [
+            (pod("a", "p"), Behavior::Drain, 0, false, 0),
+            (node_critical(), Behavior::Drain, CRITICAL_ORDER, false, 0),
+            (
+                annotated(pod("a", "p"), &[(DRAIN_ANNOTATION, "skip")]),
+                Behavior::Skip,
+                0,
+                false,
+                0,
+            ),
+            (
+                annotated(pod("a", "p"), &[(DRAIN_ANNOTATION, " wait-completed ")]),
+                Behavior::WaitCompleted,
+                0,
+                false,
+                0,
+            ),
+            (
+                annotated(pod("a", "p"), &[(DRAIN_ANNOTATION, "drain")]),
+                Behavior::Drain,
+                0,
+                false,
+                0,
+            ),
+            (
+                annotated(pod("a", "p"), &[(ORDER_ANNOTATION, "-5")]),
+                Behavior::Drain,
+                -5,
+                true,
+                0,
+            ),
+            // An explicit order wins over the critical default.
+            (
+                annotated(node_critical(), &[(ORDER_ANNOTATION, "10")]),
+                Behavior::Drain,
+                10,
+                true,
+                0,
+            ),
+            // Values not understood: the defaults, and a problem each.
+            (
+                annotated(pod("a", "p"), &[(DRAIN_ANNOTATION, "Skip")]),
+                Behavior::Drain,
+                0,
+                false,
+                1,
+            ),
+            (
+                annotated(
+                    node_critical(),
+                    &[(ORDER_ANNOTATION, "last"), (DRAIN_ANNOTATION, "never")],
+                ),
+                Behavior::Drain,
+                CRITICAL_ORDER,
+                false,
+                2,
+            ),
+            (
+                annotated(pod("a", "p"), &[(ORDER_ANNOTATION, "99999999999")]),
+                Behavior::Drain,
+                0,
+                false,
+                1,
+            ),
+        ];
+        for (p, behavior, order, explicit, problems) in cases {
+            let r = rule(&p);
+            let what = format!("{:?}: {r:?}", p.metadata.annotations);
+            assert_eq!(r.behavior, behavior, "{what}");
+            assert_eq!(r.order, order, "{what}");
+            assert_eq!(r.explicit_order, explicit, "{what}");
+            assert_eq!(r.problems.len(), problems, "{what}");
+        }
+        let r = rule(&annotated(
+            node_critical(),
+            &[(ORDER_ANNOTATION, "last"), (DRAIN_ANNOTATION, "never")],
+        ));
+        assert_eq!(
+            r.problems,
+            [
+                "berth.dev/drain=\"never\" is not one of drain, skip, wait-completed; drain used",
+                "berth.dev/drain-order=\"last\" is not a 32-bit integer; order 1000 used",
+            ]
+        );
+        assert_eq!(
+            r.order_source().as_deref(),
+            Some("critical: priorityClassName system-node-critical")
+        );
+        assert_eq!(
+            rule(&annotated(node_critical(), &[(ORDER_ANNOTATION, "7")]))
+                .order_source()
+                .as_deref(),
+            Some("berth.dev/drain-order")
+        );
+        assert_eq!(rule(&pod("a", "p")).order_source(), None);
+    }
+}

@@ -1,0 +1,442 @@
+//! Drain tiers and drain rules, end to end on the test bed: critical pods
+//! leave after every other pod has gone and its volumes have moved; a pod
+//! its owner marks `skip` is left to the VM; a pod marked `wait-completed`
+//! is waited on until it completes, and at the deadline when it does not.
+//! Each also checks what `berth plan` says.
+
+mod support;
+
+use std::time::Duration;
+
+use berth::api::Machine;
+use berth_devkit::testbed::fixtures::{csi_pv, stateful_set_in_pool};
+use berth_devkit::testbed::stages::COMPLETE_AFTER_ANNOTATION;
+use berth_devkit::testbed::wait;
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use kube::{Client, ResourceExt};
+use support::pool::{Ev, create, delayed_bed, events, first, json, log_of, pool_class};
+use support::{LONG, start_controller};
+
+const ATTACH_DELAY: Duration = Duration::from_secs(3);
+const DETACH_DELAY: Duration = Duration::from_secs(1);
+const DRAIN: &str = "berth.dev/drain";
+const ORDER: &str = "berth.dev/drain-order";
+const HOOK: &str = "pre-terminate.delete.hook.berth.dev/test";
+
+async fn client() -> Client {
+    delayed_bed(ATTACH_DELAY, DETACH_DELAY)
+        .await
+        .client()
+        .await
+        .expect("admin client")
+}
+
+/// A Running Machine of `class`, optionally held after its drain by a
+/// pre-terminate hook (so that the pods it leaves can be looked at).
+async fn running_machine(client: &Client, ns: &str, name: &str, class: &str, hold: bool) -> String {
+    let mut m = support::machine(name, class);
+    if hold {
+        m.metadata
+            .annotations
+            .get_or_insert_default()
+            .insert(HOOK.into(), "true".into());
+    }
+    support::pool::running(client, ns, m).await
+}
+
+async fn plan_text(client: &Client, ns: &str, machine: &str) -> String {
+    berth::drain::live::plan_machine(client, ns, machine)
+        .await
+        .expect("plan")
+        .plan
+        .to_string()
+}
+
+fn assert_contains(text: &str, parts: &[&str]) {
+    for p in parts {
+        assert!(text.contains(p), "lacks {p:?}:\n{text}");
+    }
+}
+
+async fn delete_machine(client: &Client, ns: &str, name: &str) {
+    Api::<Machine>::namespaced(client.clone(), ns)
+        .delete(name, &DeleteParams::default())
+        .await
+        .expect("delete machine");
+}
+
+async fn release_hook(client: &Client, ns: &str, name: &str) {
+    Api::<Machine>::namespaced(client.clone(), ns)
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"metadata": {"annotations": {HOOK: null}}})),
+        )
+        .await
+        .expect("release the hook");
+}
+
+async fn gone(client: &Client, ns: &str, name: &str, within: Duration) {
+    wait::for_none(
+        Api::<Machine>::namespaced(client.clone(), ns),
+        within,
+        &format!("{name} gone"),
+        |m| m.name_any() == name,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// A bare pod on `node` without volumes, with `annotations` and, if given,
+/// a priority class.
+fn bare_pod(name: &str, node: &str, class: Option<&str>, annotations: &[(&str, &str)]) -> Pod {
+    let annotations: serde_json::Map<String, serde_json::Value> = annotations
+        .iter()
+        .map(|(k, v)| ((*k).to_string(), serde_json::Value::from(*v)))
+        .collect();
+    json(serde_json::json!({
+        "metadata": {"name": name, "annotations": annotations},
+        "spec": {
+            "nodeName": node,
+            "priorityClassName": class,
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{"name": "main", "image": "registry.invalid/app:1"}]
+        }
+    }))
+}
+
+async fn running_pods(client: &Client, ns: &str, names: &[&str]) {
+    wait::until(
+        Api::<Pod>::namespaced(client.clone(), ns),
+        LONG,
+        &format!("pods {names:?} running"),
+        |ps| {
+            names.iter().all(|n| {
+                ps.iter().any(|p| {
+                    p.name_any() == *n
+                        && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+                })
+            })
+        },
+    )
+    .await
+    .expect("pods run");
+}
+
+fn at<'a>(evs: &'a [Ev], reason: &str, needle: &str) -> &'a Ev {
+    first(evs, reason, needle)
+        .unwrap_or_else(|| panic!("no {reason} about {needle}:\n{}", log_of(evs)))
+}
+
+fn waiting_for(m: &Machine) -> String {
+    m.status
+        .as_ref()
+        .and_then(|s| s.drain.as_ref())
+        .and_then(|d| d.waiting_for.clone())
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn critical_pods_leave_after_every_other_pod_and_its_volumes() {
+    let client = client().await;
+    let ns = "rules-tiers";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = start_controller(&client, ns, ns).await;
+    let node_a = running_machine(&client, ns, "a", ns, false).await;
+    // A stateful workload and a critical stateful one (a CSI controller,
+    // say), each with an attachable volume; a stateless pod and a
+    // critical stateless one (DNS).
+    for (sts, class) in [("db", None), ("ctl", Some("system-cluster-critical"))] {
+        create(
+            Api::all(client.clone()),
+            csi_pv(
+                &format!("{ns}-{sts}"),
+                &format!("vol-{ns}-{sts}"),
+                ns,
+                &format!("data-{sts}-0"),
+            ),
+        )
+        .await;
+        create(
+            Api::<StatefulSet>::namespaced(client.clone(), ns),
+            stateful_set_in_pool(sts, 1, 1, ns, class),
+        )
+        .await;
+    }
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    create(pods.clone(), bare_pod("web", &node_a, None, &[])).await;
+    create(
+        pods.clone(),
+        bare_pod("dns", &node_a, Some("system-node-critical"), &[]),
+    )
+    .await;
+    running_pods(&client, ns, &["db-0", "ctl-0", "web", "dns"]).await;
+    let node_b = running_machine(&client, ns, "b", ns, false).await;
+
+    let plan = plan_text(&client, ns, "a").await;
+    eprintln!("{plan}");
+    assert_contains(
+        &plan,
+        &[
+            "Order groups, lowest first; each starts once every pod of the groups before it is gone and their volumes have moved (2):",
+            "  order 0: 1 without persistent volumes, 1 with persistent volumes\n",
+            "  order 1000 (critical: priorityClassName system-cluster-critical; critical: priorityClassName system-node-critical): 1 without persistent volumes, 1 with persistent volumes\n",
+            &format!(
+                "  {ns}/web\n  {ns}/dns (order 1000, critical: priorityClassName system-node-critical)\n"
+            ),
+            &format!("  1. {ns}/db-0 (priority 0, grace 1s)"),
+            &format!(
+                "  2. {ns}/ctl-0 (priority 2000000000, grace 1s, order 1000, critical: priorityClassName system-cluster-critical)"
+            ),
+        ],
+    );
+
+    let started = std::time::Instant::now();
+    delete_machine(&client, ns, "a").await;
+    gone(&client, ns, "a", Duration::from_secs(120)).await;
+    let took = started.elapsed();
+    let evs = events(&client, ns, "a").await;
+    let log = log_of(&evs);
+    eprintln!("drain of {node_a} took {took:?}:\n{log}");
+
+    // The workloads went first, and their volume moved to B.
+    let web = at(&evs, "Evicted", &format!("{ns}/web"));
+    let db = at(&evs, "Evicted", &format!("{ns}/db-0"));
+    let db_moved = at(&evs, "VolumeAttached", &format!("{ns}-db"));
+    assert!(db_moved.2.contains(&node_b), "{}", db_moved.2);
+    // Then the critical group, announced, after all of that.
+    let group = at(&evs, "OrderGroupStarted", "order group 1000");
+    let dns = at(&evs, "Evicted", &format!("{ns}/dns"));
+    let ctl_evicted = at(&evs, "Evicted", &format!("{ns}/ctl-0"));
+    for (what, ev) in [("web", web), ("db-0", db), ("db's volume", db_moved)] {
+        assert!(ev.0 <= group.0, "{what} before the critical group:\n{log}");
+    }
+    for (what, ev) in [("dns", dns), ("ctl-0", ctl_evicted)] {
+        assert!(
+            group.0 <= ev.0 && db_moved.0 <= ev.0,
+            "{what} evicted only after db's volume moved:\n{log}"
+        );
+    }
+    // The critical stateful pod is moved by the same volume-aware rules.
+    let ctl_moved = at(&evs, "VolumeAttached", &format!("{ns}-ctl"));
+    assert!(ctl_evicted.0 <= ctl_moved.0, "{log}");
+    assert!(first(&evs, "Drained", "").is_some(), "{log}");
+    ctl.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_skip_rule_leaves_a_pod_to_the_vm_and_a_rule_not_understood_is_named() {
+    let client = client().await;
+    let ns = "rules-skip";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = start_controller(&client, ns, ns).await;
+    let node = running_machine(&client, ns, "a", ns, true).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    create(
+        pods.clone(),
+        bare_pod("keep", &node, None, &[(DRAIN, "skip")]),
+    )
+    .await;
+    create(
+        pods.clone(),
+        bare_pod("web", &node, None, &[(ORDER, "soon")]),
+    )
+    .await;
+    running_pods(&client, ns, &["keep", "web"]).await;
+
+    let plan = plan_text(&client, ns, "a").await;
+    eprintln!("{plan}");
+    assert_contains(
+        &plan,
+        &[
+            &format!(
+                "  {ns}/keep: drain rule berth.dev/drain=skip: never evicted; ends with the VM"
+            ),
+            &format!(
+                "Drain rules not understood, defaults used (1):\n  {ns}/web: berth.dev/drain-order=\"soon\" is not a 32-bit integer; order 0 used"
+            ),
+            "Without persistent volumes, evicted concurrently, up to 20 at a time (1):",
+        ],
+    );
+
+    delete_machine(&client, ns, "a").await;
+    let evs = events(&client, ns, "a").await;
+    let log = log_of(&evs);
+    eprintln!("{log}");
+    assert!(first(&evs, "Drained", "").is_some(), "{log}");
+    let skipped = at(&evs, "PodSkipped", &format!("{ns}/keep"));
+    assert!(skipped.2.contains("berth.dev/drain=skip"), "{}", skipped.2);
+    let invalid = at(&evs, "DrainRuleInvalid", &format!("{ns}/web"));
+    assert!(invalid.2.contains("order 0 used"), "{}", invalid.2);
+    assert!(
+        first(&evs, "Evicted", &format!("{ns}/web")).is_some(),
+        "{log}"
+    );
+    assert!(
+        first(&evs, "Evicted", &format!("{ns}/keep")).is_none(),
+        "{log}"
+    );
+    // Drained, and the skipped pod still runs on the Node until the VM goes.
+    let keep = pods.get("keep").await.expect("keep is still there");
+    assert!(keep.metadata.deletion_timestamp.is_none(), "never evicted");
+    assert!(
+        wait::for_none(pods.clone(), LONG, "web gone", |p| p.name_any() == "web")
+            .await
+            .is_ok()
+    );
+    release_hook(&client, ns, "a").await;
+    gone(&client, ns, "a", LONG).await;
+    ctl.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_completed_rule_holds_the_critical_group_until_the_pod_completes() {
+    let client = client().await;
+    let ns = "rules-wait";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = start_controller(&client, ns, ns).await;
+    let node = running_machine(&client, ns, "a", ns, false).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let runs_for = Duration::from_secs(15);
+    let created = Timestamp::now();
+    create(
+        pods.clone(),
+        bare_pod(
+            "report",
+            &node,
+            None,
+            &[
+                (DRAIN, "wait-completed"),
+                (COMPLETE_AFTER_ANNOTATION, "15s"),
+            ],
+        ),
+    )
+    .await;
+    create(pods.clone(), bare_pod("web", &node, None, &[])).await;
+    create(
+        pods.clone(),
+        bare_pod("dns", &node, Some("system-cluster-critical"), &[]),
+    )
+    .await;
+    running_pods(&client, ns, &["report", "web", "dns"]).await;
+
+    let plan = plan_text(&client, ns, "a").await;
+    eprintln!("{plan}");
+    assert_contains(
+        &plan,
+        &[
+            &format!(
+                "Waited on to complete, never evicted (1):\n  {ns}/report: drain rule berth.dev/drain=wait-completed: the drain waits until it succeeds, fails or is gone; at the deadline minus its grace period it is deleted with its grace period"
+            ),
+            "  order 0: 1 without persistent volumes, 1 waited on to complete\n",
+        ],
+    );
+
+    delete_machine(&client, ns, "a").await;
+    // status.drain names the pod waited on while it runs, not evicted.
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    let m = wait::for_one(machines, LONG, "waiting for report", |m| {
+        waiting_for(m).contains(&format!("{ns}/report to complete"))
+    })
+    .await
+    .expect("status.drain.waitingFor names the pod");
+    assert!(
+        waiting_for(&m).contains("berth.dev/drain=wait-completed"),
+        "{}",
+        waiting_for(&m)
+    );
+    let report = pods.get("report").await.expect("report runs");
+    assert!(report.metadata.deletion_timestamp.is_none(), "not evicted");
+    let dns = pods.get("dns").await.expect("dns runs");
+    assert!(
+        dns.metadata.deletion_timestamp.is_none(),
+        "the critical group waits"
+    );
+
+    gone(&client, ns, "a", Duration::from_secs(90)).await;
+    let evs = events(&client, ns, "a").await;
+    let log = log_of(&evs);
+    eprintln!("{log}");
+    let waiting = at(&evs, "WaitingForCompletion", &format!("{ns}/report"));
+    let dns_evicted = at(&evs, "Evicted", &format!("{ns}/dns"));
+    assert!(waiting.0 <= dns_evicted.0, "{log}");
+    // The critical pod went only once report completed (it runs for
+    // `runs_for` from its start; timestamps have whole seconds).
+    let completes = created
+        .checked_add(SignedDuration::try_from(runs_for).expect("duration"))
+        .and_then(|t| t.checked_sub(SignedDuration::from_secs(1)))
+        .expect("in range");
+    assert!(
+        dns_evicted.0 >= completes,
+        "dns evicted at {} before report completed (~{completes}):\n{log}",
+        dns_evicted.0
+    );
+    assert!(
+        first(&evs, "Evicted", &format!("{ns}/report")).is_none(),
+        "{log}"
+    );
+    assert!(first(&evs, "ForcedAtDeadline", "").is_none(), "{log}");
+    assert!(first(&evs, "Drained", "").is_some(), "{log}");
+    ctl.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_waited_on_that_never_completes_meets_the_deadline_rules() {
+    let client = client().await;
+    // With forceAfterDeadline it is deleted with its grace period at the
+    // deadline; without, the drain fails naming it.
+    for (ns, force) in [("rules-wait-forced", true), ("rules-wait-failed", false)] {
+        support::namespace(&client, ns).await;
+        pool_class(
+            &client,
+            ns,
+            serde_json::json!({"timeout": "10s", "forceAfterDeadline": force}),
+        )
+        .await;
+        let ctl = start_controller(&client, ns, ns).await;
+        let node = running_machine(&client, ns, "a", ns, false).await;
+        let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+        create(
+            pods.clone(),
+            bare_pod("forever", &node, None, &[(DRAIN, "wait-completed")]),
+        )
+        .await;
+        running_pods(&client, ns, &["forever"]).await;
+        let started = std::time::Instant::now();
+        delete_machine(&client, ns, "a").await;
+        let evs = events(&client, ns, "a").await;
+        let took = started.elapsed();
+        let log = log_of(&evs);
+        eprintln!("{ns}: {took:?}\n{log}");
+        assert!(took < Duration::from_secs(45), "bounded: {took:?}");
+        at(&evs, "WaitingForCompletion", &format!("{ns}/forever"));
+        if force {
+            let forced = at(&evs, "ForcedAtDeadline", &format!("{ns}/forever"));
+            assert!(forced.2.contains("wait-completed"), "{}", forced.2);
+            assert!(
+                first(&evs, "DrainForced", &format!("{ns}/forever")).is_some(),
+                "{log}"
+            );
+            gone(&client, ns, "a", LONG).await;
+        } else {
+            let failed = at(&evs, "DrainFailed", &format!("{ns}/forever"));
+            assert!(
+                failed
+                    .2
+                    .contains("(not completed; drain rule berth.dev/drain=wait-completed)"),
+                "{}",
+                failed.2
+            );
+            let pod = pods.get("forever").await.expect("still there");
+            assert!(pod.metadata.deletion_timestamp.is_none(), "never evicted");
+        }
+        ctl.stop().await;
+    }
+}

@@ -12,7 +12,7 @@ use super::batch::{pod_ref, pod_ref_key};
 use super::run::Run;
 use crate::drain::evict::{self, Evicted};
 use crate::drain::plan::{DrainPlan, PlannedPod};
-use crate::drain::rules::DRAIN_ANNOTATION;
+use crate::drain::rules::{DRAIN_ANNOTATION, enter_group};
 use crate::drain::select::{PodClass, finished, fmt_key};
 use crate::telemetry::EvictionResult;
 
@@ -56,10 +56,10 @@ impl Run {
         let Ok(mut groups) = self.groups.lock() else {
             return false;
         };
-        let (first, last) = groups.unwrap_or((order, order));
-        *groups = Some((first, order));
+        let step = enter_group(*groups, order);
+        *groups = Some(step.seen);
         drop(groups);
-        if order > last {
+        if let Some(last) = step.after {
             let group = plan.groups().into_iter().find(|g| g.order == order);
             let why = group
                 .as_ref()
@@ -77,12 +77,12 @@ impl Run {
                 EventType::Normal,
                 "OrderGroupStarted",
                 format!(
-                    "order group {order}{why}: {pods} pods, now that every pod of order {last} and below is gone and their volumes have moved"
+                    "order group {order}{why}: {pods}, now that every pod of order {last} and below is gone and their volumes have moved"
                 ),
                 None,
             );
         }
-        order > first
+        step.later
     }
 
     /// Waits for the pods a drain rule says to wait on (never evicted)

@@ -145,10 +145,12 @@ pub fn rule(pod: &Pod) -> Rule {
 pub struct GroupStep {
     /// The first group and this one.
     pub seen: (i32, i32),
-    /// A group before this one was worked on in this drain: nothing of this
-    /// group is evicted before the volumes of the pods that left are off
-    /// the Node.
-    pub later: bool,
+    /// Nothing of this group is evicted before the volumes of the pods that
+    /// left are off the Node: a group before it was worked on in this
+    /// drain, or it comes after the default group (a drain that restarted
+    /// in the critical group finds the volumes of the pods that left
+    /// before still moving).
+    pub after_volumes: bool,
     /// This group comes after the last one worked on (given): say so.
     pub after: Option<i32>,
 }
@@ -158,7 +160,7 @@ pub fn enter_group(seen: Option<(i32, i32)>, order: i32) -> GroupStep {
     let (first, last) = seen.unwrap_or((order, order));
     GroupStep {
         seen: (first, order),
-        later: order > first,
+        after_volumes: order > first || order > DEFAULT_ORDER,
         after: (order > last).then_some(last),
     }
 }
@@ -188,7 +190,7 @@ mod tests {
             first,
             GroupStep {
                 seen: (0, 0),
-                later: false,
+                after_volumes: false,
                 after: None
             },
             "the first group goes as a drain always did"
@@ -200,13 +202,13 @@ mod tests {
             critical,
             GroupStep {
                 seen: (0, CRITICAL_ORDER),
-                later: true,
+                after_volumes: true,
                 after: Some(0)
             }
         );
         let still = enter_group(Some(critical.seen), CRITICAL_ORDER);
         assert_eq!(still.after, None, "announced once");
-        assert!(still.later);
+        assert!(still.after_volumes);
         // A pod of a lower group appearing (an annotation changed) is worked
         // on next, without an announcement, still after the first group.
         let back = enter_group(Some(still.seen), 5);
@@ -214,12 +216,16 @@ mod tests {
             back,
             GroupStep {
                 seen: (0, 5),
-                later: true,
+                after_volumes: true,
                 after: None
             }
         );
-        // A drain that starts (or restarts) in the critical group.
-        assert!(!enter_group(None, CRITICAL_ORDER).later);
+        // A drain that starts (or restarts) in the critical group waits for
+        // the volumes of the pods that left too; one in a group before the
+        // default one goes as a drain always did.
+        assert!(enter_group(None, CRITICAL_ORDER).after_volumes);
+        assert!(!enter_group(None, -3).after_volumes);
+        assert!(enter_group(Some((-3, -3)), 0).after_volumes);
     }
 
     #[test]

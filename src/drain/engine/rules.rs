@@ -48,10 +48,10 @@ impl Run {
         }
     }
 
-    /// A pass works on order group `order` of `plan`: says whether this
-    /// run worked on an earlier group before (then nothing of this group is
-    /// evicted before the volumes of the pods that left are off the Node),
-    /// and announces a group later than the last one, once.
+    /// A pass works on order group `order` of `plan`: says whether nothing
+    /// of it is evicted before the volumes of the pods that left are off
+    /// the Node (see [`enter_group`]), and announces a group later than the
+    /// last one, once.
     pub(super) fn enter_group(&self, plan: &DrainPlan, order: i32) -> bool {
         let Ok(mut groups) = self.groups.lock() else {
             return false;
@@ -82,7 +82,7 @@ impl Run {
                 None,
             );
         }
-        step.later
+        step.after_volumes
     }
 
     /// Waits for the pods a drain rule says to wait on (never evicted)

@@ -139,6 +139,32 @@ pub fn rule(pod: &Pod) -> Rule {
     }
 }
 
+/// What a drain does on entering order group `order` for a pass, given
+/// the groups it worked on before (`seen`: the first and the last).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupStep {
+    /// The first group and this one.
+    pub seen: (i32, i32),
+    /// Nothing of this group is evicted before the volumes of the pods that
+    /// left are off the Node: a group before it was worked on in this
+    /// drain, or it comes after the default group (a drain that restarted
+    /// in the critical group finds the volumes of the pods that left
+    /// before still moving).
+    pub after_volumes: bool,
+    /// This group comes after the last one worked on (given): say so.
+    pub after: Option<i32>,
+}
+
+/// See [`GroupStep`].
+pub fn enter_group(seen: Option<(i32, i32)>, order: i32) -> GroupStep {
+    let (first, last) = seen.unwrap_or((order, order));
+    GroupStep {
+        seen: (first, order),
+        after_volumes: order > first || order > DEFAULT_ORDER,
+        after: (order > last).then_some(last),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -155,6 +181,51 @@ mod tests {
     fn class(mut p: Pod, name: &str) -> Pod {
         p.spec.get_or_insert_default().priority_class_name = Some(name.into());
         p
+    }
+
+    #[test]
+    fn a_later_group_waits_for_the_volumes_and_is_announced_once() {
+        let first = enter_group(None, 0);
+        assert_eq!(
+            first,
+            GroupStep {
+                seen: (0, 0),
+                after_volumes: false,
+                after: None
+            },
+            "the first group goes as a drain always did"
+        );
+        let again = enter_group(Some(first.seen), 0);
+        assert_eq!(again, first, "the same group in the next pass");
+        let critical = enter_group(Some(again.seen), CRITICAL_ORDER);
+        assert_eq!(
+            critical,
+            GroupStep {
+                seen: (0, CRITICAL_ORDER),
+                after_volumes: true,
+                after: Some(0)
+            }
+        );
+        let still = enter_group(Some(critical.seen), CRITICAL_ORDER);
+        assert_eq!(still.after, None, "announced once");
+        assert!(still.after_volumes);
+        // A pod of a lower group appearing (an annotation changed) is worked
+        // on next, without an announcement, still after the first group.
+        let back = enter_group(Some(still.seen), 5);
+        assert_eq!(
+            back,
+            GroupStep {
+                seen: (0, 5),
+                after_volumes: true,
+                after: None
+            }
+        );
+        // A drain that starts (or restarts) in the critical group waits for
+        // the volumes of the pods that left too; one in a group before the
+        // default one goes as a drain always did.
+        assert!(enter_group(None, CRITICAL_ORDER).after_volumes);
+        assert!(!enter_group(None, -3).after_volumes);
+        assert!(enter_group(Some((-3, -3)), 0).after_volumes);
     }
 
     #[test]

@@ -228,9 +228,9 @@ impl Run {
             return Pass::Done;
         }
         self.announce_rules(&full);
-        // One order group a pass: the lowest with a pod left. A later group
-        // evicts nothing before the volumes of the pods that left are off
-        // the Node (`gated`).
+        // One order group a pass: the lowest with a pod left. A later group,
+        // and any after the default one, evicts nothing before the volumes
+        // of the pods that left are off the Node (`gated`).
         let group = full.current_group(|t| !self.released(t));
         let gated = group.is_some_and(|g| self.enter_group(&full, g));
         let plan = match group {
@@ -328,8 +328,8 @@ impl Run {
                 .collect();
             futures::future::join_all(gone).await;
         };
-        // Before the first stateful eviction (and, in a later order group,
-        // before any eviction): the volumes of pods that left.
+        // Before the first stateful eviction (and, when gated, before any
+        // eviction): the volumes of pods that left.
         let volumes_off = async {
             // Stateful pods that were already terminating (evicted before a
             // restart, or by someone else) come first: their volumes must be

@@ -12,7 +12,7 @@ use super::batch::{pod_ref, pod_ref_key};
 use super::run::Run;
 use crate::drain::evict::{self, Evicted};
 use crate::drain::plan::{DrainPlan, PlannedPod};
-use crate::drain::rules::DRAIN_ANNOTATION;
+use crate::drain::rules::{DRAIN_ANNOTATION, enter_group};
 use crate::drain::select::{PodClass, finished, fmt_key};
 use crate::telemetry::EvictionResult;
 
@@ -48,18 +48,18 @@ impl Run {
         }
     }
 
-    /// A pass works on order group `order` of `plan`: says whether this
-    /// run worked on an earlier group before (then nothing of this group is
-    /// evicted before the volumes of the pods that left are off the Node),
-    /// and announces a group later than the last one, once.
+    /// A pass works on order group `order` of `plan`: says whether nothing
+    /// of it is evicted before the volumes of the pods that left are off
+    /// the Node (see [`enter_group`]), and announces a group later than the
+    /// last one, once.
     pub(super) fn enter_group(&self, plan: &DrainPlan, order: i32) -> bool {
         let Ok(mut groups) = self.groups.lock() else {
             return false;
         };
-        let (first, last) = groups.unwrap_or((order, order));
-        *groups = Some((first, order));
+        let step = enter_group(*groups, order);
+        *groups = Some(step.seen);
         drop(groups);
-        if order > last {
+        if let Some(last) = step.after {
             let group = plan.groups().into_iter().find(|g| g.order == order);
             let why = group
                 .as_ref()
@@ -77,12 +77,12 @@ impl Run {
                 EventType::Normal,
                 "OrderGroupStarted",
                 format!(
-                    "order group {order}{why}: {pods} pods, now that every pod of order {last} and below is gone and their volumes have moved"
+                    "order group {order}{why}: {pods}, now that every pod of order {last} and below is gone and their volumes have moved"
                 ),
                 None,
             );
         }
-        order > first
+        step.after_volumes
     }
 
     /// Waits for the pods a drain rule says to wait on (never evicted)

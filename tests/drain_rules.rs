@@ -17,6 +17,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::{Client, ResourceExt};
+use support::audit::{assert_no_request_loop, controller_client};
 use support::pool::{Ev, create, delayed_bed, events, first, json, log_of, pool_class};
 use support::{LONG, start_controller};
 
@@ -32,6 +33,18 @@ async fn client() -> Client {
         .client()
         .await
         .expect("admin client")
+}
+
+/// The controller for the case in `ns`, as its own identity (audited).
+async fn start(ns: &str) -> support::Running {
+    let bed = delayed_bed(ATTACH_DELAY, DETACH_DELAY).await;
+    start_controller(&controller_client(bed).await, ns, ns).await
+}
+
+/// Ends the case in `ns`: no request loop (see `PEAK_10S_CEILING`).
+async fn calm(ns: &str) {
+    let bed = delayed_bed(ATTACH_DELAY, DETACH_DELAY).await;
+    assert_no_request_loop(bed, ns, ns);
 }
 
 /// A Running Machine of `class`, optionally held after its drain by a
@@ -146,7 +159,7 @@ async fn critical_pods_leave_after_every_other_pod_and_its_volumes() {
     let ns = "rules-tiers";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = start_controller(&client, ns, ns).await;
+    let ctl = start(ns).await;
     let node_a = running_machine(&client, ns, "a", ns, false).await;
     // A stateful workload and a critical stateful one (a CSI controller,
     // say), each with an attachable volume; a stateless pod and a
@@ -226,6 +239,7 @@ async fn critical_pods_leave_after_every_other_pod_and_its_volumes() {
     let ctl_moved = at(&evs, "VolumeAttached", &format!("{ns}-ctl"));
     assert!(ctl_evicted.0 <= ctl_moved.0, "{log}");
     assert!(first(&evs, "Drained", "").is_some(), "{log}");
+    calm(ns).await;
     ctl.stop().await;
 }
 
@@ -235,7 +249,7 @@ async fn a_skip_rule_leaves_a_pod_to_the_vm_and_a_rule_not_understood_is_named()
     let ns = "rules-skip";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = start_controller(&client, ns, ns).await;
+    let ctl = start(ns).await;
     let node = running_machine(&client, ns, "a", ns, true).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     create(
@@ -292,6 +306,7 @@ async fn a_skip_rule_leaves_a_pod_to_the_vm_and_a_rule_not_understood_is_named()
     );
     release_hook(&client, ns, "a").await;
     gone(&client, ns, "a", LONG).await;
+    calm(ns).await;
     ctl.stop().await;
 }
 
@@ -301,7 +316,7 @@ async fn a_wait_completed_rule_holds_the_critical_group_until_the_pod_completes(
     let ns = "rules-wait";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = start_controller(&client, ns, ns).await;
+    let ctl = start(ns).await;
     let node = running_machine(&client, ns, "a", ns, false).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     let runs_for = Duration::from_secs(15);
@@ -384,6 +399,7 @@ async fn a_wait_completed_rule_holds_the_critical_group_until_the_pod_completes(
     );
     assert!(first(&evs, "ForcedAtDeadline", "").is_none(), "{log}");
     assert!(first(&evs, "Drained", "").is_some(), "{log}");
+    calm(ns).await;
     ctl.stop().await;
 }
 
@@ -400,7 +416,7 @@ async fn a_pod_waited_on_that_never_completes_meets_the_deadline_rules() {
             serde_json::json!({"timeout": "10s", "forceAfterDeadline": force}),
         )
         .await;
-        let ctl = start_controller(&client, ns, ns).await;
+        let ctl = start(ns).await;
         let node = running_machine(&client, ns, "a", ns, false).await;
         let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
         create(
@@ -437,6 +453,7 @@ async fn a_pod_waited_on_that_never_completes_meets_the_deadline_rules() {
             let pod = pods.get("forever").await.expect("still there");
             assert!(pod.metadata.deletion_timestamp.is_none(), "never evicted");
         }
+        calm(ns).await;
         ctl.stop().await;
     }
 }

@@ -93,6 +93,7 @@ async fn plan(args: PlanArgs) -> anyhow::Result<()> {
     let client = kube::Client::try_from(config)?;
     let live = crate::drain::live::plan_machine(&client, ns, name).await?;
     println!("Machine {ns}/{name}");
+    print!("{}", live.notes());
     print!("{}", live.plan);
     Ok(())
 }

@@ -1415,6 +1415,20 @@ async fn a_machine_whose_class_is_gone_keeps_its_own_drain_settings() {
         "{}",
         settings.message
     );
+    // `berth plan` plans with the settings the drain uses, says why, and
+    // shows where the drain stands.
+    let live = berth::drain::live::plan_machine(&client, ns, "k")
+        .await
+        .expect("a plan without the class");
+    let notes = live.notes();
+    assert!(
+        notes.contains("not found: the drain uses the Machine's own spec.drain"),
+        "{notes}"
+    );
+    assert!(
+        notes.contains("Drain started at") || notes.contains("Drain in progress since"),
+        "{notes}"
+    );
     assert!(
         Api::<Pod>::namespaced(client.clone(), ns)
             .get_opt("guarded")
@@ -1651,6 +1665,85 @@ async fn a_volume_left_attached_at_vm_deletion_is_named_and_released_out_of_serv
     );
     calm(
         "a_volume_left_attached_at_vm_deletion_is_named_and_released_out_of_service",
+        ns,
+    )
+    .await;
+    ctl.stop().await;
+}
+
+/// A Machine whose Node object *and* VM are both gone (berth deleted them
+/// and was stopped before it let the Machine go, or someone did by hand)
+/// has nothing to drain: its deletion evicts nothing left bound to the old
+/// Node's name and lets the Machine go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_machine_whose_node_and_vm_are_both_gone_goes_without_a_drain() {
+    let client = client().await;
+    let ns = "drain-allgone";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
+    let ctl = start(ns, "drain-allgone").await;
+    let node = running_machine(&client, ns, "a", ns).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    create(
+        pods.clone(),
+        json::<Pod>(serde_json::json!({
+            "metadata": {"name": "app"},
+            "spec": {
+                "nodeName": node,
+                "terminationGracePeriodSeconds": 1,
+                "containers": [{"name": "main", "image": "registry.invalid/app:1"}]
+            }
+        })),
+    )
+    .await;
+    wait::for_one(pods.clone(), LONG, "app running", |p| {
+        p.name_any() == "app" && pod_running(p)
+    })
+    .await
+    .expect("the pod runs");
+    // The fake provider's VM is a ConfigMap: both go, by hand.
+    Api::<ConfigMap>::namespaced(client.clone(), ns)
+        .delete("fake-vm-a", &DeleteParams::default())
+        .await
+        .expect("delete the VM");
+    Api::<Node>::all(client.clone())
+        .delete(&node, &DeleteParams::default())
+        .await
+        .expect("delete the Node object");
+    wait::for_none(
+        Api::<Node>::all(client.clone()),
+        LONG,
+        "the Node gone",
+        |n| n.name_any() == node,
+    )
+    .await
+    .expect("the Node object goes");
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    machines
+        .delete("a", &DeleteParams::default())
+        .await
+        .expect("delete a");
+    wait::for_none(machines, LONG, "a gone", |m| m.name_any() == "a")
+        .await
+        .expect("the Machine goes");
+    let evs: Vec<String> = support::events_until(&client, ns, "a", &["DeleteVmAndNode"])
+        .await
+        .iter()
+        .filter_map(|e| e.reason.clone())
+        .collect();
+    assert!(
+        !evs.iter()
+            .any(|r| r == "NodeGone" || r == "Evicted" || r == "Drain"),
+        "no drain: {evs:?}"
+    );
+    let touched: Vec<String> = support::audit::requests(bed().await, ns)
+        .iter()
+        .filter(|r| r.resource == "pods")
+        .map(|r| r.kind())
+        .collect();
+    assert!(touched.is_empty(), "berth left the pods alone: {touched:?}");
+    calm(
+        "a_machine_whose_node_and_vm_are_both_gone_goes_without_a_drain",
         ns,
     )
     .await;

@@ -29,7 +29,7 @@ use super::record::{
     VOLUMES_LEFT_REASONS, VmAnswer, creation_record, deletion_record, settings_message,
     unresolved_record, vm_answer_record, volumes_left_message, with_settings_condition,
 };
-use super::status::{State, condition, next_status};
+use super::status::{Report, State, condition, next_status};
 use super::write::{StatusWrite, write_status};
 use crate::api::conditions::{DRAIN_SETTINGS, VM_REQUESTED, VOLUMES_DETACHED};
 use crate::api::settings::{ResolvedSettings, resolve};
@@ -383,33 +383,37 @@ async fn record(
     } else {
         Recorded::Unchanged
     };
-    let report = &rec.report;
-    if !report.recorded_in(current.last_operation.as_ref()) {
-        let type_ = if report.state == State::Failed {
-            EventType::Warning
-        } else {
-            EventType::Normal
-        };
-        tracing::info!(
-            machine = %m.name_any(),
-            op = report.op,
-            step = report.step,
-            state = report.state.as_str(),
-            "{}",
-            report.description
-        );
-        let ev = Event {
-            type_,
-            reason: report.step.to_string(),
-            note: Some(truncate(&report.description, 1000)),
-            action: report.op.to_string(),
-            secondary: None,
-        };
-        // An Event is best effort and published in the background: it must
-        // neither stop nor slow the lifecycle.
-        ctx.events.publish(ev, m.object_ref(&()));
+    if !rec.report.recorded_in(current.last_operation.as_ref()) {
+        announce(ctx, m, &rec.report);
     }
     Ok(recorded)
+}
+
+/// Logs a step's report and publishes it as an Event on the Machine.
+fn announce(ctx: &Context, m: &Machine, report: &Report) {
+    let type_ = if report.state == State::Failed {
+        EventType::Warning
+    } else {
+        EventType::Normal
+    };
+    tracing::info!(
+        machine = %m.name_any(),
+        op = report.op,
+        step = report.step,
+        state = report.state.as_str(),
+        "{}",
+        report.description
+    );
+    let ev = Event {
+        type_,
+        reason: report.step.to_string(),
+        note: Some(truncate(&report.description, 1000)),
+        action: report.op.to_string(),
+        secondary: None,
+    };
+    // An Event is best effort and published in the background: it must
+    // neither stop nor slow the lifecycle.
+    ctx.events.publish(ev, m.object_ref(&()));
 }
 
 /// `current` with `rec` applied.
@@ -688,7 +692,7 @@ async fn cleanup_step(
     // still finds the pods and attachments (by spec.nodeName).
     let vm_requested =
         m.spec.provider_id.is_some() || condition(m.status.as_ref(), VM_REQUESTED).is_some();
-    let node_gone = match (&node_facts, vm_requested) {
+    let mut node_gone = match (&node_facts, vm_requested) {
         (None, true) => m
             .status
             .as_ref()
@@ -696,6 +700,22 @@ async fn cleanup_step(
             .map(|r| r.name.clone()),
         _ => None,
     };
+    // A Node object gone *with* its VM has nothing left to drain: berth
+    // deleted both and was stopped, or its last status write conflicted,
+    // before it let the Machine go. The provider is asked once, before a
+    // drain starts: the pods still bound to that name are the pod garbage
+    // collector's, and evicting them would only disturb their
+    // replacements.
+    if node_gone.is_some()
+        && !ctx.drainer.knows(&ObjectRef::from_obj(m))
+        && let Ok(r) = &resolved
+        && matches!(
+            r.provider.get(&r.request).await,
+            Err(ProviderError::NotFound(_))
+        )
+    {
+        node_gone = None;
+    }
     let node_name = node_facts
         .as_ref()
         .map(|n| n.name.clone())
@@ -1200,12 +1220,15 @@ async fn delete_vm_and_node(
             Err(e) => return Err(at(Step::NodeDelete)(e)),
         }
     }
+    // The VM and the Node are gone: the Machine goes, even if this last
+    // record meets a newer Machine (a conflict): retrying would only find a
+    // Machine whose Node and VM are gone.
     let rec = deletion_record(step, &DeletionOutcome::AsDecided);
-    Ok(match record(ctx, &m, &rec, Write::IfChanged).await? {
-        // Deleting the VM and the Node again is harmless (both idempotent).
-        Recorded::Stale => Next::Stale,
-        _ => Next::Finished,
-    })
+    if let Recorded::Stale = record(ctx, &m, &rec, Write::IfChanged).await? {
+        // Not written, but taken: said all the same.
+        announce(ctx, &m, &rec.report);
+    }
+    Ok(Next::Finished)
 }
 
 /// Puts the out-of-service taint on Node `node` (its VM is gone), unless

@@ -1475,37 +1475,9 @@ async fn a_machine_whose_node_object_is_gone_is_still_drained_before_its_vm_goes
     pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
     let ctl = start(ns, "drain-nodegone").await;
     let node = running_machine(&client, ns, "a", ns).await;
-    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    create(
-        pods.clone(),
-        json::<Pod>(serde_json::json!({
-            "metadata": {"name": "app"},
-            "spec": {
-                "nodeName": node,
-                "terminationGracePeriodSeconds": 1,
-                "containers": [{"name": "main", "image": "registry.invalid/app:1"}]
-            }
-        })),
-    )
-    .await;
-    wait::for_one(pods.clone(), LONG, "app running", |p| {
-        p.name_any() == "app" && pod_running(p)
-    })
-    .await
-    .expect("the pod runs");
+    app_running_on(&client, ns, &node).await;
 
-    Api::<Node>::all(client.clone())
-        .delete(&node, &DeleteParams::default())
-        .await
-        .expect("delete the Node object");
-    wait::for_none(
-        Api::<Node>::all(client.clone()),
-        LONG,
-        "the Node gone",
-        |n| n.name_any() == node,
-    )
-    .await
-    .expect("the Node object goes");
+    delete_node(&client, &node).await;
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     machines
         .delete("a", &DeleteParams::default())
@@ -1683,41 +1655,13 @@ async fn a_machine_whose_node_and_vm_are_both_gone_goes_without_a_drain() {
     pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
     let ctl = start(ns, "drain-allgone").await;
     let node = running_machine(&client, ns, "a", ns).await;
-    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    create(
-        pods.clone(),
-        json::<Pod>(serde_json::json!({
-            "metadata": {"name": "app"},
-            "spec": {
-                "nodeName": node,
-                "terminationGracePeriodSeconds": 1,
-                "containers": [{"name": "main", "image": "registry.invalid/app:1"}]
-            }
-        })),
-    )
-    .await;
-    wait::for_one(pods.clone(), LONG, "app running", |p| {
-        p.name_any() == "app" && pod_running(p)
-    })
-    .await
-    .expect("the pod runs");
+    app_running_on(&client, ns, &node).await;
     // The fake provider's VM is a ConfigMap: both go, by hand.
     Api::<ConfigMap>::namespaced(client.clone(), ns)
         .delete("fake-vm-a", &DeleteParams::default())
         .await
         .expect("delete the VM");
-    Api::<Node>::all(client.clone())
-        .delete(&node, &DeleteParams::default())
-        .await
-        .expect("delete the Node object");
-    wait::for_none(
-        Api::<Node>::all(client.clone()),
-        LONG,
-        "the Node gone",
-        |n| n.name_any() == node,
-    )
-    .await
-    .expect("the Node object goes");
+    delete_node(&client, &node).await;
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     machines
         .delete("a", &DeleteParams::default())
@@ -1748,4 +1692,42 @@ async fn a_machine_whose_node_and_vm_are_both_gone_goes_without_a_drain() {
     )
     .await;
     ctl.stop().await;
+}
+
+/// A bare pod `app` on `node`, Running.
+async fn app_running_on(client: &Client, ns: &str, node: &str) {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    create(
+        pods.clone(),
+        json::<Pod>(serde_json::json!({
+            "metadata": {"name": "app"},
+            "spec": {
+                "nodeName": node,
+                "terminationGracePeriodSeconds": 1,
+                "containers": [{"name": "main", "image": "registry.invalid/app:1"}]
+            }
+        })),
+    )
+    .await;
+    wait::for_one(pods.clone(), LONG, "app running", |p| {
+        p.name_any() == "app" && pod_running(p)
+    })
+    .await
+    .expect("the pod runs");
+}
+
+/// Deletes the Node object `node` by hand and waits until it is gone.
+async fn delete_node(client: &Client, node: &str) {
+    Api::<Node>::all(client.clone())
+        .delete(node, &DeleteParams::default())
+        .await
+        .expect("delete the Node object");
+    wait::for_none(
+        Api::<Node>::all(client.clone()),
+        LONG,
+        "the Node gone",
+        |n| n.name_any() == node,
+    )
+    .await
+    .expect("the Node object goes");
 }

@@ -15,17 +15,19 @@ use berth_devkit::testbed::wait;
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use kube::api::Api;
 use kube::{Client, ResourceExt};
 use support::audit::{assert_no_request_loop, controller_client};
-use support::pool::{Ev, create, delayed_bed, events, first, json, log_of, pool_class};
+use support::pool::{
+    Ev, assert_contains, create, delayed_bed, delete_machine, events, first, gone, json, log_of,
+    plan_text, pool_class, release_hook, running_held, running_pods,
+};
 use support::{LONG, start_controller};
 
 const ATTACH_DELAY: Duration = Duration::from_secs(3);
 const DETACH_DELAY: Duration = Duration::from_secs(1);
 const DRAIN: &str = "berth.dev/drain";
 const ORDER: &str = "berth.dev/drain-order";
-const HOOK: &str = "pre-terminate.delete.hook.berth.dev/test";
 
 async fn client() -> Client {
     delayed_bed(ATTACH_DELAY, DETACH_DELAY)
@@ -47,62 +49,6 @@ async fn calm(ns: &str) {
     assert_no_request_loop(bed, ns, ns);
 }
 
-/// A Running Machine of `class`, optionally held after its drain by a
-/// pre-terminate hook (so that the pods it leaves can be looked at).
-async fn running_machine(client: &Client, ns: &str, name: &str, class: &str, hold: bool) -> String {
-    let mut m = support::machine(name, class);
-    if hold {
-        m.metadata
-            .annotations
-            .get_or_insert_default()
-            .insert(HOOK.into(), "true".into());
-    }
-    support::pool::running(client, ns, m).await
-}
-
-async fn plan_text(client: &Client, ns: &str, machine: &str) -> String {
-    berth::drain::live::plan_machine(client, ns, machine)
-        .await
-        .expect("plan")
-        .plan
-        .to_string()
-}
-
-fn assert_contains(text: &str, parts: &[&str]) {
-    for p in parts {
-        assert!(text.contains(p), "lacks {p:?}:\n{text}");
-    }
-}
-
-async fn delete_machine(client: &Client, ns: &str, name: &str) {
-    Api::<Machine>::namespaced(client.clone(), ns)
-        .delete(name, &DeleteParams::default())
-        .await
-        .expect("delete machine");
-}
-
-async fn release_hook(client: &Client, ns: &str, name: &str) {
-    Api::<Machine>::namespaced(client.clone(), ns)
-        .patch(
-            name,
-            &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({"metadata": {"annotations": {HOOK: null}}})),
-        )
-        .await
-        .expect("release the hook");
-}
-
-async fn gone(client: &Client, ns: &str, name: &str, within: Duration) {
-    wait::for_none(
-        Api::<Machine>::namespaced(client.clone(), ns),
-        within,
-        &format!("{name} gone"),
-        |m| m.name_any() == name,
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-}
-
 /// A bare pod on `node` without volumes, with `annotations` and, if given,
 /// a priority class.
 fn bare_pod(name: &str, node: &str, class: Option<&str>, annotations: &[(&str, &str)]) -> Pod {
@@ -120,24 +66,6 @@ fn bare_pod(name: &str, node: &str, class: Option<&str>, annotations: &[(&str, &
             "containers": [{"name": "main", "image": "registry.invalid/app:1"}]
         }
     }))
-}
-
-async fn running_pods(client: &Client, ns: &str, names: &[&str]) {
-    wait::until(
-        Api::<Pod>::namespaced(client.clone(), ns),
-        LONG,
-        &format!("pods {names:?} running"),
-        |ps| {
-            names.iter().all(|n| {
-                ps.iter().any(|p| {
-                    p.name_any() == *n
-                        && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
-                })
-            })
-        },
-    )
-    .await
-    .expect("pods run");
 }
 
 fn at<'a>(evs: &'a [Ev], reason: &str, needle: &str) -> &'a Ev {
@@ -160,7 +88,7 @@ async fn critical_pods_leave_after_every_other_pod_and_its_volumes() {
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
     let ctl = start(ns).await;
-    let node_a = running_machine(&client, ns, "a", ns, false).await;
+    let node_a = running_held(&client, ns, "a", ns, false).await;
     // A stateful workload and a critical stateful one (a CSI controller,
     // say), each with an attachable volume; a stateless pod and a
     // critical stateless one (DNS).
@@ -189,7 +117,7 @@ async fn critical_pods_leave_after_every_other_pod_and_its_volumes() {
     )
     .await;
     running_pods(&client, ns, &["db-0", "ctl-0", "web", "dns"]).await;
-    let node_b = running_machine(&client, ns, "b", ns, false).await;
+    let node_b = running_held(&client, ns, "b", ns, false).await;
 
     let plan = plan_text(&client, ns, "a").await;
     eprintln!("{plan}");
@@ -250,7 +178,7 @@ async fn a_skip_rule_leaves_a_pod_to_the_vm_and_a_rule_not_understood_is_named()
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
     let ctl = start(ns).await;
-    let node = running_machine(&client, ns, "a", ns, true).await;
+    let node = running_held(&client, ns, "a", ns, true).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     create(
         pods.clone(),
@@ -317,7 +245,7 @@ async fn a_wait_completed_rule_holds_the_critical_group_until_the_pod_completes(
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
     let ctl = start(ns).await;
-    let node = running_machine(&client, ns, "a", ns, false).await;
+    let node = running_held(&client, ns, "a", ns, false).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     let runs_for = Duration::from_secs(15);
     let created = Timestamp::now();
@@ -417,7 +345,7 @@ async fn a_pod_waited_on_that_never_completes_meets_the_deadline_rules() {
         )
         .await;
         let ctl = start(ns).await;
-        let node = running_machine(&client, ns, "a", ns, false).await;
+        let node = running_held(&client, ns, "a", ns, false).await;
         let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
         create(
             pods.clone(),

@@ -14,11 +14,14 @@ use berth_devkit::testbed::wait;
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
-use kube::api::{Api, DeleteParams, Patch, PatchParams};
+use kube::api::{Api, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use support::audit::{assert_no_request_loop, controller_client};
-use support::pool::{POOL, create, delayed_bed, events, first, json, log_of, pool_class};
-use support::{LONG, condition, machine, start_controller};
+use support::pool::{
+    HOOK, POOL, assert_contains, create, delayed_bed, delete_machine, events, first, gone, json,
+    log_of, plan_text, pool_class, running_held, running_pods,
+};
+use support::{LONG, condition, start_controller};
 
 const ATTACH_DELAY: Duration = Duration::from_secs(3);
 const DETACH_DELAY: Duration = Duration::from_secs(1);
@@ -26,7 +29,6 @@ const DETACH_DELAY: Duration = Duration::from_secs(1);
 /// attach-detach controller never makes a VolumeAttachment for it.
 const ATTACH_FREE_DRIVER: &str = "nfs.testbed.berth.dev";
 const ALLOW: &str = "berth.dev/allow-node-local-data-loss";
-const HOOK: &str = "pre-terminate.delete.hook.berth.dev/test";
 
 async fn client() -> Client {
     delayed_bed(ATTACH_DELAY, DETACH_DELAY)
@@ -46,51 +48,6 @@ async fn start(ns: &str) -> support::Running {
 async fn calm(case: &str, ns: &str) {
     let bed = delayed_bed(ATTACH_DELAY, DETACH_DELAY).await;
     assert_no_request_loop(bed, case, ns);
-}
-
-/// A Running Machine of `class`, optionally held after its drain by a
-/// pre-terminate hook (so that its conditions can be read).
-async fn running_machine(client: &Client, ns: &str, name: &str, class: &str, hold: bool) -> String {
-    let mut m = machine(name, class);
-    if hold {
-        m.metadata
-            .annotations
-            .get_or_insert_default()
-            .insert(HOOK.into(), "true".into());
-    }
-    support::pool::running(client, ns, m).await
-}
-
-async fn plan_text(client: &Client, ns: &str, machine: &str) -> String {
-    berth::drain::live::plan_machine(client, ns, machine)
-        .await
-        .expect("plan")
-        .plan
-        .to_string()
-}
-
-fn assert_contains(text: &str, parts: &[&str]) {
-    for p in parts {
-        assert!(text.contains(p), "lacks {p:?}:\n{text}");
-    }
-}
-
-async fn delete_machine(client: &Client, ns: &str, name: &str) {
-    Api::<Machine>::namespaced(client.clone(), ns)
-        .delete(name, &DeleteParams::default())
-        .await
-        .expect("delete machine");
-}
-
-async fn gone(client: &Client, ns: &str, name: &str, within: Duration) {
-    wait::for_none(
-        Api::<Machine>::namespaced(client.clone(), ns),
-        within,
-        &format!("{name} gone"),
-        |m| m.name_any() == name,
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// A PV pinned to `node` (`spec.local` and node affinity), pre-bound to
@@ -143,24 +100,6 @@ fn claim_pod(name: &str, node: &str, claim: &str) -> Pod {
     }))
 }
 
-async fn running_pods(client: &Client, ns: &str, names: &[&str]) {
-    wait::until(
-        Api::<Pod>::namespaced(client.clone(), ns),
-        LONG,
-        &format!("pods {names:?} running"),
-        |ps| {
-            names.iter().all(|n| {
-                ps.iter().any(|p| {
-                    p.name_any() == *n
-                        && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
-                })
-            })
-        },
-    )
-    .await
-    .expect("pods run");
-}
-
 async fn annotate<K>(api: Api<K>, name: &str)
 where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
@@ -195,7 +134,7 @@ async fn an_attach_free_stateful_set_drains_without_waiting_for_a_timeout() {
     )
     .await;
     let ctl = start(ns).await;
-    let node_a = running_machine(&client, ns, "a", ns, false).await;
+    let node_a = running_held(&client, ns, "a", ns, false).await;
     for i in 0..2 {
         let mut pv = csi_pv(
             &format!("{ns}-{i}"),
@@ -214,7 +153,7 @@ async fn an_attach_free_stateful_set_drains_without_waiting_for_a_timeout() {
     }
     create(Api::<StatefulSet>::namespaced(client.clone(), ns), sts).await;
     running_pods(&client, ns, &["share-0", "share-1"]).await;
-    let node_b = running_machine(&client, ns, "b", ns, false).await;
+    let node_b = running_held(&client, ns, "b", ns, false).await;
 
     let plan = plan_text(&client, ns, "a").await;
     eprintln!("{plan}");
@@ -281,7 +220,7 @@ async fn a_local_volume_is_evicted_and_its_loss_named() {
     )
     .await;
     let ctl = start(ns).await;
-    let node = running_machine(&client, ns, "a", ns, true).await;
+    let node = running_held(&client, ns, "a", ns, true).await;
     let pv = format!("{ns}-local");
     local_volume(&client, ns, &pv, "data", &node).await;
     create(
@@ -350,7 +289,7 @@ async fn block_holds_a_local_volume_until_an_operator_allows_it() {
     )
     .await;
     let ctl = start(ns).await;
-    let node = running_machine(&client, ns, "a", ns, false).await;
+    let node = running_held(&client, ns, "a", ns, false).await;
     for (p, claim) in [("x", "data-x"), ("y", "data-y")] {
         local_volume(&client, ns, &format!("{ns}-{p}"), claim, &node).await;
         create(
@@ -452,8 +391,8 @@ async fn a_shared_volume_has_moved_only_once_attached_where_the_replacement_runs
     .await;
     pool_class(&client, peers, serde_json::json!({})).await;
     let ctl = start(ns).await;
-    let node_a = running_machine(&client, ns, "a", ns, false).await;
-    let node_c = running_machine(&client, ns, "c", peers, false).await;
+    let node_a = running_held(&client, ns, "a", ns, false).await;
+    let node_c = running_held(&client, ns, "c", peers, false).await;
     let pv = format!("{ns}-shared");
     let mut volume = csi_pv(&pv, "vol-shared", ns, "shared");
     if let Some(spec) = volume.spec.as_mut() {
@@ -504,7 +443,7 @@ async fn a_shared_volume_has_moved_only_once_attached_where_the_replacement_runs
     })
     .await
     .expect("the volume attaches on both Nodes");
-    let node_b = running_machine(&client, ns, "b", ns, false).await;
+    let node_b = running_held(&client, ns, "b", ns, false).await;
     let plan = plan_text(&client, ns, "a").await;
     assert_contains(
         &plan,
@@ -569,7 +508,7 @@ async fn an_in_tree_volume_is_planned_under_its_migrated_csi_name() {
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({})).await;
     let ctl = start(ns).await;
-    let node = running_machine(&client, ns, "a", ns, false).await;
+    let node = running_held(&client, ns, "a", ns, false).await;
     let pv = format!("{ns}-ebs");
     create(
         Api::<PersistentVolume>::all(client.clone()),

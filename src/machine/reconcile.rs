@@ -1029,9 +1029,27 @@ async fn cordon(ctx: &Context, node: &Node) -> Result<Node, Error> {
             ..Default::default()
         });
     }
+    patch_node(
+        ctx,
+        node,
+        serde_json::json!({"unschedulable": true, "taints": taints}),
+        Step::Cordon,
+    )
+    .await
+}
+
+/// Merges `spec` into Node `node`'s spec, on the condition that the Node
+/// is still the version read (its resourceVersion): a taint another writer
+/// added in between is never lost. Returns the Node as written.
+async fn patch_node(
+    ctx: &Context,
+    node: &Node,
+    spec: serde_json::Value,
+    step: Step,
+) -> Result<Node, Error> {
     let patch = serde_json::json!({
         "metadata": {"resourceVersion": node.resource_version()},
-        "spec": {"unschedulable": true, "taints": taints},
+        "spec": spec,
     });
     Api::<Node>::all(ctx.client.clone())
         .patch(
@@ -1040,7 +1058,7 @@ async fn cordon(ctx: &Context, node: &Node) -> Result<Node, Error> {
             &Patch::Merge(patch),
         )
         .await
-        .map_err(at(Step::Cordon))
+        .map_err(at(step))
 }
 
 /// The volumes still attached to the Machine's Node when its VM is to be
@@ -1258,18 +1276,13 @@ async fn out_of_service(
         effect: "NoExecute".into(),
         time_added: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(now)),
     });
-    let patch = serde_json::json!({
-        "metadata": {"resourceVersion": node.resource_version()},
-        "spec": {"taints": taints},
-    });
-    Api::<Node>::all(ctx.client.clone())
-        .patch(
-            &node.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(patch),
-        )
-        .await
-        .map_err(at(Step::OutOfService))?;
+    patch_node(
+        ctx,
+        node,
+        serde_json::json!({"taints": taints}),
+        Step::OutOfService,
+    )
+    .await?;
     tracing::info!(node = %node.name_any(), "VM gone: Node tainted out of service");
     Ok(now)
 }

@@ -51,17 +51,20 @@ pub async fn events_until(
 /// One end-to-end control plane per test binary, with the CRDs installed.
 pub async fn bed() -> &'static TestBed {
     static BED: OnceCell<TestBed> = OnceCell::const_new();
-    BED.get_or_init(|| async {
-        let bed = TestBed::start(Options::end_to_end().audit_only(&[&audit::controller_user()]))
-            .await
-            .expect("the end-to-end test bed starts");
-        let client = bed.client().await.expect("client");
-        berth::api::install_crds(client, LONG)
-            .await
-            .expect("CRDs installed");
-        bed
-    })
-    .await
+    BED.get_or_init(|| start_bed(Options::end_to_end())).await
+}
+
+/// A control plane of `options` that audits the controller's requests (see
+/// `audit`), with the CRDs installed.
+pub async fn start_bed(options: Options) -> TestBed {
+    let bed = TestBed::start(options.audit_only(&[&audit::controller_user()]))
+        .await
+        .expect("the end-to-end test bed starts");
+    let client = bed.client().await.expect("client");
+    berth::api::install_crds(client, LONG)
+        .await
+        .expect("CRDs installed");
+    bed
 }
 
 /// Logs of the controller under test, shown for failing tests

@@ -8,7 +8,7 @@ use berth::api::Machine;
 use berth::providers::fake::FakeProvider;
 use berth_devkit::testbed::{Options, TestBed, wait};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use tokio::sync::OnceCell;
 
@@ -23,21 +23,12 @@ pub const POOL: &str = "testbed.berth.dev/pool";
 pub async fn delayed_bed(attach: Duration, detach: Duration) -> &'static TestBed {
     static BED: OnceCell<TestBed> = OnceCell::const_new();
     super::init_logs();
-    BED.get_or_init(|| async {
-        let user = super::audit::controller_user();
-        let bed = TestBed::start(
+    BED.get_or_init(|| {
+        super::start_bed(
             Options::end_to_end()
                 .attach_delay(attach)
-                .detach_delay(detach)
-                .audit_only(&[&user]),
+                .detach_delay(detach),
         )
-        .await
-        .expect("the end-to-end test bed starts");
-        let client = bed.client().await.expect("client");
-        berth::api::install_crds(client, LONG)
-            .await
-            .expect("CRDs installed");
-        bed
     })
     .await
 }
@@ -138,4 +129,93 @@ pub fn log_of(evs: &[Ev]) -> String {
         .map(|(t, r, n)| format!("{t} {r}: {n}"))
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+/// The pre-terminate hook [`running_held`] puts on a Machine: it keeps the
+/// Machine (and its Node's pods) after its drain, to be looked at, until
+/// [`release_hook`].
+pub const HOOK: &str = "pre-terminate.delete.hook.berth.dev/test";
+
+/// A Running Machine of `class`, optionally held after its drain by
+/// [`HOOK`]; returns its Node's name.
+pub async fn running_held(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    class: &str,
+    hold: bool,
+) -> String {
+    let mut m = machine(name, class);
+    if hold {
+        m.metadata
+            .annotations
+            .get_or_insert_default()
+            .insert(HOOK.into(), "true".into());
+    }
+    running(client, ns, m).await
+}
+
+/// Removes [`HOOK`] from Machine `name`.
+pub async fn release_hook(client: &Client, ns: &str, name: &str) {
+    Api::<Machine>::namespaced(client.clone(), ns)
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"metadata": {"annotations": {HOOK: null}}})),
+        )
+        .await
+        .expect("release the hook");
+}
+
+/// What `berth plan` prints for Machine `ns/machine` (the plan part).
+pub async fn plan_text(client: &Client, ns: &str, machine: &str) -> String {
+    berth::drain::live::plan_machine(client, ns, machine)
+        .await
+        .expect("plan")
+        .plan
+        .to_string()
+}
+
+pub fn assert_contains(text: &str, parts: &[&str]) {
+    for p in parts {
+        assert!(text.contains(p), "lacks {p:?}:\n{text}");
+    }
+}
+
+pub async fn delete_machine(client: &Client, ns: &str, name: &str) {
+    Api::<Machine>::namespaced(client.clone(), ns)
+        .delete(name, &DeleteParams::default())
+        .await
+        .expect("delete machine");
+}
+
+/// Waits, up to `within`, for Machine `name` to be gone.
+pub async fn gone(client: &Client, ns: &str, name: &str, within: Duration) {
+    wait::for_none(
+        Api::<Machine>::namespaced(client.clone(), ns),
+        within,
+        &format!("{name} gone"),
+        |m| m.name_any() == name,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Waits until the pods `names` of `ns` are Running.
+pub async fn running_pods(client: &Client, ns: &str, names: &[&str]) {
+    wait::until(
+        Api::<Pod>::namespaced(client.clone(), ns),
+        LONG,
+        &format!("pods {names:?} running"),
+        |ps| {
+            names.iter().all(|n| {
+                ps.iter().any(|p| {
+                    p.name_any() == *n
+                        && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+                })
+            })
+        },
+    )
+    .await
+    .expect("pods run");
 }

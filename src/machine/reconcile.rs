@@ -312,7 +312,9 @@ fn resolve_machine(m: &Machine, ctx: &Context) -> Result<Resolved, Unresolved> {
         request: MachineRequest {
             namespace: m.namespace().unwrap_or_default(),
             name: m.name_any(),
+            uid: m.metadata.uid.clone().unwrap_or_default(),
             class: class_name.clone(),
+            secret_ref: class.spec.secret_ref.clone(),
             provider_spec,
             provider_id: m.spec.provider_id.clone(),
         },

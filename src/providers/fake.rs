@@ -28,11 +28,15 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde::Deserialize;
 
-use super::{MachineRequest, Provider, ProviderError, Vm, VmState};
+use super::{ListRequest, MachineRef, MachineRequest, Provider, ProviderError, Vm, VmState};
 use crate::api::settings::parse_duration;
 
 pub(crate) const NAME: &str = "fake";
 const VM_LABEL: &str = "fake.berth.dev/vm";
+/// The annotations that name the Machine a fake VM was created for, as a
+/// cloud's tags would.
+const MACHINE_NAME: &str = "fake.berth.dev/machine";
+const MACHINE_UID: &str = "fake.berth.dev/machine-uid";
 const FIELD_MANAGER: &str = "berth-fake-provider";
 
 /// The annotation that makes kwok play a Node's kubelet (kwok's
@@ -174,6 +178,14 @@ fn vm_name(machine: &str) -> String {
 
 fn vm_of(cm: &ConfigMap) -> Option<Vm> {
     let data = cm.data.as_ref()?;
+    let annotations = cm.metadata.annotations.as_ref();
+    let machine = annotations.and_then(|a| {
+        Some(MachineRef {
+            namespace: cm.metadata.namespace.clone()?,
+            name: a.get(MACHINE_NAME)?.clone(),
+            uid: a.get(MACHINE_UID)?.clone(),
+        })
+    });
     let state = match data.get("state").map(String::as_str) {
         Some("Running") => VmState::Running,
         Some("Deleting") => VmState::Deleting,
@@ -182,6 +194,8 @@ fn vm_of(cm: &ConfigMap) -> Option<Vm> {
     Some(Vm {
         provider_id: data.get("providerID")?.clone(),
         state,
+        machine,
+        created_at: cm.metadata.creation_timestamp.as_ref().map(|t| t.0),
     })
 }
 
@@ -229,6 +243,10 @@ impl Provider for FakeProvider {
             metadata: ObjectMeta {
                 name: Some(name.clone()),
                 labels: Some(BTreeMap::from([(VM_LABEL.to_string(), "true".to_string())])),
+                annotations: Some(BTreeMap::from([
+                    (MACHINE_NAME.to_string(), req.name.clone()),
+                    (MACHINE_UID.to_string(), req.uid.clone()),
+                ])),
                 ..Default::default()
             },
             data: Some(data),
@@ -259,6 +277,12 @@ impl Provider for FakeProvider {
         Ok(Vm {
             provider_id,
             state: VmState::Running,
+            machine: Some(MachineRef {
+                namespace: req.namespace.clone(),
+                name: req.name.clone(),
+                uid: req.uid.clone(),
+            }),
+            created_at: None,
         })
     }
 
@@ -312,7 +336,8 @@ impl Provider for FakeProvider {
             .ok_or(ProviderError::NotFound(name))
     }
 
-    async fn list(&self) -> Result<Vec<Vm>, ProviderError> {
+    /// Every fake VM in the cluster: the fake cloud has one region.
+    async fn list(&self, _: &ListRequest) -> Result<Vec<Vm>, ProviderError> {
         let cms = Api::<ConfigMap>::all(self.client.clone())
             .list(&ListParams::default().labels(&format!("{VM_LABEL}=true")))
             .await

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{MachineRequest, Provider, ProviderError, Vm};
+use super::{ListRequest, MachineRequest, Provider, ProviderError, Vm};
 use crate::telemetry::{Metrics, RESULT_OK};
 
 pub(crate) struct Instrumented {
@@ -60,9 +60,9 @@ impl Provider for Instrumented {
         result
     }
 
-    async fn list(&self) -> Result<Vec<Vm>, ProviderError> {
+    async fn list(&self, req: &ListRequest) -> Result<Vec<Vm>, ProviderError> {
         let started = Instant::now();
-        let result = self.inner.list().await;
+        let result = self.inner.list(req).await;
         self.observe("list", started, &result);
         result
     }

@@ -12,12 +12,23 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use k8s_openapi::jiff::Timestamp;
+
+use crate::api::SecretReference;
+
 /// Everything a driver gets to know about the Machine it acts for.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MachineRequest {
     pub namespace: String,
     pub name: String,
+    /// The Machine's UID: what a driver tags its VM with, so that a VM
+    /// created just before a crash is found and adopted instead of created
+    /// twice.
+    pub uid: String,
     pub class: String,
+    /// The class's `secretRef`: credentials for the cloud, when the class
+    /// names them instead of the controller's own.
+    pub secret_ref: Option<SecretReference>,
     /// The class's `providerSpec`, unchanged (`null` when absent).
     pub provider_spec: serde_json::Value,
     /// Set once the VM exists.
@@ -29,6 +40,27 @@ pub struct MachineRequest {
 pub struct Vm {
     pub provider_id: String,
     pub state: VmState,
+    /// The Machine the VM was created for, as the VM's own tags say;
+    /// `None` for a VM that carries no such tags.
+    pub machine: Option<MachineRef>,
+    /// When the cloud created the VM, if it says.
+    pub created_at: Option<Timestamp>,
+}
+
+/// The Machine a VM says it belongs to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MachineRef {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+}
+
+/// Where to list VMs: a class's `providerSpec` and credentials, which say
+/// the region or account a driver looks in.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ListRequest {
+    pub provider_spec: serde_json::Value,
+    pub secret_ref: Option<SecretReference>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,7 +112,10 @@ pub trait Provider: Send + Sync {
     async fn create(&self, req: &MachineRequest) -> Result<Vm, ProviderError>;
     async fn delete(&self, req: &MachineRequest) -> Result<(), ProviderError>;
     async fn get(&self, req: &MachineRequest) -> Result<Vm, ProviderError>;
-    async fn list(&self) -> Result<Vec<Vm>, ProviderError>;
+    /// The VMs this cluster owns where `req` points (a driver tells its
+    /// own VMs from others' by the cluster's ownership mark, and never
+    /// lists a VM without it).
+    async fn list(&self, req: &ListRequest) -> Result<Vec<Vm>, ProviderError>;
 }
 
 /// The drivers this process knows, by name.

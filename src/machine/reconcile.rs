@@ -592,6 +592,14 @@ async fn create_vm(m: &Machine, ctx: &Context, r: &Resolved) -> Result<Next, Err
                 .await?
                 .then(Action::requeue(retry_after)))
         }
+        ProviderError::Unauthorized(why) => {
+            let rec = vm_answer_record(provider, &VmAnswer::Unauthorized(&why));
+            Ok(record(ctx, m, &rec, Write::IfChanged)
+                .await?
+                .then(Action::requeue(Duration::from_secs(
+                    60 * crate::machine::record::UNAUTHORIZED_RETRY_MINUTES,
+                ))))
+        }
         e @ (ProviderError::Permanent(_) | ProviderError::InvalidSpec(_)) => {
             let rec = vm_answer_record(provider, &VmAnswer::Refused(&e.to_string()));
             Ok(record(ctx, m, &rec, Write::IfChanged)
@@ -1158,7 +1166,11 @@ async fn delete_vm_and_node(
                 .await?
                 .then(Action::requeue(retry_after)));
         }
-        Err(e @ (ProviderError::Permanent(_) | ProviderError::InvalidSpec(_))) => {
+        Err(
+            e @ (ProviderError::Permanent(_)
+            | ProviderError::InvalidSpec(_)
+            | ProviderError::Unauthorized(_)),
+        ) => {
             let error = e.to_string();
             let rec = deletion_record(
                 step,

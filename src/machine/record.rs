@@ -209,6 +209,11 @@ pub(crate) fn creation_record(step: &CreationStep, c: &CreationContext<'_>) -> O
     })
 }
 
+/// How often a call the cloud refused for lack of a permission is tried
+/// again: the fix (a policy, a Secret) is made outside berth, and no event
+/// of berth's says when.
+pub(crate) const UNAUTHORIZED_RETRY_MINUTES: u64 = 5;
+
 /// What asking the provider for a VM came to, when it did not give one.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum VmAnswer<'a> {
@@ -218,6 +223,9 @@ pub(crate) enum VmAnswer<'a> {
     Refused(&'a str),
     /// Failed for now; the reconcile fails and is retried.
     Failed(&'a str),
+    /// The cloud refuses berth's credentials or a permission: retried
+    /// slowly, since the fix is made outside berth.
+    Unauthorized(&'a str),
 }
 
 /// What the `CreateVm` step records after the provider answered without a
@@ -239,6 +247,17 @@ pub(crate) fn vm_answer_record(provider: &str, answer: &VmAnswer<'_>) -> StepRec
             State::Failed,
             format!("provider {provider}: {error}; retrying"),
         ),
+        VmAnswer::Unauthorized(error) => {
+            let msg = format!(
+                "provider {provider}: {error}; retrying every {UNAUTHORIZED_RETRY_MINUTES} minutes"
+            );
+            StepRecord::report("Create", "CreateVm", State::Failed, msg.clone()).condition(
+                READY,
+                false,
+                "ProviderUnauthorized",
+                msg,
+            )
+        }
     }
 }
 

@@ -5,6 +5,7 @@
 //! describes VMs, idempotently, and says through its error type whether a
 //! failure is worth retrying.
 
+pub mod aws;
 pub mod fake;
 pub(crate) mod instrumented;
 
@@ -87,6 +88,11 @@ pub enum ProviderError {
     /// The class's `providerSpec` is not valid for this driver.
     #[error("invalid providerSpec: {0}")]
     InvalidSpec(String),
+    /// The cloud refuses berth's credentials, or they may not make this
+    /// call: what to grant or fix. Retried slowly, since the fix is made
+    /// outside berth.
+    #[error("not authorised: {0}")]
+    Unauthorized(String),
 }
 
 impl ProviderError {
@@ -97,6 +103,7 @@ impl ProviderError {
             ProviderError::Transient(_) => "transient",
             ProviderError::Permanent(_) => "permanent",
             ProviderError::InvalidSpec(_) => "invalid_spec",
+            ProviderError::Unauthorized(_) => "unauthorized",
         }
     }
 }
@@ -107,6 +114,12 @@ impl ProviderError {
 pub trait Provider: Send + Sync {
     /// The name MachineClasses use in `spec.provider`.
     fn name(&self) -> &'static str;
+    /// Whether the driver counts each of its cloud requests in
+    /// `berth_provider_requests_total` itself (with the cloud's action as
+    /// `op`); the others are counted per operation by a wrapper.
+    fn counts_own_requests(&self) -> bool {
+        false
+    }
     /// Checks a class's `providerSpec` without touching the cloud.
     fn validate(&self, provider_spec: &serde_json::Value) -> Result<(), ProviderError>;
     async fn create(&self, req: &MachineRequest) -> Result<Vm, ProviderError>;
@@ -145,6 +158,9 @@ impl Registry {
             .drivers
             .into_iter()
             .map(|(name, driver)| {
+                if driver.counts_own_requests() {
+                    return (name, driver);
+                }
                 let wrapped: Arc<dyn Provider> =
                     Arc::new(instrumented::Instrumented::new(driver, Arc::clone(metrics)));
                 (name, wrapped)

@@ -35,6 +35,7 @@ use super::leader::LeaderElection;
 use super::ratelimit::TokenBucketLayer;
 use crate::api::{Machine, MachineClass};
 use crate::providers::Registry;
+use crate::providers::aws::{AwsProvider, AwsSettings};
 use crate::providers::fake::FakeProvider;
 use crate::telemetry::{HttpState, Metrics};
 
@@ -105,13 +106,22 @@ pub(crate) struct RunArgs {
     /// How long SIGTERM waits for reconciles in flight before exiting.
     #[arg(long, env = "BERTH_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub shutdown_timeout: Duration,
-    /// Provider drivers to enable, comma-separated (known: fake). Required,
+    /// Provider drivers to enable, comma-separated (known: aws, fake). Required,
     /// with no default: a controller that runs real machines must never
     /// start with a simulated cloud because a flag was forgotten. Empty
     /// (`--providers=`) enables none: every Machine then says that its
     /// class's provider is not enabled.
     #[arg(long, env = "BERTH_PROVIDERS", value_delimiter = ',', required = true)]
     pub providers: Vec<String>,
+    /// This cluster's id, unique among the clusters that share a cloud
+    /// account: berth tags every VM it makes with it (`berth.dev/cluster`)
+    /// and never touches a VM without it. Required by the aws provider.
+    #[arg(long, env = "BERTH_CLUSTER_ID")]
+    pub cluster_id: Option<String>,
+    /// The EC2 endpoint to use instead of each region's own (a VPC
+    /// endpoint, a FIPS endpoint, or an emulator such as moto).
+    #[arg(long, env = "BERTH_AWS_ENDPOINT_URL")]
+    pub aws_endpoint_url: Option<String>,
 }
 
 /// The README's configuration reference: a Markdown table of every
@@ -229,7 +239,7 @@ async fn lead_and_control(
     let events_client =
         rate_limited_client(config.clone(), args.kube_events_qps, args.kube_events_burst)?;
     let client = rate_limited_client(config, args.kube_qps, args.kube_burst)?;
-    let providers = providers(&args.providers, &client)?;
+    let providers = providers(args, &client, metrics)?;
     if providers.names().is_empty() {
         tracing::warn!(
             "no provider is enabled (--providers is empty): no VM will be created or deleted, \
@@ -408,16 +418,46 @@ fn rate_limited_client(config: kube::Config, qps: u32, burst: u32) -> anyhow::Re
     Ok(client)
 }
 
-fn providers(names: &[String], client: &Client) -> anyhow::Result<Registry> {
+fn providers(args: &RunArgs, client: &Client, metrics: &Arc<Metrics>) -> anyhow::Result<Registry> {
     let mut registry = Registry::default();
-    for name in names {
+    for name in &args.providers {
         match name.trim() {
             "fake" => registry = registry.with(Arc::new(FakeProvider::new(client.clone()))),
+            "aws" => {
+                let cluster_id = args
+                    .cluster_id
+                    .clone()
+                    .filter(|id| valid_cluster_id(id))
+                    .context(
+                        "the aws provider needs --cluster-id: 1 to 128 letters, digits, \
+                         '.', '_', ':', '/', '=', '+', '-' or '@' (it becomes the value of \
+                         the berth.dev/cluster tag)",
+                    )?;
+                let aws = AwsProvider::new(
+                    client.clone(),
+                    AwsSettings {
+                        cluster_id,
+                        endpoint: args.aws_endpoint_url.clone(),
+                    },
+                    Arc::clone(metrics),
+                )
+                .context("the aws provider's HTTPS client (the system's trust roots)")?;
+                registry = registry.with(Arc::new(aws));
+            }
             "" => {}
-            other => anyhow::bail!("unknown provider {other:?} in --providers (known: fake)"),
+            other => anyhow::bail!("unknown provider {other:?} in --providers (known: aws, fake)"),
         }
     }
     Ok(registry)
+}
+
+/// Whether a cluster id can be an EC2 tag value that names one cluster.
+fn valid_cluster_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 128
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "._:/=+-@".contains(c))
 }
 
 fn default_identity() -> String {
@@ -564,12 +604,45 @@ mod tests {
         );
     }
 
+    fn run_args(flags: &[&str]) -> RunArgs {
+        let mut argv = vec!["berth"];
+        argv.extend_from_slice(flags);
+        Cli::try_parse_from(argv).expect("valid flags").run
+    }
+
     #[tokio::test]
     async fn unknown_providers_are_refused_by_name() {
-        let err = providers(&["fake".into(), "gcp".into()], &dummy_client())
-            .err()
-            .expect("gcp is unknown");
+        let metrics = Arc::new(Metrics::new().expect("metrics"));
+        let err = providers(
+            &run_args(&["--providers=fake,gcp"]),
+            &dummy_client(),
+            &metrics,
+        )
+        .err()
+        .expect("gcp is unknown");
         assert!(err.to_string().contains("\"gcp\""), "{err}");
+    }
+
+    #[tokio::test]
+    async fn the_aws_provider_needs_a_cluster_id_fit_for_a_tag() {
+        let metrics = Arc::new(Metrics::new().expect("metrics"));
+        for flags in [
+            &["--providers=aws"][..],
+            &["--providers=aws", "--cluster-id="][..],
+            &["--providers=aws", "--cluster-id=has space"][..],
+        ] {
+            let err = providers(&run_args(flags), &dummy_client(), &metrics)
+                .err()
+                .expect("refused");
+            assert!(err.to_string().contains("--cluster-id"), "{flags:?}: {err}");
+        }
+        let registry = providers(
+            &run_args(&["--providers=aws,fake", "--cluster-id=prod-eu/1"]),
+            &dummy_client(),
+            &metrics,
+        )
+        .expect("valid");
+        assert_eq!(registry.names(), vec!["aws", "fake"]);
     }
 
     #[test]

@@ -83,14 +83,17 @@ pub mod conditions {
 #[serde(rename_all = "camelCase")]
 pub struct MachineClassSpec {
     /// Name of the provider driver that creates and deletes this class's VMs
-    /// (for example `fake`).
+    /// (`aws`, or `fake` for kwok clusters).
     #[x_kube(validation = Rule::new("self != ''").message("provider must not be empty"))]
     pub provider: String,
     /// Free-form parameters handed to the provider driver unchanged.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "free_form_object")]
     pub provider_spec: Option<serde_json::Value>,
-    /// Secret with the provider's credentials, if it needs any.
+    /// Secret with the provider's credentials, if it needs any (for `aws`:
+    /// the keys `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY` and optionally
+    /// `AWS_SESSION_TOKEN`; without it, the controller's own AWS
+    /// credentials chain).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secret_ref: Option<SecretReference>,
     /// Default drain settings for Machines of this class. A Machine's own

@@ -293,14 +293,14 @@ impl Metrics {
         let provider_requests = r.add(IntCounterVec::new(
             Opts::new(
                 "berth_provider_requests_total",
-                "Requests to the machine provider, by driver, operation and result.",
+                "Requests to the machine provider, by driver, operation and result. For aws, every EC2 API request, with the EC2 action as op (RunInstances, DescribeInstances, TerminateInstances, DescribeImages) and result ok, throttled, transient, invalid_spec, unauthorized, not_found or permanent; for fake, each operation (create, delete, get, list).",
             ),
             &["driver", "op", "result"],
         )?)?;
         let provider_request_duration = r.add(HistogramVec::new(
             HistogramOpts::new(
                 "berth_provider_request_duration_seconds",
-                "Latency of requests to the machine provider, by driver and operation.",
+                "Latency of requests to the machine provider, by driver and operation (for aws, the EC2 action).",
             )
             .buckets(PROVIDER_BUCKETS.to_vec()),
             &["driver", "op"],

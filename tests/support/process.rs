@@ -21,6 +21,12 @@ pub struct Berth {
 
 impl Berth {
     pub fn spawn(kubeconfig: &Path, extra: &[&str]) -> Self {
+        Self::spawn_with(kubeconfig, extra, &[])
+    }
+
+    /// As [`Berth::spawn`], with environment variables of its own (cloud
+    /// credentials, a crash point of the `fault-injection` build).
+    pub fn spawn_with(kubeconfig: &Path, extra: &[&str], env: &[(&str, &str)]) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map(|a| a.port())
@@ -34,6 +40,7 @@ impl Berth {
             .arg("--providers=fake")
             .args(extra)
             .env("BERTH_LOG", "info,berth=debug")
+            .envs(env.iter().copied())
             .env_remove("KUBECONFIG")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -153,6 +160,14 @@ impl Berth {
             .await
             .expect("exits after SIGKILL")
             .expect("exit status");
+    }
+
+    /// Waits for the process to end by itself (a crash point); its status.
+    pub async fn exited(mut self) -> std::process::ExitStatus {
+        tokio::time::timeout(LONG, self.child.wait())
+            .await
+            .expect("exits by itself")
+            .expect("exit status")
     }
 
     pub fn logs_contain(&self, needle: &str) -> bool {

@@ -1,0 +1,354 @@
+//! The aws provider end to end, against moto's EC2 server (a real emulator,
+//! not a mock of ours) and the real control plane: the `berth run` process
+//! creates, adopts and terminates instances; the test bed plays the kubelet
+//! that joins a running instance to the cluster.
+//!
+//! moto runs instances at once and ignores client tokens; nothing here
+//! depends on either.
+
+mod support;
+
+use std::time::Duration;
+
+use berth::api::Machine;
+use berth_devkit::moto::proxy::Fault;
+use berth_devkit::testbed::fixtures::{csi_pv, stateful_set};
+use berth_devkit::testbed::wait;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::storage::v1::VolumeAttachment;
+use kube::api::{Api, PostParams};
+use kube::{Client, ResourceExt};
+use support::audit::{assert_no_request_loop, controller};
+use support::aws::{Cloud, machine_where};
+use support::pool::{POOL, create, delete_machine, gone, on_node};
+use support::{LONG, bed, client, condition, machine, phase};
+
+fn provider_id(m: &Machine) -> Option<String> {
+    m.spec.provider_id.clone()
+}
+
+fn last_operation(m: &Machine) -> String {
+    m.status
+        .as_ref()
+        .and_then(|s| s.last_operation.as_ref())
+        .map(|o| o.description.clone())
+        .unwrap_or_default()
+}
+
+async fn create_machine(client: &Client, ns: &str, name: &str, class: &str) -> Machine {
+    Api::<Machine>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &machine(name, class))
+        .await
+        .expect("create machine")
+}
+
+async fn running_on(client: &Client, ns: &str, name: &str) -> (Machine, String) {
+    let m = machine_where(client, ns, name, "Running", |m| {
+        phase(m) == Some("Running")
+    })
+    .await;
+    let pid = provider_id(&m).expect("a providerID");
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node = nodes
+        .list(&Default::default())
+        .await
+        .expect("nodes")
+        .items
+        .into_iter()
+        .find(|n| n.spec.as_ref().and_then(|s| s.provider_id.as_deref()) == Some(pid.as_str()))
+        .expect("the Node of the instance")
+        .name_any();
+    (m, node)
+}
+
+/// A Machine gets exactly one instance, tagged (instance and volumes) for
+/// this cluster and this Machine, with the providerID the Node registers
+/// with; deleting it drains its Node in a volume-aware order (the stateful
+/// pod's volume attached where its replacement runs) before the instance
+/// is terminated and the Node and Machine go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_machine_runs_on_one_tagged_instance_and_leaves_after_a_volume_aware_drain() {
+    let client = client().await;
+    let ns = "aws-life";
+    support::namespace(&client, ns).await;
+    let cloud = Cloud::start(&client, ns, false).await;
+    cloud
+        .class(&client, ns, ns, cloud.spec(serde_json::json!({})))
+        .await;
+    let kubeconfig = &controller(bed().await).await.kubeconfig;
+    let berth = cloud.berth(kubeconfig, ns, &[]);
+
+    create_machine(&client, ns, "a", ns).await;
+    let (a, node_a) = running_on(&client, ns, "a").await;
+    let instances = cloud.instances_of(&a).await;
+    assert_eq!(instances.len(), 1, "{instances:?}");
+    let i = &instances[0];
+    assert_eq!(provider_id(&a), i.provider_id(), "aws:///<zone>/<id>");
+    let uid = a.metadata.uid.clone().expect("uid");
+    for (k, v) in [
+        ("berth.dev/cluster", ns),
+        ("berth.dev/machine-uid", uid.as_str()),
+        ("berth.dev/machine-namespace", ns),
+        ("berth.dev/machine-name", "a"),
+        ("Name", "a"),
+        ("team", "storage"),
+    ] {
+        assert_eq!(i.tags.get(k).map(String::as_str), Some(v), "tag {k}");
+    }
+    let volumes = cloud.ec2.volumes_of(&i.id).await.expect("volumes");
+    assert!(!volumes.is_empty(), "the instance has its root volume");
+    for v in &volumes {
+        assert_eq!(
+            v.tags.get("berth.dev/machine-uid").map(String::as_str),
+            Some(uid.as_str()),
+            "volume {v:?} is tagged"
+        );
+    }
+
+    // A stateful pod with a CSI volume on a's Node, and a second Machine
+    // for its replacement.
+    let pv = format!("{ns}-db-0");
+    create(
+        Api::all(client.clone()),
+        csi_pv(&pv, &format!("vol-{pv}"), ns, "data-db-0"),
+    )
+    .await;
+    let mut sts = stateful_set("db", 1, 1);
+    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        spec.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
+    }
+    create(Api::namespaced(client.clone(), ns), sts).await;
+    let attached_on = |node: String| {
+        let pv = pv.clone();
+        move |all: &[std::sync::Arc<VolumeAttachment>]| {
+            all.iter().any(|va| {
+                va.spec.node_name == node
+                    && va.spec.source.persistent_volume_name.as_deref() == Some(pv.as_str())
+                    && va.status.as_ref().is_some_and(|s| s.attached)
+            })
+        }
+    };
+    let vas: Api<VolumeAttachment> = Api::all(client.clone());
+    wait::until(vas.clone(), LONG, "db-0's volume on a", attached_on(node_a.clone()))
+        .await
+        .expect("attached on a");
+    create_machine(&client, ns, "b", ns).await;
+    let (_, node_b) = running_on(&client, ns, "b").await;
+
+    delete_machine(&client, ns, "a").await;
+    gone(&client, ns, "a", Duration::from_secs(180)).await;
+    cloud.wait_state(&i.id, "terminated").await;
+    let nodes: Api<Node> = Api::all(client.clone());
+    assert!(nodes.get_opt(&node_a).await.expect("get").is_none());
+    wait::until(vas, LONG, "db-0's volume on b", attached_on(node_b.clone()))
+        .await
+        .expect("attached on b");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let db0 = pods.get("db-0").await.expect("db-0");
+    assert!(on_node(&db0, &node_b));
+    let evs = support::events_until(&client, ns, "a", &["DeleteVmAndNode"]).await;
+    let reasons: Vec<&str> = evs.iter().filter_map(|e| e.reason.as_deref()).collect();
+    assert!(reasons.contains(&"Drained"), "{reasons:?}");
+    assert_eq!(
+        cloud.instances_of(&a).await.len(),
+        1,
+        "one instance was ever made for a"
+    );
+    berth
+        .wait_metrics(&[
+            r#"berth_provider_requests_total{driver="aws",op="RunInstances",result="ok"} 2"#,
+            r#"berth_provider_requests_total{driver="aws",op="TerminateInstances",result="ok"} 1"#,
+        ])
+        .await;
+    assert!(!berth.logs_contain("berth-test-secret-key"), "no secret in logs");
+    assert_no_request_loop(bed().await, "aws-life", ns);
+    berth.terminate().await;
+}
+
+/// `berth run` killed right after EC2 accepted `RunInstances`, before the
+/// providerID was written (a crash point of the tests' build): the next
+/// process finds the instance by the Machine's UID tag and adopts it. One
+/// instance, never two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_controller_killed_right_after_run_instances_adopts_the_instance_on_restart() {
+    let client = client().await;
+    let ns = "aws-crash";
+    support::namespace(&client, ns).await;
+    let cloud = Cloud::start(&client, ns, false).await;
+    cloud
+        .class(&client, ns, ns, cloud.spec(serde_json::json!({})))
+        .await;
+    let kubeconfig = &controller(bed().await).await.kubeconfig;
+    let crashing = cloud.berth_with(
+        kubeconfig,
+        ns,
+        &[],
+        &[("BERTH_FAULT_ABORT_AFTER_RUN_INSTANCES", "1")],
+    );
+    let m = create_machine(&client, ns, "m", ns).await;
+    let status = crashing.exited().await;
+    assert!(!status.success(), "aborted: {status:?}");
+    let made = cloud.instances_of(&m).await;
+    assert_eq!(made.len(), 1, "{made:?}");
+    let api: Api<Machine> = Api::namespaced(client.clone(), ns);
+    assert_eq!(
+        provider_id(&api.get("m").await.expect("m")),
+        None,
+        "killed before the providerID was written"
+    );
+
+    let berth = cloud.berth(kubeconfig, ns, &[]);
+    let (m, _) = running_on(&client, ns, "m").await;
+    assert_eq!(provider_id(&m), made[0].provider_id(), "the instance is adopted");
+    let after = cloud.instances_of(&m).await;
+    assert_eq!(after.len(), 1, "no second instance: {after:?}");
+    berth
+        .wait_metrics(&[
+            r#"berth_provider_requests_total{driver="aws",op="DescribeInstances",result="ok"}"#,
+        ])
+        .await;
+    let (_, metrics) = berth.get("/metrics").await.expect("metrics");
+    assert!(
+        !metrics.contains(r#"op="RunInstances""#),
+        "the restarted controller never called RunInstances"
+    );
+    assert!(berth.logs_contain("adopting the instance"));
+    berth.terminate().await;
+}
+
+/// Each class of EC2 failure, injected by a proxy in front of moto (moto
+/// cannot throttle or run out of capacity) or real (an image moto does not
+/// know): throttling is retried with backoff and makes one instance;
+/// missing capacity is retried, said in lastOperation, and bounded; a
+/// missing permission is a condition that names it, retried slowly; an
+/// unknown image fails the Machine with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_class_of_ec2_failure_is_named_retried_or_refused_as_it_should() {
+    let client = client().await;
+    let ns = "aws-errors";
+    support::namespace(&client, ns).await;
+    let cloud = Cloud::start(&client, ns, true).await;
+    cloud
+        .class(&client, ns, ns, cloud.spec(serde_json::json!({})))
+        .await;
+    let kubeconfig = &controller(bed().await).await.kubeconfig;
+    let berth = cloud.berth(kubeconfig, ns, &[]);
+    let proxy = cloud.proxy();
+
+    // Throttled twice: the reconcile's backoff retries; one instance.
+    proxy.inject(Fault::throttled("RunInstances").times(2));
+    let m1 = create_machine(&client, ns, "throttled", ns).await;
+    machine_where(&client, ns, "throttled", "a providerID", |m| {
+        provider_id(m).is_some()
+    })
+    .await;
+    assert_eq!(proxy.faulted("RunInstances"), 2);
+    assert_eq!(proxy.passed("RunInstances"), 1);
+    assert_eq!(cloud.instances_of(&m1).await.len(), 1);
+    berth
+        .wait_metrics(&[
+            r#"berth_provider_requests_total{driver="aws",op="RunInstances",result="throttled"} 2"#,
+        ])
+        .await;
+
+    // No capacity: retried with backoff, said, bounded; then it comes.
+    proxy.reset_counts();
+    proxy.inject(
+        Fault::ec2_error(
+            "RunInstances",
+            500,
+            "InsufficientInstanceCapacity",
+            "We currently do not have sufficient t3.micro capacity in the Availability Zone you requested.",
+        )
+        .forever(),
+    );
+    create_machine(&client, ns, "no-capacity", ns).await;
+    machine_where(&client, ns, "no-capacity", "capacity said", |m| {
+        last_operation(m).contains("InsufficientInstanceCapacity")
+            && last_operation(m).contains("retrying")
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let tries = proxy.requests("RunInstances");
+    assert!(
+        (2..=8).contains(&tries),
+        "{tries} RunInstances in about 15 s: retried with backoff, not in a loop"
+    );
+    proxy.clear();
+    machine_where(&client, ns, "no-capacity", "a providerID", |m| {
+        provider_id(m).is_some()
+    })
+    .await;
+
+    // No permission: a condition that names it, retried every 5 minutes.
+    proxy.reset_counts();
+    proxy.inject(
+        Fault::ec2_error(
+            "RunInstances",
+            403,
+            "UnauthorizedOperation",
+            "You are not authorized to perform this operation.",
+        )
+        .forever(),
+    );
+    create_machine(&client, ns, "denied", ns).await;
+    let denied = machine_where(&client, ns, "denied", "ProviderUnauthorized", |m| {
+        condition(m, "Ready").is_some_and(|c| c.reason == "ProviderUnauthorized")
+    })
+    .await;
+    let ready = condition(&denied, "Ready").expect("Ready");
+    assert!(ready.message.contains("ec2:RunInstances"), "{}", ready.message);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(
+        proxy.requests("RunInstances"),
+        1,
+        "a refused permission is not asked again at once"
+    );
+    assert_ne!(phase(&denied), Some("Failed"), "not failed: the fix is outside");
+    proxy.clear();
+
+    // An image EC2 does not have (a well-formed id): the Machine fails,
+    // and says why.
+    cloud
+        .class(
+            &client,
+            ns,
+            "unknown-image",
+            cloud.spec(serde_json::json!({
+                "imageId": "ami-0123456789abcdef0",
+                "rootVolume": {"sizeGiB": 20, "type": "gp3"}
+            })),
+        )
+        .await;
+    create_machine(&client, ns, "bad-image", "unknown-image").await;
+    let failed = machine_where(&client, ns, "bad-image", "Failed", |m| {
+        phase(m) == Some("Failed")
+    })
+    .await;
+    let ready = condition(&failed, "Ready").expect("Ready");
+    assert!(ready.message.contains("InvalidAMIID"), "{}", ready.message);
+
+    // A providerSpec berth can tell is wrong never reaches EC2.
+    proxy.reset_counts();
+    cloud
+        .class(
+            &client,
+            ns,
+            "bad-region",
+            cloud.spec(serde_json::json!({"region": "Europe"})),
+        )
+        .await;
+    create_machine(&client, ns, "bad-spec", "bad-region").await;
+    let bad = machine_where(&client, ns, "bad-spec", "InvalidProviderSpec", |m| {
+        condition(m, "Ready").is_some_and(|c| c.reason == "InvalidProviderSpec")
+    })
+    .await;
+    assert!(
+        condition(&bad, "Ready").is_some_and(|c| c.message.contains("region")),
+        "{:?}",
+        condition(&bad, "Ready")
+    );
+    assert_eq!(proxy.requests("RunInstances"), 0, "{:?}", proxy.counts());
+    assert_no_request_loop(bed().await, "aws-errors", ns);
+    berth.terminate().await;
+}

@@ -1,0 +1,202 @@
+//! The cloud side of the aws tests: moto's EC2 server (a real emulator),
+//! optionally behind a fault-injecting proxy, the test bed's stand-in for
+//! the kubelet that joins a running instance to the cluster, the
+//! credentials Secret and the MachineClass, and `berth run` pointed at it.
+
+use std::time::Duration;
+
+use berth::api::Machine;
+use berth_devkit::moto::kubelet::{KubeletOptions, MotoKubelet};
+use berth_devkit::moto::proxy::FaultProxy;
+use berth_devkit::moto::{Ec2, Moto};
+use berth_devkit::testbed::wait;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, PostParams};
+use kube::{Client, ResourceExt};
+
+use super::pool::{POOL, create};
+use super::process::Berth;
+use super::{LONG, class};
+
+pub const REGION: &str = "eu-west-1";
+
+/// moto, the kubelet stand-in and what a class needs, for one test
+/// namespace (its cluster id is the namespace: every test owns its tag).
+pub struct Cloud {
+    pub moto: Moto,
+    pub proxy: Option<FaultProxy>,
+    pub ec2: Ec2,
+    pub cluster_id: String,
+    pub image: String,
+    pub subnet: String,
+    _kubelet: MotoKubelet,
+}
+
+impl Cloud {
+    /// moto, and a kubelet stand-in that registers a kwok Node (labelled
+    /// with the test's pool) for each running instance of this cluster.
+    pub async fn start(client: &Client, ns: &str, proxied: bool) -> Self {
+        let moto = Moto::start().await.expect("moto starts");
+        let ec2 = moto.client(REGION);
+        let image = ec2.image_id().await.expect("an image moto knows");
+        let subnet = ec2
+            .default_subnets()
+            .await
+            .expect("the default VPC's subnets")
+            .into_iter()
+            .next()
+            .expect("a default subnet")
+            .id;
+        let proxy = if proxied {
+            Some(
+                FaultProxy::start(&moto.endpoint())
+                    .await
+                    .expect("the proxy starts"),
+            )
+        } else {
+            None
+        };
+        let kubelet = MotoKubelet::start_with(
+            client.clone(),
+            moto.client(REGION),
+            KubeletOptions::new(ns).label(POOL, ns),
+        );
+        Self {
+            moto,
+            proxy,
+            ec2,
+            cluster_id: ns.to_string(),
+            image,
+            subnet,
+            _kubelet: kubelet,
+        }
+    }
+
+    /// Where berth sends its EC2 calls: the proxy when there is one.
+    pub fn endpoint(&self) -> String {
+        match &self.proxy {
+            Some(p) => p.endpoint(),
+            None => self.moto.endpoint(),
+        }
+    }
+
+    /// The proxy in front of moto.
+    pub fn proxy(&self) -> &FaultProxy {
+        self.proxy.as_ref().expect("a proxied cloud")
+    }
+
+    /// A valid providerSpec for this cloud, with `extra` fields merged in.
+    pub fn spec(&self, extra: serde_json::Value) -> serde_json::Value {
+        let mut spec = serde_json::json!({
+            "region": REGION,
+            "imageId": self.image,
+            "instanceType": "t3.micro",
+            "subnetId": self.subnet,
+            "tags": {"team": "storage"},
+            "userData": "#!/bin/sh\necho {{machine}}",
+        });
+        if let (Some(s), Some(e)) = (spec.as_object_mut(), extra.as_object()) {
+            for (k, v) in e {
+                s.insert(k.clone(), v.clone());
+            }
+        }
+        spec
+    }
+
+    /// A credentials Secret `aws-credentials` in `ns` (moto takes any keys)
+    /// and an aws MachineClass `name` that names it.
+    pub async fn class(&self, client: &Client, ns: &str, name: &str, spec: serde_json::Value) {
+        let secret: Secret = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "aws-credentials", "namespace": ns},
+            "stringData": {
+                "AWS_ACCESS_KEY_ID": "AKIDBERTHTEST",
+                "AWS_SECRET_ACCESS_KEY": "berth-test-secret-key",
+            }
+        }))
+        .expect("secret");
+        match Api::<Secret>::namespaced(client.clone(), ns)
+            .create(&PostParams::default(), &secret)
+            .await
+        {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => panic!("creating the credentials Secret: {e}"),
+        }
+        let mut c = class(name, "aws", spec);
+        c.spec.secret_ref = Some(berth::api::SecretReference {
+            name: "aws-credentials".into(),
+            namespace: ns.into(),
+        });
+        create(Api::all(client.clone()), c).await;
+    }
+
+    /// `berth run` for `ns` with the aws provider pointed at this cloud.
+    pub fn berth(&self, kubeconfig: &std::path::Path, ns: &str, extra: &[&str]) -> Berth {
+        self.berth_with(kubeconfig, ns, extra, &[])
+    }
+
+    pub fn berth_with(
+        &self,
+        kubeconfig: &std::path::Path,
+        ns: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Berth {
+        let endpoint = format!("--aws-endpoint-url={}", self.endpoint());
+        let cluster = format!("--cluster-id={}", self.cluster_id);
+        let mut flags = vec![
+            "--namespace",
+            ns,
+            "--leader-elect=false",
+            "--providers=aws",
+            &endpoint,
+            &cluster,
+        ];
+        flags.extend_from_slice(extra);
+        Berth::spawn_with(kubeconfig, &flags, env)
+    }
+
+    /// The instances tagged with a Machine's UID, whatever their state.
+    pub async fn instances_of(&self, m: &Machine) -> Vec<berth_devkit::moto::ec2::Instance> {
+        let uid = m.metadata.uid.as_deref().expect("uid");
+        self.ec2
+            .instances_tagged("berth.dev/machine-uid", uid)
+            .await
+            .expect("describe")
+    }
+
+    /// Waits until instance `id` is in `state`.
+    pub async fn wait_state(&self, id: &str, state: &str) {
+        let deadline = tokio::time::Instant::now() + LONG;
+        loop {
+            let now = self.ec2.instance_state(id).await.expect("describe");
+            if now.as_deref() == Some(state) {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{id} never {state} (is {now:?})"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+/// Waits for Machine `name` to match `f`; returns it.
+pub async fn machine_where(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    what: &str,
+    f: impl Fn(&Machine) -> bool,
+) -> Machine {
+    let m = wait::for_one(
+        Api::<Machine>::namespaced(client.clone(), ns),
+        LONG,
+        &format!("{name}: {what}"),
+        |m| m.name_any() == name && f(m),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    (*m).clone()
+}

@@ -223,6 +223,10 @@ const CLUSTER_GRANTS: &[(&str, &[&str], &[&str])] = &[
     ),
     ("events.k8s.io", &["events"], &["create", "patch"]),
 ];
+
+/// What the aws provider adds: reading the Secret a class names.
+const AWS_PROVIDER_GRANTS: &[(&str, &[&str], &[&str])] = &[("", &["secrets"], &["get"])];
+
 const FAKE_PROVIDER_GRANTS: &[(&str, &[&str], &[&str])] = &[
     ("", &["nodes"], &["create"]),
     (
@@ -494,6 +498,46 @@ fn options_switch_exactly_their_objects_and_rules() {
         "ConfigMap access and Node creation only with the fake provider"
     );
     assert!(args_of(one(&o, "Deployment")).contains(&"--providers=fake".to_string()));
+
+    // The aws provider: its flags, the Secret read for a class's
+    // secretRef, IRSA on the ServiceAccount, the controller's own
+    // credentials from a Secret; and no cluster id, no render.
+    let o = render(
+        "providers.aws.enabled=true,providers.aws.clusterId=prod-eu,providers.aws.roleArn=arn:aws:iam::123456789012:role/berth,providers.aws.region=eu-west-1,providers.aws.credentialsSecret=aws-keys,providers.aws.endpointUrl=https://ec2.eu-west-1.amazonaws.com",
+    );
+    let mut wanted = expected_grants(CLUSTER_GRANTS);
+    wanted.extend(expected_grants(AWS_PROVIDER_GRANTS));
+    assert_eq!(grants(one(&o, "ClusterRole")), wanted, "Secret get only with aws");
+    let d = one(&o, "Deployment");
+    let args = args_of(d);
+    for flag in [
+        "--providers=aws",
+        "--cluster-id=prod-eu",
+        "--aws-endpoint-url=https://ec2.eu-west-1.amazonaws.com",
+    ] {
+        assert!(args.contains(&flag.to_string()), "{flag} in {args:?}");
+    }
+    let container = &d["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(container["envFrom"][0]["secretRef"]["name"], "aws-keys");
+    assert!(
+        container["env"]
+            .as_array()
+            .expect("env")
+            .iter()
+            .any(|e| e["name"] == "AWS_REGION" && e["value"] == "eu-west-1")
+    );
+    assert_eq!(
+        one(&o, "ServiceAccount")["metadata"]["annotations"]["eks.amazonaws.com/role-arn"],
+        "arn:aws:iam::123456789012:role/berth"
+    );
+    let err = helm
+        .template(&["--set", "providers.aws.enabled=true"])
+        .expect_err("no cluster id");
+    assert!(err.contains("providers.aws.clusterId"), "{err}");
+    let err = helm
+        .template(&["--set", "providers.aws.roleArn=berth"])
+        .expect_err("not an ARN");
+    assert!(err.contains("roleArn"), "{err}");
 
     let o = render(
         "controller.watchNamespace=machines,image.digest=sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",

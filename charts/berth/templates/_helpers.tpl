@@ -82,6 +82,9 @@ The provider drivers to enable, comma-separated (the --providers flag).
 */}}
 {{- define "berth.providers" -}}
 {{- $enabled := list }}
+{{- if .Values.providers.aws.enabled }}
+{{- $enabled = append $enabled "aws" }}
+{{- end }}
 {{- if .Values.providers.fake.enabled }}
 {{- $enabled = append $enabled "fake" }}
 {{- end }}

@@ -202,6 +202,13 @@ pub struct Seen {
     pub status: Option<u16>,
 }
 
+impl Seen {
+    /// Whether the request went on to the upstream (no fault, or a delay).
+    fn passes(&self) -> bool {
+        matches!(self.fault, None | Some(Answer::Delay(_)))
+    }
+}
+
 /// A running proxy. Dropping it closes its port and every connection.
 pub struct FaultProxy {
     addr: SocketAddr,
@@ -270,11 +277,7 @@ impl FaultProxy {
     pub fn faulted(&self, action: &str) -> usize {
         lock(&self.shared.seen)
             .iter()
-            .filter(|s| {
-                s.action == action
-                    && s.fault.is_some()
-                    && !matches!(s.fault, Some(Answer::Delay(_)))
-            })
+            .filter(|s| s.action == action && !s.passes())
             .count()
     }
 
@@ -282,7 +285,7 @@ impl FaultProxy {
     pub fn passed(&self, action: &str) -> usize {
         lock(&self.shared.seen)
             .iter()
-            .filter(|s| s.action == action && matches!(s.fault, None | Some(Answer::Delay(_))))
+            .filter(|s| s.action == action && s.passes())
             .count()
     }
 

@@ -11,6 +11,8 @@
 //!   tags, in a default subnet, from an image moto ships) and read it back;
 //! - [`proxy`]: a fault-injecting HTTP proxy in front of moto, for the
 //!   errors moto never makes (throttling, 5xx, a load balancer's HTML);
+//! - [`kubelet`]: the joining kubelet, which registers a kwok Node for each
+//!   running instance of a cluster, as the AWS cloud provider would;
 //! - [`xml`]: the small XML reader they share.
 //!
 //! moto is not EC2. Tests must not depend on where they differ, and the
@@ -39,6 +41,7 @@
 //! - it checks no signature: the region comes from the credential scope.
 
 pub mod ec2;
+pub mod kubelet;
 pub mod proxy;
 pub mod xml;
 
@@ -47,6 +50,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 pub use self::ec2::{Ec2, Ec2Error, ErrorDocument, Instance, Launch, Subnet, Volume};
+pub use self::kubelet::{KubeletOptions, MotoKubelet, NodeNaming};
 pub use self::proxy::{Answer, Fault, FaultProxy, Times};
 use crate::testbed::supervisor::{ProcessSpec, Supervisor};
 

@@ -33,8 +33,7 @@ impl Element {
                     innermost(&mut open).children.push(el);
                 }
                 Event::End(_) => {
-                    let done = open.pop().ok_or("unbalanced end tag")?;
-                    let mut done = done;
+                    let mut done = open.pop().ok_or("unbalanced end tag")?;
                     done.text = done.text.trim().to_string();
                     innermost(&mut open).children.push(done);
                 }

@@ -277,8 +277,8 @@ async fn injected_faults_answer_n_times_then_requests_pass() {
 }
 
 /// A fault for ever answers until cleared; a load balancer's 5xx has an
-/// empty or an HTML body; a connection can close unanswered; a delay
-/// passes late.
+/// empty or an HTML body; a connection can close unanswered, before or
+/// after moto acted on the request; a delay passes late.
 #[tokio::test]
 async fn forever_faults_and_what_a_load_balancer_answers() {
     let moto = Moto::start().await.expect("moto starts");
@@ -317,6 +317,21 @@ async fn forever_faults_and_what_a_load_balancer_answers() {
         Err(Ec2Error::Http { .. }) => {}
         other => panic!("no answer, not {other:?}"),
     }
+
+    // The launch happens; its answer is lost on the way back.
+    proxy.inject(Fault::lose_answer("RunInstances"));
+    match ec2.launch(&Launch::tagged(&[("lost", "yes")])).await {
+        Err(Ec2Error::Http { .. }) => {}
+        other => panic!("no answer, not {other:?}"),
+    }
+    let launched = moto
+        .client("us-east-1")
+        .instances_tagged("lost", "yes")
+        .await
+        .expect("listed");
+    assert_eq!(launched.len(), 1, "the instance exists: {launched:?}");
+    assert_eq!(proxy.passed("RunInstances"), 1);
+    assert_eq!(proxy.faulted("RunInstances"), 0);
 
     proxy.inject(Fault::delay("DescribeRegions", Duration::from_millis(700)));
     let started = std::time::Instant::now();

@@ -1,7 +1,7 @@
 //! A fault-injecting HTTP proxy in front of moto, for the error classes
 //! moto cannot produce: throttling (`RequestLimitExceeded`), EC2's 5xx
 //! errors, a load balancer's empty or HTML 5xx, a slow answer, a connection
-//! closed without an answer.
+//! closed without an answer (before or after the upstream acted on it).
 //!
 //! [`FaultProxy::start`] listens on a loopback port and forwards every
 //! request to the upstream (moto) unchanged — method, path, headers
@@ -62,8 +62,12 @@ pub enum Answer {
     /// the client's timeout, one that never answers).
     Delay(Duration),
     /// Closes the connection without answering (a reset between a load
-    /// balancer and its client).
+    /// balancer and its client): the request never reaches the upstream.
     Close,
+    /// Forwards the request, then closes the connection without passing
+    /// the answer on: the call happened (an instance was launched) but the
+    /// client cannot know.
+    LoseAnswer,
 }
 
 /// A fault armed for one EC2 Action (`"*"`: any request).
@@ -169,6 +173,15 @@ impl Fault {
         }
     }
 
+    /// Forwards, then closes the connection instead of answering.
+    pub fn lose_answer(action: &str) -> Self {
+        Fault {
+            action: action.into(),
+            times: Times::Count(1),
+            answer: Answer::LoseAnswer,
+        }
+    }
+
     /// Answers the next `n` requests for its Action.
     pub fn times(mut self, n: u32) -> Self {
         self.times = Times::Count(n);
@@ -203,9 +216,13 @@ pub struct Seen {
 }
 
 impl Seen {
-    /// Whether the request went on to the upstream (no fault, or a delay).
+    /// Whether the request went on to the upstream (no fault, a delay, or
+    /// an answer lost).
     fn passes(&self) -> bool {
-        matches!(self.fault, None | Some(Answer::Delay(_)))
+        matches!(
+            self.fault,
+            None | Some(Answer::Delay(_) | Answer::LoseAnswer)
+        )
     }
 }
 
@@ -272,8 +289,8 @@ impl FaultProxy {
             .count()
     }
 
-    /// How many requests for `action` a fault answered (a delay does not
-    /// answer: the request passes after it).
+    /// How many requests for `action` a fault kept from the upstream (a
+    /// delay, or an answer lost, does not: the request passes).
     pub fn faulted(&self, action: &str) -> usize {
         lock(&self.shared.seen)
             .iter()
@@ -411,6 +428,10 @@ impl Shared {
                 Ok(self.forward(parts, body).await)
             }
             Some(Answer::Close) => Err(CloseConnection),
+            Some(Answer::LoseAnswer) => {
+                let _ = self.forward(parts, body).await;
+                Err(CloseConnection)
+            }
             Some(Answer::Ec2Error {
                 status,
                 code,

@@ -7,7 +7,9 @@
 //! - [`bench`](mod@bench): `berth-dev bench`, the drain benchmark;
 //! - [`demo`]: `berth-dev demo`, the README's first command;
 //! - [`moto`]: moto's EC2 server, the emulator the cloud side is tested
-//!   against.
+//!   against, with an EC2 client to seed it, a fault-injecting proxy in
+//!   front of it and a joining kubelet that registers its instances as
+//!   Nodes.
 //!
 //! The controller crate (`berth`) does not depend on this one; its tests
 //! do, as a dev-dependency.

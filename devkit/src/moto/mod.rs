@@ -7,14 +7,51 @@
 //! tests never see each other's instances; it is killed when dropped, and
 //! by the kernel if the test process dies (the test bed's supervisor).
 //!
-//! moto is not EC2: it runs instances at once and does not honour client
-//! tokens. Tests must not depend on either, and the provider must not rely
-//! on anything moto accepts that EC2 refuses.
+//! - [`ec2`]: a small EC2 Query API client to seed moto (instances with
+//!   tags, in a default subnet, from an image moto ships) and read it back;
+//! - [`proxy`]: a fault-injecting HTTP proxy in front of moto, for the
+//!   errors moto never makes (throttling, 5xx, a load balancer's HTML);
+//! - [`kubelet`]: the joining kubelet, which registers a kwok Node for each
+//!   running instance of a cluster, as the AWS cloud provider would;
+//! - [`xml`]: the small XML reader they share.
+//!
+//! moto is not EC2. Tests must not depend on where they differ, and the
+//! provider must not rely on anything moto accepts that EC2 refuses. Seen
+//! with moto 5.2.5:
+//!
+//! - instances run at once: `RunInstances` answers `pending`, the next
+//!   `DescribeInstances` says `running`; `TerminateInstances` answers
+//!   `shutting-down`, and the instance is `terminated` at once (and stays
+//!   listed, its `privateDnsName` and address kept, which EC2 clears);
+//!   terminating it again answers `shutting-down` (EC2: `terminated`);
+//! - client tokens are echoed but not honoured: a second `RunInstances`
+//!   with the same `ClientToken` launches a second instance;
+//! - an unknown image or instance type is accepted; a malformed instance id
+//!   is `InvalidInstanceID.NotFound` (EC2: `…Malformed`);
+//! - `launchTime` (whole seconds, `.000Z`) is not renewed by a stop and
+//!   start, as EC2's is;
+//! - `privateDnsName` and `placement.availabilityZone` are there, and
+//!   `TagSpecification` with `ResourceType=volume` tags the root volume;
+//! - private addresses in a subnet are handed out in order from `.4`, the
+//!   same in every server: two moto servers give their first instances in
+//!   a zone the same `privateDnsName`. An instance launched without a
+//!   subnet gets a random address outside its subnet;
+//! - it closes every connection after its answer (no keep-alive), and its
+//!   `RequestID` is always `request-id`;
+//! - it checks no signature: the region comes from the credential scope.
+
+pub mod ec2;
+pub mod kubelet;
+pub mod proxy;
+pub mod xml;
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+pub use self::ec2::{Ec2, Ec2Error, ErrorDocument, Instance, Launch, Subnet, Volume};
+pub use self::kubelet::{KubeletOptions, MotoKubelet, NodeNaming};
+pub use self::proxy::{Answer, Fault, FaultProxy, Times};
 use crate::testbed::supervisor::{ProcessSpec, Supervisor};
 
 /// How long moto may take to answer its first request.
@@ -86,6 +123,11 @@ impl Moto {
     /// The endpoint URL to point an EC2 client at.
     pub fn endpoint(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// An EC2 client of this server for `region`.
+    pub fn client(&self, region: &str) -> Ec2 {
+        Ec2::new(&self.endpoint(), region)
     }
 
     /// The server's log.

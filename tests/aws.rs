@@ -19,7 +19,7 @@ use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
 use support::audit::{assert_no_request_loop, controller};
-use support::aws::{Cloud, machine_where};
+use support::aws::{CHAIN_CREDENTIALS, Cloud, machine_where};
 use support::pool::{POOL, create, delete_machine, gone, on_node};
 use support::{LONG, bed, client, condition, machine, phase};
 
@@ -43,10 +43,7 @@ async fn create_machine(client: &Client, ns: &str, name: &str, class: &str) -> M
 }
 
 async fn running_on(client: &Client, ns: &str, name: &str) -> (Machine, String) {
-    let m = machine_where(client, ns, name, "Running", |m| {
-        phase(m) == Some("Running")
-    })
-    .await;
+    let m = machine_where(client, ns, name, "Running", |m| phase(m) == Some("Running")).await;
     let pid = provider_id(&m).expect("a providerID");
     let nodes: Api<Node> = Api::all(client.clone());
     let node = nodes
@@ -129,9 +126,14 @@ async fn a_machine_runs_on_one_tagged_instance_and_leaves_after_a_volume_aware_d
         }
     };
     let vas: Api<VolumeAttachment> = Api::all(client.clone());
-    wait::until(vas.clone(), LONG, "db-0's volume on a", attached_on(node_a.clone()))
-        .await
-        .expect("attached on a");
+    wait::until(
+        vas.clone(),
+        LONG,
+        "db-0's volume on a",
+        attached_on(node_a.clone()),
+    )
+    .await
+    .expect("attached on a");
     create_machine(&client, ns, "b", ns).await;
     let (_, node_b) = running_on(&client, ns, "b").await;
 
@@ -160,7 +162,10 @@ async fn a_machine_runs_on_one_tagged_instance_and_leaves_after_a_volume_aware_d
             r#"berth_provider_requests_total{driver="aws",op="TerminateInstances",result="ok"} 1"#,
         ])
         .await;
-    assert!(!berth.logs_contain("berth-test-secret-key"), "no secret in logs");
+    assert!(
+        !berth.logs_contain("berth-test-secret-key"),
+        "no secret in logs"
+    );
     assert_no_request_loop(bed().await, "aws-life", ns);
     berth.terminate().await;
 }
@@ -175,16 +180,15 @@ async fn a_controller_killed_right_after_run_instances_adopts_the_instance_on_re
     let ns = "aws-crash";
     support::namespace(&client, ns).await;
     let cloud = Cloud::start(&client, ns, false).await;
+    // No secretRef: these processes sign with the standard chain's
+    // credentials, from their environment.
     cloud
-        .class(&client, ns, ns, cloud.spec(serde_json::json!({})))
+        .class_with(&client, ns, ns, cloud.spec(serde_json::json!({})), false)
         .await;
     let kubeconfig = &controller(bed().await).await.kubeconfig;
-    let crashing = cloud.berth_with(
-        kubeconfig,
-        ns,
-        &[],
-        &[("BERTH_FAULT_ABORT_AFTER_RUN_INSTANCES", "1")],
-    );
+    let mut crash_env = CHAIN_CREDENTIALS.to_vec();
+    crash_env.push(("BERTH_FAULT_ABORT_AFTER_RUN_INSTANCES", "1"));
+    let crashing = cloud.berth_with(kubeconfig, ns, &[], &crash_env);
     let m = create_machine(&client, ns, "m", ns).await;
     let status = crashing.exited().await;
     assert!(!status.success(), "aborted: {status:?}");
@@ -197,9 +201,13 @@ async fn a_controller_killed_right_after_run_instances_adopts_the_instance_on_re
         "killed before the providerID was written"
     );
 
-    let berth = cloud.berth(kubeconfig, ns, &[]);
+    let berth = cloud.berth_with(kubeconfig, ns, &[], CHAIN_CREDENTIALS);
     let (m, _) = running_on(&client, ns, "m").await;
-    assert_eq!(provider_id(&m), made[0].provider_id(), "the instance is adopted");
+    assert_eq!(
+        provider_id(&m),
+        made[0].provider_id(),
+        "the instance is adopted"
+    );
     let after = cloud.instances_of(&m).await;
     assert_eq!(after.len(), 1, "no second instance: {after:?}");
     berth
@@ -213,6 +221,10 @@ async fn a_controller_killed_right_after_run_instances_adopts_the_instance_on_re
         "the restarted controller never called RunInstances"
     );
     assert!(berth.logs_contain("adopting the instance"));
+    assert!(
+        !berth.logs_contain("berth-chain-secret-key"),
+        "no secret in logs"
+    );
     berth.terminate().await;
 }
 
@@ -297,14 +309,22 @@ async fn each_class_of_ec2_failure_is_named_retried_or_refused_as_it_should() {
     })
     .await;
     let ready = condition(&denied, "Ready").expect("Ready");
-    assert!(ready.message.contains("ec2:RunInstances"), "{}", ready.message);
+    assert!(
+        ready.message.contains("ec2:RunInstances"),
+        "{}",
+        ready.message
+    );
     tokio::time::sleep(Duration::from_secs(10)).await;
     assert_eq!(
         proxy.requests("RunInstances"),
         1,
         "a refused permission is not asked again at once"
     );
-    assert_ne!(phase(&denied), Some("Failed"), "not failed: the fix is outside");
+    assert_ne!(
+        phase(&denied),
+        Some("Failed"),
+        "not failed: the fix is outside"
+    );
     proxy.clear();
 
     // An image EC2 does not have (a well-formed id): the Machine fails,

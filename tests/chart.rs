@@ -507,7 +507,11 @@ fn options_switch_exactly_their_objects_and_rules() {
     );
     let mut wanted = expected_grants(CLUSTER_GRANTS);
     wanted.extend(expected_grants(AWS_PROVIDER_GRANTS));
-    assert_eq!(grants(one(&o, "ClusterRole")), wanted, "Secret get only with aws");
+    assert_eq!(
+        grants(one(&o, "ClusterRole")),
+        wanted,
+        "Secret get only with aws"
+    );
     let d = one(&o, "Deployment");
     let args = args_of(d);
     for flag in [

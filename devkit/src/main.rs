@@ -47,6 +47,11 @@ struct TestbedArgs {
     /// Write an audit log of every request.
     #[arg(long)]
     audit: bool,
+    /// Also start moto's EC2 server and a stand-in for the kubelet that
+    /// joins each running instance of cluster `local` as a kwok Node, to
+    /// try the aws provider on one machine.
+    #[arg(long)]
+    moto: bool,
 }
 
 fn main() -> ExitCode {
@@ -74,7 +79,50 @@ async fn testbed(args: TestbedArgs) -> anyhow::Result<()> {
     println!("test bed ready: {}", bed.server());
     println!("  export KUBECONFIG={}", bed.kubeconfig_path().display());
     println!("  logs: {}/logs", bed.dir().display());
+    let _cloud = if args.moto {
+        Some(moto(&bed).await?)
+    } else {
+        None
+    };
     println!("Ctrl-C stops it and removes its directory.");
     tokio::signal::ctrl_c().await?;
     Ok(())
+}
+
+/// moto and the kubelet stand-in for `testbed --moto`; dropped, both stop.
+async fn moto(
+    bed: &berth_devkit::testbed::TestBed,
+) -> anyhow::Result<(
+    berth_devkit::moto::Moto,
+    berth_devkit::moto::kubelet::MotoKubelet,
+)> {
+    use berth_devkit::moto::Moto;
+    use berth_devkit::moto::kubelet::{KubeletOptions, MotoKubelet};
+    const REGION: &str = "eu-west-1";
+    const CLUSTER: &str = "local";
+    let moto = Moto::start().await?;
+    let ec2 = moto.client(REGION);
+    let image = ec2.image_id().await?;
+    let subnet = ec2
+        .default_subnets()
+        .await?
+        .into_iter()
+        .next()
+        .map(|s| s.id)
+        .unwrap_or_default();
+    let kubelet = MotoKubelet::start_with(bed.client().await?, ec2, KubeletOptions::new(CLUSTER));
+    println!("moto's EC2 server: {} (region {REGION})", moto.endpoint());
+    println!("  run berth against it (moto takes any keys):");
+    println!(
+        "  AWS_ACCESS_KEY_ID=moto AWS_SECRET_ACCESS_KEY=moto berth run --kubeconfig {} \\\n    \
+         --providers=aws --cluster-id={CLUSTER} --aws-endpoint-url={} --leader-elect=false",
+        bed.kubeconfig_path().display(),
+        moto.endpoint()
+    );
+    println!(
+        "  a class: provider aws, providerSpec {{region: {REGION}, imageId: {image}, \
+         instanceType: t3.micro, subnetId: {subnet}}}"
+    );
+    println!("  instances of cluster {CLUSTER} that run join as kwok Nodes");
+    Ok((moto, kubelet))
 }

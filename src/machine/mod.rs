@@ -69,6 +69,11 @@ pub(crate) struct Context {
     /// Per-Machine exponential backoff for transient errors, reset by a
     /// successful reconcile.
     backoff: Mutex<HashMap<ObjectRef<Machine>, backon::ExponentialBackoff>>,
+    /// When the provider may next be asked for a Machine's VM, after it
+    /// failed or asked to be asked later. The reconcile's own status writes
+    /// wake it at once; without this, each failure's record would start the
+    /// next attempt, and the backoff would never apply.
+    provider_retry: Mutex<HashMap<ObjectRef<Machine>, tokio::time::Instant>>,
 }
 
 /// Machines filed by their Node: by `status.nodeRef` and by
@@ -404,6 +409,7 @@ pub async fn run(
         stores: stores.clone(),
         metrics: Arc::clone(&metrics),
         backoff: Mutex::new(HashMap::new()),
+        provider_retry: Mutex::new(HashMap::new()),
     });
 
     let readiness = {
@@ -571,6 +577,9 @@ fn error_policy(machine: Arc<Machine>, error: &Error, ctx: Arc<Context>) -> Acti
         .ok()
         .and_then(|mut map| map.entry(key).or_insert_with(new_backoff).next())
         .unwrap_or(Duration::from_secs(300));
+    if matches!(error, Error::Provider { .. }) {
+        ctx.provider_retry_after(&machine, delay);
+    }
     tracing::warn!(
         machine = %machine.name_any(),
         namespace = machine.namespace().unwrap_or_default(),
@@ -593,6 +602,33 @@ fn new_backoff() -> backon::ExponentialBackoff {
 }
 
 impl Context {
+    /// The provider is not to be asked about `m` again before `delay`.
+    pub(crate) fn provider_retry_after(&self, m: &Machine, delay: Duration) {
+        if let Ok(mut map) = self.provider_retry.lock() {
+            map.insert(ObjectRef::from_obj(m), tokio::time::Instant::now() + delay);
+        }
+    }
+
+    /// How long until the provider may be asked about `m` again, if a
+    /// retry is still due.
+    pub(crate) fn provider_retry_in(&self, m: &Machine) -> Option<Duration> {
+        let key = ObjectRef::from_obj(m);
+        let mut map = self.provider_retry.lock().ok()?;
+        let at = *map.get(&key)?;
+        let left = at.checked_duration_since(tokio::time::Instant::now());
+        if left.is_none_or(|d| d.is_zero()) {
+            map.remove(&key);
+        }
+        left.filter(|d| !d.is_zero())
+    }
+
+    /// The provider answered: no retry is due any more.
+    pub(crate) fn provider_answered(&self, m: &Machine) {
+        if let Ok(mut map) = self.provider_retry.lock() {
+            map.remove(&ObjectRef::from_obj(m));
+        }
+    }
+
     fn reset_backoff(&self, m: &Machine) {
         if let Ok(mut map) = self.backoff.lock() {
             map.remove(&ObjectRef::from_obj(m));

@@ -172,6 +172,9 @@ enum Next {
     Stale,
     /// Deletion only: every step is done, the finalizer can go.
     Finished,
+    /// Woken (by a status write of its own, say) before the provider may be
+    /// asked again: come back then, keeping the backoff as it is.
+    ProviderRetry(Duration),
 }
 
 pub(super) async fn reconcile(machine: Arc<Machine>, ctx: Arc<Context>) -> Result<Action, Error> {
@@ -195,6 +198,7 @@ pub(super) async fn reconcile(machine: Arc<Machine>, ctx: Arc<Context>) -> Resul
         }
         // `reconcile_inner` removes the finalizer and waits.
         Next::Finished => Ok(Action::await_change()),
+        Next::ProviderRetry(after) => Ok(Action::requeue(after)),
     }
 }
 
@@ -208,6 +212,7 @@ async fn reconcile_inner(machine: &Arc<Machine>, ctx: &Context) -> Result<Next, 
         (true, true) => match cleanup(machine, ctx).await {
             Ok(Next::Finished) => {
                 ctx.drainer.forget(&ObjectRef::from_obj(&**machine));
+                ctx.provider_answered(machine);
                 // Every step is done: kube's helper removes the finalizer.
                 kube_finalizer(&api, machine).await.map(Next::Wait)
             }
@@ -529,6 +534,9 @@ async fn apply(m: &Machine, ctx: &Context) -> Result<Next, Error> {
         return Ok(Next::Wait(Action::await_change()));
     };
     if step == CreationStep::CreateVm {
+        if let Some(after) = ctx.provider_retry_in(m) {
+            return Ok(Next::ProviderRetry(after));
+        }
         // The VM request is recorded before the provider is asked, so that
         // a deletion knows a VM may exist. The write is also the guard of
         // "one create per Machine": it succeeds only on the Machine's
@@ -569,6 +577,7 @@ async fn create_vm(m: &Machine, ctx: &Context, r: &Resolved) -> Result<Next, Err
     let provider = r.provider.name();
     let answer = match r.provider.create(&r.request).await {
         Ok(vm) => {
+            ctx.provider_answered(m);
             // A plain merge patch: the field is set once, by this
             // controller only, and the CRD refuses to change it, so there
             // is no newer write it could undo.
@@ -587,18 +596,20 @@ async fn create_vm(m: &Machine, ctx: &Context, r: &Resolved) -> Result<Next, Err
     };
     match answer {
         ProviderError::InProgress { what, retry_after } => {
+            ctx.provider_retry_after(m, retry_after);
             let rec = vm_answer_record(provider, &VmAnswer::InProgress(&what));
             Ok(record(ctx, m, &rec, Write::IfChanged)
                 .await?
                 .then(Action::requeue(retry_after)))
         }
         ProviderError::Unauthorized(why) => {
+            let after =
+                Duration::from_secs(60 * crate::machine::record::UNAUTHORIZED_RETRY_MINUTES);
+            ctx.provider_retry_after(m, after);
             let rec = vm_answer_record(provider, &VmAnswer::Unauthorized(&why));
             Ok(record(ctx, m, &rec, Write::IfChanged)
                 .await?
-                .then(Action::requeue(Duration::from_secs(
-                    60 * crate::machine::record::UNAUTHORIZED_RETRY_MINUTES,
-                ))))
+                .then(Action::requeue(after)))
         }
         e @ (ProviderError::Permanent(_) | ProviderError::InvalidSpec(_)) => {
             let rec = vm_answer_record(provider, &VmAnswer::Refused(&e.to_string()));
@@ -1157,10 +1168,14 @@ async fn delete_vm_and_node(
             ),
         );
     }
+    if let Some(after) = ctx.provider_retry_in(&m) {
+        return Ok(Next::ProviderRetry(after));
+    }
     let provider = r.provider.name();
     match r.provider.delete(&r.request).await {
-        Ok(()) | Err(ProviderError::NotFound(_)) => {}
+        Ok(()) | Err(ProviderError::NotFound(_)) => ctx.provider_answered(&m),
         Err(ProviderError::InProgress { what, retry_after }) => {
+            ctx.provider_retry_after(&m, retry_after);
             let rec = deletion_record(step, &DeletionOutcome::VmDeleteInProgress(&what));
             return Ok(record(ctx, &m, &rec, Write::IfChanged)
                 .await?
@@ -1179,9 +1194,11 @@ async fn delete_vm_and_node(
                     error: &error,
                 },
             );
+            let after = Duration::from_secs(600);
+            ctx.provider_retry_after(&m, after);
             return Ok(record(ctx, &m, &rec, Write::IfChanged)
                 .await?
-                .then(Action::requeue(Duration::from_secs(600))));
+                .then(Action::requeue(after)));
         }
         Err(e) => {
             return Err(Error::Provider {

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use berth::api::Machine;
-use berth_devkit::moto::kubelet::{KubeletOptions, MotoKubelet};
+use berth_devkit::moto::kubelet::{KubeletOptions, MotoKubelet, NodeNaming};
 use berth_devkit::moto::proxy::FaultProxy;
 use berth_devkit::moto::{Ec2, Moto};
 use berth_devkit::testbed::wait;
@@ -19,6 +19,13 @@ use super::process::Berth;
 use super::{LONG, class};
 
 pub const REGION: &str = "eu-west-1";
+
+/// Credentials for the standard AWS chain's first link, the environment
+/// (moto takes any keys).
+pub const CHAIN_CREDENTIALS: &[(&str, &str)] = &[
+    ("AWS_ACCESS_KEY_ID", "AKIDBERTHCHAIN"),
+    ("AWS_SECRET_ACCESS_KEY", "berth-chain-secret-key"),
+];
 
 /// moto, the kubelet stand-in and what a class needs, for one test
 /// namespace (its cluster id is the namespace: every test owns its tag).
@@ -59,7 +66,11 @@ impl Cloud {
         let kubelet = MotoKubelet::start_with(
             client.clone(),
             moto.client(REGION),
-            KubeletOptions::new(ns).label(POOL, ns),
+            // Every moto server hands out the same first addresses, so
+            // the Nodes of tests sharing the bed are named by instance id.
+            KubeletOptions::new(ns)
+                .label(POOL, ns)
+                .naming(NodeNaming::InstanceId),
         );
         Self {
             moto,
@@ -106,6 +117,25 @@ impl Cloud {
     /// A credentials Secret `aws-credentials` in `ns` (moto takes any keys)
     /// and an aws MachineClass `name` that names it.
     pub async fn class(&self, client: &Client, ns: &str, name: &str, spec: serde_json::Value) {
+        self.class_with(client, ns, name, spec, true).await;
+    }
+
+    /// An aws MachineClass `name`; with `secret`, it names a credentials
+    /// Secret, else berth's own credentials chain applies (see
+    /// [`CHAIN_CREDENTIALS`]).
+    pub async fn class_with(
+        &self,
+        client: &Client,
+        ns: &str,
+        name: &str,
+        spec: serde_json::Value,
+        secret: bool,
+    ) {
+        let mut c = class(name, "aws", spec);
+        if !secret {
+            create(Api::all(client.clone()), c).await;
+            return;
+        }
         let secret: Secret = serde_json::from_value(serde_json::json!({
             "metadata": {"name": "aws-credentials", "namespace": ns},
             "stringData": {
@@ -122,7 +152,6 @@ impl Cloud {
             Err(kube::Error::Api(e)) if e.code == 409 => {}
             Err(e) => panic!("creating the credentials Secret: {e}"),
         }
-        let mut c = class(name, "aws", spec);
         c.spec.secret_ref = Some(berth::api::SecretReference {
             name: "aws-credentials".into(),
             namespace: ns.into(),

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod audit;
+pub mod aws;
 pub mod pool;
 pub mod process;
 

@@ -416,13 +416,17 @@ mod tests {
 
     #[test]
     fn the_example_class_is_valid() {
-        let class: serde_yaml_ng::Value =
-            serde_yaml_ng::from_str(include_str!("../../../deploy/examples/machineclass-aws.yaml"))
-                .expect("YAML");
+        let class: serde_yaml_ng::Value = serde_yaml_ng::from_str(include_str!(
+            "../../../deploy/examples/machineclass-aws.yaml"
+        ))
+        .expect("YAML");
         let spec: serde_json::Value =
             serde_json::to_value(&class["spec"]["providerSpec"]).expect("JSON");
         let spec = AwsSpec::parse(&spec).expect("the example is valid");
-        assert!(spec.user_data_for("m").is_some_and(|u| u.contains("machine=m")));
+        assert!(
+            spec.user_data_for("m")
+                .is_some_and(|u| u.contains("machine=m"))
+        );
     }
 
     #[test]

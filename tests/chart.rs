@@ -281,6 +281,8 @@ fn the_values_schema_rejects_typos_and_unsafe_combinations() {
         ("metrics.serviceMonitor.enable=true", "enable"),
         ("controller.logFormat=yaml", "logFormat"),
         ("leaderElection.leaseDuration=soon", "leaseDuration"),
+        ("orphanCollection.grace=soon", "grace"),
+        ("orphanCollection.dryrun=true", "dryrun"),
         // Two replicas without leader election would drain the same Machine
         // twice.
         ("replicas=2,leaderElection.enabled=false", "enabled"),
@@ -437,6 +439,10 @@ fn the_default_render_is_hardened_labelled_and_least_privilege() {
         // on by default.
         "--providers=",
         "--metrics-addr=0.0.0.0:8080",
+        // Orphan VMs are collected, cautiously, unless told otherwise.
+        "--orphan-interval=10m",
+        "--orphan-grace=30m",
+        "--orphan-dry-run=false",
     ] {
         assert!(args.iter().any(|a| a == flag), "{flag} in {args:?}");
     }

@@ -141,6 +141,26 @@ impl MachinesByNode {
     }
 }
 
+/// What the controller shares with the work that runs beside it on the
+/// leader (orphan collection, `crate::orphans`): its caches, its drivers
+/// (counted in the metrics) and its Events queue, so that such work reads
+/// no API object the controller does not already watch.
+#[derive(Clone)]
+pub struct Shared {
+    pub(crate) machines: Store<Machine>,
+    pub(crate) classes: Store<MachineClass>,
+    /// Turns true once the first complete list of Machines is in
+    /// `machines` (and stays true: a re-list swaps the store whole).
+    ///
+    /// Not `machines.wait_until_ready()`: kube-runtime's store readiness
+    /// (a `DelayedInit` over a oneshot channel) keeps one waker, and the
+    /// controller already waits on it for this store, so a second waiter
+    /// may never be woken (what the comment on `readiness` below saw).
+    pub(crate) machines_listed: tokio::sync::watch::Receiver<bool>,
+    pub(crate) providers: Registry,
+    pub(crate) events: EventSink,
+}
+
 /// How the controller runs.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -183,15 +203,15 @@ impl From<Client> for Clients {
 }
 
 /// Runs the Machine controller until `shutdown` resolves. `ready` is called
-/// once every cache has synced. Provider calls, reconciles and Machine
-/// phases are recorded in `metrics`.
+/// once every cache has synced, with what the controller [`Shared`]s.
+/// Provider calls, reconciles and Machine phases are recorded in `metrics`.
 pub async fn run(
     clients: impl Into<Clients>,
     providers: Registry,
     settings: Settings,
     metrics: Arc<Metrics>,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
-    ready: impl FnOnce() + Send + 'static,
+    ready: impl FnOnce(Shared) + Send + 'static,
 ) {
     let Clients {
         api: client,
@@ -313,10 +333,15 @@ pub async fn run(
     let (machines, machines_w) = reflector::store();
     let machines_by_node = MachinesByNode::default();
     let machine_index = machines_by_node.clone();
+    let (listed_tx, machines_listed) = tokio::sync::watch::channel(false);
     let machine_events = reflector::reflector(machines_w, watcher(machines_api, wc.clone()))
         .inspect(move |ev| {
             if let Ok(ev) = ev {
                 machine_index.observe(ev);
+                // The reflector has swapped the whole list into the store.
+                if matches!(ev, watcher::Event::InitDone) {
+                    listed_tx.send_if_modified(|l| !std::mem::replace(l, true));
+                }
             }
         })
         .applied_objects();
@@ -400,6 +425,13 @@ pub async fn run(
         .reconcile_on(futures::stream::unfold(drains_done, |mut rx| async move {
             rx.recv().await.map(|m| (m, rx))
         }));
+    let shared = Shared {
+        machines: machines.clone(),
+        classes: classes.clone(),
+        machines_listed,
+        providers: providers.clone(),
+        events: events.clone(),
+    };
     let ctx = Arc::new(Context {
         client: client.clone(),
         providers,
@@ -434,7 +466,7 @@ pub async fn run(
             for m in stores.machines.state() {
                 ctx.drainer.wake(ObjectRef::from_obj(&*m));
             }
-            ready();
+            ready(shared);
         }
     };
     tokio::spawn(readiness);
@@ -497,7 +529,7 @@ pub fn spawn(
         async move {
             let _ = stopped.await;
         },
-        move || {
+        move |_| {
             let _ = ready_tx.send(());
         },
     ));

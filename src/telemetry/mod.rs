@@ -85,6 +85,36 @@ pub(crate) enum EvictionResult {
     Error,
 }
 
+/// What became of one orphan VM in one round of orphan collection: the
+/// `outcome` label of `berth_orphan_vms_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum OrphanOutcome {
+    /// The provider deleted it (or was already deleting it, or it was gone).
+    Collected,
+    /// `--orphan-dry-run`: it would have been deleted.
+    WouldCollect,
+    /// The provider's delete failed; tried again next round.
+    Failed,
+}
+
+impl OrphanOutcome {
+    /// Every variant, in a fixed order.
+    pub const ALL: [OrphanOutcome; 3] = [
+        OrphanOutcome::Collected,
+        OrphanOutcome::WouldCollect,
+        OrphanOutcome::Failed,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OrphanOutcome::Collected => "collected",
+            OrphanOutcome::WouldCollect => "would_collect",
+            OrphanOutcome::Failed => "failed",
+        }
+    }
+}
+
 impl EvictionResult {
     /// Every variant, in a fixed order.
     pub const ALL: [EvictionResult; 6] = [
@@ -153,6 +183,9 @@ pub struct Metrics {
     pub node_not_ready_machines: IntGauge,
     /// `berth_leader`: 1 while this replica holds the leader Lease.
     pub leader: IntGauge,
+    /// `berth_orphan_vms_total{driver,outcome}`: orphan VMs found, per
+    /// round, by what became of them.
+    pub orphan_vms: IntCounterVec,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -313,6 +346,13 @@ impl Metrics {
             "berth_leader",
             "1 while this replica holds the leader election Lease, 0 otherwise.",
         )?)?;
+        let orphan_vms = r.add(IntCounterVec::new(
+            Opts::new(
+                "berth_orphan_vms_total",
+                "Orphan VMs (tagged for a Machine of this cluster that no Machine has, older than --orphan-grace) found by orphan collection, once per round each, by driver and outcome: collected (deleted), would_collect (--orphan-dry-run), failed (the delete failed; tried again next round).",
+            ),
+            &["driver", "outcome"],
+        )?)?;
 
         // Series with a closed set of label values exist from the start, so
         // rate() and absent() work before the first event.
@@ -341,6 +381,7 @@ impl Metrics {
             provider_request_duration,
             node_not_ready_machines,
             leader,
+            orphan_vms,
         })
     }
 
@@ -439,6 +480,22 @@ impl Metrics {
         self.provider_request_duration
             .with_label_values(&[driver, op])
             .observe(took.as_secs_f64());
+    }
+
+    /// Makes the `berth_orphan_vms_total` series of `driver` exist, at 0,
+    /// so that rate() and absent() work before the first orphan.
+    pub(crate) fn init_orphans(&self, driver: &str) {
+        for outcome in OrphanOutcome::ALL {
+            self.orphan_vms
+                .with_label_values(&[driver, outcome.as_str()]);
+        }
+    }
+
+    /// Records one orphan VM's outcome.
+    pub(crate) fn record_orphan(&self, driver: &str, outcome: OrphanOutcome) {
+        self.orphan_vms
+            .with_label_values(&[driver, outcome.as_str()])
+            .inc();
     }
 
     /// Records one finished drain.
@@ -542,7 +599,7 @@ impl Drop for GaugeHold {
 mod tests {
     use super::*;
 
-    const ALL_NAMES: [&str; 16] = [
+    const ALL_NAMES: [&str; 17] = [
         "berth_machines",
         "berth_reconcile_total",
         "berth_reconcile_duration_seconds",
@@ -559,6 +616,7 @@ mod tests {
         "berth_provider_request_duration_seconds",
         "berth_node_not_ready_machines",
         "berth_leader",
+        "berth_orphan_vms_total",
     ];
 
     fn count(m: &Metrics, result: &str) -> u64 {
@@ -623,6 +681,8 @@ mod tests {
         m.record_provider_request("fake", "create", "ok", Duration::from_millis(30));
         m.node_not_ready_machines.set(1);
         m.leader.set(1);
+        m.init_orphans("fake");
+        m.record_orphan("fake", OrphanOutcome::Collected);
 
         let text = m.encode();
         for name in m.names() {
@@ -647,6 +707,10 @@ mod tests {
             )
         );
         assert!(text.contains("berth_leader 1"));
+        assert!(text.contains("berth_orphan_vms_total{driver=\"fake\",outcome=\"collected\"} 1"));
+        assert!(
+            text.contains("berth_orphan_vms_total{driver=\"fake\",outcome=\"would_collect\"} 0")
+        );
     }
 
     #[test]

@@ -122,6 +122,8 @@ pub(crate) struct RunArgs {
     /// endpoint, a FIPS endpoint, or an emulator such as moto).
     #[arg(long, env = "BERTH_AWS_ENDPOINT_URL")]
     pub aws_endpoint_url: Option<String>,
+    #[command(flatten)]
+    pub orphans: crate::orphans::OrphanArgs,
 }
 
 /// The README's configuration reference: a Markdown table of every
@@ -288,6 +290,14 @@ async fn lead_and_control(
     };
     let (controller_stop_tx, controller_stop) = oneshot::channel::<()>();
     let ready = http.clone();
+    // Orphan collection runs beside the controller, on its caches.
+    let (shared_tx, shared) = oneshot::channel();
+    let orphans = tokio::spawn(crate::orphans::run(
+        crate::orphans::Settings::new(&args.orphans, args.namespace.clone()),
+        shared,
+        Arc::clone(metrics),
+    ));
+    let orphans = AbortOnDrop(orphans);
     let mut controller = tokio::spawn(crate::machine::run(
         crate::machine::Clients {
             api: client,
@@ -299,9 +309,10 @@ async fn lead_and_control(
         async move {
             let _ = controller_stop.await;
         },
-        move || {
+        move |shared| {
             tracing::info!("caches synced; reconciling Machines");
             ready.set_ready(true);
+            let _ = shared_tx.send(shared);
         },
     ));
 
@@ -318,6 +329,9 @@ async fn lead_and_control(
             return Err(anyhow::anyhow!("the controller stopped unexpectedly: {ended:?}"));
         }
     };
+    // Whatever ends the controller ends orphan collection first: it acts
+    // only for a leader. A delete cut short is asked again by the next one.
+    drop(orphans);
     match outcome {
         Err(lost) => {
             // Another replica may act as soon as the Lease expires: stop now,
@@ -344,6 +358,16 @@ async fn lead_and_control(
             }
             Ok(())
         }
+    }
+}
+
+/// Aborts its task when dropped, on every path out of the scope that holds
+/// it.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

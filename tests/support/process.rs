@@ -69,28 +69,43 @@ impl Berth {
 
     pub fn log_lines_matching(&self, needle: &str) -> Vec<String> {
         let needle = needle.to_lowercase();
+        self.log_lines_where(|l| l.to_lowercase().contains(&needle))
+    }
+
+    /// The log lines so far for which `matches` holds.
+    pub fn log_lines_where(&self, matches: impl Fn(&str) -> bool) -> Vec<String> {
         self.logs
             .lock()
             .expect("log lock")
             .iter()
-            .filter(|l| l.to_lowercase().contains(&needle))
+            .filter(|l| matches(l))
             .cloned()
             .collect()
     }
 
     pub async fn wait_log(&self, needle: &str) {
+        let needle_lc = needle.to_lowercase();
+        self.wait_log_line(&format!("containing {needle:?}"), |l| {
+            l.to_lowercase().contains(&needle_lc)
+        })
+        .await;
+    }
+
+    /// Waits, woken by each new line, for a log line for which `matches`
+    /// holds (`what` names it in the failure), and returns it.
+    pub async fn wait_log_line(&self, what: &str, matches: impl Fn(&str) -> bool) -> String {
         let wait = async {
             loop {
                 let notified = self.logged.notified();
-                if !self.log_lines_matching(needle).is_empty() {
-                    return;
+                if let Some(line) = self.log_lines_where(&matches).into_iter().next() {
+                    return line;
                 }
                 notified.await;
             }
         };
         tokio::time::timeout(LONG, wait)
             .await
-            .unwrap_or_else(|_| panic!("no log line containing {needle:?}"));
+            .unwrap_or_else(|_| panic!("no log line {what}"))
     }
 
     /// Runs `step`, failing at once if the controller logs that the API

@@ -372,3 +372,106 @@ async fn each_class_of_ec2_failure_is_named_retried_or_refused_as_it_should() {
     assert_no_request_loop(bed().await, "aws-errors", ns);
     berth.terminate().await;
 }
+
+/// Orphan collection against EC2: an instance tagged for this cluster and
+/// a Machine that no longer has it (here: a Machine of the same name made
+/// again, with another UID) is terminated once older than the grace, with
+/// an Event on that Machine; a younger one waits its turn; an instance
+/// without this cluster's tag, one of another cluster, one with the
+/// cluster's tag but no Machine tags, and the Machine's own instance are
+/// never touched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orphan_instances_are_terminated_after_their_grace_and_no_other() {
+    use berth_devkit::moto::ec2::Launch;
+    let client = client().await;
+    let ns = "aws-orphans";
+    support::namespace(&client, ns).await;
+    let cloud = Cloud::start(&client, ns, false).await;
+    cloud
+        .class(&client, ns, ns, cloud.spec(serde_json::json!({})))
+        .await;
+    let launch = |l: Launch| {
+        let ec2 = cloud.ec2.clone();
+        async move { ec2.launch(&l).await.expect("launch").id }
+    };
+    let machine_tags = |name: &str, uid: &str| {
+        Launch::tagged(&[
+            ("berth.dev/machine-uid", uid),
+            ("berth.dev/machine-namespace", ns),
+            ("berth.dev/machine-name", name),
+        ])
+    };
+    let older = launch(
+        machine_tags("kept", "0b5c3a52-0000-4000-8000-000000000001").tag("berth.dev/cluster", ns),
+    )
+    .await;
+    let untagged = launch(machine_tags("x", "0b5c3a52-0000-4000-8000-000000000002")).await;
+    let other_cluster = launch(
+        machine_tags("x", "0b5c3a52-0000-4000-8000-000000000003").tag("berth.dev/cluster", "other"),
+    )
+    .await;
+    let cluster_only = launch(Launch::tagged(&[("berth.dev/cluster", ns)])).await;
+
+    let kubeconfig = &controller(bed().await).await.kubeconfig;
+    let berth = cloud.berth(
+        kubeconfig,
+        ns,
+        &["--orphan-interval=2s", "--orphan-grace=20s"],
+    );
+    create_machine(&client, ns, "kept", ns).await;
+    let (kept, _) = running_on(&client, ns, "kept").await;
+    let own = cloud.instances_of(&kept).await;
+    assert_eq!(own.len(), 1);
+    // 8 s younger than the first orphan.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let younger = launch(
+        machine_tags("gone", "0b5c3a52-0000-4000-8000-000000000004").tag("berth.dev/cluster", ns),
+    )
+    .await;
+
+    cloud
+        .wait_state_within(&older, "terminated", Duration::from_secs(60))
+        .await;
+    assert_eq!(
+        cloud
+            .ec2
+            .instance_state(&younger)
+            .await
+            .expect("describe")
+            .as_deref(),
+        Some("running"),
+        "the younger orphan is still within its grace"
+    );
+    cloud
+        .wait_state_within(&younger, "terminated", Duration::from_secs(60))
+        .await;
+    for (id, what) in [
+        (&untagged, "without the cluster tag"),
+        (&other_cluster, "of another cluster"),
+        (&cluster_only, "without Machine tags"),
+        (&own[0].id, "the Machine's own"),
+    ] {
+        assert_eq!(
+            cloud
+                .ec2
+                .instance_state(id)
+                .await
+                .expect("describe")
+                .as_deref(),
+            Some("running"),
+            "the instance {what} is never touched"
+        );
+    }
+    let evs = support::events_until(&client, ns, "kept", &["OrphanVmCollected"]).await;
+    let note = evs
+        .iter()
+        .find(|e| e.reason.as_deref() == Some("OrphanVmCollected"))
+        .and_then(|e| e.note.clone())
+        .unwrap_or_default();
+    assert!(note.contains(&older), "{note}");
+    berth
+        .wait_metrics(&[r#"berth_orphan_vms_total{driver="aws",outcome="collected"} 2"#])
+        .await;
+    assert_no_request_loop(bed().await, "aws-orphans", ns);
+    berth.terminate().await;
+}

@@ -196,7 +196,12 @@ impl Cloud {
 
     /// Waits until instance `id` is in `state`.
     pub async fn wait_state(&self, id: &str, state: &str) {
-        let deadline = tokio::time::Instant::now() + LONG;
+        self.wait_state_within(id, state, LONG).await;
+    }
+
+    /// Waits, up to `within`, until instance `id` is in `state`.
+    pub async fn wait_state_within(&self, id: &str, state: &str, within: Duration) {
+        let deadline = tokio::time::Instant::now() + within;
         loop {
             let now = self.ec2.instance_state(id).await.expect("describe");
             if now.as_deref() == Some(state) {

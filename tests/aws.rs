@@ -19,9 +19,9 @@ use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
 use support::audit::{assert_no_request_loop, controller};
-use support::aws::{CHAIN_CREDENTIALS, Cloud, machine_where};
+use support::aws::{CHAIN_CREDENTIALS, Cloud};
 use support::pool::{POOL, create, delete_machine, gone, on_node};
-use support::{LONG, bed, client, condition, machine, phase};
+use support::{LONG, bed, client, condition, machine, phase, wait_machine};
 
 fn provider_id(m: &Machine) -> Option<String> {
     m.spec.provider_id.clone()
@@ -43,7 +43,7 @@ async fn create_machine(client: &Client, ns: &str, name: &str, class: &str) -> M
 }
 
 async fn running_on(client: &Client, ns: &str, name: &str) -> (Machine, String) {
-    let m = machine_where(client, ns, name, "Running", |m| phase(m) == Some("Running")).await;
+    let m = wait_machine(client, ns, name, "Running", |m| phase(m) == Some("Running")).await;
     let pid = provider_id(&m).expect("a providerID");
     let nodes: Api<Node> = Api::all(client.clone());
     let node = nodes
@@ -247,13 +247,18 @@ async fn each_class_of_ec2_failure_is_named_retried_or_refused_as_it_should() {
     let berth = cloud.berth(kubeconfig, ns, &[]);
     let proxy = cloud.proxy();
 
-    // Throttled twice: the reconcile's backoff retries; one instance.
+    // A load balancer's 502 page on the look-up by tag: retried at once
+    // (DescribeInstances is safe to repeat). Throttled twice: the
+    // reconcile's backoff retries RunInstances, which looks again first.
+    // One instance.
+    proxy.inject(Fault::html("DescribeInstances", 502));
     proxy.inject(Fault::throttled("RunInstances").times(2));
     let m1 = create_machine(&client, ns, "throttled", ns).await;
-    machine_where(&client, ns, "throttled", "a providerID", |m| {
+    wait_machine(&client, ns, "throttled", "a providerID", |m| {
         provider_id(m).is_some()
     })
     .await;
+    assert_eq!(proxy.faulted("DescribeInstances"), 1);
     assert_eq!(proxy.faulted("RunInstances"), 2);
     assert_eq!(proxy.passed("RunInstances"), 1);
     assert_eq!(cloud.instances_of(&m1).await.len(), 1);
@@ -275,7 +280,7 @@ async fn each_class_of_ec2_failure_is_named_retried_or_refused_as_it_should() {
         .forever(),
     );
     create_machine(&client, ns, "no-capacity", ns).await;
-    machine_where(&client, ns, "no-capacity", "capacity said", |m| {
+    wait_machine(&client, ns, "no-capacity", "capacity said", |m| {
         last_operation(m).contains("InsufficientInstanceCapacity")
             && last_operation(m).contains("retrying")
     })
@@ -287,7 +292,7 @@ async fn each_class_of_ec2_failure_is_named_retried_or_refused_as_it_should() {
         "{tries} RunInstances in about 15 s: retried with backoff, not in a loop"
     );
     proxy.clear();
-    machine_where(&client, ns, "no-capacity", "a providerID", |m| {
+    wait_machine(&client, ns, "no-capacity", "a providerID", |m| {
         provider_id(m).is_some()
     })
     .await;
@@ -304,7 +309,7 @@ async fn each_class_of_ec2_failure_is_named_retried_or_refused_as_it_should() {
         .forever(),
     );
     create_machine(&client, ns, "denied", ns).await;
-    let denied = machine_where(&client, ns, "denied", "ProviderUnauthorized", |m| {
+    let denied = wait_machine(&client, ns, "denied", "ProviderUnauthorized", |m| {
         condition(m, "Ready").is_some_and(|c| c.reason == "ProviderUnauthorized")
     })
     .await;
@@ -341,7 +346,7 @@ async fn each_class_of_ec2_failure_is_named_retried_or_refused_as_it_should() {
         )
         .await;
     create_machine(&client, ns, "bad-image", "unknown-image").await;
-    let failed = machine_where(&client, ns, "bad-image", "Failed", |m| {
+    let failed = wait_machine(&client, ns, "bad-image", "Failed", |m| {
         phase(m) == Some("Failed")
     })
     .await;
@@ -359,7 +364,7 @@ async fn each_class_of_ec2_failure_is_named_retried_or_refused_as_it_should() {
         )
         .await;
     create_machine(&client, ns, "bad-spec", "bad-region").await;
-    let bad = machine_where(&client, ns, "bad-spec", "InvalidProviderSpec", |m| {
+    let bad = wait_machine(&client, ns, "bad-spec", "InvalidProviderSpec", |m| {
         condition(m, "Ready").is_some_and(|c| c.reason == "InvalidProviderSpec")
     })
     .await;

@@ -21,20 +21,6 @@ async fn create_class(client: &Client, name: &str, provider: &str, spec: serde_j
         .expect("create class");
 }
 
-async fn wait_machine(
-    client: &Client,
-    ns: &str,
-    name: &str,
-    what: &str,
-    f: impl Fn(&Machine) -> bool,
-) -> Machine {
-    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
-    let m = wait::for_one(machines, LONG, what, |m| m.name_any() == name && f(m))
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    (*m).clone()
-}
-
 /// A deleted Machine's Events, once its last one (`DeleteVmAndNode`, just
 /// before the finalizer goes) is in.
 async fn events_for(client: &Client, ns: &str, name: &str) -> Vec<(String, String)> {

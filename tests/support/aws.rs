@@ -9,10 +9,9 @@ use berth::api::Machine;
 use berth_devkit::moto::kubelet::{KubeletOptions, MotoKubelet, NodeNaming};
 use berth_devkit::moto::proxy::FaultProxy;
 use berth_devkit::moto::{Ec2, Moto};
-use berth_devkit::testbed::wait;
 use k8s_openapi::api::core::v1::Secret;
+use kube::Client;
 use kube::api::{Api, PostParams};
-use kube::{Client, ResourceExt};
 
 use super::pool::{POOL, create};
 use super::process::Berth;
@@ -214,23 +213,4 @@ impl Cloud {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
-}
-
-/// Waits for Machine `name` to match `f`; returns it.
-pub async fn machine_where(
-    client: &Client,
-    ns: &str,
-    name: &str,
-    what: &str,
-    f: impl Fn(&Machine) -> bool,
-) -> Machine {
-    let m = wait::for_one(
-        Api::<Machine>::namespaced(client.clone(), ns),
-        LONG,
-        &format!("{name}: {what}"),
-        |m| m.name_any() == name && f(m),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    (*m).clone()
 }

@@ -154,6 +154,25 @@ pub fn machine(name: &str, class: &str) -> Machine {
     .expect("machine")
 }
 
+/// Waits for Machine `name` of `ns` to match `f`; returns it.
+pub async fn wait_machine(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    what: &str,
+    f: impl Fn(&Machine) -> bool,
+) -> Machine {
+    let m = wait::for_one(
+        Api::<Machine>::namespaced(client.clone(), ns),
+        LONG,
+        &format!("{name}: {what}"),
+        |m| m.name_any() == name && f(m),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    (*m).clone()
+}
+
 pub fn phase(m: &Machine) -> Option<&'static str> {
     m.status.as_ref().and_then(|s| s.phase).map(|p| p.as_str())
 }

@@ -145,7 +145,11 @@ pub(crate) fn next_status(
     let ready = o.active.iter().filter(|m| m.ready()).count();
     let mut available = 0usize;
     let mut next_change: Option<SignedDuration> = None;
-    for left in o.active.iter().filter_map(|m| m.available_in(o.min_ready, now)) {
+    for left in o
+        .active
+        .iter()
+        .filter_map(|m| m.available_in(o.min_ready, now))
+    {
         if left.is_zero() {
             available += 1;
         } else {
@@ -223,7 +227,11 @@ mod tests {
             (0, 0, Scale::Hold),
             (-1, 1, Scale::Delete(1)),
         ] {
-            assert_eq!(scale(wanted, active), want, "{wanted} wanted, {active} active");
+            assert_eq!(
+                scale(wanted, active),
+                want,
+                "{wanted} wanted, {active} active"
+            );
         }
     }
 
@@ -237,34 +245,55 @@ mod tests {
 
     #[test]
     fn selectors_match_labels_and_expressions() {
-        let labels: BTreeMap<String, String> =
-            [("pool", "a"), ("tier", "db")].map(|(k, v)| (k.into(), v.into())).into();
+        let labels: BTreeMap<String, String> = [("pool", "a"), ("tier", "db")]
+            .map(|(k, v)| (k.into(), v.into()))
+            .into();
         let none = serde_json::json!([]);
         let cases = [
-            ("matchLabels", selector(&[("pool", "a")], none.clone()), true),
-            ("other value", selector(&[("pool", "b")], none.clone()), false),
+            (
+                "matchLabels",
+                selector(&[("pool", "a")], none.clone()),
+                true,
+            ),
+            (
+                "other value",
+                selector(&[("pool", "b")], none.clone()),
+                false,
+            ),
             ("empty selects nothing", selector(&[], none.clone()), false),
             (
                 "In",
-                selector(&[], serde_json::json!([{"key": "tier", "operator": "In", "values": ["db", "web"]}])),
+                selector(
+                    &[],
+                    serde_json::json!([{"key": "tier", "operator": "In", "values": ["db", "web"]}]),
+                ),
                 true,
             ),
             (
                 "NotIn",
-                selector(&[("pool", "a")], serde_json::json!([{"key": "tier", "operator": "NotIn", "values": ["db"]}])),
+                selector(
+                    &[("pool", "a")],
+                    serde_json::json!([{"key": "tier", "operator": "NotIn", "values": ["db"]}]),
+                ),
                 false,
             ),
             (
                 "Exists and DoesNotExist",
-                selector(&[], serde_json::json!([
-                    {"key": "pool", "operator": "Exists"},
-                    {"key": "gpu", "operator": "DoesNotExist"}
-                ])),
+                selector(
+                    &[],
+                    serde_json::json!([
+                        {"key": "pool", "operator": "Exists"},
+                        {"key": "gpu", "operator": "DoesNotExist"}
+                    ]),
+                ),
                 true,
             ),
             (
                 "unknown operator",
-                selector(&[], serde_json::json!([{"key": "pool", "operator": "Gt", "values": ["1"]}])),
+                selector(
+                    &[],
+                    serde_json::json!([{"key": "pool", "operator": "Gt", "values": ["1"]}]),
+                ),
                 false,
             ),
         ];
@@ -319,9 +348,30 @@ mod tests {
         // (case, wanted, min ready, replicas, ready, available, Ready condition, next change)
         let cases = [
             ("scaling up", 5, 0, (4, 2, 2), ("False", "ScalingUp"), None),
-            ("scaling down", 2, 0, (4, 2, 2), ("False", "ScalingDown"), None),
-            ("waiting", 4, 0, (4, 2, 2), ("False", "WaitingForReady"), None),
-            ("min ready", 4, 60, (4, 2, 1), ("False", "WaitingForReady"), Some(50)),
+            (
+                "scaling down",
+                2,
+                0,
+                (4, 2, 2),
+                ("False", "ScalingDown"),
+                None,
+            ),
+            (
+                "waiting",
+                4,
+                0,
+                (4, 2, 2),
+                ("False", "WaitingForReady"),
+                None,
+            ),
+            (
+                "min ready",
+                4,
+                60,
+                (4, 2, 1),
+                ("False", "WaitingForReady"),
+                Some(50),
+            ),
         ];
         for (case, wanted, min_ready, counts, ready_cond, next) in cases {
             let (s, change) = next_status(

@@ -81,11 +81,13 @@ pub(crate) struct Wakes(tokio::sync::mpsc::UnboundedSender<ObjectRef<MachineSet>
 
 impl Wakes {
     /// A waker and the stream of sets it wakes.
-    pub(crate) fn new() -> (Self, impl Stream<Item = ObjectRef<MachineSet>> + Send + 'static) {
+    pub(crate) fn new() -> (
+        Self,
+        impl Stream<Item = ObjectRef<MachineSet>> + Send + 'static,
+    ) {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let stream = futures::stream::unfold(rx, |mut rx| async move {
-            rx.recv().await.map(|r| (r, rx))
-        });
+        let stream =
+            futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|r| (r, rx)) });
         (Self(tx), stream)
     }
 
@@ -153,10 +155,7 @@ impl Expectations {
     }
 
     fn forget(&self, set: &str) {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(set);
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).remove(set);
     }
 }
 
@@ -172,6 +171,7 @@ pub(crate) struct Context {
 /// `synced` (every cache of the Machine controller has synced) and for the
 /// first complete list of Machines, then reconciles the sets of
 /// `namespace` (all when `None`), woken by their own watch and by `wakes`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn run(
     client: Client,
     namespace: Option<String>,
@@ -265,19 +265,27 @@ mod tests {
             }))
             .expect("machine")
         };
-        let owner = |kind: &str, api: &str, controller: bool| {
-            serde_json::json!({"apiVersion": api, "kind": kind, "name": "set", "uid": "u1", "controller": controller})
-        };
-        let owned = m(serde_json::json!([owner("MachineSet", "berth.dev/v1alpha1", true)]));
+        let owner = |kind: &str, api: &str, controller: bool| serde_json::json!({"apiVersion": api, "kind": kind, "name": "set", "uid": "u1", "controller": controller});
+        let owned = m(serde_json::json!([owner(
+            "MachineSet",
+            "berth.dev/v1alpha1",
+            true
+        )]));
         assert_eq!(controlling_set(&owned), ["u1"]);
-        assert_eq!(
-            owner_ref(&owned),
-            Some(ObjectRef::new("set").within("ns"))
-        );
+        assert_eq!(owner_ref(&owned), Some(ObjectRef::new("set").within("ns")));
         for (case, owners) in [
-            ("not controller", serde_json::json!([owner("MachineSet", "berth.dev/v1alpha1", false)])),
-            ("another group", serde_json::json!([owner("MachineSet", "cluster.x-k8s.io/v1beta1", true)])),
-            ("another kind", serde_json::json!([owner("MachineDeployment", "berth.dev/v1alpha1", true)])),
+            (
+                "not controller",
+                serde_json::json!([owner("MachineSet", "berth.dev/v1alpha1", false)]),
+            ),
+            (
+                "another group",
+                serde_json::json!([owner("MachineSet", "cluster.x-k8s.io/v1beta1", true)]),
+            ),
+            (
+                "another kind",
+                serde_json::json!([owner("MachineDeployment", "berth.dev/v1alpha1", true)]),
+            ),
             ("none", serde_json::json!([])),
         ] {
             assert!(controlling_set(&m(owners)).is_empty(), "{case}");
@@ -291,7 +299,10 @@ mod tests {
         e.expect("u", Some("s-a".into()), None);
         e.expect("u", None, Some("s-b".into()));
         assert!(!e.settled("u", |_, _| false));
-        assert!(!e.settled("u", |n, created| created && n == "s-a"), "s-b not yet gone");
+        assert!(
+            !e.settled("u", |n, created| created && n == "s-a"),
+            "s-b not yet gone"
+        );
         assert!(e.settled("u", |n, created| !created && n == "s-b"));
         e.expect("u", Some("s-c".into()), None);
         e.forget("u");

@@ -165,7 +165,10 @@ pub(crate) fn choose(mut candidates: Vec<Candidate>, n: usize) -> Vec<Chosen> {
         .take(n)
         .map(|c| {
             let (why, reason) = match &kept {
-                None => (Why::All, format!("every Machine of the set goes; {}", own(&c))),
+                None => (
+                    Why::All,
+                    format!("every Machine of the set goes; {}", own(&c)),
+                ),
                 Some(k) => explain(&c, k),
             };
             Chosen {
@@ -205,10 +208,7 @@ fn explain(c: &Candidate, kept: &Candidate) -> (Why, String) {
     if c.cost != kept.cost {
         return (
             Why::CheapestDrain,
-            format!(
-                "cheapest drain: {} ({}: {})",
-                c.cost, kept.name, kept.cost
-            ),
+            format!("cheapest drain: {} ({}: {})", c.cost, kept.name, kept.cost),
         );
     }
     if c.created != kept.created {
@@ -365,10 +365,7 @@ mod tests {
     #[test]
     fn the_reason_names_the_machine_kept_and_the_figures() {
         let chosen = choose(
-            vec![
-                with(c("m-stateful"), |c| c.cost = cost(1, 1)),
-                c("m-empty"),
-            ],
+            vec![with(c("m-stateful"), |c| c.cost = cost(1, 1)), c("m-empty")],
             1,
         );
         assert_eq!(

@@ -56,9 +56,7 @@ pub(crate) async fn reconcile(set: Arc<MachineSet>, ctx: Arc<Context>) -> Result
         .partition(|m| m.metadata.deletion_timestamp.is_some());
 
     let settled = ctx.expectations.settled(&uid, |name, created| {
-        let cached = caches
-            .machines
-            .get(&ObjectRef::new(name).within(&ns));
+        let cached = caches.machines.get(&ObjectRef::new(name).within(&ns));
         match (cached, created) {
             (Some(_), true) => true,
             (None, true) => false,
@@ -200,7 +198,6 @@ async fn create(
 
 /// Deletes the `n` Machines [`order::choose`] puts first, with an Event on
 /// the set and on each Machine saying why it was chosen.
-#[allow(clippy::too_many_arguments)]
 async fn scale_down(
     set: &MachineSet,
     ns: &str,

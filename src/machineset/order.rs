@@ -270,7 +270,14 @@ mod tests {
     #[test]
     fn each_key_breaks_the_ties_of_the_one_before() {
         // (case, candidates, n, expected names in order, why of each)
-        let cases: Vec<(&str, Vec<Candidate>, usize, Vec<&str>, Vec<Why>)> = vec![
+        type Case = (
+            &'static str,
+            Vec<Candidate>,
+            usize,
+            Vec<&'static str>,
+            Vec<Why>,
+        );
+        let cases: Vec<Case> = vec![
             (
                 "priority beats health, cost and age",
                 vec![

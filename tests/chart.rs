@@ -197,11 +197,14 @@ const CLUSTER_GRANTS: &[(&str, &[&str], &[&str])] = &[
     (
         "berth.dev",
         &["machines"],
-        &["get", "list", "watch", "patch"],
+        &["get", "list", "watch", "patch", "create", "delete"],
     ),
     ("berth.dev", &["machines/status"], &["get", "patch"]),
     ("berth.dev", &["machines/finalizers"], &["update"]),
     ("berth.dev", &["machineclasses"], &["get", "list", "watch"]),
+    ("berth.dev", &["machinesets"], &["list", "watch"]),
+    ("berth.dev", &["machinesets/status"], &["patch"]),
+    ("berth.dev", &["machinesets/finalizers"], &["update"]),
     ("", &["nodes"], &["get", "list", "watch", "patch", "delete"]),
     ("", &["pods"], &["get", "list", "watch", "delete"]),
     ("", &["pods/eviction"], &["create"]),
@@ -1372,7 +1375,11 @@ async fn the_chart_installs_and_its_service_account_drains_a_machine_then_upgrad
     );
     eprintln!("helm install took {:?}", t.elapsed());
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    for name in ["machines.berth.dev", "machineclasses.berth.dev"] {
+    for name in [
+        "machines.berth.dev",
+        "machineclasses.berth.dev",
+        "machinesets.berth.dev",
+    ] {
         let established = kube::runtime::wait::await_condition(
             crds.clone(),
             name,
@@ -1696,7 +1703,11 @@ async fn the_chart_installs_and_its_service_account_drains_a_machine_then_upgrad
     })
     .expect("helm uninstall");
     assert!(out.contains("uninstalled"), "{out}");
-    for name in ["machines.berth.dev", "machineclasses.berth.dev"] {
+    for name in [
+        "machines.berth.dev",
+        "machineclasses.berth.dev",
+        "machinesets.berth.dev",
+    ] {
         assert!(
             crds.get_opt(name).await.expect("get CRD").is_some(),
             "{name} kept by helm.sh/resource-policy: keep"

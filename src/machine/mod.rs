@@ -7,6 +7,11 @@
 //! server; the only timers are deadlines (creation timeout, health timeout,
 //! a provider's "ask again in N seconds").
 //!
+//! The MachineSet controller (`crate::machineset`) runs beside it in the
+//! same task, on these caches: the Machine watch also files Machines by
+//! their set and wakes the set, and a Node event wakes the sets of its
+//! Machines.
+//!
 //! `decide` chooses the next step from facts, `record` what a step records,
 //! `status` folds that into the status, `write` writes it without undoing a
 //! newer write, and `reconcile` observes, acts and records.
@@ -222,6 +227,13 @@ pub async fn run(
         None => Api::all(client.clone()),
     };
     let wc = watcher::Config::default();
+    // One shutdown for the Machine and the MachineSet controllers.
+    let shutdown = futures::FutureExt::shared(shutdown);
+    // The MachineSet controller runs on these caches: it is woken by the
+    // events of the Machines its sets own (and of their Nodes), and reads
+    // each set's Machines from an index by owner.
+    let machines_by_set = Index::new(crate::machineset::controlling_set);
+    let (set_wakes, set_wake_stream) = crate::machineset::Wakes::new();
 
     let (classes, classes_w) = reflector::store();
     let class_events = reflector::reflector(
@@ -230,6 +242,9 @@ pub async fn run(
     )
     .default_backoff()
     .touched_objects();
+    let (machines, machines_w) = reflector::store();
+    let machines_by_node = MachinesByNode::default();
+    let (node_machines, node_machines_by_node) = (machines.clone(), machines_by_node.clone());
     // Nodes and VolumeAttachments also feed the volume tracker, with the raw
     // watch events (re-lists included) once the store has applied them.
     let (nodes, nodes_w) = reflector::store();
@@ -260,6 +275,24 @@ pub async fn run(
         move |ev| futures::future::ready(ev.as_ref().map_or(true, |ev| changes.wakes(ev)))
     })
     .touched_objects();
+    let node_events = {
+        let (by_node, machines, wakes) = (
+            node_machines_by_node.clone(),
+            node_machines.clone(),
+            set_wakes.clone(),
+        );
+        // A Node that turns Ready or NotReady changes its set's counts.
+        node_events.inspect(move |node| {
+            if let Ok(node) = node {
+                let provider_id = node.spec.as_ref().and_then(|s| s.provider_id.as_deref());
+                for r in by_node.of_node(&node.name_any(), provider_id) {
+                    if let Some(m) = machines.get(&r) {
+                        wakes.machine(&m);
+                    }
+                }
+            }
+        })
+    };
     let va_tracker = tracker.clone();
     let va_index = indexes.clone();
     let va_events = reflector::reflector(
@@ -328,16 +361,17 @@ pub async fn run(
         );
     });
 
-    // The Machine watch, as `Controller::new` runs it, plus the index of
-    // Machines by Node that it feeds.
-    let (machines, machines_w) = reflector::store();
-    let machines_by_node = MachinesByNode::default();
+    // The Machine watch, as `Controller::new` runs it, plus the indexes of
+    // Machines by Node and by MachineSet that it feeds.
     let machine_index = machines_by_node.clone();
+    let (set_index, machine_wakes) = (machines_by_set.clone(), set_wakes.clone());
     let (listed_tx, machines_listed) = tokio::sync::watch::channel(false);
     let machine_events = reflector::reflector(machines_w, watcher(machines_api, wc.clone()))
         .inspect(move |ev| {
             if let Ok(ev) = ev {
                 machine_index.observe(ev);
+                set_index.observe(ev);
+                machine_wakes.machine_event(ev);
                 // The reflector has swapped the whole list into the store.
                 if matches!(ev, watcher::Event::InitDone) {
                     listed_tx.send_if_modified(|l| !std::mem::replace(l, true));
@@ -444,6 +478,24 @@ pub async fn run(
         provider_retry: Mutex::new(HashMap::new()),
     });
 
+    let (synced_tx, synced) = tokio::sync::watch::channel(false);
+    let machinesets = crate::machineset::run(
+        client.clone(),
+        settings.namespace.clone(),
+        crate::machineset::Caches {
+            machines: machines.clone(),
+            machines_by_set,
+            nodes: nodes.clone(),
+            pods: pods.clone(),
+            pvcs: pvcs.clone(),
+            indexes: stores.indexes.clone(),
+        },
+        ctx.events.clone(),
+        synced,
+        shared.machines_listed.clone(),
+        set_wake_stream,
+        shutdown.clone(),
+    );
     let readiness = {
         let stores = stores.clone();
         let ctx = Arc::clone(&ctx);
@@ -462,6 +514,7 @@ pub async fn run(
                 stores.pdbs.wait_until_ready(),
             );
             ctx.synced.store(true, std::sync::atomic::Ordering::Release);
+            let _ = synced_tx.send(true);
             // Machines seen before the sync did nothing: look at them again.
             for m in stores.machines.state() {
                 ctx.drainer.wake(ObjectRef::from_obj(&*m));
@@ -471,7 +524,7 @@ pub async fn run(
     };
     tokio::spawn(readiness);
 
-    controller
+    let machines_controller = controller
         .graceful_shutdown_on(shutdown)
         .run(reconcile::reconcile, error_policy, Arc::clone(&ctx))
         .for_each(|result| {
@@ -483,8 +536,8 @@ pub async fn run(
             let gauges = status::Gauges::count(machines.state().iter().map(|m| &**m));
             gauges.publish(&metrics);
             futures::future::ready(())
-        })
-        .await;
+        });
+    tokio::join!(machines_controller, machinesets);
     // Drains stop at a resumable point: the next leader re-plans from the
     // cluster's state.
     ctx.drainer.stop_all();

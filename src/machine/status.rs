@@ -119,7 +119,12 @@ pub(crate) fn next_status(
     s
 }
 
-fn set_condition(conds: &mut Vec<Condition>, c: &Cond, generation: Option<i64>, now: Timestamp) {
+pub(crate) fn set_condition(
+    conds: &mut Vec<Condition>,
+    c: &Cond,
+    generation: Option<i64>,
+    now: Timestamp,
+) {
     let status = if c.status { "True" } else { "False" };
     match conds.iter_mut().find(|x| x.type_ == c.type_) {
         Some(x) => {

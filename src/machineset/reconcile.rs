@@ -1,0 +1,348 @@
+//! One MachineSet's reconcile: read its Machines from the cache, create or
+//! delete to match `replicas` (unless earlier requests are not yet in the
+//! cache), and write the status when it changed.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType};
+use kube::runtime::reflector::ObjectRef;
+use kube::{Resource, ResourceExt};
+
+use super::decide::{self, Failure, MachineFacts, Observed, Scale};
+use super::order::{self, Candidate, Health};
+use super::{Context, EXPECTATION_TTL};
+use crate::api::conditions::{NODE_HEALTHY, READY};
+use crate::api::{Machine, MachinePhase, MachineSet};
+
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum Error {
+    #[error("MachineSet has no namespace or UID")]
+    Incomplete,
+    #[error("writing the status: {0}")]
+    Status(#[source] kube::Error),
+    #[error("deleting Machine {machine}: {source}")]
+    Delete {
+        machine: String,
+        #[source]
+        source: kube::Error,
+    },
+}
+
+pub(crate) async fn reconcile(set: Arc<MachineSet>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let (Some(ns), Some(uid)) = (set.namespace(), set.uid()) else {
+        return Err(Error::Incomplete);
+    };
+    if set.metadata.deletion_timestamp.is_some() {
+        // The garbage collector deletes its Machines (they are owned).
+        ctx.expectations.forget(&uid);
+        return Ok(Action::await_change());
+    }
+    let caches = &ctx.caches;
+    let now = Timestamp::now();
+    let owned: Vec<Arc<Machine>> = caches
+        .machines_by_set
+        .get(&caches.machines, &uid)
+        .into_iter()
+        .filter(|m| m.namespace().as_deref() == Some(ns.as_str()))
+        .collect();
+    let (deleting, active): (Vec<_>, Vec<_>) = owned
+        .iter()
+        .partition(|m| m.metadata.deletion_timestamp.is_some());
+
+    let settled = ctx.expectations.settled(&uid, |name, created| {
+        let cached = caches.machines.get(&ObjectRef::new(name).within(&ns));
+        match (cached, created) {
+            (Some(_), true) => true,
+            (None, true) => false,
+            (Some(m), false) => m.metadata.deletion_timestamp.is_some(),
+            (None, false) => true,
+        }
+    });
+
+    let template_labels = &set.spec.template.metadata.labels;
+    let mut failure = (!decide::selects(&set.spec.selector, template_labels)).then(|| Failure {
+        reason: "SelectorMismatch",
+        message: format!(
+            "the selector ({}) does not match the template's labels: no Machine is created",
+            decide::selector_string(&set.spec.selector)
+        ),
+    });
+    if settled {
+        match decide::scale(set.spec.replicas, active.len()) {
+            Scale::Create(n) if failure.is_none() => {
+                failure = create(&set, &ns, &uid, n, active.len(), &ctx).await;
+            }
+            Scale::Create(_) | Scale::Hold => {}
+            Scale::Delete(n) => {
+                scale_down(&set, &ns, &uid, &active, n, now, &ctx).await?;
+            }
+        }
+    }
+
+    let facts: Vec<MachineFacts> = active.iter().map(|m| facts(m, &ctx)).collect();
+    let current = set.status.clone().unwrap_or_default();
+    let (status, next_change) = decide::next_status(
+        &current,
+        &Observed {
+            wanted: set.spec.replicas,
+            active: &facts,
+            deleting: deleting.len(),
+            min_ready: SignedDuration::from_secs(set.spec.min_ready_seconds.unwrap_or(0).into()),
+            selector: decide::selector_string(&set.spec.selector),
+            generation: set.metadata.generation,
+            failure,
+        },
+        now,
+    );
+    if status != current {
+        Api::<MachineSet>::namespaced(ctx.client.clone(), &ns)
+            .patch_status(
+                &set.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({ "status": status })),
+            )
+            .await
+            .map_err(Error::Status)?;
+    }
+    ctx.reset_backoff(&set);
+    // Timers only: a Machine becoming available after minReadySeconds, and
+    // a safety net for expectations whose watch event never comes. Every
+    // other change arrives as a watch event.
+    let after = [
+        next_change.and_then(|d| Duration::try_from(d).ok()),
+        (!settled).then_some(EXPECTATION_TTL),
+    ]
+    .into_iter()
+    .flatten()
+    .min();
+    Ok(after.map_or_else(Action::await_change, Action::requeue))
+}
+
+/// Creates `n` Machines from the template; the failure to report, if one
+/// create failed (the rest wait for the next reconcile).
+async fn create(
+    set: &MachineSet,
+    ns: &str,
+    uid: &str,
+    n: usize,
+    active: usize,
+    ctx: &Context,
+) -> Option<Failure> {
+    let api: Api<Machine> = Api::namespaced(ctx.client.clone(), ns);
+    let name = set.name_any();
+    let template = &set.spec.template;
+    for i in 0..n {
+        let mut spec = template.spec.clone();
+        spec.provider_id = None;
+        let m = Machine {
+            metadata: ObjectMeta {
+                generate_name: Some(format!("{name}-")),
+                namespace: Some(ns.to_string()),
+                labels: Some(template.metadata.labels.clone()),
+                annotations: (!template.metadata.annotations.is_empty())
+                    .then(|| template.metadata.annotations.clone()),
+                owner_references: set.controller_owner_ref(&()).map(|o| vec![o]),
+                ..ObjectMeta::default()
+            },
+            spec,
+            status: None,
+        };
+        match api.create(&PostParams::default(), &m).await {
+            Ok(created) => {
+                let machine = created.name_any();
+                ctx.expectations.expect(uid, Some(machine.clone()), None);
+                tracing::info!(machineset = %name, namespace = ns, %machine, "created Machine");
+                ctx.events.publish(
+                    Event {
+                        type_: EventType::Normal,
+                        reason: "ScaledUp".into(),
+                        note: Some(format!(
+                            "created Machine {machine} ({} of {} replicas)",
+                            active + i + 1,
+                            set.spec.replicas
+                        )),
+                        action: "CreateMachine".into(),
+                        secondary: Some(created.object_ref(&())),
+                    },
+                    set.object_ref(&()),
+                );
+            }
+            Err(e) => {
+                let message = format!("creating a Machine from the template: {e}");
+                tracing::warn!(machineset = %name, namespace = ns, error = %e, "could not create a Machine");
+                ctx.events.publish(
+                    Event {
+                        type_: EventType::Warning,
+                        reason: "CreateFailed".into(),
+                        note: Some(message.clone()),
+                        action: "CreateMachine".into(),
+                        secondary: None,
+                    },
+                    set.object_ref(&()),
+                );
+                return Some(Failure {
+                    reason: "CreateFailed",
+                    message,
+                });
+            }
+        }
+    }
+    None
+}
+
+/// Deletes the `n` Machines [`order::choose`] puts first, with an Event on
+/// the set and on each Machine saying why it was chosen.
+async fn scale_down(
+    set: &MachineSet,
+    ns: &str,
+    uid: &str,
+    active: &[&Arc<Machine>],
+    n: usize,
+    now: Timestamp,
+    ctx: &Context,
+) -> Result<(), Error> {
+    let candidates: Vec<Candidate> = active.iter().map(|m| candidate(m, ctx)).collect();
+    let chosen = order::choose(candidates, n);
+    let api: Api<Machine> = Api::namespaced(ctx.client.clone(), ns);
+    let from = active.len();
+    let to = set.spec.replicas.max(0);
+    for c in chosen {
+        let Some(m) = active.iter().find(|m| m.name_any() == c.name) else {
+            continue;
+        };
+        let dp = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: m.uid(),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        match api.delete(&c.name, &dp).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
+            Err(source) => {
+                return Err(Error::Delete {
+                    machine: c.name.clone(),
+                    source,
+                });
+            }
+        }
+        ctx.expectations.expect(uid, None, Some(c.name.clone()));
+        let note = format!(
+            "deleted Machine {} to scale from {from} to {to}: {}",
+            c.name, c.reason
+        );
+        tracing::info!(machineset = %set.name_any(), namespace = ns, machine = %c.name, why = c.why.as_str(), %now, "{note}");
+        ctx.events.publish(
+            Event {
+                type_: EventType::Normal,
+                reason: "ScaledDown".into(),
+                note: Some(note),
+                action: "DeleteMachine".into(),
+                secondary: Some(m.object_ref(&())),
+            },
+            set.object_ref(&()),
+        );
+        ctx.events.publish(
+            Event {
+                type_: EventType::Normal,
+                reason: "DeletedByMachineSet".into(),
+                note: Some(format!(
+                    "MachineSet {} scaled from {from} to {to} and chose this Machine: {}",
+                    set.name_any(),
+                    c.reason
+                )),
+                action: "DeleteMachine".into(),
+                secondary: Some(set.object_ref(&())),
+            },
+            m.object_ref(&()),
+        );
+    }
+    Ok(())
+}
+
+/// The Node of `m`, from the cache.
+fn node_of(m: &Machine, ctx: &Context) -> Option<Arc<Node>> {
+    let name = &m.status.as_ref()?.node_ref.as_ref()?.name;
+    ctx.caches.nodes.get(&ObjectRef::new(name))
+}
+
+fn node_ready(node: &Node) -> bool {
+    node.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"))
+        .is_some_and(|c| c.status == "True")
+}
+
+fn condition<'a>(
+    m: &'a Machine,
+    type_: &str,
+) -> Option<&'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
+    m.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+}
+
+fn facts(m: &Machine, ctx: &Context) -> MachineFacts {
+    let ready = condition(m, READY).filter(|c| c.status == "True");
+    MachineFacts {
+        phase: m.status.as_ref().and_then(|s| s.phase),
+        node_ready: node_of(m, ctx).is_some_and(|n| node_ready(&n)),
+        ready_since: ready.map(|c| c.last_transition_time.0),
+    }
+}
+
+/// What the deletion order knows of `m`, from the caches: its Node's pods
+/// by the pods-by-Node index and its attachments by the
+/// VolumeAttachments-by-Node index; no request.
+fn candidate(m: &Machine, ctx: &Context) -> Candidate {
+    let caches = &ctx.caches;
+    let phase = m.status.as_ref().and_then(|s| s.phase);
+    let node = node_of(m, ctx);
+    let health = match phase {
+        Some(MachinePhase::Running) => {
+            if let Some(c) = condition(m, NODE_HEALTHY).filter(|c| c.status == "False") {
+                Health::Unhealthy(format!("NodeHealthy False ({})", c.reason))
+            } else {
+                match &node {
+                    Some(n) if node_ready(n) => Health::Healthy,
+                    Some(n) => Health::Unhealthy(format!("Node {} NotReady", n.name_any())),
+                    None => Health::Unhealthy("its Node is gone".into()),
+                }
+            }
+        }
+        Some(p) => Health::Unhealthy(format!("phase {}", p.as_str())),
+        None => Health::Unhealthy("phase Pending".into()),
+    };
+    let cost = match &node {
+        Some(n) => {
+            let name = n.name_any();
+            let pods = caches.indexes.pods_by_node.get(&caches.pods, &name);
+            let attached = caches.indexes.attachments_by_node.refs(&name).len();
+            order::drain_cost(pods.iter().map(|p| &**p), attached, |ns, claim| {
+                caches
+                    .pvcs
+                    .get(&ObjectRef::new(claim).within(ns))
+                    .and_then(|c| c.spec.as_ref()?.volume_name.clone())
+                    .is_some()
+            })
+        }
+        None => order::DrainCost::default(),
+    };
+    Candidate {
+        name: m.name_any(),
+        priority: order::priority(m.metadata.annotations.as_ref()),
+        health,
+        cost,
+        created: m.metadata.creation_timestamp.as_ref().map(|t| t.0),
+    }
+}

@@ -1,0 +1,417 @@
+//! MachineSets end to end: real kube-apiserver, controller-manager (its
+//! garbage collector, PV and attach-detach controllers), scheduler and
+//! kwok, Machines of the fake provider. Which Machine went on a scale-down,
+//! and why, is read from the Events berth recorded.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use berth::api::{DELETE_PRIORITY_ANNOTATION, Machine, MachineSet};
+use berth_devkit::testbed::fixtures::csi_pv;
+use berth_devkit::testbed::{TestBed, wait};
+use k8s_openapi::api::autoscaling::v1::Scale;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use support::audit::{assert_no_request_loop, controller_client};
+use support::pool::{create, delayed_bed, json, pod_running, pool_class};
+use support::{LONG, phase, start_controller};
+
+async fn bed() -> &'static TestBed {
+    delayed_bed(Duration::from_millis(500), Duration::from_millis(500)).await
+}
+
+async fn client() -> Client {
+    bed().await.client().await.expect("admin client")
+}
+
+/// The controller for the case in `ns`, as its own audited identity.
+async fn start(ns: &str) -> support::Running {
+    start_controller(&controller_client(bed().await).await, ns, ns).await
+}
+
+/// A MachineSet `name` of `replicas` Machines of class `class`, labelled
+/// `set: <name>`.
+fn machine_set(name: &str, class: &str, replicas: i32) -> MachineSet {
+    json(serde_json::json!({
+        "apiVersion": "berth.dev/v1alpha1",
+        "kind": "MachineSet",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"set": name}},
+            "template": {
+                "metadata": {"labels": {"set": name}, "annotations": {"team": "storage"}},
+                "spec": {"classRef": {"name": class}}
+            }
+        }
+    }))
+}
+
+/// Waits until the set's Machines that are not being deleted are `n`, all
+/// Running; returns them by name.
+async fn running_machines(client: &Client, ns: &str, set: &str, n: usize) -> Vec<Machine> {
+    let owned = |m: &Machine| {
+        m.owner_references()
+            .iter()
+            .any(|o| o.name == set && o.controller == Some(true))
+    };
+    let mut ms: Vec<Machine> = wait::until(
+        Api::<Machine>::namespaced(client.clone(), ns),
+        LONG,
+        &format!("{n} Machines of {set} Running"),
+        |ms| {
+            let live: Vec<_> = ms
+                .iter()
+                .filter(|m| owned(m) && m.metadata.deletion_timestamp.is_none())
+                .collect();
+            live.len() == n && live.iter().all(|m| phase(m) == Some("Running"))
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+    .iter()
+    .filter(|m| owned(m) && m.metadata.deletion_timestamp.is_none())
+    .map(|m| (**m).clone())
+    .collect();
+    ms.sort_by_key(|m| m.name_any());
+    ms
+}
+
+/// Waits until the set's status says `replicas` and `ready` for its
+/// current generation.
+async fn status_is(client: &Client, ns: &str, set: &str, replicas: i32, ready: i32) -> MachineSet {
+    let s = wait::for_one(
+        Api::<MachineSet>::namespaced(client.clone(), ns),
+        LONG,
+        &format!("{set}: {replicas} replicas, {ready} ready"),
+        |s| {
+            s.name_any() == set
+                && s.status.as_ref().is_some_and(|st| {
+                    st.replicas == replicas
+                        && st.ready_replicas == ready
+                        && st.observed_generation == s.metadata.generation
+                })
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    (*s).clone()
+}
+
+fn condition(s: &MachineSet, type_: &str) -> (String, String) {
+    let c = s
+        .status
+        .as_ref()
+        .and_then(|st| st.conditions.iter().find(|c| c.type_ == type_))
+        .unwrap_or_else(|| panic!("{type_} condition"));
+    (c.status.clone(), c.reason.clone())
+}
+
+/// Berth's Events of `reason` about `regarding` in `ns`, once there are `n`.
+async fn events_of(
+    client: &Client,
+    ns: &str,
+    regarding: &str,
+    reason: &str,
+    n: usize,
+) -> Vec<String> {
+    let about = |e: &Event| {
+        e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(regarding)
+            && e.reason.as_deref() == Some(reason)
+    };
+    wait::until(
+        Api::<Event>::namespaced(client.clone(), ns),
+        LONG,
+        &format!("{n} {reason} Events about {regarding}"),
+        |evs| evs.iter().filter(|e| about(e)).count() >= n,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+    .iter()
+    .filter(|e| about(e))
+    .map(|e| e.note.clone().unwrap_or_default())
+    .collect()
+}
+
+/// A pod on `node` with a volume: a pre-bound claim to a CSI PV.
+async fn stateful_pod(client: &Client, ns: &str, node: &str) {
+    let pv = format!("{ns}-data");
+    create(
+        Api::all(client.clone()),
+        csi_pv(&pv, &format!("vol-{pv}"), ns, "data"),
+    )
+    .await;
+    create(
+        Api::namespaced(client.clone(), ns),
+        json::<PersistentVolumeClaim>(serde_json::json!({
+            "metadata": {"name": "data"},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": pv,
+                "resources": {"requests": {"storage": "1Gi"}}
+            }
+        })),
+    )
+    .await;
+    create(
+        Api::namespaced(client.clone(), ns),
+        json::<Pod>(serde_json::json!({
+            "metadata": {"name": "db-0"},
+            "spec": {
+                "nodeName": node,
+                "terminationGracePeriodSeconds": 1,
+                "containers": [{"name": "main", "image": "registry.invalid/db:1",
+                    "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
+                "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]
+            }
+        })),
+    )
+    .await;
+    wait::for_one(
+        Api::<Pod>::namespaced(client.clone(), ns),
+        LONG,
+        "db-0 Running",
+        |p| p.name_any() == "db-0" && pod_running(p),
+    )
+    .await
+    .expect("the stateful pod runs");
+    // Its claim is bound (the drain cost counts bound claims only).
+    wait::for_one(
+        Api::<PersistentVolumeClaim>::namespaced(client.clone(), ns),
+        LONG,
+        "claim data Bound",
+        |c| {
+            c.name_any() == "data"
+                && c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound")
+        },
+    )
+    .await
+    .expect("the claim binds");
+}
+
+fn node_of(m: &Machine) -> String {
+    m.status
+        .as_ref()
+        .and_then(|s| s.node_ref.as_ref())
+        .map(|n| n.name.clone())
+        .expect("a Running Machine has a Node")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_machineset_scales_up_and_down_deleting_the_cheapest_machines_first() {
+    let client = client().await;
+    let ns = "mset-scale";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = start(ns).await;
+    let sets: Api<MachineSet> = Api::namespaced(client.clone(), ns);
+
+    // From 0 to 3.
+    let t = Instant::now();
+    sets.create(&PostParams::default(), &machine_set("pool", ns, 0))
+        .await
+        .expect("create the MachineSet");
+    let s = status_is(&client, ns, "pool", 0, 0).await;
+    assert_eq!(
+        condition(&s, "Ready"),
+        ("True".into(), "AllReplicasReady".into())
+    );
+    sets.patch_scale(
+        "pool",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"spec": {"replicas": 3}})),
+    )
+    .await
+    .expect("scale to 3 through the scale subresource");
+    let machines = running_machines(&client, ns, "pool", 3).await;
+    eprintln!("scale-up 0 -> 3: {:?}", t.elapsed());
+    for m in &machines {
+        assert!(m.name_any().starts_with("pool-"), "{}", m.name_any());
+        assert_eq!(m.labels().get("set").map(String::as_str), Some("pool"));
+        assert_eq!(
+            m.annotations().get("team").map(String::as_str),
+            Some("storage")
+        );
+    }
+    let s = status_is(&client, ns, "pool", 3, 3).await;
+    let st = s.status.as_ref().expect("status");
+    assert_eq!(st.available_replicas, 3);
+    assert_eq!(st.selector.as_deref(), Some("set=pool"));
+    assert_eq!(
+        condition(&s, "Ready"),
+        ("True".into(), "AllReplicasReady".into())
+    );
+    assert_eq!(condition(&s, "ReplicaFailure").0, "False");
+    let scale: Scale = sets.get_scale("pool").await.expect("the scale subresource");
+    assert_eq!(scale.spec.and_then(|s| s.replicas), Some(3));
+    let scale_status = scale.status.expect("scale status");
+    assert_eq!(scale_status.replicas, 3);
+    assert_eq!(scale_status.selector.as_deref(), Some("set=pool"));
+    let created = events_of(&client, ns, "pool", "ScaledUp", 3).await;
+    assert!(
+        created.iter().any(|n| n.contains("(3 of 3 replicas)")),
+        "{created:?}"
+    );
+
+    // The order is observable: `marked` carries the operator's priority,
+    // `stateful` runs a pod with an attached volume, `plain` runs nothing.
+    let (marked, stateful, plain) = (&machines[0], &machines[1], &machines[2]);
+    Api::<Machine>::namespaced(client.clone(), ns)
+        .patch(
+            &marked.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({
+                "metadata": {"annotations": {DELETE_PRIORITY_ANNOTATION: "10"}}
+            })),
+        )
+        .await
+        .expect("annotate");
+    stateful_pod(&client, ns, &node_of(stateful)).await;
+
+    // Down to 1: `marked` for its priority, `plain` for its cheaper drain.
+    let t = Instant::now();
+    sets.patch_scale(
+        "pool",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"spec": {"replicas": 1}})),
+    )
+    .await
+    .expect("scale to 1");
+    let left = running_machines(&client, ns, "pool", 1).await;
+    assert_eq!(
+        left[0].name_any(),
+        stateful.name_any(),
+        "the stateful Machine stays"
+    );
+    let notes = events_of(&client, ns, "pool", "ScaledDown", 2).await;
+    let about = |m: &Machine| {
+        notes
+            .iter()
+            .find(|n| n.contains(&format!("deleted Machine {} ", m.name_any())))
+            .unwrap_or_else(|| panic!("no ScaledDown for {}: {notes:?}", m.name_any()))
+            .clone()
+    };
+    let why_marked = about(marked);
+    assert!(
+        why_marked.contains("scale from 3 to 1")
+            && why_marked.contains("berth.dev/delete-priority 10"),
+        "{why_marked}"
+    );
+    let why_plain = about(plain);
+    assert!(
+        why_plain.contains("cheapest drain: 0 stateful pods")
+            && why_plain.contains(&format!("{}: 1 stateful pod", stateful.name_any())),
+        "{why_plain}"
+    );
+    assert_eq!(notes.len(), 2, "never more than needed: {notes:?}");
+    // And on each Machine chosen.
+    for m in [marked, plain] {
+        let on_machine = events_of(&client, ns, &m.name_any(), "DeletedByMachineSet", 1).await;
+        assert!(
+            on_machine[0].contains("scaled from 3 to 1"),
+            "{on_machine:?}"
+        );
+    }
+    let s = status_is(&client, ns, "pool", 1, 1).await;
+    assert_eq!(s.status.as_ref().map(|s| s.available_replicas), Some(1));
+    // The deleted Machines go all the way (drained, VM and Node deleted).
+    for m in [marked, plain] {
+        support::pool::gone(&client, ns, &m.name_any(), LONG).await;
+    }
+    eprintln!("scale-down 3 -> 1: {:?}", t.elapsed());
+    let s = status_is(&client, ns, "pool", 1, 1).await;
+    assert_eq!(
+        condition(&s, "Ready"),
+        ("True".into(), "AllReplicasReady".into())
+    );
+
+    ctl.stop().await;
+    assert_no_request_loop(bed().await, "machineset scale", ns);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_machineset_deletes_its_machines_and_no_other() {
+    let client = client().await;
+    let ns = "mset-delete";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = start(ns).await;
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    // A Machine the set's selector matches but that it does not own.
+    let mut foreign = support::machine("foreign", ns);
+    foreign.metadata.labels = Some([("set".to_string(), "pool".to_string())].into());
+    machines
+        .create(&PostParams::default(), &foreign)
+        .await
+        .expect("create the foreign Machine");
+
+    let sets: Api<MachineSet> = Api::namespaced(client.clone(), ns);
+    sets.create(&PostParams::default(), &machine_set("pool", ns, 2))
+        .await
+        .expect("create the MachineSet");
+    let owned = running_machines(&client, ns, "pool", 2).await;
+    status_is(&client, ns, "pool", 2, 2).await;
+    assert!(
+        owned.iter().all(|m| m.name_any() != "foreign"),
+        "no adoption"
+    );
+
+    let t = Instant::now();
+    sets.delete("pool", &DeleteParams::default())
+        .await
+        .expect("delete the MachineSet");
+    for m in &owned {
+        support::pool::gone(&client, ns, &m.name_any(), LONG).await;
+    }
+    eprintln!(
+        "MachineSet deletion: its Machines gone in {:?}",
+        t.elapsed()
+    );
+    let f = machines
+        .get("foreign")
+        .await
+        .expect("the foreign Machine stays");
+    assert!(f.metadata.deletion_timestamp.is_none());
+
+    ctl.stop().await;
+    assert_no_request_loop(bed().await, "machineset deletion", ns);
+}
+
+/// The apiserver refuses what CEL can check: negative replicas, an empty
+/// selector, a change of selector.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_apiserver_refuses_an_invalid_machineset() {
+    let client = client().await;
+    let ns = "mset-invalid";
+    support::namespace(&client, ns).await;
+    let sets: Api<MachineSet> = Api::namespaced(client.clone(), ns);
+    let mut negative = machine_set("negative", "c", 1);
+    negative.spec.replicas = -1;
+    let mut empty = machine_set("empty", "c", 1);
+    empty.spec.selector = Default::default();
+    for (set, message) in [
+        (negative, "replicas must not be negative"),
+        (empty, "selector must not be empty"),
+    ] {
+        let err = sets
+            .create(&PostParams::default(), &set)
+            .await
+            .expect_err("refused");
+        assert!(err.to_string().contains(message), "{err}");
+    }
+    // The selector cannot change.
+    sets.create(&PostParams::default(), &machine_set("fixed", "c", 0))
+        .await
+        .expect("create");
+    let err = sets
+        .patch(
+            "fixed",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"selector": {"matchLabels": {"set": "x"}}, "template": {"metadata": {"labels": {"set": "x"}}}}})),
+        )
+        .await
+        .expect_err("refused");
+    assert!(err.to_string().contains("selector is immutable"), "{err}");
+}

@@ -92,6 +92,23 @@ async fn a_machine_runs_on_one_tagged_instance_and_leaves_after_a_volume_aware_d
     ] {
         assert_eq!(i.tags.get(k).map(String::as_str), Some(v), "tag {k}");
     }
+    // IMDSv2 only, out of pods' reach, as the class did not ask otherwise.
+    let described = cloud
+        .ec2
+        .call("DescribeInstances", &[("InstanceId.1", i.id.as_str())])
+        .await
+        .expect("describe");
+    let metadata = described.descendants("metadataOptions").first().map(|m| {
+        (
+            m.text_at(&["httpTokens"]),
+            m.text_at(&["httpPutResponseHopLimit"]),
+        )
+    });
+    assert_eq!(
+        metadata,
+        Some((Some("required".into()), Some("1".into()))),
+        "instance metadata options"
+    );
     let volumes = cloud.ec2.volumes_of(&i.id).await.expect("volumes");
     assert!(!volumes.is_empty(), "the instance has its root volume");
     for v in &volumes {

@@ -375,6 +375,21 @@ fn run_params(
             "true".into(),
         ));
     }
+    let metadata = &spec.instance_metadata;
+    p.push((
+        "MetadataOptions.HttpTokens".into(),
+        if metadata.tokens_required {
+            "required"
+        } else {
+            "optional"
+        }
+        .into(),
+    ));
+    p.push((
+        "MetadataOptions.HttpPutResponseHopLimit".into(),
+        metadata.hop_limit.to_string(),
+    ));
+    p.push(("MetadataOptions.HttpEndpoint".into(), "enabled".into()));
     let mut all_tags: Vec<(&str, &str)> = vec![
         (tags::CLUSTER, cluster_id),
         (tags::MACHINE_UID, &req.uid),
@@ -675,6 +690,8 @@ mod tests {
         assert_eq!(get("BlockDeviceMapping.1.DeviceName"), Some("/dev/xvda"));
         assert_eq!(get("BlockDeviceMapping.1.Ebs.VolumeSize"), Some("40"));
         assert_eq!(get("BlockDeviceMapping.1.Ebs.VolumeType"), Some("gp3"));
+        assert_eq!(get("MetadataOptions.HttpTokens"), Some("required"));
+        assert_eq!(get("MetadataOptions.HttpPutResponseHopLimit"), Some("1"));
         for s in ["1", "2"] {
             let tags: Vec<(&str, &str)> = (1..=6)
                 .map(|t| {

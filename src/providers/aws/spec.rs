@@ -17,6 +17,7 @@
 //!     #!/bin/sh
 //!     hostnamectl set-hostname {{machine}}
 //!   rootVolume: {sizeGiB: 50, type: gp3}
+//!   instanceMetadata: {httpTokens: required, hopLimit: 1}   # the default
 //! ```
 
 use std::collections::BTreeMap;
@@ -57,6 +58,17 @@ struct Raw {
     user_data: Option<String>,
     #[serde(default)]
     root_volume: Option<RawVolume>,
+    #[serde(default)]
+    instance_metadata: Option<RawMetadata>,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RawMetadata {
+    #[serde(default)]
+    http_tokens: Option<String>,
+    #[serde(default)]
+    hop_limit: Option<u32>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -82,6 +94,26 @@ pub(crate) struct RootVolume {
     pub volume_type: Option<String>,
 }
 
+/// How the instance's metadata service answers: by default IMDSv2 only
+/// (`httpTokens: required`) with a hop limit of 1, so that a pod that is
+/// not on the host network cannot read the node's role credentials. A
+/// class that needs more says so (`instanceMetadata: {httpTokens:
+/// optional, hopLimit: 2}`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct InstanceMetadata {
+    pub tokens_required: bool,
+    pub hop_limit: u32,
+}
+
+impl Default for InstanceMetadata {
+    fn default() -> Self {
+        Self {
+            tokens_required: true,
+            hop_limit: 1,
+        }
+    }
+}
+
 /// A checked `providerSpec`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct AwsSpec {
@@ -95,6 +127,7 @@ pub(crate) struct AwsSpec {
     pub tags: BTreeMap<String, String>,
     pub user_data: Option<String>,
     pub root_volume: Option<RootVolume>,
+    pub instance_metadata: InstanceMetadata,
 }
 
 /// Why a `providerSpec` cannot be used: the field and what is wrong.
@@ -151,6 +184,11 @@ impl AwsSpec {
             ));
         }
         let root_volume = raw.root_volume.map(check_volume).transpose()?;
+        let instance_metadata = raw
+            .instance_metadata
+            .map(check_metadata)
+            .transpose()?
+            .unwrap_or_default();
         Ok(Self {
             region: raw.region,
             image_id: raw.image_id,
@@ -162,6 +200,7 @@ impl AwsSpec {
             tags: raw.tags,
             user_data: raw.user_data,
             root_volume,
+            instance_metadata,
         })
     }
 
@@ -311,6 +350,27 @@ fn check_volume(v: RawVolume) -> Result<RootVolume, SpecError> {
     })
 }
 
+fn check_metadata(m: RawMetadata) -> Result<InstanceMetadata, SpecError> {
+    let tokens_required = match m.http_tokens.as_deref() {
+        None | Some("required") => true,
+        Some("optional") => false,
+        Some(other) => {
+            return Err(bad(
+                "instanceMetadata.httpTokens",
+                format!("{other:?} is not required or optional"),
+            ));
+        }
+    };
+    let hop_limit = m.hop_limit.unwrap_or(1);
+    if !(1..=64).contains(&hop_limit) {
+        return Err(bad("instanceMetadata.hopLimit", "must be 1 to 64"));
+    }
+    Ok(InstanceMetadata {
+        tokens_required,
+        hop_limit,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -359,6 +419,21 @@ mod tests {
         );
         let min = AwsSpec::parse(&minimal()).expect("valid");
         assert_eq!(min.user_data_for("m"), None);
+        assert_eq!(
+            min.instance_metadata,
+            InstanceMetadata {
+                tokens_required: true,
+                hop_limit: 1
+            },
+            "IMDSv2 only, not reachable from pods, unless asked"
+        );
+        let open = AwsSpec::parse(&with(
+            "instanceMetadata",
+            json!({"httpTokens": "optional", "hopLimit": 2}),
+        ))
+        .expect("valid");
+        assert!(!open.instance_metadata.tokens_required);
+        assert_eq!(open.instance_metadata.hop_limit, 2);
         assert_eq!(min.iam_instance_profile, None);
     }
 
@@ -407,6 +482,14 @@ mod tests {
                 "rootVolume.type",
             ),
             (with("rootVolume", json!({"size": 8})), "providerSpec"),
+            (
+                with("instanceMetadata", json!({"httpTokens": "v1"})),
+                "instanceMetadata.httpTokens",
+            ),
+            (
+                with("instanceMetadata", json!({"hopLimit": 0})),
+                "instanceMetadata.hopLimit",
+            ),
         ];
         for (spec, field) in cases {
             let err = AwsSpec::parse(&spec).expect_err(&format!("{spec} must be refused"));

@@ -21,12 +21,12 @@ use k8s_openapi::api::scheduling::v1::PriorityClass;
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
-use support::audit::{assert_no_request_loop, controller, controller_client};
+use support::audit::{assert_no_request_loop, controller};
 use support::pool::{
-    POOL, create, delayed_bed, events, first, json, log_of, on_node, pod_running, pool_class,
-    running_machine,
+    POOL, create, delayed_bed, delayed_client, events, first, json, log_of, on_node, pod_running,
+    pool_class, running_machine, start_delayed,
 };
-use support::{LONG, machine, phase, start_controller};
+use support::{LONG, machine, phase};
 
 const ATTACH_DELAY: Duration = Duration::from_millis(1500);
 const DETACH_DELAY: Duration = Duration::from_millis(1500);
@@ -34,7 +34,7 @@ const DETACH_DELAY: Duration = Duration::from_millis(1500);
 /// One control plane for this file, with slow enough attach/detach that an
 /// overlap would show.
 async fn client() -> Client {
-    bed().await.client().await.expect("admin client")
+    delayed_client(ATTACH_DELAY, DETACH_DELAY).await
 }
 
 async fn bed() -> &'static TestBed {
@@ -44,7 +44,7 @@ async fn bed() -> &'static TestBed {
 /// The controller for the case in `ns`, running as its own identity so the
 /// audit log shows its requests.
 async fn start(ns: &str, instance: &str) -> support::Running {
-    start_controller(&controller_client(bed().await).await, ns, instance).await
+    start_delayed(ATTACH_DELAY, DETACH_DELAY, ns, instance).await
 }
 
 /// Ends the case in `ns`: no request loop (see `PEAK_10S_CEILING`).

@@ -17,12 +17,12 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::Api;
 use kube::{Client, ResourceExt};
-use support::audit::{assert_no_request_loop, controller_client};
+use support::LONG;
+use support::audit::assert_no_request_loop;
 use support::pool::{
-    Ev, assert_contains, create, delayed_bed, delete_machine, events, first, gone, json, log_of,
-    plan_text, pool_class, release_hook, running_held, running_pods,
+    Ev, assert_contains, create, delayed_bed, delayed_client, delete_machine, events, first, gone,
+    json, log_of, plan_text, pool_class, release_hook, running_held, running_pods, start_delayed,
 };
-use support::{LONG, start_controller};
 
 const ATTACH_DELAY: Duration = Duration::from_secs(3);
 const DETACH_DELAY: Duration = Duration::from_secs(1);
@@ -30,17 +30,12 @@ const DRAIN: &str = "berth.dev/drain";
 const ORDER: &str = "berth.dev/drain-order";
 
 async fn client() -> Client {
-    delayed_bed(ATTACH_DELAY, DETACH_DELAY)
-        .await
-        .client()
-        .await
-        .expect("admin client")
+    delayed_client(ATTACH_DELAY, DETACH_DELAY).await
 }
 
 /// The controller for the case in `ns`, as its own identity (audited).
 async fn start(ns: &str) -> support::Running {
-    let bed = delayed_bed(ATTACH_DELAY, DETACH_DELAY).await;
-    start_controller(&controller_client(bed).await, ns, ns).await
+    start_delayed(ATTACH_DELAY, DETACH_DELAY, ns, ns).await
 }
 
 /// Ends the case in `ns`: no request loop (see `PEAK_10S_CEILING`).

@@ -16,12 +16,12 @@ use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
 use kube::api::{Api, Patch, PatchParams};
 use kube::{Client, ResourceExt};
-use support::audit::{assert_no_request_loop, controller_client};
+use support::audit::assert_no_request_loop;
 use support::pool::{
-    HOOK, POOL, assert_contains, create, delayed_bed, delete_machine, events, first, gone, json,
-    log_of, plan_text, pool_class, running_held, running_pods,
+    HOOK, POOL, assert_contains, create, delayed_bed, delayed_client, delete_machine, events,
+    first, gone, json, log_of, plan_text, pool_class, running_held, running_pods, start_delayed,
 };
-use support::{LONG, condition, start_controller};
+use support::{LONG, condition};
 
 const ATTACH_DELAY: Duration = Duration::from_secs(3);
 const DETACH_DELAY: Duration = Duration::from_secs(1);
@@ -31,17 +31,12 @@ const ATTACH_FREE_DRIVER: &str = "nfs.testbed.berth.dev";
 const ALLOW: &str = "berth.dev/allow-node-local-data-loss";
 
 async fn client() -> Client {
-    delayed_bed(ATTACH_DELAY, DETACH_DELAY)
-        .await
-        .client()
-        .await
-        .expect("admin client")
+    delayed_client(ATTACH_DELAY, DETACH_DELAY).await
 }
 
 /// The controller for the case in `ns`, as its own identity (audited).
 async fn start(ns: &str) -> support::Running {
-    let bed = delayed_bed(ATTACH_DELAY, DETACH_DELAY).await;
-    start_controller(&controller_client(bed).await, ns, ns).await
+    start_delayed(ATTACH_DELAY, DETACH_DELAY, ns, ns).await
 }
 
 /// Ends the case in `ns`: no request loop (see `PEAK_10S_CEILING`).

@@ -238,13 +238,22 @@ pub(crate) fn hooks<'a>(
 }
 
 /// Node facts from a Node object, at `now`.
-pub(crate) fn node_facts(node: &Node, now: k8s_openapi::jiff::Timestamp) -> NodeFacts {
-    let ready_cond = node
-        .status
+/// A Node's `Ready` condition.
+fn ready_condition(node: &Node) -> Option<&k8s_openapi::api::core::v1::NodeCondition> {
+    node.status
         .as_ref()
         .and_then(|s| s.conditions.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"));
-    let ready = ready_cond.is_some_and(|c| c.status == "True");
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"))
+}
+
+/// Whether a Node says it is Ready.
+pub(crate) fn node_ready(node: &Node) -> bool {
+    ready_condition(node).is_some_and(|c| c.status == "True")
+}
+
+pub(crate) fn node_facts(node: &Node, now: k8s_openapi::jiff::Timestamp) -> NodeFacts {
+    let ready_cond = ready_condition(node);
+    let ready = node_ready(node);
     let since = ready_cond
         .and_then(|c| c.last_transition_time.as_ref())
         .or(node.metadata.creation_timestamp.as_ref())

@@ -16,6 +16,7 @@
 //! `status` folds that into the status, `write` writes it without undoing a
 //! newer write, and `reconcile` observes, acts and records.
 
+pub(crate) mod backoff;
 pub(crate) mod decide;
 mod reconcile;
 pub(crate) mod record;
@@ -73,7 +74,7 @@ pub(crate) struct Context {
     pub(crate) synced: std::sync::atomic::AtomicBool,
     /// Per-Machine exponential backoff for transient errors, reset by a
     /// successful reconcile.
-    backoff: Mutex<HashMap<ObjectRef<Machine>, backon::ExponentialBackoff>>,
+    backoff: backoff::Backoffs<Machine>,
     /// When the provider may next be asked for a Machine's VM, after it
     /// failed or asked to be asked later. The reconcile's own status writes
     /// wake it at once; without this, each failure's record would start the
@@ -474,7 +475,7 @@ pub async fn run(
         synced: std::sync::atomic::AtomicBool::new(false),
         stores: stores.clone(),
         metrics: Arc::clone(&metrics),
-        backoff: Mutex::new(HashMap::new()),
+        backoff: backoff::Backoffs::default(),
         provider_retry: Mutex::new(HashMap::new()),
     });
 
@@ -655,13 +656,7 @@ fn node_relevance(node: &Node) -> u64 {
 }
 
 fn error_policy(machine: Arc<Machine>, error: &Error, ctx: Arc<Context>) -> Action {
-    let key = ObjectRef::from_obj(&*machine);
-    let delay = ctx
-        .backoff
-        .lock()
-        .ok()
-        .and_then(|mut map| map.entry(key).or_insert_with(new_backoff).next())
-        .unwrap_or(Duration::from_secs(300));
+    let delay = ctx.backoff.next(&machine);
     if matches!(error, Error::Provider { .. }) {
         ctx.provider_retry_after(&machine, delay);
     }
@@ -674,16 +669,6 @@ fn error_policy(machine: Arc<Machine>, error: &Error, ctx: Arc<Context>) -> Acti
         "reconcile failed"
     );
     Action::requeue(delay)
-}
-
-fn new_backoff() -> backon::ExponentialBackoff {
-    use backon::BackoffBuilder;
-    backon::ExponentialBuilder::default()
-        .with_min_delay(Duration::from_millis(500))
-        .with_max_delay(Duration::from_secs(300))
-        .with_jitter()
-        .without_max_times()
-        .build()
 }
 
 impl Context {
@@ -715,9 +700,7 @@ impl Context {
     }
 
     fn reset_backoff(&self, m: &Machine) {
-        if let Ok(mut map) = self.backoff.lock() {
-            map.remove(&ObjectRef::from_obj(m));
-        }
+        self.backoff.reset(m);
     }
 }
 

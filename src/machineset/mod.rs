@@ -164,7 +164,7 @@ pub(crate) struct Context {
     pub(crate) caches: Caches,
     pub(crate) events: EventSink,
     pub(crate) expectations: Expectations,
-    backoff: Mutex<HashMap<ObjectRef<MachineSet>, backon::ExponentialBackoff>>,
+    backoff: crate::machine::backoff::Backoffs<MachineSet>,
 }
 
 /// Runs the MachineSet controller until `shutdown` resolves: waits for
@@ -198,7 +198,7 @@ pub(crate) async fn run(
         caches,
         events,
         expectations: Expectations::default(),
-        backoff: Mutex::new(HashMap::new()),
+        backoff: Default::default(),
     });
     tracing::info!("reconciling MachineSets");
     Controller::new(api, watcher::Config::default())
@@ -216,13 +216,7 @@ pub(crate) async fn run(
 }
 
 fn error_policy(set: Arc<MachineSet>, error: &Error, ctx: Arc<Context>) -> Action {
-    let key = ObjectRef::from_obj(&*set);
-    let delay = ctx
-        .backoff
-        .lock()
-        .ok()
-        .and_then(|mut map| map.entry(key).or_insert_with(new_backoff).next())
-        .unwrap_or(Duration::from_secs(300));
+    let delay = ctx.backoff.next(&set);
     tracing::warn!(
         machineset = %set.name_any(),
         namespace = set.namespace().unwrap_or_default(),
@@ -233,21 +227,9 @@ fn error_policy(set: Arc<MachineSet>, error: &Error, ctx: Arc<Context>) -> Actio
     Action::requeue(delay)
 }
 
-fn new_backoff() -> backon::ExponentialBackoff {
-    use backon::BackoffBuilder;
-    backon::ExponentialBuilder::default()
-        .with_min_delay(Duration::from_millis(500))
-        .with_max_delay(Duration::from_secs(300))
-        .with_jitter()
-        .without_max_times()
-        .build()
-}
-
 impl Context {
     fn reset_backoff(&self, set: &MachineSet) {
-        if let Ok(mut map) = self.backoff.lock() {
-            map.remove(&ObjectRef::from_obj(set));
-        }
+        self.backoff.reset(set);
     }
 }
 

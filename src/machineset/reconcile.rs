@@ -19,6 +19,8 @@ use super::order::{self, Candidate, Health};
 use super::{Context, EXPECTATION_TTL};
 use crate::api::conditions::{NODE_HEALTHY, READY};
 use crate::api::{Machine, MachinePhase, MachineSet};
+use crate::machine::decide::node_ready;
+use crate::machine::status::condition;
 
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum Error {
@@ -273,27 +275,8 @@ fn node_of(m: &Machine, ctx: &Context) -> Option<Arc<Node>> {
     ctx.caches.nodes.get(&ObjectRef::new(name))
 }
 
-fn node_ready(node: &Node) -> bool {
-    node.status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"))
-        .is_some_and(|c| c.status == "True")
-}
-
-fn condition<'a>(
-    m: &'a Machine,
-    type_: &str,
-) -> Option<&'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
-    m.status
-        .as_ref()?
-        .conditions
-        .iter()
-        .find(|c| c.type_ == type_)
-}
-
 fn facts(m: &Machine, ctx: &Context) -> MachineFacts {
-    let ready = condition(m, READY).filter(|c| c.status == "True");
+    let ready = condition(m.status.as_ref(), READY).filter(|c| c.status == "True");
     MachineFacts {
         phase: m.status.as_ref().and_then(|s| s.phase),
         node_ready: node_of(m, ctx).is_some_and(|n| node_ready(&n)),
@@ -310,7 +293,9 @@ fn candidate(m: &Machine, ctx: &Context) -> Candidate {
     let node = node_of(m, ctx);
     let health = match phase {
         Some(MachinePhase::Running) => {
-            if let Some(c) = condition(m, NODE_HEALTHY).filter(|c| c.status == "False") {
+            if let Some(c) =
+                condition(m.status.as_ref(), NODE_HEALTHY).filter(|c| c.status == "False")
+            {
                 Health::Unhealthy(format!("NodeHealthy False ({})", c.reason))
             } else {
                 match &node {

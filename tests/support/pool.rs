@@ -33,6 +33,27 @@ pub async fn delayed_bed(attach: Duration, detach: Duration) -> &'static TestBed
     .await
 }
 
+/// An admin client of the file's delayed bed (see [`delayed_bed`]).
+pub async fn delayed_client(attach: Duration, detach: Duration) -> Client {
+    delayed_bed(attach, detach)
+        .await
+        .client()
+        .await
+        .expect("admin client")
+}
+
+/// The controller for the case in `ns`, on the file's delayed bed, as its
+/// own identity so that the audit log shows its requests.
+pub async fn start_delayed(
+    attach: Duration,
+    detach: Duration,
+    ns: &str,
+    instance: &str,
+) -> super::Running {
+    let bed = delayed_bed(attach, detach).await;
+    super::start_controller(&super::audit::controller_client(bed).await, ns, instance).await
+}
+
 pub fn json<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> T {
     serde_json::from_value(v).expect("valid object")
 }

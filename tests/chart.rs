@@ -364,7 +364,7 @@ fn the_default_render_is_hardened_labelled_and_least_privilege() {
             [
                 ("ClusterRole", 1),
                 ("ClusterRoleBinding", 1),
-                ("CustomResourceDefinition", 3),
+                ("CustomResourceDefinition", 4),
                 ("Deployment", 1),
                 ("Role", 1),
                 ("RoleBinding", 1),
@@ -640,7 +640,11 @@ fn the_crd_template_renders_exactly_the_generated_crds() {
     );
     let generated = docs(&berth::api::crds_yaml().expect("CRDs"));
     assert_eq!(rendered.len(), generated.len());
-    assert_eq!(rendered.len(), 3, "MachineClass, Machine, MachineSet");
+    assert_eq!(
+        rendered.len(),
+        4,
+        "MachineClass, Machine, MachineSet, MachineDeployment"
+    );
     for (mut r, g) in rendered.into_iter().zip(generated) {
         let meta = r["metadata"].as_object_mut().expect("metadata");
         let annotations = meta.remove("annotations").expect("annotations");

@@ -7,6 +7,7 @@ pub mod cache;
 pub mod cli;
 pub mod drain;
 pub mod machine;
+pub mod machinedeployment;
 pub mod machineset;
 pub mod orphans;
 pub mod providers;

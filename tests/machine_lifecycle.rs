@@ -800,6 +800,7 @@ async fn each_machine_asks_its_provider_for_one_vm() {
             namespace: Some(ns.to_string()),
             instance: "one-create".into(),
             concurrency: 4,
+            max_concurrent_drains: berth::machine::DEFAULT_MAX_CONCURRENT_DRAINS,
         },
         Arc::clone(&metrics),
     );

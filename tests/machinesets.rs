@@ -7,7 +7,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use berth::api::{DELETE_PRIORITY_ANNOTATION, Machine, MachineSet};
+use berth::api::{DELETE_PRIORITY_ANNOTATION, Machine, MachineDeployment, MachineSet};
 use berth_devkit::testbed::fixtures::csi_pv;
 use berth_devkit::testbed::{TestBed, wait};
 use k8s_openapi::api::autoscaling::v1::Scale;
@@ -414,4 +414,112 @@ async fn the_apiserver_refuses_an_invalid_machineset() {
         .await
         .expect_err("refused");
     assert!(err.to_string().contains("selector is immutable"), "{err}");
+}
+
+/// Waits until the deployment's Progressing condition has `reason` for its
+/// current generation, with `updated` Machines of the current template.
+async fn rollout_is(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    reason: &str,
+    updated: i32,
+) -> MachineDeployment {
+    let d = wait::for_one(
+        Api::<MachineDeployment>::namespaced(client.clone(), ns),
+        LONG,
+        &format!("{name}: Progressing {reason}, {updated} updated"),
+        |d| {
+            d.name_any() == name
+                && d.status.as_ref().is_some_and(|s| {
+                    s.observed_generation == d.metadata.generation
+                        && s.updated_replicas == updated
+                        && s.conditions
+                            .iter()
+                            .any(|c| c.type_ == "Progressing" && c.reason == reason)
+                })
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    (*d).clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_machinedeployment_rolls_a_template_change_through_a_new_machineset() {
+    let client = client().await;
+    let ns = "mdep-roll";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = start(ns).await;
+    let mds: Api<MachineDeployment> = Api::namespaced(client.clone(), ns);
+    let md: MachineDeployment = json(serde_json::json!({
+        "apiVersion": "berth.dev/v1alpha1",
+        "kind": "MachineDeployment",
+        "metadata": {"name": "pool"},
+        "spec": {
+            "replicas": 3,
+            "selector": {"matchLabels": {"pool": "a"}},
+            "template": {
+                "metadata": {"labels": {"pool": "a"}},
+                "spec": {"classRef": {"name": ns}}
+            }
+        }
+    }));
+    mds.create(&PostParams::default(), &md)
+        .await
+        .expect("create the MachineDeployment");
+    let d = rollout_is(&client, ns, "pool", "RolloutComplete", 3).await;
+    let first_hash = d
+        .status
+        .as_ref()
+        .and_then(|s| s.template_hash.clone())
+        .expect("hash");
+    let first_set = format!("pool-{first_hash}");
+    let old = running_machines(&client, ns, &first_set, 3).await;
+
+    let t = Instant::now();
+    mds.patch(
+        "pool",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"spec": {"template": {"metadata": {"annotations": {"image": "v2"}}}}})),
+    )
+    .await
+    .expect("change the template");
+    let d = rollout_is(&client, ns, "pool", "RolloutComplete", 3).await;
+    eprintln!("rollout of 3: {:?}", t.elapsed());
+    let st = d.status.as_ref().expect("status");
+    let hash = st.template_hash.clone().expect("hash");
+    assert_ne!(hash, first_hash);
+    assert_eq!(
+        (st.replicas, st.available_replicas, st.draining_replicas),
+        (3, 3, 0)
+    );
+    let new = running_machines(&client, ns, &format!("pool-{hash}"), 3).await;
+    for m in &new {
+        assert_eq!(m.labels().get("berth.dev/template-hash"), Some(&hash));
+        assert_eq!(m.annotations().get("image").map(String::as_str), Some("v2"));
+    }
+    for m in &old {
+        support::pool::gone(&client, ns, &m.name_any(), LONG).await;
+    }
+    let old_set = Api::<MachineSet>::namespaced(client.clone(), ns)
+        .get(&first_set)
+        .await
+        .expect("the old set is kept (revision history 1)");
+    assert_eq!(old_set.spec.replicas, 0);
+    assert_eq!(
+        old_set.annotations().get("berth.dev/superseded-by"),
+        Some(&format!("pool-{hash}"))
+    );
+    let started = events_of(&client, ns, "pool", "RolloutStarted", 2).await;
+    assert!(
+        started
+            .iter()
+            .any(|n| n.contains("3 old Machines to replace")),
+        "{started:?}"
+    );
+    let scaled = events_of(&client, ns, "pool", "ScaledOldMachineSet", 3).await;
+    assert_eq!(scaled.len(), 3, "one old Machine at a time: {scaled:?}");
+    ctl.stop().await;
 }

@@ -107,6 +107,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         namespace: Some(NS.into()),
         instance: "berth-demo".into(),
         concurrency: 4,
+        max_concurrent_drains: berth::machine::DEFAULT_MAX_CONCURRENT_DRAINS,
     };
     let mut controller =
         berth::machine::spawn(client.clone(), providers, settings, Arc::clone(&metrics));

@@ -176,7 +176,14 @@ pub struct Settings {
     pub instance: String,
     /// Machines reconciled at the same time.
     pub concurrency: u16,
+    /// Old Machines being deleted by MachineDeployment rollouts at once,
+    /// across every deployment.
+    pub max_concurrent_drains: usize,
 }
+
+/// The cap on rollout drains across deployments unless told otherwise
+/// (`berth run --max-concurrent-drains`, whose default is the same).
+pub const DEFAULT_MAX_CONCURRENT_DRAINS: usize = 10;
 
 /// Machines reconciled at the same time unless told otherwise. A reconcile
 /// is short (the drain runs beside it, not in it) and its requests go
@@ -234,7 +241,25 @@ pub async fn run(
     // events of the Machines its sets own (and of their Nodes), and reads
     // each set's Machines from an index by owner.
     let machines_by_set = Index::new(crate::machineset::controlling_set);
-    let (set_wakes, set_wake_stream) = crate::machineset::Wakes::new();
+    // MachineSets: one watch, whose store both the set controller and the
+    // deployment controller read; a set event wakes its deployment.
+    let (sets, sets_w) = reflector::store::<crate::api::MachineSet>();
+    let (set_wakes, set_wake_stream, deployment_wakes) =
+        crate::machineset::Wakes::new(sets.clone());
+    let sets_api: Api<crate::api::MachineSet> = match &settings.namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    let set_events = {
+        let wakes = set_wakes.clone();
+        reflector::reflector(sets_w, watcher(sets_api, wc.clone()))
+            .inspect(move |ev| {
+                if let Ok(ev) = ev {
+                    wakes.set_event(ev);
+                }
+            })
+            .applied_objects()
+    };
 
     let (classes, classes_w) = reflector::store();
     let class_events = reflector::reflector(
@@ -480,21 +505,35 @@ pub async fn run(
     });
 
     let (synced_tx, synced) = tokio::sync::watch::channel(false);
+    let set_caches = crate::machineset::Caches {
+        machines: machines.clone(),
+        machines_by_set,
+        nodes: nodes.clone(),
+        pods: pods.clone(),
+        pvcs: pvcs.clone(),
+        pdbs: pdbs.clone(),
+        indexes: stores.indexes.clone(),
+    };
     let machinesets = crate::machineset::run(
         client.clone(),
-        settings.namespace.clone(),
-        crate::machineset::Caches {
-            machines: machines.clone(),
-            machines_by_set,
-            nodes: nodes.clone(),
-            pods: pods.clone(),
-            pvcs: pvcs.clone(),
-            indexes: stores.indexes.clone(),
-        },
+        set_caches.clone(),
+        set_events,
+        sets.clone(),
         ctx.events.clone(),
-        synced,
+        synced.clone(),
         shared.machines_listed.clone(),
         set_wake_stream,
+        shutdown.clone(),
+    );
+    let machinedeployments = crate::machinedeployment::run(
+        client.clone(),
+        settings.namespace.clone(),
+        set_caches,
+        sets,
+        ctx.events.clone(),
+        settings.max_concurrent_drains,
+        synced,
+        deployment_wakes,
         shutdown.clone(),
     );
     let readiness = {
@@ -538,7 +577,7 @@ pub async fn run(
             gauges.publish(&metrics);
             futures::future::ready(())
         });
-    tokio::join!(machines_controller, machinesets);
+    tokio::join!(machines_controller, machinesets, machinedeployments);
     // Drains stop at a resumable point: the next leader re-plans from the
     // cluster's state.
     ctx.drainer.stop_all();

@@ -126,6 +126,17 @@ pub(crate) fn set_condition(
     now: Timestamp,
 ) {
     let status = if c.status { "True" } else { "False" };
+    set_condition_status(conds, c, status, generation, now);
+}
+
+/// [`set_condition`] with the status as written: `"Unknown"` too.
+pub(crate) fn set_condition_status(
+    conds: &mut Vec<Condition>,
+    c: &Cond,
+    status: &str,
+    generation: Option<i64>,
+    now: Timestamp,
+) {
     match conds.iter_mut().find(|x| x.type_ == c.type_) {
         Some(x) => {
             if x.status != status {

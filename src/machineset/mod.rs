@@ -18,7 +18,7 @@
 
 pub(crate) mod decide;
 pub(crate) mod order;
-mod reconcile;
+pub(crate) mod reconcile;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -26,13 +26,13 @@ use std::time::Duration;
 
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod};
-use kube::api::Api;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 
-use crate::api::{Machine, MachineSet};
+use crate::api::{Machine, MachineDeployment, MachineSet};
 use crate::cache::{Index, Indexes};
 use crate::telemetry::events::EventSink;
 
@@ -47,6 +47,7 @@ pub(crate) struct Caches {
     pub(crate) nodes: Store<Node>,
     pub(crate) pods: Store<Pod>,
     pub(crate) pvcs: Store<PersistentVolumeClaim>,
+    pub(crate) pdbs: Store<PodDisruptionBudget>,
     pub(crate) indexes: Indexes,
 }
 
@@ -75,26 +76,66 @@ pub(crate) fn owner_ref(m: &Machine) -> Option<ObjectRef<MachineSet>> {
     Some(ObjectRef::new(&name).within(&m.namespace()?))
 }
 
-/// Feeds the set controller from the Machine controller's watches.
+/// Feeds the set and deployment controllers from the Machine controller's
+/// watches: a Machine wakes the set that owns it, and that set's
+/// deployment (found in the set cache).
 #[derive(Clone)]
-pub(crate) struct Wakes(tokio::sync::mpsc::UnboundedSender<ObjectRef<MachineSet>>);
+pub(crate) struct Wakes {
+    sets: tokio::sync::mpsc::UnboundedSender<ObjectRef<MachineSet>>,
+    deployments: tokio::sync::mpsc::UnboundedSender<ObjectRef<MachineDeployment>>,
+    set_store: Store<MachineSet>,
+}
+
+/// The streams [`Wakes`] feeds.
+pub(crate) type WakeStream<K> = std::pin::Pin<Box<dyn Stream<Item = ObjectRef<K>> + Send>>;
+
+fn stream_of<K: kube::Resource + 'static>(
+    rx: tokio::sync::mpsc::UnboundedReceiver<ObjectRef<K>>,
+) -> WakeStream<K>
+where
+    K::DynamicType: Send,
+{
+    Box::pin(futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|r| (r, rx))
+    }))
+}
 
 impl Wakes {
-    /// A waker and the stream of sets it wakes.
-    pub(crate) fn new() -> (
-        Self,
-        impl Stream<Item = ObjectRef<MachineSet>> + Send + 'static,
-    ) {
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let stream =
-            futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|r| (r, rx)) });
-        (Self(tx), stream)
+    /// A waker and the streams of sets and deployments it wakes.
+    pub(crate) fn new(
+        set_store: Store<MachineSet>,
+    ) -> (Self, WakeStream<MachineSet>, WakeStream<MachineDeployment>) {
+        let (sets, sets_rx) = tokio::sync::mpsc::unbounded_channel();
+        let (deployments, deployments_rx) = tokio::sync::mpsc::unbounded_channel();
+        (
+            Self {
+                sets,
+                deployments,
+                set_store,
+            },
+            stream_of(sets_rx),
+            stream_of(deployments_rx),
+        )
     }
 
-    /// Wakes the set that owns `m`, if any.
+    /// Wakes the set that owns `m`, if any, and its deployment.
     pub(crate) fn machine(&self, m: &Machine) {
         if let Some(r) = owner_ref(m) {
-            let _ = self.0.send(r);
+            if let Some(d) = self
+                .set_store
+                .get(&r)
+                .and_then(|set| crate::machinedeployment::owner_of(&set))
+            {
+                let _ = self.deployments.send(d);
+            }
+            let _ = self.sets.send(r);
+        }
+    }
+
+    /// Wakes the deployment of a set that changed.
+    pub(crate) fn set(&self, set: &MachineSet) {
+        if let Some(d) = crate::machinedeployment::owner_of(set) {
+            let _ = self.deployments.send(d);
         }
     }
 
@@ -103,6 +144,16 @@ impl Wakes {
         match ev {
             watcher::Event::Apply(m) | watcher::Event::Delete(m) | watcher::Event::InitApply(m) => {
                 self.machine(m)
+            }
+            watcher::Event::Init | watcher::Event::InitDone => {}
+        }
+    }
+
+    /// Wakes the deployment of each set event.
+    pub(crate) fn set_event(&self, ev: &watcher::Event<MachineSet>) {
+        match ev {
+            watcher::Event::Apply(s) | watcher::Event::Delete(s) | watcher::Event::InitApply(s) => {
+                self.set(s)
             }
             watcher::Event::Init | watcher::Event::InitDone => {}
         }
@@ -169,13 +220,14 @@ pub(crate) struct Context {
 
 /// Runs the MachineSet controller until `shutdown` resolves: waits for
 /// `synced` (every cache of the Machine controller has synced) and for the
-/// first complete list of Machines, then reconciles the sets of
-/// `namespace` (all when `None`), woken by their own watch and by `wakes`.
+/// first complete list of Machines, then reconciles the sets of `sets`
+/// (the set watch, which fills `store`), woken by it and by `wakes`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn run(
     client: Client,
-    namespace: Option<String>,
     caches: Caches,
+    sets: impl Stream<Item = Result<MachineSet, watcher::Error>> + Send + 'static,
+    store: Store<MachineSet>,
     events: EventSink,
     mut synced: tokio::sync::watch::Receiver<bool>,
     mut machines_listed: tokio::sync::watch::Receiver<bool>,
@@ -189,10 +241,6 @@ pub(crate) async fn run(
         ok = ready => if !ok { return },
         _ = shutdown.clone() => return,
     }
-    let api: Api<MachineSet> = match &namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
     let ctx = Arc::new(Context {
         client,
         caches,
@@ -201,7 +249,7 @@ pub(crate) async fn run(
         backoff: Default::default(),
     });
     tracing::info!("reconciling MachineSets");
-    Controller::new(api, watcher::Config::default())
+    Controller::for_stream(sets, store)
         .reconcile_on(wakes)
         .graceful_shutdown_on(shutdown)
         .run(reconcile::reconcile, error_policy, ctx)

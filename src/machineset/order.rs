@@ -8,12 +8,16 @@
 //!    negative value protects a Machine.
 //! 2. **Unhealthy first**: Failed, not Running yet, `NodeHealthy` False, or
 //!    its Node NotReady (or gone). Removing these costs no capacity.
-//! 3. **Cheapest drain**, as berth's drain plan measures it: fewest
+//! 3. **Not blocked by a PodDisruptionBudget now**: a Machine one of whose
+//!    pods a PDB would refuse to evict right now (no disruption allowed)
+//!    is passed over for one whose drain can start at once; the blocked
+//!    one may be free by the time its turn comes.
+//! 4. **Cheapest drain**, as berth's drain plan measures it: fewest
 //!    stateful pods (evictable pods with a bound PersistentVolumeClaim),
 //!    then fewest volumes attached to its Node. Each stateful pod is a
 //!    sequential detach and reattach; a cheap Machine frees its place soon
 //!    and moves no data.
-//! 4. **Oldest first** (creation time), then by name, so that the order is
+//! 5. **Oldest first** (creation time), then by name, so that the order is
 //!    total and the same Machines always give the same choice.
 //!
 //! It never chooses a Machine already being deleted: the controller leaves
@@ -35,6 +39,9 @@ pub(crate) struct Candidate {
     /// From [`DELETE_PRIORITY_ANNOTATION`]; 0 when absent or invalid.
     pub(crate) priority: i64,
     pub(crate) health: Health,
+    /// Why its drain would be blocked now (a PDB covering one of its pods
+    /// allows no disruption), if it would.
+    pub(crate) pdb_blocked: Option<String>,
     pub(crate) cost: DrainCost,
     pub(crate) created: Option<Timestamp>,
 }
@@ -78,6 +85,7 @@ pub(crate) enum Why {
     All,
     Priority,
     Unhealthy,
+    NotBlocked,
     CheapestDrain,
     Oldest,
     Name,
@@ -90,6 +98,7 @@ impl Why {
             Why::All => "AllGo",
             Why::Priority => "DeletePriority",
             Why::Unhealthy => "Unhealthy",
+            Why::NotBlocked => "NotBlockedByPDB",
             Why::CheapestDrain => "CheapestDrain",
             Why::Oldest => "Oldest",
             Why::Name => "Name",
@@ -142,12 +151,13 @@ fn goes_before(a: &Candidate, b: &Candidate) -> Ordering {
     key(a).cmp(&key(b)).then_with(|| a.name.cmp(&b.name))
 }
 
-type Key = (Reverse<i64>, bool, DrainCost, Option<Timestamp>);
+type Key = (Reverse<i64>, bool, bool, DrainCost, Option<Timestamp>);
 
 fn key(c: &Candidate) -> Key {
     (
         Reverse(c.priority),
         c.health == Health::Healthy,
+        c.pdb_blocked.is_some(),
         c.cost,
         // A Machine without a creation time (never seen in practice) goes
         // last among equals: `None` sorts first, so invert it.
@@ -205,6 +215,15 @@ fn explain(c: &Candidate, kept: &Candidate) -> (Why, String) {
             format!("unhealthy: {why} ({} is healthy)", kept.name),
         );
     }
+    if let (None, Some(blocked)) = (&c.pdb_blocked, &kept.pdb_blocked) {
+        return (
+            Why::NotBlocked,
+            format!(
+                "its drain can start now; {}'s is blocked: {blocked}",
+                kept.name
+            ),
+        );
+    }
     if c.cost != kept.cost {
         return (
             Why::CheapestDrain,
@@ -246,6 +265,7 @@ mod tests {
             name: name.into(),
             priority: 0,
             health: Health::Healthy,
+            pdb_blocked: None,
             cost: DrainCost::default(),
             created: t(0),
         }
@@ -278,6 +298,25 @@ mod tests {
             Vec<Why>,
         );
         let cases: Vec<Case> = vec![
+            (
+                "a drain a PDB blocks now waits for one that can start, cheaper or not",
+                vec![
+                    with(c("blocked-cheap"), |c| {
+                        c.pdb_blocked = Some("PDB db/pg allows 0 disruptions".into());
+                    }),
+                    with(c("free-costly"), |c| {
+                        c.cost = cost(2, 2);
+                        c.created = t(100);
+                    }),
+                    with(c("sick-blocked"), |c| {
+                        c.health = unhealthy("phase Failed");
+                        c.pdb_blocked = Some("PDB db/pg allows 0 disruptions".into());
+                    }),
+                ],
+                2,
+                vec!["sick-blocked", "free-costly"],
+                vec![Why::Unhealthy, Why::NotBlocked],
+            ),
             (
                 "priority beats health, cost and age",
                 vec![

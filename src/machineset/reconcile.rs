@@ -5,7 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
@@ -16,9 +17,11 @@ use kube::{Resource, ResourceExt};
 
 use super::decide::{self, Failure, MachineFacts, Observed, Scale};
 use super::order::{self, Candidate, Health};
-use super::{Context, EXPECTATION_TTL};
+use super::{Caches, Context, EXPECTATION_TTL};
 use crate::api::conditions::{NODE_HEALTHY, READY};
-use crate::api::{Machine, MachinePhase, MachineSet};
+use crate::api::{Machine, MachinePhase, MachineSet, SUPERSEDED_ANNOTATION};
+use crate::drain::pdb::{PdbVerdict, findings_for};
+use crate::drain::select::{PodClass, classify};
 use crate::machine::decide::node_ready;
 use crate::machine::status::condition;
 
@@ -75,9 +78,12 @@ pub(crate) async fn reconcile(set: Arc<MachineSet>, ctx: Arc<Context>) -> Result
             decide::selector_string(&set.spec.selector)
         ),
     });
+    let superseded = set.annotations().contains_key(SUPERSEDED_ANNOTATION);
     if settled {
         match decide::scale(set.spec.replicas, active.len()) {
-            Scale::Create(n) if failure.is_none() => {
+            // An old set of a MachineDeployment only scales down: what it
+            // lacks is made up by the new template's set.
+            Scale::Create(n) if failure.is_none() && !superseded => {
                 failure = create(&set, &ns, &uid, n, active.len(), &ctx).await;
             }
             Scale::Create(_) | Scale::Hold => {}
@@ -87,7 +93,7 @@ pub(crate) async fn reconcile(set: Arc<MachineSet>, ctx: Arc<Context>) -> Result
         }
     }
 
-    let facts: Vec<MachineFacts> = active.iter().map(|m| facts(m, &ctx)).collect();
+    let facts: Vec<MachineFacts> = active.iter().map(|m| facts(m, caches)).collect();
     let current = set.status.clone().unwrap_or_default();
     let (status, next_change) = decide::next_status(
         &current,
@@ -209,7 +215,7 @@ async fn scale_down(
     now: Timestamp,
     ctx: &Context,
 ) -> Result<(), Error> {
-    let candidates: Vec<Candidate> = active.iter().map(|m| candidate(m, ctx)).collect();
+    let candidates: Vec<Candidate> = active.iter().map(|m| candidate(m, &ctx.caches)).collect();
     let chosen = order::choose(candidates, n);
     let api: Api<Machine> = Api::namespaced(ctx.client.clone(), ns);
     let from = active.len();
@@ -270,16 +276,16 @@ async fn scale_down(
 }
 
 /// The Node of `m`, from the cache.
-fn node_of(m: &Machine, ctx: &Context) -> Option<Arc<Node>> {
+pub(crate) fn node_of(m: &Machine, caches: &Caches) -> Option<Arc<Node>> {
     let name = &m.status.as_ref()?.node_ref.as_ref()?.name;
-    ctx.caches.nodes.get(&ObjectRef::new(name))
+    caches.nodes.get(&ObjectRef::new(name))
 }
 
-fn facts(m: &Machine, ctx: &Context) -> MachineFacts {
+pub(crate) fn facts(m: &Machine, caches: &Caches) -> MachineFacts {
     let ready = condition(m.status.as_ref(), READY).filter(|c| c.status == "True");
     MachineFacts {
         phase: m.status.as_ref().and_then(|s| s.phase),
-        node_ready: node_of(m, ctx).is_some_and(|n| node_ready(&n)),
+        node_ready: node_of(m, caches).is_some_and(|n| node_ready(&n)),
         ready_since: ready.map(|c| c.last_transition_time.0),
     }
 }
@@ -287,10 +293,9 @@ fn facts(m: &Machine, ctx: &Context) -> MachineFacts {
 /// What the deletion order knows of `m`, from the caches: its Node's pods
 /// by the pods-by-Node index and its attachments by the
 /// VolumeAttachments-by-Node index; no request.
-fn candidate(m: &Machine, ctx: &Context) -> Candidate {
-    let caches = &ctx.caches;
+pub(crate) fn candidate(m: &Machine, caches: &Caches) -> Candidate {
     let phase = m.status.as_ref().and_then(|s| s.phase);
-    let node = node_of(m, ctx);
+    let node = node_of(m, caches);
     let health = match phase {
         Some(MachinePhase::Running) => {
             if let Some(c) =
@@ -308,26 +313,52 @@ fn candidate(m: &Machine, ctx: &Context) -> Candidate {
         Some(p) => Health::Unhealthy(format!("phase {}", p.as_str())),
         None => Health::Unhealthy("phase Pending".into()),
     };
-    let cost = match &node {
+    let (cost, pdb_blocked) = match &node {
         Some(n) => {
             let name = n.name_any();
             let pods = caches.indexes.pods_by_node.get(&caches.pods, &name);
             let attached = caches.indexes.attachments_by_node.refs(&name).len();
-            order::drain_cost(pods.iter().map(|p| &**p), attached, |ns, claim| {
+            let cost = order::drain_cost(pods.iter().map(|p| &**p), attached, |ns, claim| {
                 caches
                     .pvcs
                     .get(&ObjectRef::new(claim).within(ns))
                     .and_then(|c| c.spec.as_ref()?.volume_name.clone())
                     .is_some()
-            })
+            });
+            (cost, pdb_blocked(pods.iter().map(|p| &**p), caches))
         }
-        None => order::DrainCost::default(),
+        None => (order::DrainCost::default(), None),
     };
     Candidate {
         name: m.name_any(),
         priority: order::priority(m.metadata.annotations.as_ref()),
         health,
+        pdb_blocked,
         cost,
         created: m.metadata.creation_timestamp.as_ref().map(|t| t.0),
     }
+}
+
+/// Why a drain of `pods` would be blocked now: the first evictable pod a
+/// PodDisruptionBudget covers that allows no disruption (or is
+/// misconfigured), in words.
+fn pdb_blocked<'a>(pods: impl IntoIterator<Item = &'a Pod>, caches: &Caches) -> Option<String> {
+    let pdbs = caches.pdbs.state();
+    if pdbs.is_empty() {
+        return None;
+    }
+    pods.into_iter()
+        .filter(|p| classify(p) == PodClass::Evictable)
+        .find_map(|p| {
+            let ns = p.metadata.namespace.as_deref();
+            let local: Vec<PodDisruptionBudget> = pdbs
+                .iter()
+                .filter(|b| b.metadata.namespace.as_deref() == ns)
+                .map(|b| (**b).clone())
+                .collect();
+            findings_for(p, &local)
+                .into_iter()
+                .find(|f| f.verdict != PdbVerdict::Allows)
+                .map(|f| format!("pod {}/{}: {f}", ns.unwrap_or_default(), p.name_any()))
+        })
 }

@@ -103,6 +103,11 @@ pub(crate) struct RunArgs {
     /// Machines reconciled at the same time.
     #[arg(long, env = "BERTH_CONCURRENCY", default_value_t = crate::machine::DEFAULT_CONCURRENCY)]
     pub concurrency: u16,
+    /// Old Machines that MachineDeployment rollouts delete (drain) at once,
+    /// across every deployment: each deployment's `maxUnavailable` applies
+    /// within this.
+    #[arg(long, env = "BERTH_MAX_CONCURRENT_DRAINS", default_value_t = 10, value_parser = clap::value_parser!(u16).range(1..))]
+    pub max_concurrent_drains: u16,
     /// How long SIGTERM waits for reconciles in flight before exiting.
     #[arg(long, env = "BERTH_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub shutdown_timeout: Duration,
@@ -287,6 +292,7 @@ async fn lead_and_control(
         namespace: args.namespace.clone(),
         instance: identity.clone(),
         concurrency: args.concurrency,
+        max_concurrent_drains: usize::from(args.max_concurrent_drains),
     };
     let (controller_stop_tx, controller_stop) = oneshot::channel::<()>();
     let ready = http.clone();

@@ -123,6 +123,7 @@ pub async fn start_controller(client: &Client, ns: &str, instance: &str) -> Runn
         namespace: Some(ns.to_string()),
         instance: instance.to_string(),
         concurrency: 4,
+        max_concurrent_drains: berth::machine::DEFAULT_MAX_CONCURRENT_DRAINS,
     };
     let metrics = Arc::new(berth::telemetry::Metrics::new().expect("metrics"));
     let mut spawned =

@@ -242,6 +242,7 @@ async fn drains(args: &BenchArgs) -> anyhow::Result<Vec<Run>> {
             namespace: Some(NS.into()),
             instance: "berth-bench".into(),
             concurrency: berth::machine::DEFAULT_CONCURRENCY,
+            max_concurrent_drains: berth::machine::DEFAULT_MAX_CONCURRENT_DRAINS,
         },
         Arc::clone(&metrics),
     );

@@ -1,0 +1,188 @@
+//! The MachineDeployment controller: keeps one MachineSet per template
+//! (named by the template's hash) and rolls a template change out from the
+//! old sets to the new one at the pace of `decide`, so that each stateful
+//! pod moves once and no old Machine goes before its pods have somewhere
+//! new to land.
+//!
+//! It scales MachineSets; the MachineSet controller creates and deletes
+//! the Machines, and chooses which Machine of a set goes by its order
+//! (`crate::machineset::order`). The deployment chooses which old *set*
+//! gives up a Machine with the same order over all its old Machines, so the
+//! Machine it counted on is the one the set deletes.
+//!
+//! Like the MachineSet controller it runs on the leader, on the Machine
+//! controller's caches plus one of MachineSets. A Machine event (or its
+//! Node's) wakes the deployment of its set, and a MachineSet event its
+//! deployment, so nothing polls. Writes to a set's `spec.replicas` are
+//! remembered until the cache has seen them ([`Ledger`]), so a reconcile
+//! that runs on a cache a step behind never asks for a deletion twice; and
+//! the decisions that count drains across deployments are taken one
+//! deployment at a time, so the global cap holds.
+
+pub(crate) mod decide;
+mod reconcile;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use futures::{Stream, StreamExt};
+use kube::api::Api;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
+use kube::{Client, ResourceExt};
+
+use crate::api::{MachineDeployment, MachineSet};
+use crate::machineset::Caches;
+use crate::telemetry::events::EventSink;
+
+use reconcile::Error;
+
+/// What the controller needs besides the caches.
+pub(crate) struct Context {
+    pub(crate) client: Client,
+    pub(crate) caches: Caches,
+    pub(crate) sets: Store<MachineSet>,
+    pub(crate) events: EventSink,
+    /// The most old Machines being deleted by rollouts at once, across
+    /// every deployment (`berth run --max-concurrent-drains`).
+    pub(crate) drain_cap: usize,
+    /// Held while a deployment decides and writes its next step.
+    pub(crate) ledger: tokio::sync::Mutex<Ledger>,
+    backoff: crate::machine::backoff::Backoffs<MachineDeployment>,
+}
+
+/// `spec.replicas` written to MachineSets and not yet seen in the cache:
+/// set UID to (the generation the write produced, the replicas written).
+#[derive(Default)]
+pub(crate) struct Ledger(HashMap<String, (i64, usize)>);
+
+impl Ledger {
+    /// The set's replicas: ours when the cache has not yet seen our write.
+    pub(crate) fn replicas(&mut self, set: &MachineSet) -> usize {
+        let cached = usize::try_from(set.spec.replicas).unwrap_or(0);
+        let Some(uid) = set.metadata.uid.as_deref() else {
+            return cached;
+        };
+        match self.0.get(uid) {
+            Some((generation, replicas)) if set.metadata.generation.unwrap_or(0) < *generation => {
+                *replicas
+            }
+            Some(_) => {
+                self.0.remove(uid);
+                cached
+            }
+            None => cached,
+        }
+    }
+
+    pub(crate) fn wrote(&mut self, written: &MachineSet) {
+        if let (Some(uid), Some(generation)) =
+            (written.metadata.uid.clone(), written.metadata.generation)
+        {
+            let replicas = usize::try_from(written.spec.replicas).unwrap_or(0);
+            self.0.insert(uid, (generation, replicas));
+        }
+    }
+}
+
+/// The UID of the MachineDeployment that controls `set`, if one does.
+pub(crate) fn owner_of(set: &MachineSet) -> Option<ObjectRef<MachineDeployment>> {
+    let o = set.metadata.owner_references.iter().flatten().find(|o| {
+        o.controller == Some(true)
+            && o.kind == "MachineDeployment"
+            && o.api_version.split('/').next() == Some(crate::api::GROUP)
+    })?;
+    Some(ObjectRef::new(&o.name).within(&set.namespace()?))
+}
+
+/// Runs the MachineDeployment controller until `shutdown` resolves, once
+/// `synced` says the Machine controller's caches and `sets` have synced.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn run(
+    client: Client,
+    namespace: Option<String>,
+    caches: Caches,
+    sets: Store<MachineSet>,
+    events: EventSink,
+    drain_cap: usize,
+    mut synced: tokio::sync::watch::Receiver<bool>,
+    wakes: impl Stream<Item = ObjectRef<MachineDeployment>> + Send + 'static,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + Clone + 'static,
+) {
+    let ready =
+        async { synced.wait_for(|s| *s).await.is_ok() && sets.wait_until_ready().await.is_ok() };
+    tokio::select! {
+        ok = ready => if !ok { return },
+        _ = shutdown.clone() => return,
+    }
+    let api: Api<MachineDeployment> = match &namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    let ctx = Arc::new(Context {
+        client,
+        caches,
+        sets,
+        events,
+        drain_cap,
+        ledger: tokio::sync::Mutex::new(Ledger::default()),
+        backoff: Default::default(),
+    });
+    tracing::info!(drain_cap, "reconciling MachineDeployments");
+    Controller::new(api, watcher::Config::default())
+        .reconcile_on(wakes)
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile::reconcile, error_policy, ctx)
+        .for_each(|result| {
+            match result {
+                Ok((md, _)) => tracing::debug!(machinedeployment = %md, "reconciled"),
+                Err(e) => tracing::debug!(error = %e, "MachineDeployment reconcile failed"),
+            }
+            futures::future::ready(())
+        })
+        .await;
+}
+
+fn error_policy(md: Arc<MachineDeployment>, error: &Error, ctx: Arc<Context>) -> Action {
+    let delay = ctx.backoff.next(&md);
+    tracing::warn!(
+        machinedeployment = %md.name_any(),
+        namespace = md.namespace().unwrap_or_default(),
+        error = %error,
+        retry_in = ?delay,
+        "MachineDeployment reconcile failed"
+    );
+    Action::requeue(delay)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(generation: i64, replicas: i32) -> MachineSet {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "berth.dev/v1alpha1", "kind": "MachineSet",
+            "metadata": {"name": "s", "namespace": "ns", "uid": "u", "generation": generation,
+                "ownerReferences": [{"apiVersion": "berth.dev/v1alpha1", "kind": "MachineDeployment",
+                    "name": "pool", "uid": "d", "controller": true}]},
+            "spec": {"replicas": replicas, "selector": {"matchLabels": {"a": "b"}},
+                "template": {"spec": {"classRef": {"name": "c"}}}},
+        }))
+        .expect("set")
+    }
+
+    #[test]
+    fn the_ledger_answers_until_the_cache_has_seen_the_write() {
+        let mut l = Ledger::default();
+        assert_eq!(l.replicas(&set(3, 4)), 4);
+        l.wrote(&set(4, 3));
+        assert_eq!(l.replicas(&set(3, 4)), 3, "the cache is a step behind");
+        assert_eq!(l.replicas(&set(4, 3)), 3);
+        assert_eq!(l.replicas(&set(5, 7)), 7, "forgotten once seen");
+        assert_eq!(
+            owner_of(&set(1, 1)),
+            Some(ObjectRef::new("pool").within("ns"))
+        );
+    }
+}

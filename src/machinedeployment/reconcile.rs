@@ -1,0 +1,684 @@
+//! One MachineDeployment's reconcile: find its sets, make the current
+//! template's set, take the next step of the rollout (`decide::step`),
+//! taint the old Machines' Nodes, trim the revision history, and write the
+//! status when it changed.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Node, Taint};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType};
+use kube::{Resource, ResourceExt};
+
+use super::Context;
+use super::decide::{self, Facts, Failing, Observed, Pace, SetCounts};
+use crate::api::conditions::READY;
+use crate::api::machinedeployment::conditions::PROGRESSING;
+use crate::api::{
+    Machine, MachineDeployment, MachineSet, MachineSetSpec, MachineTemplate, REVISION_ANNOTATION,
+    ROLLOUT_TAINT_KEY, SUPERSEDED_ANNOTATION, TEMPLATE_HASH_LABEL,
+};
+use crate::machine::status::condition;
+use crate::machineset::decide::{selector_string, selects};
+use crate::machineset::order::{self, Candidate};
+use crate::machineset::reconcile::{candidate, facts, node_of};
+
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum Error {
+    #[error("MachineDeployment has no namespace or UID")]
+    Incomplete,
+    #[error("MachineSet {0} exists and is not this deployment's")]
+    NameTaken(String),
+    #[error("{what} MachineSet {set}: {source}")]
+    Set {
+        what: &'static str,
+        set: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("writing the status: {0}")]
+    Status(#[source] kube::Error),
+}
+
+/// One of the deployment's sets, with its Machines.
+struct Member {
+    set: Arc<MachineSet>,
+    machines: Vec<Arc<Machine>>,
+    counts: SetCounts,
+    revision: i64,
+}
+
+impl Member {
+    fn name(&self) -> String {
+        self.set.name_any()
+    }
+
+    fn active(&self) -> impl Iterator<Item = &Arc<Machine>> {
+        self.machines
+            .iter()
+            .filter(|m| m.metadata.deletion_timestamp.is_none())
+    }
+}
+
+pub(crate) async fn reconcile(
+    md: Arc<MachineDeployment>,
+    ctx: Arc<Context>,
+) -> Result<Action, Error> {
+    let (Some(ns), Some(uid)) = (md.namespace(), md.uid()) else {
+        return Err(Error::Incomplete);
+    };
+    if md.metadata.deletion_timestamp.is_some() {
+        // The garbage collector deletes its sets, and they their Machines.
+        return Ok(Action::await_change());
+    }
+    let now = Timestamp::now();
+    let hash = decide::template_hash(&md.spec.template);
+    let replicas = usize::try_from(md.spec.replicas).unwrap_or(0);
+    let rolling = md.spec.strategy.rolling_update.as_ref();
+    let pace = Pace::of(
+        md.spec.replicas,
+        rolling.and_then(|r| r.max_surge.as_ref()),
+        rolling.and_then(|r| r.max_unavailable.as_ref()),
+    );
+    let mismatch = (!selects(&md.spec.selector, &md.spec.template.metadata.labels)).then(|| {
+        format!(
+            "the selector ({}) does not match the template's labels: no MachineSet is made",
+            selector_string(&md.spec.selector)
+        )
+    });
+
+    // The decision and its writes, one deployment at a time.
+    let mut ledger = ctx.ledger.lock().await;
+    let members = members(&md, &ns, &uid, &ctx, &mut ledger, now);
+    let (mut new, mut old): (Vec<Member>, Vec<Member>) = members
+        .into_iter()
+        .partition(|m| m.set.labels().get(TEMPLATE_HASH_LABEL) == Some(&hash));
+    let mut held = None;
+    if !md.spec.paused && mismatch.is_none() {
+        let new_counts = new.first().map(|m| m.counts).unwrap_or_default();
+        let old_counts = sum(old.iter().map(|m| m.counts));
+        let step = decide::step(&Facts {
+            replicas,
+            strategy: md.spec.strategy.type_,
+            pace,
+            new: new_counts,
+            old: old_counts,
+            drains_everywhere: drains_everywhere(&ctx, &mut ledger),
+            drain_cap: ctx.drain_cap,
+        });
+        held = step.held;
+        let next_revision = new
+            .iter()
+            .chain(&old)
+            .map(|m| m.revision)
+            .max()
+            .unwrap_or(0)
+            + 1;
+        match new.first() {
+            None => {
+                let created =
+                    create_set(&md, &ns, &hash, step.new_replicas, next_revision, &ctx).await?;
+                ledger.wrote(&created);
+                let note = if old.is_empty() {
+                    format!(
+                        "created MachineSet {} with {} Machines",
+                        created.name_any(),
+                        step.new_replicas
+                    )
+                } else {
+                    format!(
+                        "rollout of template {hash} started: created MachineSet {} (revision {next_revision}); {} old Machines to replace",
+                        created.name_any(),
+                        old_counts.active + old_counts.deleting
+                    )
+                };
+                publish(&ctx, &md, "RolloutStarted", &note, Some(&created));
+            }
+            Some(m) => {
+                let revision_behind = m.revision < next_revision - 1;
+                let superseded = m.set.annotations().contains_key(SUPERSEDED_ANNOTATION);
+                let min_ready_changed = m.set.spec.min_ready_seconds != md.spec.min_ready_seconds;
+                if m.counts.replicas != step.new_replicas
+                    || superseded
+                    || revision_behind
+                    || min_ready_changed
+                {
+                    let mut patch = serde_json::json!({
+                        "spec": {"replicas": step.new_replicas, "minReadySeconds": md.spec.min_ready_seconds},
+                    });
+                    if superseded || revision_behind {
+                        // A rollback: an earlier template is current again.
+                        patch["metadata"] = serde_json::json!({"annotations": {
+                            SUPERSEDED_ANNOTATION: null,
+                            REVISION_ANNOTATION: next_revision.to_string(),
+                        }});
+                    }
+                    let written = patch_set(&ctx, &ns, &m.name(), patch, "scaling").await?;
+                    ledger.wrote(&written);
+                    if m.counts.replicas != step.new_replicas {
+                        publish(
+                            &ctx,
+                            &md,
+                            "ScaledNewMachineSet",
+                            &format!(
+                                "scaled MachineSet {} from {} to {}",
+                                m.name(),
+                                m.counts.replicas,
+                                step.new_replicas
+                            ),
+                            Some(&written),
+                        );
+                    }
+                    new[0].counts.replicas = step.new_replicas;
+                }
+            }
+        }
+        let new_name = new
+            .first()
+            .map(Member::name)
+            .unwrap_or_else(|| set_name(&md, &hash));
+        scale_old(
+            &md,
+            &ns,
+            &new_name,
+            &mut old,
+            step.delete_old,
+            &ctx,
+            &mut ledger,
+        )
+        .await?;
+    } else {
+        // Paused, or nothing can be made: no Machine is created or deleted
+        // for a step; old sets still stop replacing what an operator deleted.
+        let new_name = new
+            .first()
+            .map(Member::name)
+            .unwrap_or_else(|| set_name(&md, &hash));
+        scale_old(&md, &ns, &new_name, &mut old, 0, &ctx, &mut ledger).await?;
+    }
+    drop(ledger);
+
+    taint_old_nodes(&new, &old, &ctx).await;
+    trim_history(&md, &ns, &mut old, &ctx).await;
+
+    let new_counts = new.first().map(|m| m.counts).unwrap_or_default();
+    let failing = new.first().and_then(|m| {
+        m.active().find_map(|machine| {
+            let status = machine.status.as_ref();
+            let phase = status.and_then(|s| s.phase).map(|p| p.as_str());
+            let ready = condition(status, READY);
+            decide::failing(phase, ready.map(|c| c.reason.as_str())).then(|| Failing {
+                machine: machine.name_any(),
+                why: ready.map_or_else(
+                    || "phase Failed".to_string(),
+                    |c| format!("{}: {}", c.reason, c.message),
+                ),
+            })
+        })
+    });
+    let observed = Observed {
+        replicas,
+        paused: md.spec.paused,
+        hash: hash.clone(),
+        selector: selector_string(&md.spec.selector),
+        generation: md.metadata.generation,
+        pace,
+        new: new_counts,
+        old: sum(old.iter().map(|m| m.counts)),
+        held,
+        failing,
+        mismatch,
+        deadline: SignedDuration::from_secs(
+            md.spec
+                .progress_deadline_seconds
+                .map_or(decide::DEFAULT_PROGRESS_DEADLINE, i64::from),
+        ),
+    };
+    let current = md.status.clone().unwrap_or_default();
+    let (status, next_change) = decide::next_status(&current, &observed, now);
+    if status != current {
+        announce(&ctx, &md, &current, &status);
+        Api::<MachineDeployment>::namespaced(ctx.client.clone(), &ns)
+            .patch_status(
+                &md.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({ "status": status })),
+            )
+            .await
+            .map_err(Error::Status)?;
+    }
+    ctx.backoff.reset(&md);
+    // Only the progress deadline is a timer; every other change arrives as
+    // a watch event of a set, a Machine or a Node.
+    Ok(next_change
+        .and_then(|d| Duration::try_from(d).ok())
+        .map_or_else(Action::await_change, |d| {
+            Action::requeue(d + Duration::from_secs(1))
+        }))
+}
+
+/// The deployment's sets from the cache, each with its Machines and counts.
+fn members(
+    md: &MachineDeployment,
+    ns: &str,
+    uid: &str,
+    ctx: &Context,
+    ledger: &mut super::Ledger,
+    now: Timestamp,
+) -> Vec<Member> {
+    let min_ready = SignedDuration::from_secs(md.spec.min_ready_seconds.unwrap_or(0).into());
+    ctx.sets
+        .state()
+        .into_iter()
+        .filter(|s| s.namespace().as_deref() == Some(ns))
+        .filter(|s| {
+            s.owner_references()
+                .iter()
+                .any(|o| o.controller == Some(true) && o.uid == uid)
+        })
+        .map(|set| {
+            let machines: Vec<Arc<Machine>> = set
+                .uid()
+                .map(|u| ctx.caches.machines_by_set.get(&ctx.caches.machines, &u))
+                .unwrap_or_default();
+            let mut counts = SetCounts {
+                replicas: ledger.replicas(&set),
+                ..SetCounts::default()
+            };
+            for m in &machines {
+                if m.metadata.deletion_timestamp.is_some() {
+                    counts.deleting += 1;
+                    continue;
+                }
+                counts.active += 1;
+                let f = facts(m, &ctx.caches);
+                if f.ready() {
+                    counts.ready += 1;
+                    let since = f.ready_since.unwrap_or(now);
+                    if now.duration_since(since) >= min_ready {
+                        counts.available += 1;
+                    }
+                }
+            }
+            let revision = set
+                .annotations()
+                .get(REVISION_ANNOTATION)
+                .and_then(|r| r.parse().ok())
+                .unwrap_or(0);
+            Member {
+                set,
+                machines,
+                counts,
+                revision,
+            }
+        })
+        .collect()
+}
+
+fn sum(counts: impl Iterator<Item = SetCounts>) -> SetCounts {
+    counts.fold(SetCounts::default(), |a, c| SetCounts {
+        replicas: a.replicas + c.replicas,
+        active: a.active + c.active,
+        deleting: a.deleting + c.deleting,
+        ready: a.ready + c.ready,
+        available: a.available + c.available,
+    })
+}
+
+/// Old Machines being deleted by the rollouts of every deployment, the
+/// deletions asked of their sets and not yet begun included.
+fn drains_everywhere(ctx: &Context, ledger: &mut super::Ledger) -> usize {
+    ctx.sets
+        .state()
+        .iter()
+        .filter(|s| s.annotations().contains_key(SUPERSEDED_ANNOTATION))
+        .map(|s| {
+            let machines = s
+                .uid()
+                .map(|u| ctx.caches.machines_by_set.get(&ctx.caches.machines, &u))
+                .unwrap_or_default();
+            let deleting = machines
+                .iter()
+                .filter(|m| m.metadata.deletion_timestamp.is_some())
+                .count();
+            let active = machines.len() - deleting;
+            deleting + active.saturating_sub(ledger.replicas(s))
+        })
+        .sum()
+}
+
+fn set_name(md: &MachineDeployment, hash: &str) -> String {
+    format!("{}-{hash}", md.name_any())
+}
+
+/// Makes the set of the current template, named `<deployment>-<hash>` so
+/// that a second attempt (a cache a step behind) finds it taken.
+async fn create_set(
+    md: &MachineDeployment,
+    ns: &str,
+    hash: &str,
+    replicas: usize,
+    revision: i64,
+    ctx: &Context,
+) -> Result<MachineSet, Error> {
+    let name = set_name(md, hash);
+    let mut template: MachineTemplate = md.spec.template.clone();
+    template
+        .metadata
+        .labels
+        .insert(TEMPLATE_HASH_LABEL.into(), hash.into());
+    let mut selector: LabelSelector = md.spec.selector.clone();
+    selector
+        .match_labels
+        .get_or_insert_with(BTreeMap::new)
+        .insert(TEMPLATE_HASH_LABEL.into(), hash.into());
+    let set = MachineSet {
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            namespace: Some(ns.into()),
+            labels: Some(template.metadata.labels.clone()),
+            annotations: Some(BTreeMap::from([(
+                REVISION_ANNOTATION.to_string(),
+                revision.to_string(),
+            )])),
+            owner_references: md.controller_owner_ref(&()).map(|o| vec![o]),
+            ..ObjectMeta::default()
+        },
+        spec: MachineSetSpec {
+            replicas: i32::try_from(replicas).unwrap_or(i32::MAX),
+            selector,
+            min_ready_seconds: md.spec.min_ready_seconds,
+            template,
+        },
+        status: None,
+    };
+    let api: Api<MachineSet> = Api::namespaced(ctx.client.clone(), ns);
+    match api.create(&PostParams::default(), &set).await {
+        Ok(created) => Ok(created),
+        Err(kube::Error::Api(s)) if s.code == 409 => {
+            let existing = api.get(&name).await.map_err(|source| Error::Set {
+                what: "reading",
+                set: name.clone(),
+                source,
+            })?;
+            if existing
+                .owner_references()
+                .iter()
+                .any(|o| o.controller == Some(true) && Some(o.uid.as_str()) == md.uid().as_deref())
+            {
+                Ok(existing)
+            } else {
+                Err(Error::NameTaken(name))
+            }
+        }
+        Err(source) => Err(Error::Set {
+            what: "creating",
+            set: name,
+            source,
+        }),
+    }
+}
+
+async fn patch_set(
+    ctx: &Context,
+    ns: &str,
+    name: &str,
+    patch: serde_json::Value,
+    what: &'static str,
+) -> Result<MachineSet, Error> {
+    Api::<MachineSet>::namespaced(ctx.client.clone(), ns)
+        .patch(name, &PatchParams::default(), &Patch::Merge(patch))
+        .await
+        .map_err(|source| Error::Set {
+            what,
+            set: name.into(),
+            source,
+        })
+}
+
+/// Marks the old sets superseded, lowers each to the Machines it still has
+/// (so none is replaced by the old template), and takes `delete` more old
+/// Machines away: those the deletion order puts first among all old
+/// Machines not yet asked for, each by lowering its own set.
+async fn scale_old(
+    md: &MachineDeployment,
+    ns: &str,
+    new_name: &str,
+    old: &mut [Member],
+    delete: usize,
+    ctx: &Context,
+    ledger: &mut super::Ledger,
+) -> Result<(), Error> {
+    // The Machines each old set will delete already: its own first ones.
+    let mut candidates: Vec<(usize, Candidate)> = Vec::new();
+    for (i, m) in old.iter().enumerate() {
+        let own: Vec<Candidate> = m.active().map(|x| candidate(x, &ctx.caches)).collect();
+        let asked: HashSet<String> = order::choose(own.clone(), m.counts.asked_to_delete())
+            .into_iter()
+            .map(|c| c.name)
+            .collect();
+        candidates.extend(
+            own.into_iter()
+                .filter(|c| !asked.contains(&c.name))
+                .map(|c| (i, c)),
+        );
+    }
+    let chosen = order::choose(candidates.iter().map(|(_, c)| c.clone()).collect(), delete);
+    let mut lower = vec![0usize; old.len()];
+    let mut goes: Vec<Vec<&order::Chosen>> = vec![Vec::new(); old.len()];
+    for c in &chosen {
+        if let Some((i, _)) = candidates.iter().find(|(_, x)| x.name == c.name) {
+            lower[*i] += 1;
+            goes[*i].push(c);
+        }
+    }
+    for (i, m) in old.iter_mut().enumerate() {
+        let keep = m
+            .counts
+            .replicas
+            .min(m.counts.active)
+            .saturating_sub(lower[i]);
+        let marked = m
+            .set
+            .annotations()
+            .get(SUPERSEDED_ANNOTATION)
+            .map(String::as_str)
+            == Some(new_name);
+        if keep == m.counts.replicas && marked {
+            continue;
+        }
+        let patch = serde_json::json!({
+            "metadata": {"annotations": {SUPERSEDED_ANNOTATION: new_name}},
+            "spec": {"replicas": keep},
+        });
+        let written = patch_set(ctx, ns, &m.name(), patch, "scaling down").await?;
+        ledger.wrote(&written);
+        // One Event per Machine (an Event names one related object, and
+        // Events that differ only in their note are folded into one).
+        for c in &goes[i] {
+            let machine = m.machines.iter().find(|x| x.name_any() == c.name);
+            ctx.events.publish(
+                Event {
+                    type_: EventType::Normal,
+                    reason: "ScaledOldMachineSet".into(),
+                    note: Some(format!(
+                        "scaled old MachineSet {} from {} to {keep} so that Machine {} goes: {}",
+                        m.name(),
+                        m.counts.replicas,
+                        c.name,
+                        c.reason
+                    )),
+                    action: "ScaleMachineSet".into(),
+                    secondary: machine.map(|x| x.object_ref(&())),
+                },
+                md.object_ref(&()),
+            );
+            tracing::info!(machinedeployment = %md.name_any(), machineset = %m.name(), machine = %c.name, why = c.why.as_str(), "old Machine goes for the rollout: {}", c.reason);
+        }
+        m.counts.replicas = keep;
+    }
+    Ok(())
+}
+
+/// `PreferNoSchedule` on the Nodes of the old Machines, none on the new
+/// ones': the pods evicted from the first old Machines land on new ones,
+/// not on old ones drained next. Best effort: a Node written in between
+/// (a conflict) is tried again on its next event.
+async fn taint_old_nodes(new: &[Member], old: &[Member], ctx: &Context) {
+    let want = old.iter().flat_map(|m| m.active()).map(|m| (m, true));
+    let drop = new.iter().flat_map(|m| m.active()).map(|m| (m, false));
+    for (machine, tainted) in want.chain(drop) {
+        let Some(node) = node_of(machine, &ctx.caches) else {
+            continue;
+        };
+        let mut taints: Vec<Taint> = node
+            .spec
+            .as_ref()
+            .and_then(|s| s.taints.clone())
+            .unwrap_or_default();
+        let has = taints.iter().any(|t| t.key == ROLLOUT_TAINT_KEY);
+        if has == tainted {
+            continue;
+        }
+        if tainted {
+            taints.push(Taint {
+                key: ROLLOUT_TAINT_KEY.into(),
+                value: Some("old".into()),
+                effect: "PreferNoSchedule".into(),
+                ..Taint::default()
+            });
+        } else {
+            taints.retain(|t| t.key != ROLLOUT_TAINT_KEY);
+        }
+        let patch = serde_json::json!({
+            "metadata": {"resourceVersion": node.resource_version()},
+            "spec": {"taints": taints},
+        });
+        if let Err(e) = Api::<Node>::all(ctx.client.clone())
+            .patch(
+                &node.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(patch),
+            )
+            .await
+        {
+            tracing::debug!(node = %node.name_any(), error = %e, "rollout taint not written; next event retries");
+        }
+    }
+}
+
+/// Deletes old sets without Machines beyond `revisionHistoryLimit`, the
+/// oldest revisions first.
+async fn trim_history(md: &MachineDeployment, ns: &str, old: &mut Vec<Member>, ctx: &Context) {
+    let limit = usize::try_from(
+        md.spec
+            .revision_history_limit
+            .unwrap_or(decide::DEFAULT_HISTORY),
+    )
+    .unwrap_or(0);
+    let mut empty: Vec<&Member> = old
+        .iter()
+        .filter(|m| m.counts.replicas == 0 && m.machines.is_empty())
+        .collect();
+    if empty.len() <= limit {
+        return;
+    }
+    empty.sort_by_key(|m| m.revision);
+    let gone: Vec<String> = empty[..empty.len() - limit]
+        .iter()
+        .map(|m| m.name())
+        .collect();
+    let api: Api<MachineSet> = Api::namespaced(ctx.client.clone(), ns);
+    for name in &gone {
+        let Some(m) = old.iter().find(|m| &m.name() == name) else {
+            continue;
+        };
+        let dp = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: m.set.uid(),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        match api.delete(name, &dp).await {
+            Ok(_) => {
+                tracing::info!(machinedeployment = %md.name_any(), machineset = %name, "deleted an old MachineSet beyond the revision history")
+            }
+            Err(e) => {
+                tracing::debug!(machineset = %name, error = %e, "old MachineSet not deleted; next reconcile retries")
+            }
+        }
+    }
+    old.retain(|m| !gone.contains(&m.name()));
+}
+
+/// Events for the transitions of `Progressing` an operator acts on.
+fn announce(
+    ctx: &Context,
+    md: &MachineDeployment,
+    before: &crate::api::MachineDeploymentStatus,
+    after: &crate::api::MachineDeploymentStatus,
+) {
+    let reason = |s: &crate::api::MachineDeploymentStatus| {
+        s.conditions
+            .iter()
+            .find(|c| c.type_ == PROGRESSING)
+            .map(|c| (c.reason.clone(), c.message.clone()))
+    };
+    let (Some((now, message)), then) = (reason(after), reason(before)) else {
+        return;
+    };
+    if then.as_ref().map(|(r, _)| r) == Some(&now) {
+        return;
+    }
+    let warning = matches!(
+        now.as_str(),
+        "NewMachineFailed" | "ProgressDeadlineExceeded" | "SelectorMismatch"
+    );
+    if !warning && now != "RolloutComplete" {
+        return;
+    }
+    if now == "RolloutComplete" && then.is_none() {
+        // A deployment made complete from the start: nothing rolled.
+        return;
+    }
+    ctx.events.publish(
+        Event {
+            type_: if warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: now,
+            note: Some(message),
+            action: "Rollout".into(),
+            secondary: None,
+        },
+        md.object_ref(&()),
+    );
+}
+
+fn publish(
+    ctx: &Context,
+    md: &MachineDeployment,
+    reason: &str,
+    note: &str,
+    set: Option<&MachineSet>,
+) {
+    tracing::info!(machinedeployment = %md.name_any(), namespace = md.namespace().unwrap_or_default(), reason, "{note}");
+    ctx.events.publish(
+        Event {
+            type_: EventType::Normal,
+            reason: reason.into(),
+            note: Some(note.into()),
+            action: "ScaleMachineSet".into(),
+            secondary: set.map(|s| s.object_ref(&())),
+        },
+        md.object_ref(&()),
+    );
+}

@@ -202,9 +202,22 @@ const CLUSTER_GRANTS: &[(&str, &[&str], &[&str])] = &[
     ("berth.dev", &["machines/status"], &["get", "patch"]),
     ("berth.dev", &["machines/finalizers"], &["update"]),
     ("berth.dev", &["machineclasses"], &["get", "list", "watch"]),
-    ("berth.dev", &["machinesets"], &["list", "watch"]),
-    ("berth.dev", &["machinesets/status"], &["patch"]),
-    ("berth.dev", &["machinesets/finalizers"], &["update"]),
+    (
+        "berth.dev",
+        &["machinesets"],
+        &["list", "watch", "create", "patch", "delete"],
+    ),
+    (
+        "berth.dev",
+        &["machinesets/status", "machinedeployments/status"],
+        &["patch"],
+    ),
+    ("berth.dev", &["machinedeployments"], &["list", "watch"]),
+    (
+        "berth.dev",
+        &["machinesets/finalizers", "machinedeployments/finalizers"],
+        &["update"],
+    ),
     ("", &["nodes"], &["get", "list", "watch", "patch", "delete"]),
     ("", &["pods"], &["get", "list", "watch", "delete"]),
     ("", &["pods/eviction"], &["create"]),
@@ -1384,6 +1397,7 @@ async fn the_chart_installs_and_its_service_account_drains_a_machine_then_upgrad
         "machines.berth.dev",
         "machineclasses.berth.dev",
         "machinesets.berth.dev",
+        "machinedeployments.berth.dev",
     ] {
         let established = kube::runtime::wait::await_condition(
             crds.clone(),
@@ -1712,6 +1726,7 @@ async fn the_chart_installs_and_its_service_account_drains_a_machine_then_upgrad
         "machines.berth.dev",
         "machineclasses.berth.dev",
         "machinesets.berth.dev",
+        "machinedeployments.berth.dev",
     ] {
         assert!(
             crds.get_opt(name).await.expect("get CRD").is_some(),

@@ -532,6 +532,7 @@ pub async fn run(
         sets,
         ctx.events.clone(),
         settings.max_concurrent_drains,
+        Arc::clone(&metrics),
         synced,
         deployment_wakes,
         shutdown.clone(),

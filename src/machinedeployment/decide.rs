@@ -232,7 +232,8 @@ fn rolling(f: &Facts) -> Step {
             held: None,
         };
     }
-    let old_unready = old_active.saturating_sub(f.old.ready.saturating_sub(f.old.asked_to_delete()));
+    let old_unready =
+        old_active.saturating_sub(f.old.ready.saturating_sub(f.old.asked_to_delete()));
     let available = (f.new.available + f.old.available).saturating_sub(f.old.asked_to_delete());
     let min_available = f.replicas.saturating_sub(f.pace.unavailable);
     let limits = [

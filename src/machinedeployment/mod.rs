@@ -34,6 +34,7 @@ use kube::{Client, ResourceExt};
 
 use crate::api::{MachineDeployment, MachineSet};
 use crate::machineset::Caches;
+use crate::telemetry::Metrics;
 use crate::telemetry::events::EventSink;
 
 use reconcile::Error;
@@ -49,6 +50,7 @@ pub(crate) struct Context {
     pub(crate) drain_cap: usize,
     /// Held while a deployment decides and writes its next step.
     pub(crate) ledger: tokio::sync::Mutex<Ledger>,
+    pub(crate) metrics: Arc<Metrics>,
     backoff: crate::machine::backoff::Backoffs<MachineDeployment>,
 }
 
@@ -106,6 +108,7 @@ pub(crate) async fn run(
     sets: Store<MachineSet>,
     events: EventSink,
     drain_cap: usize,
+    metrics: Arc<Metrics>,
     mut synced: tokio::sync::watch::Receiver<bool>,
     wakes: impl Stream<Item = ObjectRef<MachineDeployment>> + Send + 'static,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + Clone + 'static,
@@ -127,14 +130,21 @@ pub(crate) async fn run(
         events,
         drain_cap,
         ledger: tokio::sync::Mutex::new(Ledger::default()),
+        metrics: Arc::clone(&metrics),
         backoff: Default::default(),
     });
     tracing::info!(drain_cap, "reconciling MachineDeployments");
-    Controller::new(api, watcher::Config::default())
+    let controller = Controller::new(api, watcher::Config::default());
+    let deployments = controller.store();
+    controller
         .reconcile_on(wakes)
         .graceful_shutdown_on(shutdown)
         .run(reconcile::reconcile, error_policy, ctx)
         .for_each(|result| {
+            let stalled = deployments.state().iter().filter(|d| stalled(d)).count();
+            metrics
+                .machinedeployments_stalled
+                .set(i64::try_from(stalled).unwrap_or(i64::MAX));
             match result {
                 Ok((md, _)) => tracing::debug!(machinedeployment = %md, "reconciled"),
                 Err(e) => tracing::debug!(error = %e, "MachineDeployment reconcile failed"),
@@ -142,6 +152,13 @@ pub(crate) async fn run(
             futures::future::ready(())
         })
         .await;
+}
+
+/// Its Progressing condition is False.
+fn stalled(md: &MachineDeployment) -> bool {
+    md.status.iter().flat_map(|s| &s.conditions).any(|c| {
+        c.type_ == crate::api::machinedeployment::conditions::PROGRESSING && c.status == "False"
+    })
 }
 
 fn error_policy(md: Arc<MachineDeployment>, error: &Error, ctx: Arc<Context>) -> Action {

@@ -108,7 +108,13 @@ pub(crate) async fn reconcile(
             pace,
             new: new_counts,
             old: old_counts,
-            drains_everywhere: drains_everywhere(&ctx, &mut ledger),
+            drains_everywhere: {
+                let n = drains_everywhere(&ctx, &mut ledger);
+                ctx.metrics
+                    .rollout_drains
+                    .set(i64::try_from(n).unwrap_or(i64::MAX));
+                n
+            },
             drain_cap: ctx.drain_cap,
         });
         held = step.held;
@@ -501,6 +507,7 @@ async fn scale_old(
         // One Event per Machine (an Event names one related object, and
         // Events that differ only in their note are folded into one).
         for c in &goes[i] {
+            ctx.metrics.rollout_machines_replaced.inc();
             let machine = m.machines.iter().find(|x| x.name_any() == c.name);
             ctx.events.publish(
                 Event {

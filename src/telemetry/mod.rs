@@ -186,6 +186,14 @@ pub struct Metrics {
     /// `berth_orphan_vms_total{driver,outcome}`: orphan VMs found, per
     /// round, by what became of them.
     pub orphan_vms: IntCounterVec,
+    /// `berth_rollout_drains`: old Machines being deleted by rollouts now.
+    pub rollout_drains: IntGauge,
+    /// `berth_rollout_machines_replaced_total`: old Machines rollouts chose
+    /// to delete.
+    pub rollout_machines_replaced: IntCounter,
+    /// `berth_machinedeployments_stalled`: deployments whose Progressing
+    /// condition is False.
+    pub machinedeployments_stalled: IntGauge,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -353,6 +361,18 @@ impl Metrics {
             ),
             &["driver", "outcome"],
         )?)?;
+        let rollout_drains = r.add(IntGauge::new(
+            "berth_rollout_drains",
+            "Old Machines that MachineDeployment rollouts are deleting now, across every deployment, counted against --max-concurrent-drains (deletions asked of a MachineSet and not yet begun included).",
+        )?)?;
+        let rollout_machines_replaced = r.add(IntCounter::new(
+            "berth_rollout_machines_replaced_total",
+            "Old Machines that MachineDeployment rollouts chose to delete (each one lowers its old MachineSet by one).",
+        )?)?;
+        let machinedeployments_stalled = r.add(IntGauge::new(
+            "berth_machinedeployments_stalled",
+            "MachineDeployments whose Progressing condition is False: a new Machine failing (NewMachineFailed), no progress within progressDeadlineSeconds (ProgressDeadlineExceeded), or a template its selector does not match.",
+        )?)?;
 
         // Series with a closed set of label values exist from the start, so
         // rate() and absent() work before the first event.
@@ -382,6 +402,9 @@ impl Metrics {
             node_not_ready_machines,
             leader,
             orphan_vms,
+            rollout_drains,
+            rollout_machines_replaced,
+            machinedeployments_stalled,
         })
     }
 
@@ -599,7 +622,7 @@ impl Drop for GaugeHold {
 mod tests {
     use super::*;
 
-    const ALL_NAMES: [&str; 17] = [
+    const ALL_NAMES: [&str; 20] = [
         "berth_machines",
         "berth_reconcile_total",
         "berth_reconcile_duration_seconds",
@@ -617,6 +640,9 @@ mod tests {
         "berth_node_not_ready_machines",
         "berth_leader",
         "berth_orphan_vms_total",
+        "berth_rollout_drains",
+        "berth_rollout_machines_replaced_total",
+        "berth_machinedeployments_stalled",
     ];
 
     fn count(m: &Metrics, result: &str) -> u64 {

@@ -198,15 +198,9 @@ pub(crate) async fn reconcile(
             &mut ledger,
         )
         .await?;
-    } else {
-        // Paused, or nothing can be made: no Machine is created or deleted
-        // for a step; old sets still stop replacing what an operator deleted.
-        let new_name = new
-            .first()
-            .map(Member::name)
-            .unwrap_or_else(|| set_name(&md, &hash));
-        scale_old(&md, &ns, &new_name, &mut old, 0, &ctx, &mut ledger).await?;
     }
+    // Paused, or nothing can be made: no set is touched. Drains in progress
+    // finish (they are the Machine controller's); nothing new starts.
     drop(ledger);
 
     taint_old_nodes(&new, &old, &ctx).await;

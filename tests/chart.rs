@@ -1091,6 +1091,7 @@ async fn rendered_objects_validate_against_the_test_beds_own_schemas() {
         &deploy.join("crds.yaml"),
         &deploy.join("examples/machineclass.yaml"),
         &deploy.join("examples/machine.yaml"),
+        &deploy.join("examples/machinedeployment.yaml"),
     ];
     let expected: usize = files
         .iter()

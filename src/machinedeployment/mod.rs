@@ -14,7 +14,7 @@
 //! controller's caches plus one of MachineSets. A Machine event (or its
 //! Node's) wakes the deployment of its set, and a MachineSet event its
 //! deployment, so nothing polls. Writes to a set's `spec.replicas` are
-//! remembered until the cache has seen them ([`Ledger`]), so a reconcile
+//! remembered until the cache has seen them (`Ledger`), so a reconcile
 //! that runs on a cache a step behind never asks for a deletion twice; and
 //! the decisions that count drains across deployments are taken one
 //! deployment at a time, so the global cap holds.

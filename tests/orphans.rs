@@ -212,8 +212,20 @@ async fn a_tagged_orphan_is_kept_while_young_then_collected() {
     }
     wait_gone(&client, ns, &["fake-vm-ghost", "fake-vm-again"]).await;
 
-    // Not before the grace period, by the API server's clock.
-    let deleted = deletes(ns, bed().await);
+    // Not before the grace period, by the API server's clock. The audit
+    // line of a delete is written once its response is complete, which can
+    // be after the watch has told the deletion: read until both are there.
+    let mut deleted = deletes(ns, bed().await);
+    for _ in 0..50 {
+        if [&ghost, &earlier]
+            .iter()
+            .all(|cm| deleted.iter().any(|(n, _)| *n == cm.name_any()))
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        deleted = deletes(ns, bed().await);
+    }
     for cm in [&ghost, &earlier] {
         let created = cm.metadata.creation_timestamp.as_ref().expect("created").0;
         let at: Vec<Timestamp> = deleted

@@ -62,11 +62,14 @@ pub struct Load {
 /// evictions, `status.drain` written at most once a second per Machine plus
 /// each completed volume step, an Event per step, a restarted controller's
 /// re-lists) came to 12 to 61 requests over the 21 cases of the drain,
-/// volume-kind and force tests when measured. The ceiling is 100 in
-/// any 10 seconds (10 a second): above every case's measured busiest
-/// window, and a sixth of the loop the issue measured, which exceeds it
-/// within its first 2 seconds.
-pub const PEAK_10S_CEILING: usize = 100;
+/// volume-kind and force tests when measured. The MachineSet scale case
+/// packs all of its work (three Machines made, two drained and deleted,
+/// a Node with a stateful pod) into two seconds: 88 to 103 requests,
+/// depending on how many status writes met a conflict on a loaded machine.
+/// The ceiling is 150 in any 10 seconds (15 a second): above every case's
+/// measured busiest window, and a quarter of the loop the issue measured,
+/// which exceeds it within its first 3 seconds.
+pub const PEAK_10S_CEILING: usize = 150;
 
 /// The controller's requests (watches aside) for the case in namespace
 /// `ns` (each case has a namespace of its own, and its controller acts in

@@ -143,7 +143,14 @@ pub(crate) async fn reconcile(
                         old_counts.active + old_counts.deleting
                     )
                 };
-                publish(&ctx, &md, "RolloutStarted", &note, Some(&created));
+                publish(
+                    &ctx,
+                    &md,
+                    "RolloutStarted",
+                    "CreateMachineSet",
+                    &note,
+                    Some(&created),
+                );
             }
             Some(m) => {
                 let revision_behind = m.revision < next_revision - 1;
@@ -171,6 +178,13 @@ pub(crate) async fn reconcile(
                             &ctx,
                             &md,
                             "ScaledNewMachineSet",
+                            // Ups and downs apart: Events alike in reason,
+                            // action and objects fold into one series.
+                            if step.new_replicas > m.counts.replicas {
+                                "ScaleUp"
+                            } else {
+                                "ScaleDown"
+                            },
                             &format!(
                                 "scaled MachineSet {} from {} to {}",
                                 m.name(),
@@ -668,6 +682,7 @@ fn publish(
     ctx: &Context,
     md: &MachineDeployment,
     reason: &str,
+    action: &str,
     note: &str,
     set: Option<&MachineSet>,
 ) {
@@ -677,7 +692,7 @@ fn publish(
             type_: EventType::Normal,
             reason: reason.into(),
             note: Some(note.into()),
-            action: "ScaleMachineSet".into(),
+            action: action.into(),
             secondary: set.map(|s| s.object_ref(&())),
         },
         md.object_ref(&()),

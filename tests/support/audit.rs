@@ -126,6 +126,20 @@ pub fn load(bed: &TestBed, ns: &str) -> Load {
 /// Asserts that the controller made no request loop in the case in `ns`
 /// (see [`PEAK_10S_CEILING`]), and prints its load for the record.
 pub fn assert_no_request_loop(bed: &TestBed, case: &str, ns: &str) {
+    assert_no_request_loop_below(bed, case, ns, PEAK_10S_CEILING);
+}
+
+/// The ceiling for a MachineDeployment rollout case: a rollout of 4
+/// Machines on the fake provider makes and deletes 8 Machines, scales two
+/// sets and writes the deployment's status at each step, all within 10
+/// seconds: 244 to 254 requests measured, about 31 per Machine made or
+/// deleted. 400 is above that and still a sixth of a 60/s loop's first 10 s
+/// beyond the case's work.
+pub const ROLLOUT_PEAK_10S_CEILING: usize = 400;
+
+/// [`assert_no_request_loop`] with the ceiling of a case that does more
+/// work in 10 seconds than a drain case.
+pub fn assert_no_request_loop_below(bed: &TestBed, case: &str, ns: &str, ceiling: usize) {
     let l = load(bed, ns);
     eprintln!(
         "requests: {case}: {} in {:.0} s ({:.2}/s), busiest 10 s: {} ({:?})",
@@ -140,8 +154,8 @@ pub fn assert_no_request_loop(bed: &TestBed, case: &str, ns: &str) {
         "{case}: no request of the controller in the audit log"
     );
     assert!(
-        l.peak_10s <= PEAK_10S_CEILING,
-        "{case}: {} requests in 10 s (ceiling {PEAK_10S_CEILING}): {:?}",
+        l.peak_10s <= ceiling,
+        "{case}: {} requests in 10 s (ceiling {ceiling}): {:?}",
         l.peak_10s,
         l.peak_kinds
     );

@@ -1,0 +1,1059 @@
+//! MachineDeployments end to end: real kube-apiserver, controller-manager
+//! (StatefulSet, PV, attach-detach and garbage collector controllers),
+//! scheduler and kwok with simulated CSI attach and detach delays, Machines
+//! of the fake provider. The pace of a rollout and the moves of its pods are
+//! read from a timeline that watches record while it runs
+//! (`support::rollout`), the reasons from the Events berth recorded.
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use berth::api::{
+    DELETE_PRIORITY_ANNOTATION, Machine, MachineDeployment, MachineDeploymentStatus, MachineSet,
+    ROLLOUT_TAINT_KEY, SUPERSEDED_ANNOTATION, TEMPLATE_HASH_LABEL,
+};
+use berth::providers::fake::FakeProvider;
+use berth_devkit::testbed::fixtures::{csi_pv, stateful_set};
+use berth_devkit::testbed::{TestBed, wait};
+use k8s_openapi::api::autoscaling::v1::Scale;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use support::audit::{ROLLOUT_PEAK_10S_CEILING, assert_no_request_loop_below, controller};
+use support::pool::{
+    POOL, create, delayed_bed, delayed_client, gone, json, pod_running, pool_class, start_delayed,
+};
+use support::process::Berth;
+use support::rollout::{Pace, Seen, Timeline, log_of};
+use support::{LONG, phase};
+
+const ATTACH: Duration = Duration::from_millis(500);
+const DETACH: Duration = Duration::from_millis(500);
+/// How long a test watches for something that must not happen.
+const QUIET: Duration = Duration::from_secs(5);
+
+async fn bed() -> &'static TestBed {
+    delayed_bed(ATTACH, DETACH).await
+}
+
+async fn client() -> Client {
+    delayed_client(ATTACH, DETACH).await
+}
+
+/// The controller for the case in `ns`, in this process, as its own
+/// audited identity.
+async fn start(ns: &str) -> support::Running {
+    start_delayed(ATTACH, DETACH, ns, ns).await
+}
+
+/// A MachineDeployment `name` of `replicas` Machines of class `class`,
+/// selected by `md: <name>`, with `strategy` (`null` for the default).
+fn deployment(
+    name: &str,
+    replicas: i32,
+    class: &str,
+    strategy: serde_json::Value,
+) -> MachineDeployment {
+    let mut spec = serde_json::json!({
+        "replicas": replicas,
+        "selector": {"matchLabels": {"md": name}},
+        "template": {
+            "metadata": {"labels": {"md": name}},
+            "spec": {"classRef": {"name": class}}
+        }
+    });
+    if !strategy.is_null() {
+        spec["strategy"] = strategy;
+    }
+    json(serde_json::json!({
+        "apiVersion": "berth.dev/v1alpha1",
+        "kind": "MachineDeployment",
+        "metadata": {"name": name},
+        "spec": spec
+    }))
+}
+
+fn rolling(surge: serde_json::Value, unavailable: serde_json::Value) -> serde_json::Value {
+    serde_json::json!({
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable}
+    })
+}
+
+fn deployments(client: &Client, ns: &str) -> Api<MachineDeployment> {
+    Api::namespaced(client.clone(), ns)
+}
+
+/// A fake class `name` whose Nodes join pool `pool`, with more of the fake
+/// driver's `providerSpec` (`deleteDelay`, or a field it refuses).
+async fn class_in_pool(client: &Client, name: &str, pool: &str, more: serde_json::Value) {
+    let mut provider_spec = serde_json::json!({"nodeLabels": {POOL: pool}});
+    if let (Some(spec), Some(more)) = (provider_spec.as_object_mut(), more.as_object()) {
+        spec.extend(more.clone());
+    }
+    let mut c = support::class(name, "fake", provider_spec);
+    c.spec.drain = Some(json(serde_json::json!({"timeout": "5m"})));
+    create(Api::all(client.clone()), c).await;
+}
+
+fn progressing(d: &MachineDeployment) -> Option<&Condition> {
+    condition(d, "Progressing")
+}
+
+fn condition<'a>(d: &'a MachineDeployment, type_: &str) -> Option<&'a Condition> {
+    d.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+}
+
+/// Waits until the deployment's status describes its current generation
+/// and `f` holds of it.
+async fn status_until(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    what: &str,
+    f: impl Fn(&MachineDeployment, &MachineDeploymentStatus) -> bool,
+) -> MachineDeployment {
+    let d = wait::for_one(
+        deployments(client, ns),
+        LONG,
+        &format!("{name}: {what}"),
+        |d| {
+            d.name_any() == name
+                && d.status
+                    .as_ref()
+                    .is_some_and(|s| s.observed_generation == d.metadata.generation && f(d, s))
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    (*d).clone()
+}
+
+/// Waits for Progressing to have `reason`, with `updated` Machines of the
+/// current template.
+async fn rollout_is(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    reason: &str,
+    updated: i32,
+) -> MachineDeployment {
+    status_until(
+        client,
+        ns,
+        name,
+        &format!("Progressing {reason}, {updated} updated"),
+        |d, s| s.updated_replicas == updated && progressing(d).is_some_and(|c| c.reason == reason),
+    )
+    .await
+}
+
+fn hash(d: &MachineDeployment) -> String {
+    d.status
+        .as_ref()
+        .and_then(|s| s.template_hash.clone())
+        .expect("the status names the template's hash")
+}
+
+/// Waits until the Machines of template `hash` that are not being deleted
+/// are `n`, all Running; returns them by name.
+async fn running_of(client: &Client, ns: &str, hash: &str, n: usize) -> Vec<Machine> {
+    let of = |m: &Machine| {
+        m.labels().get(TEMPLATE_HASH_LABEL).map(String::as_str) == Some(hash)
+            && m.metadata.deletion_timestamp.is_none()
+    };
+    let all = wait::until(
+        Api::<Machine>::namespaced(client.clone(), ns),
+        LONG,
+        &format!("{n} Machines of template {hash} Running"),
+        |ms| {
+            let live: Vec<_> = ms.iter().filter(|m| of(m)).collect();
+            live.len() == n && live.iter().all(|m| phase(m) == Some("Running"))
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut ms: Vec<Machine> = all
+        .iter()
+        .filter(|m| of(m))
+        .map(|m| (**m).clone())
+        .collect();
+    ms.sort_by_key(|m| m.name_any());
+    ms
+}
+
+fn nodes_of(ns: &str, machines: &[Machine]) -> BTreeSet<String> {
+    machines
+        .iter()
+        .map(|m| FakeProvider::node_name(ns, &m.name_any()))
+        .collect()
+}
+
+/// Berth's Events of `reason` about `regarding` in `ns`, once there are
+/// `n`, oldest first.
+async fn events_of(
+    client: &Client,
+    ns: &str,
+    regarding: &str,
+    reason: &str,
+    n: usize,
+) -> Vec<Event> {
+    let about = |e: &Event| {
+        e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(regarding)
+            && e.reason.as_deref() == Some(reason)
+    };
+    let all = wait::until(
+        Api::<Event>::namespaced(client.clone(), ns),
+        LONG,
+        &format!("{n} {reason} Events about {regarding}"),
+        |evs| evs.iter().filter(|e| about(e)).count() >= n,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let mut out: Vec<Event> = all
+        .iter()
+        .filter(|e| about(e))
+        .map(|e| (**e).clone())
+        .collect();
+    out.sort_by_key(|e| e.event_time.as_ref().map(|t| t.0));
+    out
+}
+
+fn notes(evs: &[Event]) -> Vec<String> {
+    evs.iter()
+        .map(|e| e.note.clone().unwrap_or_default())
+        .collect()
+}
+
+/// A StatefulSet `name` of `replicas` pods kept to the pool's Nodes, each
+/// with a volume: a pre-bound CSI PV per replica.
+async fn stateful(client: &Client, ns: &str, name: &str, replicas: i32) {
+    for i in 0..replicas {
+        let pv = format!("{ns}-{name}-{i}");
+        create(
+            Api::all(client.clone()),
+            csi_pv(&pv, &format!("vol-{pv}"), ns, &format!("data-{name}-{i}")),
+        )
+        .await;
+    }
+    let mut sts = stateful_set(name, replicas, 1);
+    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        spec.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
+    }
+    create(Api::namespaced(client.clone(), ns), sts).await;
+}
+
+/// Waits until each of the pods `names` runs on one of `nodes`.
+async fn pods_running_on(client: &Client, ns: &str, names: &[String], nodes: &BTreeSet<String>) {
+    wait::until(
+        Api::<Pod>::namespaced(client.clone(), ns),
+        LONG,
+        &format!("pods {names:?} Running on {nodes:?}"),
+        |ps| {
+            names.iter().all(|n| {
+                ps.iter().any(|p| {
+                    p.name_any() == *n
+                        && p.metadata.deletion_timestamp.is_none()
+                        && pod_running(p)
+                        && p.spec
+                            .as_ref()
+                            .and_then(|s| s.node_name.as_ref())
+                            .is_some_and(|node| nodes.contains(node))
+                })
+            })
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Each pod of `names` had exactly two incarnations: one on an old Node,
+/// then one on a new Node.
+fn assert_moved_once(
+    timeline: &Timeline,
+    names: &[String],
+    old_nodes: &BTreeSet<String>,
+    new_nodes: &BTreeSet<String>,
+) {
+    let lives = timeline.incarnations();
+    let report = format!("{lives:#?}\nold Nodes {old_nodes:?}\nnew Nodes {new_nodes:?}");
+    for name in names {
+        let l = lives
+            .get(name)
+            .unwrap_or_else(|| panic!("{name} never seen:\n{report}"));
+        assert_eq!(l.len(), 2, "{name} moved exactly once:\n{report}");
+        assert!(
+            old_nodes.contains(&l[0].1) && new_nodes.contains(&l[1].1),
+            "{name} moved from an old Node to a new one:\n{report}"
+        );
+    }
+}
+
+/// Patches `spec` of deployment `name` (a merge patch).
+async fn patch_spec(client: &Client, ns: &str, name: &str, spec: serde_json::Value) {
+    deployments(client, ns)
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({ "spec": spec })),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("patch {name}: {e}"));
+}
+
+fn image(v: &str) -> serde_json::Value {
+    serde_json::json!({"template": {"metadata": {"annotations": {"image": v}}}})
+}
+
+/// The apiserver refuses what CEL checks of a strategy: a `maxSurge` or
+/// `maxUnavailable` that is not a non-negative integer or a percentage,
+/// both zero, `rollingUpdate` with `OnDelete`; and takes a percentage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_apiserver_refuses_an_invalid_strategy() {
+    let client = client().await;
+    let ns = "mdep-invalid";
+    support::namespace(&client, ns).await;
+    let api = deployments(&client, ns);
+    let not_a_number = "must be a non-negative integer or a percentage";
+    let cases = [
+        ("abc", rolling("abc".into(), 0.into()), not_a_number),
+        ("negative", rolling((-1).into(), 0.into()), not_a_number),
+        (
+            "negative-unavailable",
+            rolling(1.into(), (-2).into()),
+            not_a_number,
+        ),
+        ("fraction", rolling("1.5%".into(), 0.into()), not_a_number),
+        (
+            "both-zero",
+            rolling(0.into(), 0.into()),
+            "maxSurge and maxUnavailable must not both be zero",
+        ),
+        (
+            "both-zero-percent",
+            rolling("0%".into(), 0.into()),
+            "maxSurge and maxUnavailable must not both be zero",
+        ),
+        (
+            "on-delete",
+            serde_json::json!({"type": "OnDelete", "rollingUpdate": {"maxSurge": 1}}),
+            "rollingUpdate is only allowed with type RollingUpdate",
+        ),
+    ];
+    for (name, strategy, message) in cases {
+        let err = api
+            .create(
+                &PostParams::default(),
+                &deployment(name, 1, "c", strategy.clone()),
+            )
+            .await
+            .expect_err(&format!("{name} ({strategy}) is refused"));
+        assert!(err.to_string().contains(message), "{name}: {err}");
+    }
+    // A percentage, an integer, and OnDelete without rollingUpdate are taken.
+    let quarter = api
+        .create(
+            &PostParams::default(),
+            &deployment("quarter", 4, "c", rolling("25%".into(), 1.into())),
+        )
+        .await
+        .expect("25% is taken");
+    let r = quarter
+        .spec
+        .strategy
+        .rolling_update
+        .as_ref()
+        .expect("rollingUpdate");
+    assert_eq!(serde_json::to_value(&r.max_surge).ok(), Some("25%".into()));
+    api.create(
+        &PostParams::default(),
+        &deployment(
+            "on-delete-ok",
+            1,
+            "c",
+            serde_json::json!({"type": "OnDelete"}),
+        ),
+    )
+    .await
+    .expect("OnDelete without rollingUpdate is taken");
+    // The same rules hold for an update.
+    let err = api
+        .patch(
+            "quarter",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"strategy": {"rollingUpdate": {"maxUnavailable": "x"}}}})),
+        )
+        .await
+        .expect_err("an update to an invalid maxUnavailable is refused");
+    assert!(err.to_string().contains(not_a_number), "{err}");
+}
+
+/// Four Machines carrying two StatefulSets with a volume per replica roll
+/// to a new template one Machine at a time: a new Machine Running with its
+/// Node Ready before each old one goes, one old Machine drained at a time,
+/// the old Nodes tainted so that each stateful pod moves once, to a new
+/// Machine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_update_moves_each_stateful_pod_once_at_the_pace_of_its_strategy() {
+    let case = "a_rolling_update_moves_each_stateful_pod_once_at_the_pace_of_its_strategy";
+    let client = client().await;
+    let ns = "mdep-stateful";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = start(ns).await;
+    deployments(&client, ns)
+        .create(
+            &PostParams::default(),
+            &deployment("pool", 4, ns, rolling(1.into(), 0.into())),
+        )
+        .await
+        .expect("create the MachineDeployment");
+    let d = rollout_is(&client, ns, "pool", "RolloutComplete", 4).await;
+    let old_hash = hash(&d);
+    let old = running_of(&client, ns, &old_hash, 4).await;
+    let old_nodes = nodes_of(ns, &old);
+    stateful(&client, ns, "db", 4).await;
+    stateful(&client, ns, "cache", 2).await;
+    let pods: Vec<String> = (0..4)
+        .map(|i| format!("db-{i}"))
+        .chain((0..2).map(|i| format!("cache-{i}")))
+        .collect();
+    pods_running_on(&client, ns, &pods, &old_nodes).await;
+    let timeline = Timeline::start(&client, ns).await;
+
+    let t = Instant::now();
+    patch_spec(&client, ns, "pool", image("v2")).await;
+    let d = rollout_is(&client, ns, "pool", "RolloutComplete", 4).await;
+    for m in &old {
+        gone(&client, ns, &m.name_any(), LONG).await;
+    }
+    eprintln!("rollout of 4 Machines, 6 stateful pods: {:?}", t.elapsed());
+    let new_hash = hash(&d);
+    assert_ne!(new_hash, old_hash);
+    let new = running_of(&client, ns, &new_hash, 4).await;
+    let new_nodes = nodes_of(ns, &new);
+    pods_running_on(&client, ns, &pods, &new_nodes).await;
+
+    // The pace, from the timeline.
+    let peak = timeline.assert_paced(
+        &new_hash,
+        Pace {
+            replicas: 4,
+            surge: 1,
+            drains_at_once: 1,
+        },
+    );
+    eprintln!("timeline ({peak:?}):\n{}", timeline.log());
+    assert_eq!(peak.machines, 5, "the surge was used:\n{}", timeline.log());
+    assert_eq!(peak.old_draining, 1);
+    // Each stateful pod moved once: off an old Node, onto a new one.
+    assert_moved_once(&timeline, &pods, &old_nodes, &new_nodes);
+    // The old Nodes carried the rollout taint, the new ones never did.
+    let tainted = timeline.tainted();
+    assert_eq!(
+        tainted, old_nodes,
+        "{ROLLOUT_TAINT_KEY} on the old Nodes only"
+    );
+
+    // The final status.
+    let st = d.status.as_ref().expect("status");
+    assert_eq!(
+        (
+            st.replicas,
+            st.updated_replicas,
+            st.ready_replicas,
+            st.available_replicas,
+            st.draining_replicas
+        ),
+        (4, 4, 4, 4, 0),
+        "{st:?}"
+    );
+    assert_eq!(st.selector.as_deref(), Some("md=pool"));
+    let available = condition(&d, "Available").expect("Available");
+    assert_eq!(
+        (available.status.as_str(), available.reason.as_str()),
+        ("True", "MinimumReplicasAvailable")
+    );
+    assert_eq!(progressing(&d).map(|c| c.status.as_str()), Some("True"));
+    let sets = Api::<MachineSet>::namespaced(client.clone(), ns);
+    let old_set = sets
+        .get(&format!("pool-{old_hash}"))
+        .await
+        .expect("the old set is kept for a rollback");
+    assert_eq!(old_set.spec.replicas, 0);
+    assert_eq!(
+        old_set.annotations().get(SUPERSEDED_ANNOTATION),
+        Some(&format!("pool-{new_hash}"))
+    );
+    let new_set = sets
+        .get(&format!("pool-{new_hash}"))
+        .await
+        .expect("the new set");
+    assert_eq!(new_set.spec.replicas, 4);
+    assert_eq!(
+        new_set
+            .annotations()
+            .get("berth.dev/revision")
+            .map(String::as_str),
+        Some("2")
+    );
+    // One ScaledOldMachineSet per old Machine, naming it.
+    let scaled = notes(&events_of(&client, ns, "pool", "ScaledOldMachineSet", 4).await);
+    assert_eq!(scaled.len(), 4, "{scaled:?}");
+    for m in &old {
+        assert!(
+            scaled
+                .iter()
+                .any(|n| n.contains(&format!("Machine {} goes", m.name_any()))),
+            "{}: {scaled:?}",
+            m.name_any()
+        );
+    }
+    events_of(&client, ns, "pool", "RolloutComplete", 1).await;
+
+    ctl.stop().await;
+    assert_no_request_loop_below(bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
+}
+
+/// A paused rollout lets the drain in progress finish and then creates and
+/// deletes nothing, scales no set; resumed, it completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_rollout_finishes_its_drain_then_starts_nothing_until_resumed() {
+    let case = "a_paused_rollout_finishes_its_drain_then_starts_nothing_until_resumed";
+    let client = client().await;
+    let ns = "mdep-pause";
+    support::namespace(&client, ns).await;
+    // Each VM takes 3 s to delete: time to pause while one goes.
+    class_in_pool(&client, ns, ns, serde_json::json!({"deleteDelay": "3s"})).await;
+    let ctl = start(ns).await;
+    deployments(&client, ns)
+        .create(
+            &PostParams::default(),
+            &deployment("pool", 3, ns, serde_json::Value::Null),
+        )
+        .await
+        .expect("create the MachineDeployment");
+    let d = rollout_is(&client, ns, "pool", "RolloutComplete", 3).await;
+    let old_hash = hash(&d);
+    let old = running_of(&client, ns, &old_hash, 3).await;
+    let timeline = Timeline::start(&client, ns).await;
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+
+    patch_spec(&client, ns, "pool", image("v2")).await;
+    let first = wait::for_one(
+        machines.clone(),
+        LONG,
+        "an old Machine being deleted",
+        |m| {
+            m.labels().get(TEMPLATE_HASH_LABEL) == Some(&old_hash)
+                && m.metadata.deletion_timestamp.is_some()
+        },
+    )
+    .await
+    .expect("the rollout deletes an old Machine");
+    patch_spec(&client, ns, "pool", serde_json::json!({"paused": true})).await;
+    let d = status_until(
+        &client,
+        ns,
+        "pool",
+        "Progressing Unknown, Paused",
+        |d, _| progressing(d).is_some_and(|c| c.status == "Unknown" && c.reason == "Paused"),
+    )
+    .await;
+    let st = d.status.as_ref().expect("status");
+    assert!(st.updated_replicas < 3, "paused mid-rollout: {st:?}");
+    let sets: Api<MachineSet> = Api::namespaced(client.clone(), ns);
+    let replicas_of = |all: Vec<MachineSet>| -> BTreeMap<String, (i32, Option<i64>)> {
+        all.into_iter()
+            .map(|s| (s.name_any(), (s.spec.replicas, s.metadata.generation)))
+            .collect()
+    };
+    let when_paused = replicas_of(sets.list(&Default::default()).await.expect("sets").items);
+
+    // The drain in progress finishes; the sets' Machines settle.
+    gone(&client, ns, &first.name_any(), LONG).await;
+    wait::until(machines.clone(), LONG, "no Machine being deleted", |ms| {
+        ms.iter().all(|m| m.metadata.deletion_timestamp.is_none())
+    })
+    .await
+    .expect("the deletions in progress end");
+    let mark = timeline.len();
+    tokio::time::sleep(QUIET).await;
+    let during = timeline.since(mark);
+    assert!(
+        during.is_empty(),
+        "nothing created or deleted while paused:\n{}\nwhole timeline:\n{}",
+        log_of(&during),
+        timeline.log()
+    );
+    let after = replicas_of(sets.list(&Default::default()).await.expect("sets").items);
+    assert_eq!(after, when_paused, "no set scaled while paused");
+    let d = deployments(&client, ns).get("pool").await.expect("get");
+    assert_eq!(
+        progressing(&d).map(|c| c.reason.as_str()),
+        Some("Paused"),
+        "still paused"
+    );
+
+    // Resumed, it completes.
+    let t = Instant::now();
+    patch_spec(&client, ns, "pool", serde_json::json!({"paused": false})).await;
+    let d = rollout_is(&client, ns, "pool", "RolloutComplete", 3).await;
+    for m in &old {
+        gone(&client, ns, &m.name_any(), LONG).await;
+    }
+    eprintln!("resumed rollout completed in {:?}", t.elapsed());
+    let new_hash = hash(&d);
+    running_of(&client, ns, &new_hash, 3).await;
+    timeline.assert_paced(
+        &new_hash,
+        Pace {
+            replicas: 3,
+            surge: 1,
+            drains_at_once: 1,
+        },
+    );
+    eprintln!("timeline:\n{}", timeline.log());
+
+    ctl.stop().await;
+    assert_no_request_loop_below(bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
+}
+
+/// A new template whose Machine fails stalls the rollout: Progressing
+/// False NewMachineFailed, a Warning Event, no old Machine deleted for it
+/// and no other new Machine made. A fixed template goes on, the failed
+/// Machine first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_new_machine_stalls_the_rollout_until_the_template_is_fixed() {
+    let case = "a_failing_new_machine_stalls_the_rollout_until_the_template_is_fixed";
+    let client = client().await;
+    let ns = "mdep-failing";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
+    let bad = format!("{ns}-bad");
+    let fixed = format!("{ns}-v2");
+    // A field the fake driver does not know: it refuses the providerSpec.
+    class_in_pool(&client, &bad, ns, serde_json::json!({"bootImage": "v2"})).await;
+    class_in_pool(&client, &fixed, ns, serde_json::json!({})).await;
+    let ctl = start(ns).await;
+    deployments(&client, ns)
+        .create(
+            &PostParams::default(),
+            &deployment("pool", 2, ns, serde_json::Value::Null),
+        )
+        .await
+        .expect("create the MachineDeployment");
+    let d = rollout_is(&client, ns, "pool", "RolloutComplete", 2).await;
+    let first_hash = hash(&d);
+    let old = running_of(&client, ns, &first_hash, 2).await;
+    let timeline = Timeline::start(&client, ns).await;
+
+    patch_spec(
+        &client,
+        ns,
+        "pool",
+        serde_json::json!({"template": {"spec": {"classRef": {"name": bad}}}}),
+    )
+    .await;
+    let d = status_until(
+        &client,
+        ns,
+        "pool",
+        "Progressing False NewMachineFailed",
+        |d, _| {
+            progressing(d).is_some_and(|c| c.status == "False" && c.reason == "NewMachineFailed")
+        },
+    )
+    .await;
+    let bad_hash = hash(&d);
+    let failed = wait::for_one(
+        Api::<Machine>::namespaced(client.clone(), ns),
+        LONG,
+        "the new Machine refused",
+        |m| {
+            // Refused for good: its Ready condition False with the
+            // provider's error, never Running.
+            m.labels().get(TEMPLATE_HASH_LABEL) == Some(&bad_hash)
+                && phase(m) != Some("Running")
+                && support::condition(m, "Ready")
+                    .is_some_and(|c| c.status == "False" && c.message.contains("bootImage"))
+        },
+    )
+    .await
+    .expect("the new Machine fails")
+    .name_any();
+    let message = progressing(&d)
+        .map(|c| c.message.clone())
+        .unwrap_or_default();
+    assert!(
+        message.contains(&failed) && message.contains("bootImage"),
+        "the condition names the Machine and its error: {message}"
+    );
+    let warnings = events_of(&client, ns, "pool", "NewMachineFailed", 1).await;
+    assert_eq!(warnings[0].type_.as_deref(), Some("Warning"));
+    assert!(
+        notes(&warnings)[0].contains(&failed),
+        "{:?}",
+        notes(&warnings)
+    );
+    // Over a while: no old Machine deleted, no other new one made.
+    tokio::time::sleep(QUIET).await;
+    let steps = timeline.steps();
+    let log = log_of(&steps);
+    assert!(
+        !steps.iter().any(|s| s.seen == Seen::Deleting),
+        "no Machine deleted for a failing one:\n{log}"
+    );
+    let created: Vec<_> = steps
+        .iter()
+        .filter(|s| s.seen == Seen::Created && s.hash == bad_hash)
+        .collect();
+    assert_eq!(
+        created.len(),
+        1,
+        "the failed Machine fills the surge:\n{log}"
+    );
+    let d = deployments(&client, ns).get("pool").await.expect("get");
+    assert_eq!(
+        progressing(&d).map(|c| c.reason.as_str()),
+        Some("NewMachineFailed")
+    );
+    assert_eq!(
+        d.status.as_ref().map(|s| s.available_replicas),
+        Some(2),
+        "both old Machines serve"
+    );
+
+    // Fixed: the rollout completes, the failed Machine goes first.
+    let t = Instant::now();
+    patch_spec(
+        &client,
+        ns,
+        "pool",
+        serde_json::json!({"template": {"spec": {"classRef": {"name": fixed}}}}),
+    )
+    .await;
+    let d = rollout_is(&client, ns, "pool", "RolloutComplete", 2).await;
+    gone(&client, ns, &failed, LONG).await;
+    for m in &old {
+        gone(&client, ns, &m.name_any(), LONG).await;
+    }
+    eprintln!("fixed rollout completed in {:?}", t.elapsed());
+    let fixed_hash = hash(&d);
+    assert!(fixed_hash != bad_hash && fixed_hash != first_hash);
+    running_of(&client, ns, &fixed_hash, 2).await;
+    timeline.assert_paced(
+        &fixed_hash,
+        Pace {
+            replicas: 2,
+            surge: 1,
+            drains_at_once: 1,
+        },
+    );
+    let steps = timeline.steps();
+    let deleted: Vec<&str> = steps
+        .iter()
+        .filter(|s| s.seen == Seen::Deleting)
+        .map(|s| s.machine.as_str())
+        .collect();
+    assert_eq!(
+        deleted.first().copied(),
+        Some(failed.as_str()),
+        "the failed Machine goes first:\n{}",
+        log_of(&steps)
+    );
+    assert_eq!(progressing(&d).map(|c| c.status.as_str()), Some("True"));
+
+    ctl.stop().await;
+    assert_no_request_loop_below(bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
+}
+
+/// `berth run` killed (SIGKILL) twice in the middle of a rollout, each
+/// time while an old Machine drains: the next process picks the rollout up
+/// from the API, keeps its pace and each stateful pod still moves once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollout_resumes_after_berth_is_killed_and_moves_each_stateful_pod_once() {
+    let case = "a_rollout_resumes_after_berth_is_killed_and_moves_each_stateful_pod_once";
+    let client = client().await;
+    let ns = "mdep-killed";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
+    let flags = ["--namespace", ns, "--leader-elect=false"];
+    let kubeconfig = &controller(bed().await).await.kubeconfig;
+    let mut berth = Berth::spawn(kubeconfig, &flags);
+    deployments(&client, ns)
+        .create(
+            &PostParams::default(),
+            &deployment("pool", 3, ns, serde_json::Value::Null),
+        )
+        .await
+        .expect("create the MachineDeployment");
+    let d = rollout_is(&client, ns, "pool", "RolloutComplete", 3).await;
+    let old_hash = hash(&d);
+    let old = running_of(&client, ns, &old_hash, 3).await;
+    let old_nodes = nodes_of(ns, &old);
+    stateful(&client, ns, "db", 3).await;
+    let pods: Vec<String> = (0..3).map(|i| format!("db-{i}")).collect();
+    pods_running_on(&client, ns, &pods, &old_nodes).await;
+    let timeline = Timeline::start(&client, ns).await;
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+
+    let t = Instant::now();
+    patch_spec(&client, ns, "pool", image("v2")).await;
+    for n in 1..=2 {
+        wait::until(
+            machines.clone(),
+            LONG,
+            &format!("old Machine #{n} being deleted"),
+            |ms| {
+                ms.iter()
+                    .filter(|m| {
+                        m.labels().get(TEMPLATE_HASH_LABEL) == Some(&old_hash)
+                            && m.metadata.deletion_timestamp.is_some()
+                    })
+                    .count()
+                    >= 1
+                    && ms
+                        .iter()
+                        .filter(|m| m.labels().get(TEMPLATE_HASH_LABEL) == Some(&old_hash))
+                        .count()
+                        == 4 - n
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", timeline.log()));
+        eprintln!(
+            "SIGKILL while old Machine #{n} drains, at {:?}",
+            t.elapsed()
+        );
+        berth.kill().await;
+        berth = Berth::spawn(kubeconfig, &flags);
+    }
+    let d = rollout_is(&client, ns, "pool", "RolloutComplete", 3).await;
+    for m in &old {
+        gone(&client, ns, &m.name_any(), LONG).await;
+    }
+    eprintln!("rollout of 3 with two SIGKILLs: {:?}", t.elapsed());
+    let new_hash = hash(&d);
+    let new = running_of(&client, ns, &new_hash, 3).await;
+    let new_nodes = nodes_of(ns, &new);
+    pods_running_on(&client, ns, &pods, &new_nodes).await;
+    timeline.assert_paced(
+        &new_hash,
+        Pace {
+            replicas: 3,
+            surge: 1,
+            drains_at_once: 1,
+        },
+    );
+    eprintln!("timeline:\n{}", timeline.log());
+    assert_moved_once(&timeline, &pods, &old_nodes, &new_nodes);
+    let scaled = notes(&events_of(&client, ns, "pool", "ScaledOldMachineSet", 3).await);
+    assert_eq!(
+        scaled.len(),
+        3,
+        "each old Machine asked for once: {scaled:?}"
+    );
+
+    let status = berth.terminate().await;
+    assert!(status.success(), "{status:?}");
+    assert_no_request_loop_below(bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
+}
+
+/// A pod on `node` with a volume: a pre-bound claim to a CSI PV.
+async fn stateful_pod(client: &Client, ns: &str, node: &str) {
+    let pv = format!("{ns}-data");
+    create(
+        Api::all(client.clone()),
+        csi_pv(&pv, &format!("vol-{pv}"), ns, "data"),
+    )
+    .await;
+    create(
+        Api::namespaced(client.clone(), ns),
+        json::<PersistentVolumeClaim>(serde_json::json!({
+            "metadata": {"name": "data"},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": pv,
+                "resources": {"requests": {"storage": "1Gi"}}
+            }
+        })),
+    )
+    .await;
+    create(
+        Api::namespaced(client.clone(), ns),
+        json::<Pod>(serde_json::json!({
+            "metadata": {"name": "db-0"},
+            "spec": {
+                "nodeName": node,
+                "terminationGracePeriodSeconds": 1,
+                "containers": [{"name": "main", "image": "registry.invalid/db:1",
+                    "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
+                "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]
+            }
+        })),
+    )
+    .await;
+    pods_running_on(
+        client,
+        ns,
+        &["db-0".to_string()],
+        &[node.to_string()].into(),
+    )
+    .await;
+    wait::for_one(
+        Api::<PersistentVolumeClaim>::namespaced(client.clone(), ns),
+        LONG,
+        "claim data Bound",
+        |c| {
+            c.name_any() == "data"
+                && c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound")
+        },
+    )
+    .await
+    .expect("the claim binds");
+}
+
+/// The scale subresource scales the deployment's one set; a scale-down
+/// takes the Machines the set's order puts first, and the Events say which
+/// and why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_machinedeployment_scales_through_its_scale_subresource() {
+    let case = "a_machinedeployment_scales_through_its_scale_subresource";
+    let client = client().await;
+    let ns = "mdep-scale";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = start(ns).await;
+    let api = deployments(&client, ns);
+    api.create(
+        &PostParams::default(),
+        &deployment("pool", 1, ns, serde_json::Value::Null),
+    )
+    .await
+    .expect("create the MachineDeployment");
+    let d = rollout_is(&client, ns, "pool", "RolloutComplete", 1).await;
+    let h = hash(&d);
+    let set = format!("pool-{h}");
+
+    // Up from 1 to 3.
+    let t = Instant::now();
+    api.patch_scale(
+        "pool",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"spec": {"replicas": 3}})),
+    )
+    .await
+    .expect("scale to 3 through the scale subresource");
+    let d = rollout_is(&client, ns, "pool", "RolloutComplete", 3).await;
+    let machines = running_of(&client, ns, &h, 3).await;
+    eprintln!("scale-up 1 -> 3: {:?}", t.elapsed());
+    assert_eq!(hash(&d), h, "a scale is no new template");
+    let st = d.status.as_ref().expect("status");
+    assert_eq!(
+        (st.replicas, st.ready_replicas, st.available_replicas),
+        (3, 3, 3)
+    );
+    let scale: Scale = api.get_scale("pool").await.expect("the scale subresource");
+    assert_eq!(scale.spec.and_then(|s| s.replicas), Some(3));
+    let scale_status = scale.status.expect("scale status");
+    assert_eq!(scale_status.replicas, 3);
+    assert_eq!(scale_status.selector.as_deref(), Some("md=pool"));
+    let up = notes(&events_of(&client, ns, "pool", "ScaledNewMachineSet", 1).await);
+    assert!(
+        up.iter()
+            .any(|n| n.contains(&format!("scaled MachineSet {set} from 1 to 3"))),
+        "{up:?}"
+    );
+    let sets = Api::<MachineSet>::namespaced(client.clone(), ns)
+        .list(&Default::default())
+        .await
+        .expect("sets");
+    assert_eq!(
+        sets.items.iter().map(|s| s.name_any()).collect::<Vec<_>>(),
+        std::slice::from_ref(&set),
+        "one set"
+    );
+
+    // Down to 1: `marked` for the operator's priority, `plain` for its
+    // cheaper drain; `stateful` keeps its pod.
+    let (marked, stateful, plain) = (&machines[0], &machines[1], &machines[2]);
+    Api::<Machine>::namespaced(client.clone(), ns)
+        .patch(
+            &marked.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({
+                "metadata": {"annotations": {DELETE_PRIORITY_ANNOTATION: "10"}}
+            })),
+        )
+        .await
+        .expect("annotate");
+    stateful_pod(
+        &client,
+        ns,
+        &FakeProvider::node_name(ns, &stateful.name_any()),
+    )
+    .await;
+    let t = Instant::now();
+    api.patch_scale(
+        "pool",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"spec": {"replicas": 1}})),
+    )
+    .await
+    .expect("scale to 1");
+    let d = rollout_is(&client, ns, "pool", "RolloutComplete", 1).await;
+    let left = running_of(&client, ns, &h, 1).await;
+    eprintln!("scale-down 3 -> 1: {:?}", t.elapsed());
+    assert_eq!(
+        left[0].name_any(),
+        stateful.name_any(),
+        "the stateful Machine stays"
+    );
+    let down = notes(&events_of(&client, ns, "pool", "ScaledNewMachineSet", 2).await);
+    assert!(
+        down.iter()
+            .any(|n| n.contains(&format!("scaled MachineSet {set} from 3 to 1"))),
+        "{down:?}"
+    );
+    let why = notes(&events_of(&client, ns, &set, "ScaledDown", 2).await);
+    assert_eq!(why.len(), 2, "{why:?}");
+    let about = |m: &Machine| {
+        why.iter()
+            .find(|n| n.contains(&format!("deleted Machine {} ", m.name_any())))
+            .unwrap_or_else(|| panic!("no ScaledDown for {}: {why:?}", m.name_any()))
+            .clone()
+    };
+    let why_marked = about(marked);
+    assert!(
+        why_marked.contains("scale from 3 to 1")
+            && why_marked.contains(&format!("{DELETE_PRIORITY_ANNOTATION} 10")),
+        "{why_marked}"
+    );
+    let why_plain = about(plain);
+    assert!(
+        why_plain.contains("cheapest drain: 0 stateful pods")
+            && why_plain.contains(&format!("{}: 1 stateful pod", stateful.name_any())),
+        "{why_plain}"
+    );
+    for m in [marked, plain] {
+        gone(&client, ns, &m.name_any(), LONG).await;
+    }
+    let st = d.status.as_ref().expect("status");
+    assert_eq!(
+        (st.replicas, st.available_replicas, st.draining_replicas),
+        (1, 1, 0)
+    );
+    let scale: Scale = api.get_scale("pool").await.expect("the scale subresource");
+    assert_eq!(scale.status.map(|s| s.replicas), Some(1));
+
+    ctl.stop().await;
+    assert_no_request_loop_below(bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
+}

@@ -3,7 +3,9 @@
 //! `fake` provider, creates three Machines, puts a StatefulSet with
 //! PersistentVolumes, a Deployment behind a PodDisruptionBudget and a
 //! DaemonSet on the first one, deletes it, and prints the drain as it
-//! happens. Everything it started is removed when it ends.
+//! happens. Then a MachineDeployment of three Machines takes the
+//! workloads and is rolled to a new template, shown live with how often
+//! each stateful pod moved. Everything it started is removed when it ends.
 
 use std::collections::BTreeMap;
 use std::io::Write as _;
@@ -22,7 +24,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 
 use crate::testbed::{Options, TestBed, fixtures, wait};
-use berth::api::{Machine, MachineClass};
+use berth::api::{Machine, MachineClass, MachineDeployment};
 use berth::providers::Registry;
 use berth::providers::fake::FakeProvider;
 use berth::telemetry::{HttpState, Metrics};
@@ -53,6 +55,10 @@ pub struct DemoArgs {
     /// Ctrl-C (to scrape /metrics or look around with kubectl).
     #[arg(long)]
     pub keep: bool,
+    /// After the drain, roll a MachineDeployment of three Machines to a
+    /// new template and show the rollout (`--rollout=false` skips it).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub rollout: bool,
 }
 
 struct Clock(Instant);
@@ -282,6 +288,176 @@ async fn scenario(
     let _ = follow_stop.send(());
     let log = events.await.unwrap_or_default();
     summary(client, &log, took, metrics).await;
+    if args.rollout {
+        rollout(client, clock, args.stateful).await?;
+    }
+    Ok(())
+}
+
+/// The state of a MachineDeployment as `kubectl get md` shows it.
+fn md_line(d: &MachineDeployment) -> Option<String> {
+    let s = d.status.as_ref()?;
+    let progressing = s.conditions.iter().find(|c| c.type_ == "Progressing")?;
+    Some(format!(
+        "desired {} current {} updated {} ready {} available {} draining {}  {}: {}",
+        d.spec.replicas,
+        s.replicas,
+        s.updated_replicas,
+        s.ready_replicas,
+        s.available_replicas,
+        s.draining_replicas,
+        progressing.reason,
+        progressing.message
+    ))
+}
+
+fn complete(d: &MachineDeployment, hash: Option<&str>) -> bool {
+    d.status.as_ref().is_some_and(|s| {
+        s.observed_generation == d.metadata.generation
+            && (hash.is_none() || s.template_hash.as_deref() != hash)
+            && s.draining_replicas == 0
+            && s.replicas == d.spec.replicas
+            && s.conditions
+                .iter()
+                .any(|c| c.type_ == "Progressing" && c.reason == "RolloutComplete")
+    })
+}
+
+/// A MachineDeployment of three Machines takes the workloads, then rolls
+/// to a new template, shown as an operator would follow it: the
+/// deployment's columns, the old Machine chosen at each step and why, and
+/// at the end how often each stateful pod moved.
+async fn rollout(client: &Client, clock: &Clock, stateful: u32) -> anyhow::Result<()> {
+    println!(
+        "\n--- a rolling update: MachineDeployment pool, 3 Machines, maxSurge 1, maxUnavailable 0 ---"
+    );
+    let mds: Api<MachineDeployment> = Api::namespaced(client.clone(), NS);
+    crate::testbed::create_or_keep(
+        mds.clone(),
+        json(serde_json::json!({
+            "apiVersion": "berth.dev/v1alpha1", "kind": "MachineDeployment",
+            "metadata": {"name": "pool"},
+            "spec": {
+                "replicas": 3,
+                "selector": {"matchLabels": {"pool": "demo"}},
+                "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+                "template": {"metadata": {"labels": {"pool": "demo"}}, "spec": {"classRef": {"name": "demo"}}}
+            }
+        }))?,
+    )
+    .await?;
+    let d = wait::for_one(mds.clone(), LONG, "the pool ready", |d| complete(d, None)).await?;
+    let first = d.status.as_ref().and_then(|s| s.template_hash.clone());
+    clock.say(format!("pool ready: {}", md_line(&d).unwrap_or_default()));
+    // The workloads move onto the pool: the two single Machines go.
+    let machines: Api<Machine> = Api::namespaced(client.clone(), NS);
+    for m in ["machine-b", "machine-c"] {
+        machines.delete(m, &DeleteParams::default()).await?;
+    }
+    clock.say("deleting machine-b and machine-c: their pods move onto the pool");
+    wait::for_none(
+        machines.clone(),
+        Duration::from_secs(600),
+        "machine-b and machine-c gone",
+        |m| m.name_any() == "machine-b" || m.name_any() == "machine-c",
+    )
+    .await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let running = |p: &Pod| {
+        p.name_any().starts_with("db-")
+            && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+    };
+    wait::until(pods.clone(), LONG, "db pods running on the pool", |ps| {
+        ps.iter().filter(|p| running(p)).count() >= stateful as usize
+    })
+    .await?;
+    clock.say(format!(
+        "the pool runs the StatefulSet db ({stateful} pods with volumes) and web"
+    ));
+
+    // Each db pod's incarnations from here on, by UID.
+    let mut uids: BTreeMap<String, std::collections::BTreeSet<String>> = BTreeMap::new();
+    for p in pods
+        .list(&Default::default())
+        .await?
+        .items
+        .iter()
+        .filter(|p| running(p))
+    {
+        uids.entry(p.name_any()).or_default().extend(p.uid());
+    }
+    clock.say("changing the pool's template (annotation image: v2): the rollout starts");
+    let started = Instant::now();
+    let since = k8s_openapi::jiff::Timestamp::now();
+    mds.patch(
+        "pool",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(serde_json::json!({
+            "spec": {"template": {"metadata": {"annotations": {"image": "v2"}}}}
+        })),
+    )
+    .await?;
+    let md_events = watcher(mds.clone(), watcher::Config::default())
+        .applied_objects()
+        .default_backoff();
+    let pod_events = watcher(pods.clone(), watcher::Config::default())
+        .applied_objects()
+        .default_backoff();
+    let evs = watcher(
+        Api::<Event>::namespaced(client.clone(), NS),
+        watcher::Config::default(),
+    )
+    .applied_objects()
+    .default_backoff();
+    let mut md_events = std::pin::pin!(md_events);
+    let mut pod_events = std::pin::pin!(pod_events);
+    let mut evs = std::pin::pin!(evs);
+    let mut last = String::new();
+    let mut seen = std::collections::BTreeSet::new();
+    let deadline = tokio::time::sleep(Duration::from_secs(600));
+    let mut deadline = std::pin::pin!(deadline);
+    loop {
+        tokio::select! {
+            _ = &mut deadline => anyhow::bail!("the rollout did not complete within 10 minutes"),
+            Some(Ok(d)) = md_events.next() => {
+                if let Some(line) = md_line(&d) && line != last {
+                    clock.say(format!("pool: {line}"));
+                    last = line;
+                }
+                if complete(&d, first.as_deref()) {
+                    break;
+                }
+            }
+            Some(Ok(p)) = pod_events.next() => {
+                if p.name_any().starts_with("db-") {
+                    uids.entry(p.name_any()).or_default().extend(p.uid());
+                }
+            }
+            Some(Ok(e)) = evs.next() => {
+                let reason = e.reason.clone().unwrap_or_default();
+                // The pool's own making is not part of the rollout.
+                let fresh = e.event_time.as_ref().is_none_or(|t| t.0 >= since);
+                if fresh
+                    && matches!(reason.as_str(), "ScaledOldMachineSet" | "RolloutStarted" | "RolloutComplete" | "NewMachineFailed")
+                    && seen.insert(e.name_any())
+                {
+                    clock.say(format!("  {reason:<20} {}", e.note.clone().unwrap_or_default()));
+                }
+            }
+        }
+    }
+    println!("\n--- rollout summary ---");
+    println!(
+        "3 Machines rolled in {:.1}s; each old Machine went only once a new one was Ready",
+        started.elapsed().as_secs_f64()
+    );
+    for (pod, seen) in &uids {
+        let moves = seen.len().saturating_sub(1);
+        println!(
+            "{pod}: moved {moves} time{}",
+            if moves == 1 { "" } else { "s" }
+        );
+    }
     Ok(())
 }
 

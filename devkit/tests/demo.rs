@@ -41,5 +41,18 @@ fn the_demo_drains_a_machine_and_cleans_up() {
         stdout.contains("/metrics"),
         "says where to scrape: {stdout}"
     );
+    // The rollout: three old Machines replaced one at a time, each
+    // stateful pod moved once.
+    assert_eq!(lines(" ScaledOldMachineSet "), 3, "{stdout}");
+    assert!(
+        stdout.contains("RolloutComplete: 3 Machines of template"),
+        "{stdout}"
+    );
+    for pod in ["db-0", "db-1", "db-2"] {
+        assert!(
+            stdout.contains(&format!("{pod}: moved 1 time\n")),
+            "{pod}: {stdout}"
+        );
+    }
     assert!(stdout.contains("cleaned up"), "{stdout}");
 }

@@ -18,7 +18,7 @@ use berth::providers::fake::FakeProvider;
 use berth_devkit::testbed::fixtures::{csi_pv, stateful_set};
 use berth_devkit::testbed::{TestBed, wait};
 use k8s_openapi::api::autoscaling::v1::Scale;
-use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, Patch, PatchParams, PostParams};
@@ -26,6 +26,7 @@ use kube::{Client, ResourceExt};
 use support::audit::{ROLLOUT_PEAK_10S_CEILING, assert_no_request_loop_below, controller};
 use support::pool::{
     POOL, create, delayed_bed, delayed_client, gone, json, pod_running, pool_class, start_delayed,
+    stateful_pod,
 };
 use support::process::Berth;
 use support::rollout::{Pace, Seen, Timeline, log_of};
@@ -866,59 +867,6 @@ async fn a_rollout_resumes_after_berth_is_killed_and_moves_each_stateful_pod_onc
     let status = berth.terminate().await;
     assert!(status.success(), "{status:?}");
     assert_no_request_loop_below(bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
-}
-
-/// A pod on `node` with a volume: a pre-bound claim to a CSI PV.
-async fn stateful_pod(client: &Client, ns: &str, node: &str) {
-    let pv = format!("{ns}-data");
-    create(
-        Api::all(client.clone()),
-        csi_pv(&pv, &format!("vol-{pv}"), ns, "data"),
-    )
-    .await;
-    create(
-        Api::namespaced(client.clone(), ns),
-        json::<PersistentVolumeClaim>(serde_json::json!({
-            "metadata": {"name": "data"},
-            "spec": {
-                "accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": pv,
-                "resources": {"requests": {"storage": "1Gi"}}
-            }
-        })),
-    )
-    .await;
-    create(
-        Api::namespaced(client.clone(), ns),
-        json::<Pod>(serde_json::json!({
-            "metadata": {"name": "db-0"},
-            "spec": {
-                "nodeName": node,
-                "terminationGracePeriodSeconds": 1,
-                "containers": [{"name": "main", "image": "registry.invalid/db:1",
-                    "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
-                "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]
-            }
-        })),
-    )
-    .await;
-    pods_running_on(
-        client,
-        ns,
-        &["db-0".to_string()],
-        &[node.to_string()].into(),
-    )
-    .await;
-    wait::for_one(
-        Api::<PersistentVolumeClaim>::namespaced(client.clone(), ns),
-        LONG,
-        "claim data Bound",
-        |c| {
-            c.name_any() == "data"
-                && c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound")
-        },
-    )
-    .await
-    .expect("the claim binds");
 }
 
 /// The scale subresource scales the deployment's one set; a scale-down

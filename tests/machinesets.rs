@@ -8,15 +8,13 @@ mod support;
 use std::time::{Duration, Instant};
 
 use berth::api::{DELETE_PRIORITY_ANNOTATION, Machine, MachineDeployment, MachineSet};
-use berth_devkit::testbed::fixtures::csi_pv;
 use berth_devkit::testbed::{TestBed, wait};
 use k8s_openapi::api::autoscaling::v1::Scale;
-use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use support::audit::{assert_no_request_loop, controller_client};
-use support::pool::{create, delayed_bed, json, pod_running, pool_class};
+use support::pool::{delayed_bed, json, pool_class, stateful_pod};
 use support::{LONG, phase, start_controller};
 
 async fn bed() -> &'static TestBed {
@@ -134,61 +132,6 @@ async fn events_of(
     .filter(|e| about(e))
     .map(|e| e.note.clone().unwrap_or_default())
     .collect()
-}
-
-/// A pod on `node` with a volume: a pre-bound claim to a CSI PV.
-async fn stateful_pod(client: &Client, ns: &str, node: &str) {
-    let pv = format!("{ns}-data");
-    create(
-        Api::all(client.clone()),
-        csi_pv(&pv, &format!("vol-{pv}"), ns, "data"),
-    )
-    .await;
-    create(
-        Api::namespaced(client.clone(), ns),
-        json::<PersistentVolumeClaim>(serde_json::json!({
-            "metadata": {"name": "data"},
-            "spec": {
-                "accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": pv,
-                "resources": {"requests": {"storage": "1Gi"}}
-            }
-        })),
-    )
-    .await;
-    create(
-        Api::namespaced(client.clone(), ns),
-        json::<Pod>(serde_json::json!({
-            "metadata": {"name": "db-0"},
-            "spec": {
-                "nodeName": node,
-                "terminationGracePeriodSeconds": 1,
-                "containers": [{"name": "main", "image": "registry.invalid/db:1",
-                    "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
-                "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]
-            }
-        })),
-    )
-    .await;
-    wait::for_one(
-        Api::<Pod>::namespaced(client.clone(), ns),
-        LONG,
-        "db-0 Running",
-        |p| p.name_any() == "db-0" && pod_running(p),
-    )
-    .await
-    .expect("the stateful pod runs");
-    // Its claim is bound (the drain cost counts bound claims only).
-    wait::for_one(
-        Api::<PersistentVolumeClaim>::namespaced(client.clone(), ns),
-        LONG,
-        "claim data Bound",
-        |c| {
-            c.name_any() == "data"
-                && c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound")
-        },
-    )
-    .await
-    .expect("the claim binds");
 }
 
 fn node_of(m: &Machine) -> String {

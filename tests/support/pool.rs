@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use berth::api::Machine;
 use berth::providers::fake::FakeProvider;
+use berth_devkit::testbed::fixtures::csi_pv;
 use berth_devkit::testbed::{Options, TestBed, wait};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use tokio::sync::OnceCell;
@@ -239,4 +240,61 @@ pub async fn running_pods(client: &Client, ns: &str, names: &[&str]) {
     )
     .await
     .expect("pods run");
+}
+
+/// A pod `db-0` on `node` in `ns` with a volume: a pre-bound claim `data`
+/// to a CSI PV; returns once it runs and its claim is Bound (the drain
+/// cost counts bound claims only).
+pub async fn stateful_pod(client: &Client, ns: &str, node: &str) {
+    let pv = format!("{ns}-data");
+    create(
+        Api::all(client.clone()),
+        csi_pv(&pv, &format!("vol-{pv}"), ns, "data"),
+    )
+    .await;
+    create(
+        Api::namespaced(client.clone(), ns),
+        json::<PersistentVolumeClaim>(serde_json::json!({
+            "metadata": {"name": "data"},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": pv,
+                "resources": {"requests": {"storage": "1Gi"}}
+            }
+        })),
+    )
+    .await;
+    create(
+        Api::namespaced(client.clone(), ns),
+        json::<Pod>(serde_json::json!({
+            "metadata": {"name": "db-0"},
+            "spec": {
+                "nodeName": node,
+                "terminationGracePeriodSeconds": 1,
+                "containers": [{"name": "main", "image": "registry.invalid/db:1",
+                    "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
+                "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]
+            }
+        })),
+    )
+    .await;
+    wait::for_one(
+        Api::<Pod>::namespaced(client.clone(), ns),
+        LONG,
+        "db-0 Running",
+        |p| p.name_any() == "db-0" && pod_running(p),
+    )
+    .await
+    .expect("the stateful pod runs");
+    // Its claim is bound (the drain cost counts bound claims only).
+    wait::for_one(
+        Api::<PersistentVolumeClaim>::namespaced(client.clone(), ns),
+        LONG,
+        "claim data Bound",
+        |c| {
+            c.name_any() == "data"
+                && c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound")
+        },
+    )
+    .await
+    .expect("the claim binds");
 }

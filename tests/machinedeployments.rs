@@ -3,7 +3,7 @@
 //! scheduler and kwok with simulated CSI attach and detach delays, Machines
 //! of the fake provider. The pace of a rollout and the moves of its pods are
 //! read from a timeline that watches record while it runs
-//! (`support::rollout`), the reasons from the Events berth recorded.
+//! (`berth_devkit::testbed::timeline`), the reasons from the Events berth recorded.
 
 mod support;
 
@@ -16,6 +16,7 @@ use berth::api::{
 };
 use berth::providers::fake::FakeProvider;
 use berth_devkit::testbed::fixtures::{csi_pv, stateful_set};
+use berth_devkit::testbed::timeline::{Pace, Seen, Timeline, log_of};
 use berth_devkit::testbed::{TestBed, wait};
 use k8s_openapi::api::autoscaling::v1::Scale;
 use k8s_openapi::api::core::v1::Pod;
@@ -29,7 +30,6 @@ use support::pool::{
     stateful_pod,
 };
 use support::process::Berth;
-use support::rollout::{Pace, Seen, Timeline, log_of};
 use support::{LONG, phase};
 
 const ATTACH: Duration = Duration::from_millis(500);
@@ -428,7 +428,9 @@ async fn a_rolling_update_moves_each_stateful_pod_once_at_the_pace_of_its_strate
         .chain((0..2).map(|i| format!("cache-{i}")))
         .collect();
     pods_running_on(&client, ns, &pods, &old_nodes).await;
-    let timeline = Timeline::start(&client, ns).await;
+    let timeline = Timeline::start(&client, ns)
+        .await
+        .expect("the timeline records");
 
     let t = Instant::now();
     patch_spec(&client, ns, "pool", image("v2")).await;
@@ -545,7 +547,9 @@ async fn a_paused_rollout_finishes_its_drain_then_starts_nothing_until_resumed()
     let d = rollout_is(&client, ns, "pool", "RolloutComplete", 3).await;
     let old_hash = hash(&d);
     let old = running_of(&client, ns, &old_hash, 3).await;
-    let timeline = Timeline::start(&client, ns).await;
+    let timeline = Timeline::start(&client, ns)
+        .await
+        .expect("the timeline records");
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
 
     patch_spec(&client, ns, "pool", image("v2")).await;
@@ -586,7 +590,7 @@ async fn a_paused_rollout_finishes_its_drain_then_starts_nothing_until_resumed()
     })
     .await
     .expect("the deletions in progress end");
-    let mark = timeline.len();
+    let mark = timeline.mark();
     tokio::time::sleep(QUIET).await;
     let during = timeline.since(mark);
     assert!(
@@ -655,7 +659,9 @@ async fn a_failing_new_machine_stalls_the_rollout_until_the_template_is_fixed() 
     let d = rollout_is(&client, ns, "pool", "RolloutComplete", 2).await;
     let first_hash = hash(&d);
     let old = running_of(&client, ns, &first_hash, 2).await;
-    let timeline = Timeline::start(&client, ns).await;
+    let timeline = Timeline::start(&client, ns)
+        .await
+        .expect("the timeline records");
 
     patch_spec(
         &client,
@@ -804,7 +810,9 @@ async fn a_rollout_resumes_after_berth_is_killed_and_moves_each_stateful_pod_onc
     stateful(&client, ns, "db", 3).await;
     let pods: Vec<String> = (0..3).map(|i| format!("db-{i}")).collect();
     pods_running_on(&client, ns, &pods, &old_nodes).await;
-    let timeline = Timeline::start(&client, ns).await;
+    let timeline = Timeline::start(&client, ns)
+        .await
+        .expect("the timeline records");
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
 
     let t = Instant::now();

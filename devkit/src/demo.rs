@@ -23,6 +23,7 @@ use kube::api::{Api, DeleteParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 
+use crate::testbed::timeline::rolled_out;
 use crate::testbed::{Options, TestBed, fixtures, wait};
 use berth::api::{Machine, MachineClass, MachineDeployment};
 use berth::providers::Registry;
@@ -311,18 +312,6 @@ fn md_line(d: &MachineDeployment) -> Option<String> {
     ))
 }
 
-fn complete(d: &MachineDeployment, hash: Option<&str>) -> bool {
-    d.status.as_ref().is_some_and(|s| {
-        s.observed_generation == d.metadata.generation
-            && (hash.is_none() || s.template_hash.as_deref() != hash)
-            && s.draining_replicas == 0
-            && s.replicas == d.spec.replicas
-            && s.conditions
-                .iter()
-                .any(|c| c.type_ == "Progressing" && c.reason == "RolloutComplete")
-    })
-}
-
 /// A MachineDeployment of three Machines takes the workloads, then rolls
 /// to a new template, shown as an operator would follow it: the
 /// deployment's columns, the old Machine chosen at each step and why, and
@@ -346,7 +335,7 @@ async fn rollout(client: &Client, clock: &Clock, stateful: u32) -> anyhow::Resul
         }))?,
     )
     .await?;
-    let d = wait::for_one(mds.clone(), LONG, "the pool ready", |d| complete(d, None)).await?;
+    let d = wait::for_one(mds.clone(), LONG, "the pool ready", |d| rolled_out(d, None)).await?;
     let first = d.status.as_ref().and_then(|s| s.template_hash.clone());
     clock.say(format!("pool ready: {}", md_line(&d).unwrap_or_default()));
     // The workloads move onto the pool: the two single Machines go.
@@ -424,7 +413,7 @@ async fn rollout(client: &Client, clock: &Clock, stateful: u32) -> anyhow::Resul
                     clock.say(format!("pool: {line}"));
                     last = line;
                 }
-                if complete(&d, first.as_deref()) {
+                if rolled_out(&d, first.as_deref()) {
                     break;
                 }
             }

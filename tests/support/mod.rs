@@ -5,7 +5,6 @@ pub mod audit;
 pub mod aws;
 pub mod pool;
 pub mod process;
-pub mod rollout;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -22,6 +22,7 @@ mod identity;
 mod pki;
 pub mod stages;
 pub(crate) mod supervisor;
+pub mod timeline;
 pub mod wait;
 
 use std::net::TcpListener;

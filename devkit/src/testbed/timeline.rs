@@ -3,13 +3,14 @@
 //! begun, gone) in the order of one Machine watch, which is the order the
 //! API server wrote them in; each pod's incarnations (UID and Node); and
 //! the Nodes that carried berth's rollout taint. The MachineDeployment
-//! tests check the pace of a rollout and the moves of its pods against it.
+//! tests check the pace of a rollout and the moves of its pods against it;
+//! the benchmark's rollout scenario takes its times and moves from it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use berth::api::{Machine, ROLLOUT_TAINT_KEY, TEMPLATE_HASH_LABEL};
+use berth::api::{Machine, MachineDeployment, ROLLOUT_TAINT_KEY, TEMPLATE_HASH_LABEL};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::Api;
@@ -18,7 +19,8 @@ use kube::{Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use tokio::task::JoinHandle;
 
-use super::LONG;
+/// How long a watch may take to list.
+const LIST_WITHIN: Duration = Duration::from_secs(60);
 
 /// What became true of a Machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,8 +89,12 @@ impl Drop for Timeline {
 }
 
 fn running(m: &Machine) -> bool {
-    super::phase(m) == Some("Running")
-        && super::condition(m, berth::api::conditions::READY).is_some_and(|c| c.status == "True")
+    m.status.as_ref().is_some_and(|s| {
+        s.phase == Some(berth::api::MachinePhase::Running)
+            && s.conditions
+                .iter()
+                .any(|c| c.type_ == berth::api::conditions::READY && c.status == "True")
+    })
 }
 
 fn hash_of(m: &Machine) -> String {
@@ -118,7 +124,7 @@ async fn record<K>(
     api: Api<K>,
     mut seen: impl FnMut(&K) + Send + 'static,
     mut gone: impl FnMut(&str) + Send + 'static,
-) -> JoinHandle<()>
+) -> anyhow::Result<JoinHandle<()>>
 where
     K: Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
     K::DynamicType: Default,
@@ -159,17 +165,23 @@ where
             }
         }
     });
-    tokio::time::timeout(LONG, ready)
-        .await
-        .expect("the timeline's watch lists in time")
-        .expect("the timeline's watch runs");
-    task
+    match tokio::time::timeout(LIST_WITHIN, ready).await {
+        Ok(Ok(())) => Ok(task),
+        Ok(Err(_)) => anyhow::bail!("the timeline's watch ended before listing"),
+        Err(_) => {
+            task.abort();
+            anyhow::bail!("the timeline's watch did not list within {LIST_WITHIN:?}")
+        }
+    }
 }
 
 impl Timeline {
     /// Starts recording the Machines and pods of `ns` and the Nodes named
     /// after it; returns once every watch has listed.
-    pub async fn start(client: &Client, ns: &str) -> Self {
+    ///
+    /// # Errors
+    /// A watch that does not list in time.
+    pub async fn start(client: &Client, ns: &str) -> anyhow::Result<Self> {
         let start = Instant::now();
         let machines = Arc::new(Mutex::new(Machines::default()));
         let pods = Arc::new(Mutex::new(BTreeMap::new()));
@@ -217,7 +229,7 @@ impl Timeline {
                 }
             },
         )
-        .await;
+        .await?;
 
         let on_pod = Arc::clone(&pods);
         let pod_task = record(
@@ -237,7 +249,7 @@ impl Timeline {
             },
             |_| {},
         )
-        .await;
+        .await?;
 
         let on_node = Arc::clone(&tainted);
         let prefix = format!("{ns}-");
@@ -250,15 +262,15 @@ impl Timeline {
             },
             |_| {},
         )
-        .await;
+        .await?;
 
-        Self {
+        Ok(Self {
             start,
             machines,
             pods,
             tainted,
             tasks: vec![machine_task, pod_task, node_task],
-        }
+        })
     }
 
     /// The Machine steps so far.
@@ -266,8 +278,8 @@ impl Timeline {
         self.machines.lock().expect("timeline lock").steps.clone()
     }
 
-    /// How many Machine steps there are so far (a mark for [`Self::since`]).
-    pub fn len(&self) -> usize {
+    /// A mark for [`Self::since`]: how many Machine steps there are so far.
+    pub fn mark(&self) -> usize {
         self.machines.lock().expect("timeline lock").steps.len()
     }
 
@@ -297,7 +309,8 @@ impl Timeline {
     }
 
     /// Checks the recorded rollout to the template `new_hash` against
-    /// `pace`, Machines of every other template being old:
+    /// `pace`, Machines of every other template being old (Machines of no
+    /// template, not of a MachineDeployment, are left out):
     ///
     /// - never more than `replicas + surge` Machines exist (those being
     ///   deleted count: they are VMs);
@@ -305,67 +318,102 @@ impl Timeline {
     /// - with a surge, an old Machine's deletion begins only when a ready
     ///   new Machine is there for it: the ready new Machines and the old
     ///   ones not being deleted (it included) are more than `replicas`.
+    ///
+    /// # Panics
+    /// At the first step that breaks one, with the timeline.
     pub fn assert_paced(&self, new_hash: &str, pace: Pace) -> Peak {
-        let steps = self.steps();
-        let log = log_of(&steps);
-        let mut live: BTreeMap<&str, (&str, bool, bool)> = BTreeMap::new();
-        let mut peak = Peak::default();
-        for (i, s) in steps.iter().enumerate() {
-            match s.seen {
-                Seen::Created => {
-                    live.insert(&s.machine, (&s.hash, false, false));
-                    peak.machines = peak.machines.max(live.len());
-                    assert!(
-                        live.len() <= pace.replicas + pace.surge,
+        self.paced(new_hash, pace).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`Self::assert_paced`] as a result: the peak, or the first step that
+    /// broke the pace, with the timeline.
+    ///
+    /// # Errors
+    /// The first step over a limit.
+    pub fn paced(&self, new_hash: &str, pace: Pace) -> Result<Peak, String> {
+        check_pace(&self.steps(), new_hash, pace)
+    }
+}
+
+/// [`Timeline::paced`] on recorded steps.
+///
+/// # Errors
+/// The first step over a limit, with the steps.
+pub fn check_pace(steps: &[Step], new_hash: &str, pace: Pace) -> Result<Peak, String> {
+    let log = log_of(steps);
+    let mut live: BTreeMap<&str, (&str, bool, bool)> = BTreeMap::new();
+    let mut peak = Peak::default();
+    for (i, s) in steps.iter().enumerate().filter(|(_, s)| !s.hash.is_empty()) {
+        match s.seen {
+            Seen::Created => {
+                live.insert(&s.machine, (&s.hash, false, false));
+                peak.machines = peak.machines.max(live.len());
+                if live.len() > pace.replicas + pace.surge {
+                    return Err(format!(
                         "step {i}: {} Machines exist, more than replicas + maxSurge = {}:\n{log}",
                         live.len(),
                         pace.replicas + pace.surge
-                    );
-                }
-                Seen::Running => {
-                    if let Some(m) = live.get_mut(s.machine.as_str()) {
-                        m.1 = true;
-                    }
-                }
-                Seen::Deleting => {
-                    if s.hash != new_hash {
-                        let old_draining = 1 + live
-                            .values()
-                            .filter(|(h, _, deleting)| *h != new_hash && *deleting)
-                            .count();
-                        peak.old_draining = peak.old_draining.max(old_draining);
-                        assert!(
-                            old_draining <= pace.drains_at_once,
-                            "step {i}: {old_draining} old Machines being deleted at once, more than {}:\n{log}",
-                            pace.drains_at_once
-                        );
-                        let ready_new = live
-                            .values()
-                            .filter(|(h, running, deleting)| {
-                                *h == new_hash && *running && !deleting
-                            })
-                            .count();
-                        let old_active = live
-                            .values()
-                            .filter(|(h, _, deleting)| *h != new_hash && !deleting)
-                            .count();
-                        assert!(
-                            pace.surge == 0 || ready_new + old_active > pace.replicas,
-                            "step {i}: old Machine {} deleted with {ready_new} ready new Machines and {old_active} old ones: none ready for it:\n{log}",
-                            s.machine
-                        );
-                    }
-                    if let Some(m) = live.get_mut(s.machine.as_str()) {
-                        m.2 = true;
-                    }
-                }
-                Seen::Gone => {
-                    live.remove(s.machine.as_str());
+                    ));
                 }
             }
+            Seen::Running => {
+                if let Some(m) = live.get_mut(s.machine.as_str()) {
+                    m.1 = true;
+                }
+            }
+            Seen::Deleting => {
+                if s.hash != new_hash {
+                    let old_draining = 1 + live
+                        .values()
+                        .filter(|(h, _, deleting)| *h != new_hash && *deleting)
+                        .count();
+                    peak.old_draining = peak.old_draining.max(old_draining);
+                    if old_draining > pace.drains_at_once {
+                        return Err(format!(
+                            "step {i}: {old_draining} old Machines being deleted at once, more than {}:\n{log}",
+                            pace.drains_at_once
+                        ));
+                    }
+                    let ready_new = live
+                        .values()
+                        .filter(|(h, running, deleting)| *h == new_hash && *running && !deleting)
+                        .count();
+                    let old_active = live
+                        .values()
+                        .filter(|(h, _, deleting)| *h != new_hash && !deleting)
+                        .count();
+                    if pace.surge > 0 && ready_new + old_active <= pace.replicas {
+                        return Err(format!(
+                            "step {i}: old Machine {} deleted with {ready_new} ready new Machines and {old_active} old ones: none ready for it:\n{log}",
+                            s.machine
+                        ));
+                    }
+                }
+                if let Some(m) = live.get_mut(s.machine.as_str()) {
+                    m.2 = true;
+                }
+            }
+            Seen::Gone => {
+                live.remove(s.machine.as_str());
+            }
         }
-        peak
     }
+    Ok(peak)
+}
+
+/// Whether a MachineDeployment has rolled out: its status is of its
+/// current generation, its template is not `from` (when given), it has
+/// its replicas and no drain, and says `RolloutComplete`.
+pub fn rolled_out(d: &MachineDeployment, from: Option<&str>) -> bool {
+    d.status.as_ref().is_some_and(|s| {
+        s.observed_generation == d.metadata.generation
+            && (from.is_none() || s.template_hash.as_deref() != from)
+            && s.draining_replicas == 0
+            && s.replicas == d.spec.replicas
+            && s.conditions
+                .iter()
+                .any(|c| c.type_ == "Progressing" && c.reason == "RolloutComplete")
+    })
 }
 
 pub fn log_of(steps: &[Step]) -> String {
@@ -382,4 +430,85 @@ pub fn log_of(steps: &[Step]) -> String {
         })
         .collect::<Vec<_>>()
         .join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn steps(list: &[(&str, &str, Seen)]) -> Vec<Step> {
+        list.iter()
+            .enumerate()
+            .map(|(i, (machine, hash, seen))| Step {
+                at: Duration::from_millis(i as u64),
+                machine: (*machine).into(),
+                hash: (*hash).into(),
+                seen: *seen,
+            })
+            .collect()
+    }
+
+    const ONE_AT_A_TIME: Pace = Pace {
+        replicas: 2,
+        surge: 1,
+        drains_at_once: 1,
+    };
+
+    #[test]
+    fn a_rollout_one_at_a_time_keeps_its_pace_beside_machines_of_no_template() {
+        use Seen::*;
+        let s = steps(&[
+            ("a", "old", Created),
+            ("b", "old", Created),
+            ("lone", "", Created),
+            ("c", "new", Created),
+            ("c", "new", Running),
+            ("a", "old", Deleting),
+            ("a", "old", Gone),
+            ("d", "new", Created),
+            ("d", "new", Running),
+            ("b", "old", Deleting),
+            ("b", "old", Gone),
+        ]);
+        let peak = check_pace(&s, "new", ONE_AT_A_TIME).expect("paced");
+        assert_eq!((peak.machines, peak.old_draining), (3, 1));
+    }
+
+    #[test]
+    fn each_limit_is_named_at_the_step_that_breaks_it() {
+        use Seen::*;
+        let over_surge = steps(&[
+            ("a", "old", Created),
+            ("b", "old", Created),
+            ("c", "new", Created),
+            ("d", "new", Created),
+        ]);
+        let e = check_pace(&over_surge, "new", ONE_AT_A_TIME).expect_err("4 > 2 + 1");
+        assert!(e.starts_with("step 3: 4 Machines exist"), "{e}");
+
+        let no_landing = steps(&[
+            ("a", "old", Created),
+            ("b", "old", Created),
+            ("c", "new", Created),
+            ("a", "old", Deleting),
+        ]);
+        let e = check_pace(&no_landing, "new", ONE_AT_A_TIME).expect_err("c is not ready");
+        assert!(e.contains("none ready for it"), "{e}");
+
+        let two_drains = steps(&[
+            ("a", "old", Created),
+            ("b", "old", Created),
+            ("a", "old", Deleting),
+            ("b", "old", Deleting),
+        ]);
+        let no_surge = Pace {
+            surge: 0,
+            ..ONE_AT_A_TIME
+        };
+        let e = check_pace(&two_drains, "new", no_surge).expect_err("one drain at a time");
+        assert!(
+            e.starts_with("step 3: 2 old Machines being deleted at once"),
+            "{e}"
+        );
+    }
 }

@@ -19,6 +19,10 @@
 //! - **peers**: the stateful scenario again with `kubectl drain` (the test
 //!   bed's kubectl, built from the same Kubernetes release) and, when its
 //!   driver is built, Gardener machine-controller-manager's drain package.
+//! - **rollout** (see [`rollout`]): a MachineDeployment of N Machines with
+//!   stateful and other pods on each, rolled to a new template with the
+//!   given `maxSurge` and `maxUnavailable`: wall time against its floor,
+//!   stateful pod moves against one each, requests per Machine.
 //! - **scale** (see [`scale`]): on a test bed of its own, after the others,
 //!   so that its load does not disturb them: 1,000 Machines, 20,000 pods and
 //!   5,000 VolumeAttachments in the caches and 20 concurrent drains, with
@@ -29,6 +33,7 @@
 
 pub mod audit;
 pub mod compare;
+pub mod rollout;
 pub mod scale;
 
 use std::collections::BTreeMap;
@@ -85,9 +90,24 @@ pub struct BenchArgs {
         long,
         value_enum,
         value_delimiter = ',',
-        default_values_t = [Scenario::Stateful, Scenario::Stateless, Scenario::Peers, Scenario::Scale]
+        default_values_t = [Scenario::Stateful, Scenario::Stateless, Scenario::Peers, Scenario::Rollout, Scenario::Scale]
     )]
     pub scenarios: Vec<Scenario>,
+    /// Machines of the MachineDeployment in the rollout scenario.
+    #[arg(long, default_value_t = 10)]
+    pub rollout_machines: u32,
+    /// Stateful pods (a volume each) on each of its Machines.
+    #[arg(long, default_value_t = 2)]
+    pub rollout_stateful: u32,
+    /// Pods without volumes on each of its Machines.
+    #[arg(long, default_value_t = 10)]
+    pub rollout_stateless: u32,
+    /// The rollout's `maxSurge`, in Machines.
+    #[arg(long, default_value_t = 1)]
+    pub max_surge: u32,
+    /// The rollout's `maxUnavailable`, in Machines.
+    #[arg(long, default_value_t = 0)]
+    pub max_unavailable: u32,
     /// Machines (and so Nodes) in the scale scenario.
     #[arg(long, default_value_t = 1000)]
     pub scale_machines: u32,
@@ -112,6 +132,8 @@ pub enum Scenario {
     /// `kubectl drain` and MCM's drain on the stateful workload (also needs
     /// `--peers`).
     Peers,
+    /// A MachineDeployment rolled to a new template.
+    Rollout,
     /// Many Machines, pods and VolumeAttachments; concurrent drains;
     /// the controller's memory and CPU.
     Scale,
@@ -125,6 +147,8 @@ pub struct Report {
     pub runs: Vec<Run>,
     /// Each peer against berth in the same scenario.
     pub ratios: Vec<compare::Ratio>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<rollout::Rollout>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub scale: Option<scale::Scale>,
 }
@@ -180,13 +204,14 @@ impl Gaps {
 /// reports its failure in the report instead).
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let wants = |s: Scenario| args.scenarios.contains(&s);
-    let runs = if wants(Scenario::Stateful)
+    let (runs, rollout) = if wants(Scenario::Stateful)
         || wants(Scenario::Stateless)
         || (args.peers && wants(Scenario::Peers))
+        || wants(Scenario::Rollout)
     {
         drains(&args).await?
     } else {
-        Vec::new()
+        (Vec::new(), None)
     };
     // After the others, on a test bed of its own.
     let scale = if wants(Scenario::Scale) {
@@ -207,6 +232,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         },
         ratios: compare::ratios(&runs),
         runs,
+        rollout,
         scale,
     };
     if let Some(dir) = args.out.parent() {
@@ -218,10 +244,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The stateful, stateless and peer scenarios that were chosen, on one
-/// test bed with the audit log on and the controller in this process. The
-/// test bed is gone when this returns.
-async fn drains(args: &BenchArgs) -> anyhow::Result<Vec<Run>> {
+/// The stateful, stateless, peer and rollout scenarios that were chosen,
+/// on one test bed with the audit log on and the controller in this
+/// process. The test bed is gone when this returns.
+async fn drains(args: &BenchArgs) -> anyhow::Result<(Vec<Run>, Option<rollout::Rollout>)> {
     let wants = |s: Scenario| args.scenarios.contains(&s);
     let bed = TestBed::start(
         Options::end_to_end()
@@ -235,9 +261,12 @@ async fn drains(args: &BenchArgs) -> anyhow::Result<Vec<Run>> {
     let (controller, user) = (id.client().await?, id.user);
 
     let metrics = Arc::new(Metrics::new()?);
+    // The fake provider stands for the cloud and the kubelet registering
+    // its Node: a client of its own, so that its writes are not counted
+    // as the controller's.
     let mut controller = berth::machine::spawn(
         controller.clone(),
-        Registry::default().with(Arc::new(FakeProvider::new(controller.clone()))),
+        Registry::default().with(Arc::new(FakeProvider::new(admin.clone()))),
         berth::machine::Settings {
             namespace: Some(NS.into()),
             instance: "berth-bench".into(),
@@ -272,8 +301,20 @@ async fn drains(args: &BenchArgs) -> anyhow::Result<Vec<Run>> {
         );
         runs.push(stateful_mcm(&admin, &bed, args, &audit_log).await);
     }
+    let rollout = if wants(Scenario::Rollout) {
+        Some(
+            rollout::run(&admin, args, &audit_log, &user)
+                .await
+                .unwrap_or_else(|e| rollout::Rollout {
+                    note: Some(format!("failed: {e:#}")),
+                    ..Default::default()
+                }),
+        )
+    } else {
+        None
+    };
     controller.stop(Duration::from_secs(30)).await;
-    Ok(runs)
+    Ok((runs, rollout))
 }
 
 /// The controller's user name on the API server.
@@ -973,6 +1014,9 @@ pub fn table(r: &Report) -> String {
             ratio.extra_reads_during_drain,
         ));
     }
+    if let Some(ro) = &r.rollout {
+        out.push_str(&rollout::table(ro));
+    }
     if let Some(s) = &r.scale {
         out.push_str(&scale::table(s));
     }
@@ -999,8 +1043,19 @@ mod tests {
                 Scenario::Stateful,
                 Scenario::Stateless,
                 Scenario::Peers,
+                Scenario::Rollout,
                 Scenario::Scale
             ]
+        );
+        assert_eq!(
+            (
+                all.rollout_machines,
+                all.rollout_stateful,
+                all.rollout_stateless,
+                all.max_surge,
+                all.max_unavailable
+            ),
+            (10, 2, 10, 1, 0)
         );
         assert_eq!(
             (
@@ -1037,10 +1092,12 @@ mod tests {
             },
             runs: vec![],
             ratios: vec![],
+            rollout: None,
             scale: None,
         };
         let json = serde_json::to_value(&report).expect("JSON");
         assert!(json.get("scale").is_none());
+        assert!(json.get("rollout").is_none());
         assert!(json.get("runs").is_some());
     }
 }

@@ -71,7 +71,7 @@ pub fn served_between(
 
 /// Waits until the API server serves fewer than
 /// [`SETTLED_WRITES_PER_SECOND`] writes; returns how long that took.
-pub(super) async fn settle(admin: &Client) -> anyhow::Result<f64> {
+pub(in crate::bench) async fn settle(admin: &Client) -> anyhow::Result<f64> {
     let served = || async { anyhow::Ok(writes_served(&apiserver_metrics(admin).await?)) };
     let started = Instant::now();
     let mut before = served().await?;

@@ -54,6 +54,8 @@ mod populate;
 mod procfs;
 mod report;
 
+/// The rollout scenario waits for a settled test bed too.
+pub(super) use self::apiserver::settle;
 use self::apiserver::*;
 use self::controller::*;
 pub use self::drains::*;

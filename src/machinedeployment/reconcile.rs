@@ -98,6 +98,9 @@ pub(crate) async fn reconcile(
     let (mut new, mut old): (Vec<Member>, Vec<Member>) = members
         .into_iter()
         .partition(|m| m.set.labels().get(TEMPLATE_HASH_LABEL) == Some(&hash));
+    // The old Nodes are tainted before any old Machine is asked to go, so
+    // that no pod evicted in this rollout lands on one.
+    taint_old_nodes(&new, &old, &ctx).await;
     let mut held = None;
     if !md.spec.paused && mismatch.is_none() {
         let new_counts = new.first().map(|m| m.counts).unwrap_or_default();
@@ -217,7 +220,6 @@ pub(crate) async fn reconcile(
     // finish (they are the Machine controller's); nothing new starts.
     drop(ledger);
 
-    taint_old_nodes(&new, &old, &ctx).await;
     trim_history(&md, &ns, &mut old, &ctx).await;
 
     let new_counts = new.first().map(|m| m.counts).unwrap_or_default();

@@ -11,15 +11,15 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use berth::api::{
-    DELETE_PRIORITY_ANNOTATION, Machine, MachineDeployment, MachineDeploymentStatus, MachineSet,
-    ROLLOUT_TAINT_KEY, SUPERSEDED_ANNOTATION, TEMPLATE_HASH_LABEL,
+    DELETE_PRIORITY_ANNOTATION, Machine, MachineClass, MachineDeployment, MachineDeploymentStatus,
+    MachineSet, ROLLOUT_TAINT_KEY, SUPERSEDED_ANNOTATION, TEMPLATE_HASH_LABEL,
 };
 use berth::providers::fake::FakeProvider;
 use berth_devkit::testbed::fixtures::{csi_pv, stateful_set};
 use berth_devkit::testbed::timeline::{Pace, Seen, Timeline, log_of};
 use berth_devkit::testbed::{TestBed, wait};
 use k8s_openapi::api::autoscaling::v1::Scale;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Node, Pod, Taint};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, Patch, PatchParams, PostParams};
@@ -778,6 +778,137 @@ async fn a_failing_new_machine_stalls_the_rollout_until_the_template_is_fixed() 
         log_of(&steps)
     );
     assert_eq!(progressing(&d).map(|c| c.status.as_str()), Some("True"));
+
+    ctl.stop().await;
+    assert_no_request_loop_below(bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
+}
+
+/// A new Machine whose Node is Ready but still carries a taint of a Node
+/// that is starting (here the cloud's `uninitialized`, as a cloud controller
+/// manager leaves it until it has set the Node up) cannot take pods: no old
+/// Machine goes for it until the taint leaves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_machine_goes_only_once_the_new_node_takes_pods() {
+    let case = "an_old_machine_goes_only_once_the_new_node_takes_pods";
+    let client = client().await;
+    let ns = "mdep-startup-taint";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
+    let uninitialized = format!("{ns}-v2");
+    let taint = "node.cloudprovider.kubernetes.io/uninitialized";
+    class_in_pool(
+        &client,
+        &uninitialized,
+        ns,
+        serde_json::json!({"nodeTaints": [{"key": taint, "value": "true", "effect": "NoSchedule"}]}),
+    )
+    .await;
+    let ctl = start(ns).await;
+    deployments(&client, ns)
+        .create(
+            &PostParams::default(),
+            &deployment("pool", 2, ns, rolling(1.into(), 0.into())),
+        )
+        .await
+        .expect("create the MachineDeployment");
+    let d = rollout_is(&client, ns, "pool", "RolloutComplete", 2).await;
+    let first_hash = hash(&d);
+    let old = running_of(&client, ns, &first_hash, 2).await;
+    let timeline = Timeline::start(&client, ns)
+        .await
+        .expect("the timeline records");
+
+    patch_spec(
+        &client,
+        ns,
+        "pool",
+        serde_json::json!({"template": {"spec": {"classRef": {"name": uninitialized}}}}),
+    )
+    .await;
+    let d = status_until(&client, ns, "pool", "a new template", |_, s| {
+        s.template_hash.as_deref().is_some_and(|h| h != first_hash)
+    })
+    .await;
+    let new_hash = hash(&d);
+    // The new Machine is Running, its Node Ready, the taint still on it.
+    let new = running_of(&client, ns, &new_hash, 1).await;
+    let node = nodes_of(ns, &new).into_iter().next().expect("its Node");
+    let nodes: Api<Node> = Api::all(client.clone());
+    let n = nodes.get(&node).await.expect("the new Node");
+    assert!(
+        n.spec
+            .as_ref()
+            .and_then(|s| s.taints.as_ref())
+            .is_some_and(|ts| ts.iter().any(|t| t.key == taint)),
+        "the new Node registered with {taint}"
+    );
+    tokio::time::sleep(QUIET).await;
+    let log = timeline.log();
+    assert!(
+        !timeline.steps().iter().any(|s| s.seen == Seen::Deleting),
+        "no old Machine goes while the new Node takes no pods:\n{log}"
+    );
+    let d = status_until(&client, ns, "pool", "held for landing", |d, _| {
+        progressing(d).is_some_and(|c| c.message.contains("taking pods"))
+    })
+    .await;
+    assert_eq!(
+        d.status
+            .as_ref()
+            .map(|s| (s.updated_replicas, s.ready_replicas)),
+        Some((1, 2)),
+        "the new Machine is not counted ready"
+    );
+
+    // The cloud has set the Node up; the next new Machines register
+    // without the taint. The rollout completes.
+    Api::<MachineClass>::all(client.clone())
+        .patch(
+            &uninitialized,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"providerSpec": {"nodeTaints": []}}})),
+        )
+        .await
+        .expect("the class without the taint");
+    let released = timeline.elapsed();
+    let keep: Vec<Taint> = n
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|t| t.key != taint)
+        .collect();
+    nodes
+        .patch(
+            &node,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"taints": keep}})),
+        )
+        .await
+        .expect("untaint the new Node");
+    rollout_is(&client, ns, "pool", "RolloutComplete", 2).await;
+    for m in &old {
+        gone(&client, ns, &m.name_any(), LONG).await;
+    }
+    let steps = timeline.steps();
+    let first_deletion = steps
+        .iter()
+        .find(|s| s.seen == Seen::Deleting)
+        .expect("old Machines deleted");
+    assert!(
+        first_deletion.at >= released,
+        "the first old Machine went after the taint left:\n{}",
+        log_of(&steps)
+    );
+    timeline.assert_paced(
+        &new_hash,
+        Pace {
+            replicas: 2,
+            surge: 1,
+            drains_at_once: 1,
+        },
+    );
 
     ctl.stop().await;
     assert_no_request_loop_below(bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);

@@ -237,7 +237,6 @@ pub(crate) fn hooks<'a>(
     v
 }
 
-/// Node facts from a Node object, at `now`.
 /// A Node's `Ready` condition.
 fn ready_condition(node: &Node) -> Option<&k8s_openapi::api::core::v1::NodeCondition> {
     node.status
@@ -251,6 +250,39 @@ pub(crate) fn node_ready(node: &Node) -> bool {
     ready_condition(node).is_some_and(|c| c.status == "True")
 }
 
+/// The taints a Node carries while it starts, or while its kubelet or its
+/// network is not heard from: the API server puts `not-ready` on every new
+/// Node, the node lifecycle controller takes it off some time after the
+/// Ready condition turns True, and a cloud controller manager removes
+/// `uninitialized` once it has set the Node up. The scheduler places no
+/// pod on a Node with one of them (NoSchedule or NoExecute), whatever its
+/// Ready condition says.
+const STARTUP_TAINTS: [&str; 4] = [
+    "node.kubernetes.io/not-ready",
+    "node.kubernetes.io/unreachable",
+    "node.kubernetes.io/network-unavailable",
+    "node.cloudprovider.kubernetes.io/uninitialized",
+];
+
+/// Whether pods can land on a Node now: Ready, and none of
+/// [`STARTUP_TAINTS`] with an effect that keeps pods off. A Machine counts
+/// as ready in its set only then, so that a rollout never drains an old
+/// Machine towards a Node that cannot take its pods yet.
+pub(crate) fn node_takes_pods(node: &Node) -> bool {
+    node_ready(node)
+        && !node
+            .spec
+            .as_ref()
+            .and_then(|s| s.taints.as_ref())
+            .is_some_and(|ts| {
+                ts.iter().any(|t| {
+                    STARTUP_TAINTS.contains(&t.key.as_str())
+                        && matches!(t.effect.as_str(), "NoSchedule" | "NoExecute")
+                })
+            })
+}
+
+/// Node facts from a Node object, at `now`.
 pub(crate) fn node_facts(node: &Node, now: k8s_openapi::jiff::Timestamp) -> NodeFacts {
     let ready_cond = ready_condition(node);
     let ready = node_ready(node);
@@ -582,6 +614,61 @@ mod tests {
             }]);
         }
         assert!(node_facts(&n, now).cordoned);
+    }
+
+    #[test]
+    fn a_ready_node_takes_pods_only_without_the_taints_of_a_starting_node() {
+        let node = |ready: &str, taints: &[(&str, &str)]| Node {
+            spec: Some(NodeSpec {
+                taints: Some(
+                    taints
+                        .iter()
+                        .map(|(key, effect)| Taint {
+                            key: (*key).into(),
+                            effect: (*effect).into(),
+                            ..Default::default()
+                        })
+                        .collect(),
+                ),
+                ..Default::default()
+            }),
+            status: Some(NodeStatus {
+                conditions: Some(vec![NodeCondition {
+                    type_: "Ready".into(),
+                    status: ready.into(),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert!(node_takes_pods(&node("True", &[])));
+        assert!(!node_takes_pods(&node("False", &[])));
+        // Ready already, but the node lifecycle controller has not yet
+        // taken off the taint the API server put on the new Node.
+        let starting = node("True", &[("node.kubernetes.io/not-ready", "NoSchedule")]);
+        assert!(node_ready(&starting));
+        assert!(!node_takes_pods(&starting));
+        for key in [
+            "node.kubernetes.io/unreachable",
+            "node.kubernetes.io/network-unavailable",
+            "node.cloudprovider.kubernetes.io/uninitialized",
+        ] {
+            assert!(
+                !node_takes_pods(&node("True", &[(key, "NoExecute")])),
+                "{key}"
+            );
+        }
+        // A preference, or another taint the pool's pods tolerate, is no
+        // reason to wait.
+        assert!(node_takes_pods(&node(
+            "True",
+            &[
+                ("node.kubernetes.io/not-ready", "PreferNoSchedule"),
+                ("dedicated", "NoSchedule"),
+                ("berth.dev/rolling-out", "PreferNoSchedule"),
+            ]
+        )));
     }
 
     #[test]

@@ -12,7 +12,8 @@
 //!   stricter than a Deployment's pods, and it is what a quota or a
 //!   `maxSurge: 0` means for Machines.
 //! - **Landing** (when `surge > 0`): an old Machine goes only when a new
-//!   Machine is Running with its Node Ready for it: `new ready + old
+//!   Machine is Running with its Node Ready for it, and that Node takes
+//!   pods (none of the taints of a Node still starting): `new ready + old
 //!   active > replicas`. Its pods then have somewhere new to land.
 //! - **Availability**: at least `replicas - unavailable` Machines stay
 //!   available; an old Machine that is not ready costs nothing to remove.
@@ -160,7 +161,8 @@ pub(crate) struct Facts {
 /// What holds the next step of a rollout, for the condition's message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Hold {
-    /// No new Machine is ready for the next old one to go.
+    /// No new Machine is ready (its Node Ready and taking pods) for the
+    /// next old one to go.
     Landing,
     /// Removing one more would leave fewer than `replicas - unavailable`.
     Availability,
@@ -173,7 +175,9 @@ pub(crate) enum Hold {
 impl Hold {
     pub(crate) fn describe(self) -> &'static str {
         match self {
-            Hold::Landing => "waiting for a new Machine to be Running with its Node Ready",
+            Hold::Landing => {
+                "waiting for a new Machine to be Running with its Node Ready and taking pods"
+            }
             Hold::Availability => "waiting to keep replicas - maxUnavailable Machines available",
             Hold::DrainsAtOnce => "waiting for the old Machines being drained (maxUnavailable)",
             Hold::GlobalCap => "waiting for a slot under berth's cap on concurrent drains",

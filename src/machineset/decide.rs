@@ -85,7 +85,8 @@ pub(crate) fn selector_string(selector: &LabelSelector) -> String {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct MachineFacts {
     pub(crate) phase: Option<MachinePhase>,
-    /// Its Node's Ready condition is True now.
+    /// Its Node takes pods now: Ready, and none of the taints of a Node
+    /// still starting ([`crate::machine::decide::node_takes_pods`]).
     pub(crate) node_ready: bool,
     /// Since when the Machine has been Ready (its `Ready` condition's
     /// transition), if it is.
@@ -93,7 +94,7 @@ pub(crate) struct MachineFacts {
 }
 
 impl MachineFacts {
-    /// Running with its Node Ready.
+    /// Running with its Node Ready and taking pods.
     pub(crate) fn ready(&self) -> bool {
         self.phase == Some(MachinePhase::Running) && self.node_ready
     }

@@ -22,7 +22,7 @@ use crate::api::conditions::{NODE_HEALTHY, READY};
 use crate::api::{Machine, MachinePhase, MachineSet, SUPERSEDED_ANNOTATION};
 use crate::drain::pdb::{PdbVerdict, findings_for};
 use crate::drain::select::{PodClass, classify};
-use crate::machine::decide::node_ready;
+use crate::machine::decide::{node_ready, node_takes_pods};
 use crate::machine::status::condition;
 
 #[derive(Debug, thiserror::Error)]
@@ -285,7 +285,7 @@ pub(crate) fn facts(m: &Machine, caches: &Caches) -> MachineFacts {
     let ready = condition(m.status.as_ref(), READY).filter(|c| c.status == "True");
     MachineFacts {
         phase: m.status.as_ref().and_then(|s| s.phase),
-        node_ready: node_of(m, caches).is_some_and(|n| node_ready(&n)),
+        node_ready: node_of(m, caches).is_some_and(|n| node_takes_pods(&n)),
         ready_since: ready.map(|c| c.last_transition_time.0),
     }
 }

@@ -17,12 +17,14 @@
 //!   registerNode: true      # false: the VM never registers a Node
 //!   nodeReady: true         # false: the Node never becomes Ready
 //!   nodeLabels: {pool: a}   # extra labels on the Node
+//!   nodeTaints:             # taints the Node registers with, as a cloud's
+//!   - {key: node.cloudprovider.kubernetes.io/uninitialized, value: "true", effect: NoSchedule}
 //! ```
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{ConfigMap, Node, NodeSpec};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, NodeSpec, Taint};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -66,6 +68,8 @@ pub(crate) struct FakeSpec {
     pub node_ready: bool,
     #[serde(default)]
     pub node_labels: BTreeMap<String, String>,
+    #[serde(default)]
+    pub node_taints: Vec<Taint>,
 }
 
 fn yes() -> bool {
@@ -162,6 +166,7 @@ fn fake_node(name: &str, provider_id: &str, spec: &FakeSpec) -> Node {
         },
         spec: Some(NodeSpec {
             provider_id: Some(provider_id.to_string()),
+            taints: (!spec.node_taints.is_empty()).then(|| spec.node_taints.clone()),
             ..Default::default()
         }),
         ..Default::default()

@@ -84,6 +84,8 @@ pub struct Rollout {
     /// Of them, pods that were not on the old Machines when the rollout
     /// began: replacements placed on an old Node and evicted again.
     pub evicted_again: u32,
+    /// Those pods, each with the Node it had been placed on.
+    pub evicted_again_on: Vec<String>,
     /// Evictions refused (a PodDisruptionBudget's 429, or another error).
     pub evictions_refused: u32,
     /// The controller's requests by `verb resource`, during the rollout.
@@ -348,10 +350,22 @@ pub(super) async fn run(
         .filter_map(|r| r.name.as_deref())
         .collect();
     out.evictions = granted.len() as u32;
-    out.evicted_again = granted
+    let again: Vec<&&str> = granted
         .iter()
         .filter(|name| !first_pods.contains(**name))
-        .count() as u32;
+        .collect();
+    out.evicted_again = again.len() as u32;
+    // Where each had been placed.
+    out.evicted_again_on = again
+        .iter()
+        .map(|name| {
+            let node = lives
+                .get(**name)
+                .and_then(|l| l.first())
+                .map_or("?", |(_, node)| node.as_str());
+            format!("{name} on {node}")
+        })
+        .collect();
     out.evictions_refused = evictions().count() as u32 - out.evictions;
     out.api_requests_per_machine =
         f64::from(out.api_requests.values().sum::<u32>()) / f64::from(n.max(1));

@@ -314,6 +314,44 @@ fn image(v: &str) -> serde_json::Value {
     serde_json::json!({"template": {"metadata": {"annotations": {"image": v}}}})
 }
 
+/// The pace of a pool of two rolled one Machine at a time.
+const TWO_ONE_AT_A_TIME: Pace = Pace {
+    replicas: 2,
+    surge: 1,
+    drains_at_once: 1,
+};
+
+/// A MachineDeployment `pool` of two Machines with `strategy`, rolled out:
+/// its template's hash and Machines, and a timeline started after.
+async fn pool_of_two(
+    client: &Client,
+    ns: &str,
+    strategy: serde_json::Value,
+) -> (String, Vec<Machine>, Timeline) {
+    deployments(client, ns)
+        .create(&PostParams::default(), &deployment("pool", 2, ns, strategy))
+        .await
+        .expect("create the MachineDeployment");
+    let d = rollout_is(client, ns, "pool", "RolloutComplete", 2).await;
+    let first_hash = hash(&d);
+    let old = running_of(client, ns, &first_hash, 2).await;
+    let timeline = Timeline::start(client, ns)
+        .await
+        .expect("the timeline records");
+    (first_hash, old, timeline)
+}
+
+/// Points the pool's template at the class `name`.
+async fn use_class(client: &Client, ns: &str, name: &str) {
+    patch_spec(
+        client,
+        ns,
+        "pool",
+        serde_json::json!({"template": {"spec": {"classRef": {"name": name}}}}),
+    )
+    .await;
+}
+
 /// The apiserver refuses what CEL checks of a strategy: a `maxSurge` or
 /// `maxUnavailable` that is not a non-negative integer or a percentage,
 /// both zero, `rollingUpdate` with `OnDelete`; and takes a percentage.
@@ -649,27 +687,9 @@ async fn a_failing_new_machine_stalls_the_rollout_until_the_template_is_fixed() 
     class_in_pool(&client, &bad, ns, serde_json::json!({"bootImage": "v2"})).await;
     class_in_pool(&client, &fixed, ns, serde_json::json!({})).await;
     let ctl = start(ns).await;
-    deployments(&client, ns)
-        .create(
-            &PostParams::default(),
-            &deployment("pool", 2, ns, serde_json::Value::Null),
-        )
-        .await
-        .expect("create the MachineDeployment");
-    let d = rollout_is(&client, ns, "pool", "RolloutComplete", 2).await;
-    let first_hash = hash(&d);
-    let old = running_of(&client, ns, &first_hash, 2).await;
-    let timeline = Timeline::start(&client, ns)
-        .await
-        .expect("the timeline records");
+    let (first_hash, old, timeline) = pool_of_two(&client, ns, serde_json::Value::Null).await;
 
-    patch_spec(
-        &client,
-        ns,
-        "pool",
-        serde_json::json!({"template": {"spec": {"classRef": {"name": bad}}}}),
-    )
-    .await;
+    use_class(&client, ns, &bad).await;
     let d = status_until(
         &client,
         ns,
@@ -741,13 +761,7 @@ async fn a_failing_new_machine_stalls_the_rollout_until_the_template_is_fixed() 
 
     // Fixed: the rollout completes, the failed Machine goes first.
     let t = Instant::now();
-    patch_spec(
-        &client,
-        ns,
-        "pool",
-        serde_json::json!({"template": {"spec": {"classRef": {"name": fixed}}}}),
-    )
-    .await;
+    use_class(&client, ns, &fixed).await;
     let d = rollout_is(&client, ns, "pool", "RolloutComplete", 2).await;
     gone(&client, ns, &failed, LONG).await;
     for m in &old {
@@ -757,14 +771,7 @@ async fn a_failing_new_machine_stalls_the_rollout_until_the_template_is_fixed() 
     let fixed_hash = hash(&d);
     assert!(fixed_hash != bad_hash && fixed_hash != first_hash);
     running_of(&client, ns, &fixed_hash, 2).await;
-    timeline.assert_paced(
-        &fixed_hash,
-        Pace {
-            replicas: 2,
-            surge: 1,
-            drains_at_once: 1,
-        },
-    );
+    timeline.assert_paced(&fixed_hash, TWO_ONE_AT_A_TIME);
     let steps = timeline.steps();
     let deleted: Vec<&str> = steps
         .iter()
@@ -804,27 +811,9 @@ async fn an_old_machine_goes_only_once_the_new_node_takes_pods() {
     )
     .await;
     let ctl = start(ns).await;
-    deployments(&client, ns)
-        .create(
-            &PostParams::default(),
-            &deployment("pool", 2, ns, rolling(1.into(), 0.into())),
-        )
-        .await
-        .expect("create the MachineDeployment");
-    let d = rollout_is(&client, ns, "pool", "RolloutComplete", 2).await;
-    let first_hash = hash(&d);
-    let old = running_of(&client, ns, &first_hash, 2).await;
-    let timeline = Timeline::start(&client, ns)
-        .await
-        .expect("the timeline records");
+    let (first_hash, old, timeline) = pool_of_two(&client, ns, rolling(1.into(), 0.into())).await;
 
-    patch_spec(
-        &client,
-        ns,
-        "pool",
-        serde_json::json!({"template": {"spec": {"classRef": {"name": uninitialized}}}}),
-    )
-    .await;
+    use_class(&client, ns, &uninitialized).await;
     let d = status_until(&client, ns, "pool", "a new template", |_, s| {
         s.template_hash.as_deref().is_some_and(|h| h != first_hash)
     })
@@ -901,14 +890,7 @@ async fn an_old_machine_goes_only_once_the_new_node_takes_pods() {
         "the first old Machine went after the taint left:\n{}",
         log_of(&steps)
     );
-    timeline.assert_paced(
-        &new_hash,
-        Pace {
-            replicas: 2,
-            surge: 1,
-            drains_at_once: 1,
-        },
-    );
+    timeline.assert_paced(&new_hash, TWO_ONE_AT_A_TIME);
 
     ctl.stop().await;
     assert_no_request_loop_below(bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);

@@ -24,7 +24,7 @@ use kube::{Client, ResourceExt};
 use support::audit::{assert_no_request_loop, controller};
 use support::pool::{
     POOL, create, delayed_bed, delayed_client, events, first, json, log_of, on_node, pod_running,
-    pool_class, running_machine, start_delayed,
+    pool_class, running_machine, start_delayed, stateful_in_pool,
 };
 use support::{LONG, machine, phase};
 
@@ -64,24 +64,6 @@ async fn priority_classes(client: &Client) {
     }
 }
 
-/// A StatefulSet with one pre-bound CSI PV per replica.
-async fn stateful(client: &Client, ns: &str, name: &str, replicas: i32, priority: Option<&str>) {
-    for i in 0..replicas {
-        let pv = format!("{ns}-{name}-{i}");
-        create(
-            Api::all(client.clone()),
-            csi_pv(&pv, &format!("vol-{pv}"), ns, &format!("data-{name}-{i}")),
-        )
-        .await;
-    }
-    let mut sts = stateful_set(name, replicas, 1);
-    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
-        spec.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
-        spec.priority_class_name = priority.map(String::from);
-    }
-    create(Api::namespaced(client.clone(), ns), sts).await;
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_is_drained_in_volume_aware_order() {
     let client = client().await;
@@ -93,8 +75,8 @@ async fn a_node_is_drained_in_volume_aware_order() {
     let node_a = running_machine(&client, ns, "a", ns).await;
 
     // Stateful: `cache` (high priority) and `db` (3 replicas, low priority).
-    stateful(&client, ns, "cache", 1, Some("berth-e2e-high")).await;
-    stateful(&client, ns, "db", 3, Some("berth-e2e-low")).await;
+    stateful_in_pool(&client, ns, "cache", 1, Some("berth-e2e-high")).await;
+    stateful_in_pool(&client, ns, "db", 3, Some("berth-e2e-low")).await;
     // Stateless: 5 replicas behind a PDB that allows 3 disruptions.
     create(
         Api::namespaced(client.clone(), ns),
@@ -536,7 +518,7 @@ async fn after_the_deadline_stateful_pods_still_move_one_at_a_time() {
     .await;
     let ctl = start(ns, "drain-after").await;
     let node = running_machine(&client, ns, "s", ns).await;
-    stateful(&client, ns, "db", 2, None).await;
+    stateful_in_pool(&client, ns, "db", 2, None).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     wait::until(pods.clone(), LONG, "db running on s", |ps| {
         ps.iter()
@@ -1196,8 +1178,8 @@ async fn a_replacement_that_cannot_be_placed_holds_back_its_workload_only() {
     .await;
     let ctl = start(ns, "drain-unplaced").await;
     let node_a = running_machine(&client, ns, "a", ns).await;
-    stateful(&client, ns, "db", 2, None).await;
-    stateful(&client, ns, "solo", 1, None).await;
+    stateful_in_pool(&client, ns, "db", 2, None).await;
+    stateful_in_pool(&client, ns, "solo", 1, None).await;
     let vas: Api<VolumeAttachment> = Api::all(client.clone());
     wait::until(vas, LONG, "3 volumes attached to A", |all| {
         all.iter()

@@ -11,11 +11,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use berth::api::{
-    DELETE_PRIORITY_ANNOTATION, Machine, MachineClass, MachineDeployment, MachineDeploymentStatus,
-    MachineSet, ROLLOUT_TAINT_KEY, SUPERSEDED_ANNOTATION, TEMPLATE_HASH_LABEL,
+    Machine, MachineClass, MachineDeployment, MachineDeploymentStatus, MachineSet,
+    ROLLOUT_TAINT_KEY, SUPERSEDED_ANNOTATION, TEMPLATE_HASH_LABEL,
 };
 use berth::providers::fake::FakeProvider;
-use berth_devkit::testbed::fixtures::{csi_pv, stateful_set};
 use berth_devkit::testbed::timeline::{Pace, Seen, Timeline, log_of};
 use berth_devkit::testbed::{TestBed, wait};
 use k8s_openapi::api::autoscaling::v1::Scale;
@@ -26,8 +25,8 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use support::audit::{ROLLOUT_PEAK_10S_CEILING, assert_no_request_loop_below, controller};
 use support::pool::{
-    POOL, create, delayed_bed, delayed_client, gone, json, pod_running, pool_class, start_delayed,
-    stateful_pod,
+    POOL, assert_scale_down_reasons, create, delayed_bed, delayed_client, gone, json,
+    mark_for_scale_down, pod_running, pool_class, start_delayed, stateful_in_pool,
 };
 use support::process::Berth;
 use support::{LONG, phase};
@@ -232,24 +231,6 @@ fn notes(evs: &[Event]) -> Vec<String> {
     evs.iter()
         .map(|e| e.note.clone().unwrap_or_default())
         .collect()
-}
-
-/// A StatefulSet `name` of `replicas` pods kept to the pool's Nodes, each
-/// with a volume: a pre-bound CSI PV per replica.
-async fn stateful(client: &Client, ns: &str, name: &str, replicas: i32) {
-    for i in 0..replicas {
-        let pv = format!("{ns}-{name}-{i}");
-        create(
-            Api::all(client.clone()),
-            csi_pv(&pv, &format!("vol-{pv}"), ns, &format!("data-{name}-{i}")),
-        )
-        .await;
-    }
-    let mut sts = stateful_set(name, replicas, 1);
-    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
-        spec.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
-    }
-    create(Api::namespaced(client.clone(), ns), sts).await;
 }
 
 /// Waits until each of the pods `names` runs on one of `nodes`.
@@ -459,8 +440,8 @@ async fn a_rolling_update_moves_each_stateful_pod_once_at_the_pace_of_its_strate
     let old_hash = hash(&d);
     let old = running_of(&client, ns, &old_hash, 4).await;
     let old_nodes = nodes_of(ns, &old);
-    stateful(&client, ns, "db", 4).await;
-    stateful(&client, ns, "cache", 2).await;
+    stateful_in_pool(&client, ns, "db", 4, None).await;
+    stateful_in_pool(&client, ns, "cache", 2, None).await;
     let pods: Vec<String> = (0..4)
         .map(|i| format!("db-{i}"))
         .chain((0..2).map(|i| format!("cache-{i}")))
@@ -920,7 +901,7 @@ async fn a_rollout_resumes_after_berth_is_killed_and_moves_each_stateful_pod_onc
     let old_hash = hash(&d);
     let old = running_of(&client, ns, &old_hash, 3).await;
     let old_nodes = nodes_of(ns, &old);
-    stateful(&client, ns, "db", 3).await;
+    stateful_in_pool(&client, ns, "db", 3, None).await;
     let pods: Vec<String> = (0..3).map(|i| format!("db-{i}")).collect();
     pods_running_on(&client, ns, &pods, &old_nodes).await;
     let timeline = Timeline::start(&client, ns)
@@ -1054,22 +1035,7 @@ async fn a_machinedeployment_scales_through_its_scale_subresource() {
     // Down to 1: `marked` for the operator's priority, `plain` for its
     // cheaper drain; `stateful` keeps its pod.
     let (marked, stateful, plain) = (&machines[0], &machines[1], &machines[2]);
-    Api::<Machine>::namespaced(client.clone(), ns)
-        .patch(
-            &marked.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({
-                "metadata": {"annotations": {DELETE_PRIORITY_ANNOTATION: "10"}}
-            })),
-        )
-        .await
-        .expect("annotate");
-    stateful_pod(
-        &client,
-        ns,
-        &FakeProvider::node_name(ns, &stateful.name_any()),
-    )
-    .await;
+    mark_for_scale_down(&client, ns, &machines).await;
     let t = Instant::now();
     api.patch_scale(
         "pool",
@@ -1094,24 +1060,7 @@ async fn a_machinedeployment_scales_through_its_scale_subresource() {
     );
     let why = notes(&events_of(&client, ns, &set, "ScaledDown", 2).await);
     assert_eq!(why.len(), 2, "{why:?}");
-    let about = |m: &Machine| {
-        why.iter()
-            .find(|n| n.contains(&format!("deleted Machine {} ", m.name_any())))
-            .unwrap_or_else(|| panic!("no ScaledDown for {}: {why:?}", m.name_any()))
-            .clone()
-    };
-    let why_marked = about(marked);
-    assert!(
-        why_marked.contains("scale from 3 to 1")
-            && why_marked.contains(&format!("{DELETE_PRIORITY_ANNOTATION} 10")),
-        "{why_marked}"
-    );
-    let why_plain = about(plain);
-    assert!(
-        why_plain.contains("cheapest drain: 0 stateful pods")
-            && why_plain.contains(&format!("{}: 1 stateful pod", stateful.name_any())),
-        "{why_plain}"
-    );
+    assert_scale_down_reasons(&why, &machines);
     for m in [marked, plain] {
         gone(&client, ns, &m.name_any(), LONG).await;
     }

@@ -7,14 +7,16 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use berth::api::{DELETE_PRIORITY_ANNOTATION, Machine, MachineDeployment, MachineSet};
+use berth::api::{Machine, MachineDeployment, MachineSet};
 use berth_devkit::testbed::{TestBed, wait};
 use k8s_openapi::api::autoscaling::v1::Scale;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use support::audit::{assert_no_request_loop, controller_client};
-use support::pool::{delayed_bed, json, pool_class, stateful_pod};
+use support::pool::{
+    assert_scale_down_reasons, delayed_bed, json, mark_for_scale_down, pool_class,
+};
 use support::{LONG, phase, start_controller};
 
 async fn bed() -> &'static TestBed {
@@ -134,14 +136,6 @@ async fn events_of(
     .collect()
 }
 
-fn node_of(m: &Machine) -> String {
-    m.status
-        .as_ref()
-        .and_then(|s| s.node_ref.as_ref())
-        .map(|n| n.name.clone())
-        .expect("a Running Machine has a Node")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machineset_scales_up_and_down_deleting_the_cheapest_machines_first() {
     let client = client().await;
@@ -201,17 +195,7 @@ async fn a_machineset_scales_up_and_down_deleting_the_cheapest_machines_first() 
     // The order is observable: `marked` carries the operator's priority,
     // `stateful` runs a pod with an attached volume, `plain` runs nothing.
     let (marked, stateful, plain) = (&machines[0], &machines[1], &machines[2]);
-    Api::<Machine>::namespaced(client.clone(), ns)
-        .patch(
-            &marked.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({
-                "metadata": {"annotations": {DELETE_PRIORITY_ANNOTATION: "10"}}
-            })),
-        )
-        .await
-        .expect("annotate");
-    stateful_pod(&client, ns, &node_of(stateful)).await;
+    mark_for_scale_down(&client, ns, &machines).await;
 
     // Down to 1: `marked` for its priority, `plain` for its cheaper drain.
     let t = Instant::now();
@@ -229,25 +213,7 @@ async fn a_machineset_scales_up_and_down_deleting_the_cheapest_machines_first() 
         "the stateful Machine stays"
     );
     let notes = events_of(&client, ns, "pool", "ScaledDown", 2).await;
-    let about = |m: &Machine| {
-        notes
-            .iter()
-            .find(|n| n.contains(&format!("deleted Machine {} ", m.name_any())))
-            .unwrap_or_else(|| panic!("no ScaledDown for {}: {notes:?}", m.name_any()))
-            .clone()
-    };
-    let why_marked = about(marked);
-    assert!(
-        why_marked.contains("scale from 3 to 1")
-            && why_marked.contains("berth.dev/delete-priority 10"),
-        "{why_marked}"
-    );
-    let why_plain = about(plain);
-    assert!(
-        why_plain.contains("cheapest drain: 0 stateful pods")
-            && why_plain.contains(&format!("{}: 1 stateful pod", stateful.name_any())),
-        "{why_plain}"
-    );
+    assert_scale_down_reasons(&notes, &machines);
     assert_eq!(notes.len(), 2, "never more than needed: {notes:?}");
     // And on each Machine chosen.
     for m in [marked, plain] {

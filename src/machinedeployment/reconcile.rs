@@ -313,13 +313,8 @@ fn members(
                 }
                 counts.active += 1;
                 let f = facts(m, &ctx.caches);
-                if f.ready() {
-                    counts.ready += 1;
-                    let since = f.ready_since.unwrap_or(now);
-                    if now.duration_since(since) >= min_ready {
-                        counts.available += 1;
-                    }
-                }
+                counts.ready += usize::from(f.ready());
+                counts.available += usize::from(f.available(min_ready, now));
             }
             let revision = set
                 .annotations()

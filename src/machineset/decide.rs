@@ -111,6 +111,12 @@ impl MachineFacts {
         let since = self.ready_since.unwrap_or(now);
         Some((min_ready - now.duration_since(since)).max(SignedDuration::ZERO))
     }
+
+    /// Ready for at least `min_ready` now.
+    pub(crate) fn available(&self, min_ready: SignedDuration, now: Timestamp) -> bool {
+        self.available_in(min_ready, now)
+            .is_some_and(|left| left.is_zero())
+    }
 }
 
 /// A failure to report in `ReplicaFailure`.
@@ -314,6 +320,16 @@ mod tests {
             node_ready,
             ready_since: ready_since.map(t),
         }
+    }
+
+    #[test]
+    fn a_machine_is_available_once_ready_for_min_ready_seconds() {
+        let min = SignedDuration::from_secs(30);
+        let now = t(100);
+        assert!(facts(MachinePhase::Running, true, Some(70)).available(min, now));
+        assert!(!facts(MachinePhase::Running, true, Some(71)).available(min, now));
+        assert!(!facts(MachinePhase::Running, false, Some(0)).available(min, now));
+        assert!(facts(MachinePhase::Running, true, None).available(SignedDuration::ZERO, now));
     }
 
     fn observed(wanted: i32, active: &[MachineFacts], min_ready: i64) -> Observed<'_> {

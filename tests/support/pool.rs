@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use berth::api::Machine;
+use berth::api::{DELETE_PRIORITY_ANNOTATION, Machine};
 use berth::providers::fake::FakeProvider;
-use berth_devkit::testbed::fixtures::csi_pv;
+use berth_devkit::testbed::fixtures::{csi_pv, stateful_set};
 use berth_devkit::testbed::{Options, TestBed, wait};
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
@@ -297,4 +297,79 @@ pub async fn stateful_pod(client: &Client, ns: &str, node: &str) {
     )
     .await
     .expect("the claim binds");
+}
+
+/// A StatefulSet `name` of `replicas` pods kept to the Nodes of pool `ns`,
+/// each with a volume: a pre-bound CSI PV per replica; with an optional
+/// priority class.
+pub async fn stateful_in_pool(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    replicas: i32,
+    priority: Option<&str>,
+) {
+    for i in 0..replicas {
+        let pv = format!("{ns}-{name}-{i}");
+        create(
+            Api::all(client.clone()),
+            csi_pv(&pv, &format!("vol-{pv}"), ns, &format!("data-{name}-{i}")),
+        )
+        .await;
+    }
+    let mut sts = stateful_set(name, replicas, 1);
+    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        spec.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
+        spec.priority_class_name = priority.map(String::from);
+    }
+    create(Api::namespaced(client.clone(), ns), sts).await;
+}
+
+/// Makes three Machines of a pool tell apart for a scale-down to one:
+/// `marked` (the first) gets `berth.dev/delete-priority: 10`, `stateful`
+/// (the second) runs a pod with an attached volume, the third runs
+/// nothing.
+pub async fn mark_for_scale_down(client: &Client, ns: &str, machines: &[Machine]) {
+    Api::<Machine>::namespaced(client.clone(), ns)
+        .patch(
+            &machines[0].name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({
+                "metadata": {"annotations": {DELETE_PRIORITY_ANNOTATION: "10"}}
+            })),
+        )
+        .await
+        .expect("annotate");
+    stateful_pod(
+        client,
+        ns,
+        &FakeProvider::node_name(ns, &machines[1].name_any()),
+    )
+    .await;
+}
+
+/// Checks the scale-down Events' `notes` (from 3 to 1, after
+/// [`mark_for_scale_down`]): the marked Machine went for its priority, the
+/// plain one for its drain, cheaper than the stateful one's.
+pub fn assert_scale_down_reasons(notes: &[String], machines: &[Machine]) {
+    let (marked, stateful, plain) = (&machines[0], &machines[1], &machines[2]);
+    let about = |m: &Machine| {
+        notes
+            .iter()
+            .find(|n| n.contains(&format!("deleted Machine {} ", m.name_any())))
+            .unwrap_or_else(|| panic!("no ScaledDown for {}: {notes:?}", m.name_any()))
+            .clone()
+    };
+    let why_marked = about(marked);
+    assert!(
+        why_marked.contains("scale from 3 to 1")
+            && why_marked.contains(&format!("{DELETE_PRIORITY_ANNOTATION} 10")),
+        "{why_marked}"
+    );
+    let why_plain = about(plain);
+    assert!(
+        why_plain.contains("cheapest drain: 0 stateful pods")
+            && why_plain.contains(&format!("{}: 1 stateful pod", stateful.name_any())),
+        "{why_plain}"
+    );
 }

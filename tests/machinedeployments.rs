@@ -88,6 +88,15 @@ fn deployments(client: &Client, ns: &str) -> Api<MachineDeployment> {
     Api::namespaced(client.clone(), ns)
 }
 
+/// A client, and the namespace `ns` with a fake class `ns` whose Nodes
+/// join pool `ns` (drain timeout 5 minutes).
+async fn pool_in(ns: &str) -> Client {
+    let client = client().await;
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
+    client
+}
+
 /// A fake class `name` whose Nodes join pool `pool`, with more of the fake
 /// driver's `providerSpec` (`deleteDelay`, or a field it refuses).
 async fn class_in_pool(client: &Client, name: &str, pool: &str, more: serde_json::Value) {
@@ -424,10 +433,8 @@ async fn the_apiserver_refuses_an_invalid_strategy() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_update_moves_each_stateful_pod_once_at_the_pace_of_its_strategy() {
     let case = "a_rolling_update_moves_each_stateful_pod_once_at_the_pace_of_its_strategy";
-    let client = client().await;
     let ns = "mdep-stateful";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
+    let client = pool_in(ns).await;
     let ctl = start(ns).await;
     deployments(&client, ns)
         .create(
@@ -658,10 +665,8 @@ async fn a_paused_rollout_finishes_its_drain_then_starts_nothing_until_resumed()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_new_machine_stalls_the_rollout_until_the_template_is_fixed() {
     let case = "a_failing_new_machine_stalls_the_rollout_until_the_template_is_fixed";
-    let client = client().await;
     let ns = "mdep-failing";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
+    let client = pool_in(ns).await;
     let bad = format!("{ns}-bad");
     let fixed = format!("{ns}-v2");
     // A field the fake driver does not know: it refuses the providerSpec.
@@ -778,10 +783,8 @@ async fn a_failing_new_machine_stalls_the_rollout_until_the_template_is_fixed() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_old_machine_goes_only_once_the_new_node_takes_pods() {
     let case = "an_old_machine_goes_only_once_the_new_node_takes_pods";
-    let client = client().await;
     let ns = "mdep-startup-taint";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
+    let client = pool_in(ns).await;
     let uninitialized = format!("{ns}-v2");
     let taint = "node.cloudprovider.kubernetes.io/uninitialized";
     class_in_pool(
@@ -883,10 +886,8 @@ async fn an_old_machine_goes_only_once_the_new_node_takes_pods() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rollout_resumes_after_berth_is_killed_and_moves_each_stateful_pod_once() {
     let case = "a_rollout_resumes_after_berth_is_killed_and_moves_each_stateful_pod_once";
-    let client = client().await;
     let ns = "mdep-killed";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
+    let client = pool_in(ns).await;
     let flags = ["--namespace", ns, "--leader-elect=false"];
     let kubeconfig = &controller(bed().await).await.kubeconfig;
     let mut berth = Berth::spawn(kubeconfig, &flags);
@@ -977,10 +978,8 @@ async fn a_rollout_resumes_after_berth_is_killed_and_moves_each_stateful_pod_onc
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machinedeployment_scales_through_its_scale_subresource() {
     let case = "a_machinedeployment_scales_through_its_scale_subresource";
-    let client = client().await;
     let ns = "mdep-scale";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
+    let client = pool_in(ns).await;
     let ctl = start(ns).await;
     let api = deployments(&client, ns);
     api.create(

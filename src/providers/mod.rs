@@ -7,6 +7,7 @@
 
 pub mod aws;
 pub mod fake;
+pub(crate) mod gated;
 pub(crate) mod instrumented;
 
 use std::collections::BTreeMap;
@@ -149,6 +150,21 @@ impl Registry {
 
     pub fn names(&self) -> Vec<&'static str> {
         self.drivers.keys().copied().collect()
+    }
+
+    /// The same drivers, each refusing to create or delete a VM while
+    /// `may_act` says no (see [`gated`]).
+    pub fn gated(self, may_act: &gated::MayAct) -> Self {
+        let drivers = self
+            .drivers
+            .into_iter()
+            .map(|(name, driver)| {
+                let wrapped: Arc<dyn Provider> =
+                    Arc::new(gated::Gated::new(driver, Arc::clone(may_act)));
+                (name, wrapped)
+            })
+            .collect();
+        Self { drivers }
     }
 
     /// The same drivers, each wrapped so that its calls are counted and

@@ -53,6 +53,8 @@ use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep, sleep_until, timeout};
 
+use super::fence::Fence;
+
 /// The library names its field manager `kube-lease-manager-<identity>`, and
 /// field manager names are limited to 128 bytes.
 const MAX_IDENTITY_LEN: usize = 128 - "kube-lease-manager-".len();
@@ -166,6 +168,30 @@ impl LeaderElection {
         identity: &str,
         lease_duration: Duration,
     ) -> Result<Self, LeaderError> {
+        Self::start_fenced(
+            client,
+            namespace,
+            lease_name,
+            identity,
+            lease_duration,
+            Fence::closed(),
+        )
+        .await
+    }
+
+    /// [`LeaderElection::start`], keeping `fence` open exactly while
+    /// leadership is valid by the clock (see [`fence`](super::fence)).
+    ///
+    /// # Errors
+    /// As [`LeaderElection::start`].
+    pub async fn start_fenced(
+        client: kube::Client,
+        namespace: &str,
+        lease_name: &str,
+        identity: &str,
+        lease_duration: Duration,
+        fence: Fence,
+    ) -> Result<Self, LeaderError> {
         let timing = Timing::new(lease_duration)?;
         for (what, value) in [
             ("namespace", namespace),
@@ -202,6 +228,7 @@ impl LeaderElection {
             identity: identity.to_string(),
             timing,
             tx,
+            fence,
         };
         let task = tokio::spawn(elector.run(stop_rx));
         tracing::info!(%lease, %identity, ?lease_duration, "started leader election");
@@ -458,10 +485,15 @@ struct Elector {
     identity: String,
     timing: Timing,
     tx: watch::Sender<bool>,
+    /// Open while leadership is valid by the clock.
+    fence: Fence,
 }
 
 impl Elector {
     fn publish(&self, leader: bool) {
+        if !leader {
+            self.fence.close();
+        }
         self.tx.send_if_modified(|current| {
             let modified = *current != leader;
             *current = leader;
@@ -567,10 +599,12 @@ impl Elector {
                 if valid_until > now {
                     if h.announced {
                         h.deadline = h.deadline.max(valid_until);
+                        self.fence.hold_until(h.deadline);
                     } else {
                         h.announced = true;
                         h.deadline = valid_until;
                         tracing::info!(lease = %self.lease, identity = %self.identity, "became leader");
+                        self.fence.hold_until(h.deadline);
                         self.publish(true);
                     }
                 }

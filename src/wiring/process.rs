@@ -31,6 +31,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client};
 use tokio::sync::{oneshot, watch};
 
+use super::fence::{Fence, FenceLayer};
 use super::leader::LeaderElection;
 use super::ratelimit::TokenBucketLayer;
 use crate::api::{Machine, MachineClass};
@@ -243,10 +244,25 @@ async fn lead_and_control(
     // The Lease has its own client: renewals must never queue behind the
     // controller's requests in the rate limiter.
     let lease_client = Client::try_from(config.clone()).context("building the Lease client")?;
-    let events_client =
-        rate_limited_client(config.clone(), args.kube_events_qps, args.kube_events_burst)?;
-    let client = rate_limited_client(config, args.kube_qps, args.kube_burst)?;
-    let providers = providers(args, &client, metrics)?;
+    // Every other request that changes the cluster, and every VM created or
+    // deleted, goes out only while leadership is valid by the clock.
+    let fence = if args.leader_elect {
+        Fence::closed()
+    } else {
+        Fence::open()
+    };
+    let events_client = rate_limited_client(
+        config.clone(),
+        args.kube_events_qps,
+        args.kube_events_burst,
+        &fence,
+    )?;
+    let client = rate_limited_client(config, args.kube_qps, args.kube_burst, &fence)?;
+    let may_act: crate::providers::gated::MayAct = {
+        let fence = fence.clone();
+        Arc::new(move || fence.allows())
+    };
+    let providers = providers(args, &client, metrics)?.gated(&may_act);
     if providers.names().is_empty() {
         tracing::warn!(
             "no provider is enabled (--providers is empty): no VM will be created or deleted, \
@@ -261,12 +277,13 @@ async fn lead_and_control(
     }
 
     let mut election = if args.leader_elect {
-        let mut election = LeaderElection::start(
+        let mut election = LeaderElection::start_fenced(
             lease_client,
             &lease_namespace,
             &args.lease_name,
             &identity,
             args.lease_duration,
+            fence,
         )
         .await
         .context("starting leader election")?;
@@ -434,15 +451,23 @@ async fn kube_config(args: &RunArgs) -> anyhow::Result<kube::Config> {
 
 /// A client whose requests are limited to `qps` on average with bursts of
 /// up to `burst` (a token bucket, [`TokenBucketLayer`]).
-fn rate_limited_client(config: kube::Config, qps: u32, burst: u32) -> anyhow::Result<Client> {
+fn rate_limited_client(
+    config: kube::Config,
+    qps: u32,
+    burst: u32,
+    fence: &Fence,
+) -> anyhow::Result<Client> {
     let (Some(qps), Some(burst)) = (NonZeroU32::new(qps), NonZeroU32::new(burst)) else {
         anyhow::bail!(
             "--kube-qps, --kube-burst, --kube-events-qps and --kube-events-burst must each be at least 1"
         );
     };
     let layer = TokenBucketLayer::new(qps, burst);
+    // The fence inside the rate limit: a write is checked when it leaves,
+    // not when it starts to wait for its token.
     let client = kube::client::ClientBuilder::try_from(config)
         .context("building the Kubernetes client")?
+        .with_layer(&FenceLayer(fence.clone()))
         .with_layer(&layer)
         .build();
     Ok(client)

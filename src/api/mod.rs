@@ -46,6 +46,24 @@ pub const PRE_TERMINATE_HOOK_PREFIX: &str = "pre-terminate.delete.hook.berth.dev
 pub const ALLOW_NODE_LOCAL_DATA_LOSS: &str = "berth.dev/allow-node-local-data-loss";
 /// The NoSchedule taint berth puts on a Node it cordons.
 pub const CORDON_TAINT_KEY: &str = "berth.dev/terminating";
+/// When berth cordoned a Node (RFC 3339), written with the cordon: a pod
+/// created on the Node after it came back, one created before was there all
+/// along and is drained.
+pub const CORDONED_AT_ANNOTATION: &str = "berth.dev/cordoned-at";
+
+/// When Node `node` was cordoned by berth, from its
+/// [`CORDONED_AT_ANNOTATION`]; `None` without one (cordoned by an earlier
+/// release, or not yet).
+pub fn cordoned_at(
+    node: &k8s_openapi::api::core::v1::Node,
+) -> Option<k8s_openapi::jiff::Timestamp> {
+    node.metadata
+        .annotations
+        .as_ref()?
+        .get(CORDONED_AT_ANNOTATION)?
+        .parse()
+        .ok()
+}
 
 /// The types of the conditions berth sets on a Machine.
 pub mod conditions {

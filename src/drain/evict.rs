@@ -15,12 +15,31 @@ pub enum Evicted {
     /// The pod (this UID) no longer exists: 404, or 409 and a read shows
     /// the name gone or taken by a replacement.
     Gone,
-    /// 429: a PodDisruptionBudget refuses the disruption now.
+    /// 429 with a `DisruptionBudget` cause: a PodDisruptionBudget refuses
+    /// the disruption now.
     Refused { message: String },
-    /// Anything else (network, 5xx, 403, a 409 while the pod is still
-    /// there...). Retried with backoff.
+    /// 429 without one: the API server's own flow control (API Priority
+    /// and Fairness) turned the request away; no budget is involved. Retry
+    /// after `retry_after`, when it says.
+    Throttled {
+        message: String,
+        retry_after: Option<std::time::Duration>,
+    },
+    /// 500 because more than one PodDisruptionBudget selects the pod: the
+    /// Eviction API never evicts such a pod until the budgets are fixed.
+    MultipleBudgets { message: String },
+    /// Anything else (network, other 5xx, 403, a webhook's refusal, a 409
+    /// while the pod is still there...). Retried with backoff, and named
+    /// once it keeps failing.
     Failed(kube::Error),
 }
+
+/// The `reason` of the cause the Eviction API gives when a budget refuses
+/// (`policy/v1` `DisruptionBudgetCause`).
+const DISRUPTION_BUDGET_CAUSE: &str = "DisruptionBudget";
+
+/// What the Eviction API says of a pod that more than one budget selects.
+const MULTIPLE_BUDGETS: &str = "more than one PodDisruptionBudget";
 
 impl Evicted {
     /// What an error answer means, before any read: a 409 stays an error,
@@ -29,7 +48,37 @@ impl Evicted {
         Ok(match e {
             kube::Error::Api(s) if s.code == 409 => return Err(kube::Error::Api(s)),
             kube::Error::Api(s) if s.code == 404 => Evicted::Gone,
-            kube::Error::Api(s) if s.code == 429 => Evicted::Refused { message: s.message },
+            kube::Error::Api(s) if s.code == 429 => {
+                let details = s.details.as_ref();
+                let budget = details
+                    .is_some_and(|d| d.causes.iter().any(|c| c.reason == DISRUPTION_BUDGET_CAUSE));
+                if budget {
+                    let causes: Vec<&str> = details
+                        .into_iter()
+                        .flat_map(|d| &d.causes)
+                        .filter(|c| c.reason == DISRUPTION_BUDGET_CAUSE && !c.message.is_empty())
+                        .map(|c| c.message.as_str())
+                        .collect();
+                    let message = if causes.is_empty() {
+                        s.message
+                    } else {
+                        format!("{} ({})", s.message, causes.join("; "))
+                    };
+                    Evicted::Refused { message }
+                } else {
+                    let retry_after = details
+                        .map(|d| d.retry_after_seconds)
+                        .filter(|s| *s > 0)
+                        .map(|s| std::time::Duration::from_secs(u64::from(s)));
+                    Evicted::Throttled {
+                        message: s.message,
+                        retry_after,
+                    }
+                }
+            }
+            kube::Error::Api(s) if s.code == 500 && s.message.contains(MULTIPLE_BUDGETS) => {
+                Evicted::MultipleBudgets { message: s.message }
+            }
             other => Evicted::Failed(other),
         })
     }
@@ -121,10 +170,53 @@ mod tests {
             Evicted::from_error(api_error(409)).is_err(),
             "a 409 is settled by reading the pod"
         );
-        match Evicted::from_error(api_error(429)) {
-            Ok(Evicted::Refused { message }) => assert_eq!(message, "status 429"),
-            other => panic!("429 is a refusal, got {other:?}"),
+        let budget = |cause: &str| {
+            let mut s = kube::core::Status {
+                code: 429,
+                message: "Cannot evict pod as it would violate the pod's disruption budget.".into(),
+                ..Default::default()
+            };
+            s.details = Some(kube::core::response::StatusDetails {
+                name: "db-0".into(),
+                group: String::new(),
+                kind: "pods".into(),
+                uid: String::new(),
+                causes: vec![kube::core::response::StatusCause {
+                    reason: cause.into(),
+                    message: "The disruption budget db needs 2 healthy pods and has 1 currently"
+                        .into(),
+                    field: String::new(),
+                }],
+                retry_after_seconds: 3,
+            });
+            kube::Error::Api(Box::new(s))
+        };
+        match Evicted::from_error(budget("DisruptionBudget")) {
+            Ok(Evicted::Refused { message }) => {
+                assert!(message.contains("needs 2 healthy pods"), "{message}")
+            }
+            other => panic!("a budget's 429 is a refusal, got {other:?}"),
         }
+        // A 429 of the API server's flow control names no budget.
+        match Evicted::from_error(api_error(429)) {
+            Ok(Evicted::Throttled { retry_after, .. }) => assert_eq!(retry_after, None),
+            other => panic!("a 429 without a budget is throttling, got {other:?}"),
+        }
+        match Evicted::from_error(budget("SomethingElse")) {
+            Ok(Evicted::Throttled { retry_after, .. }) => {
+                assert_eq!(retry_after, Some(std::time::Duration::from_secs(3)))
+            }
+            other => panic!("a 429 without a budget is throttling, got {other:?}"),
+        }
+        let two = kube::Error::Api(Box::new(kube::core::Status {
+            code: 500,
+            message: "Internal error occurred: This pod has more than one PodDisruptionBudget, which the eviction subresource does not support.".into(),
+            ..Default::default()
+        }));
+        assert!(matches!(
+            Evicted::from_error(two),
+            Ok(Evicted::MultipleBudgets { .. })
+        ));
         assert!(matches!(
             Evicted::from_error(api_error(500)),
             Ok(Evicted::Failed(_))

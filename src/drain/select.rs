@@ -33,6 +33,7 @@
 //!
 //! Rules 3 and 6 and the pod's order group come from [`super::rules`].
 
+use std::collections::BTreeSet;
 use std::fmt;
 
 use k8s_openapi::api::core::v1::{Pod, Toleration};
@@ -191,18 +192,81 @@ pub fn tolerates_cordon(t: &Toleration) -> bool {
     effect_ok && key_ok
 }
 
-/// Whether `pod` came back to the Node after its drain started (at
-/// `drain_started`): created since, and tolerating the cordon, the
-/// scheduler put it there again. Evicting it again would only bring it
-/// back, so the drain leaves it to end with the VM, as it does a
-/// DaemonSet's pods, and says so once.
-pub fn came_back(pod: &Pod, drain_started: Timestamp) -> bool {
-    let created_since = pod
-        .metadata
-        .creation_timestamp
-        .as_ref()
-        .is_some_and(|t| t.0 > drain_started);
-    created_since && tolerates_any_cordon(pod)
+/// How far the controller's clock may be from the API server's: a pod's
+/// `creationTimestamp` is the API server's, the cordon's time
+/// ([`CORDONED_AT_ANNOTATION`](crate::api::CORDONED_AT_ANNOTATION)) the
+/// controller's. The Lease makes the same assumption of synchronised clocks.
+pub const CLOCK_SKEW: k8s_openapi::jiff::SignedDuration =
+    k8s_openapi::jiff::SignedDuration::from_secs(1);
+
+/// What a drain knows when it asks whether a pod on its Node came back.
+#[derive(Debug, Clone, Copy)]
+pub struct Arrivals<'a> {
+    /// When the Node was cordoned.
+    pub cordoned_at: Timestamp,
+    /// The pods (by UID) the drain found on the Node before its first
+    /// eviction, and the controllers of the pods it has evicted since:
+    /// what settles a pod created within [`CLOCK_SKEW`] of the cordon.
+    /// `None` where no drain ran (the reconciler's own count).
+    pub known: Option<(&'a BTreeSet<String>, &'a BTreeSet<String>)>,
+}
+
+/// How a pod came back to a cordoned Node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Returned {
+    /// The scheduler put it there: it tolerates the cordon.
+    Tolerating,
+    /// It was created bound to the Node (`spec.nodeName`), which bypasses
+    /// the scheduler and so the cordon: a per-node controller that is not a
+    /// DaemonSet (storage instance managers, operators' agents).
+    BoundByName,
+}
+
+impl Returned {
+    /// Why it came back, for Events.
+    pub fn why(self) -> &'static str {
+        match self {
+            Returned::Tolerating => "it tolerates the cordon (berth.dev/terminating:NoSchedule)",
+            Returned::BoundByName => {
+                "it was created bound to the Node (spec.nodeName), which bypasses the scheduler and the cordon"
+            }
+        }
+    }
+}
+
+/// Whether `pod` (whose controller is `controller`) came back to the Node
+/// after it was cordoned, and how. Only a pod created after the cordon can
+/// have: one created before it, however it tolerates the cordon, was there
+/// all along and is evicted like any other (a replica that tolerates every
+/// taint is still a replica). A pod created more than [`CLOCK_SKEW`] after
+/// the cordon came back; one created within it (creation times have whole
+/// seconds) came back only if the drain did not find it before its first
+/// eviction and evicted a pod of the same controller since. Evicting a pod
+/// that came back would only bring it back, so the drain leaves it to end
+/// with the VM, as it does a DaemonSet's pods, and says so once.
+pub fn came_back(pod: &Pod, controller: Option<&str>, arrivals: &Arrivals) -> Option<Returned> {
+    let created = pod.metadata.creation_timestamp.as_ref()?.0;
+    let surely_after = arrivals
+        .cordoned_at
+        .checked_add(CLOCK_SKEW)
+        .is_ok_and(|t| created > t);
+    let around = arrivals
+        .cordoned_at
+        .checked_sub(CLOCK_SKEW)
+        .is_ok_and(|t| created >= t);
+    let returned = surely_after
+        || (around
+            && arrivals.known.is_some_and(|(seen, evicted)| {
+                let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+                !seen.contains(uid) && controller.is_some_and(|c| evicted.contains(c))
+            }));
+    returned.then(|| {
+        if tolerates_any_cordon(pod) {
+            Returned::Tolerating
+        } else {
+            Returned::BoundByName
+        }
+    })
 }
 
 /// Whether one of the pod's tolerations tolerates the cordon.
@@ -391,14 +455,77 @@ mod tests {
         for (t, want, what) in cases {
             assert_eq!(tolerates_cordon(&t), want, "{what}");
         }
-        let mut p = pod("a", "web-x");
-        p.metadata.creation_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
-            ts(200),
-        ));
-        assert!(!came_back(&p, ts(100)), "no toleration");
-        p.spec.get_or_insert_default().tolerations = Some(vec![tol(None, "Exists", None)]);
-        assert!(came_back(&p, ts(100)));
-        assert!(!came_back(&p, ts(300)), "there before the drain started");
+    }
+
+    #[test]
+    fn only_a_pod_created_after_the_cordon_came_back() {
+        let tolerating = Toleration {
+            operator: Some("Exists".into()),
+            ..Default::default()
+        };
+        let at = |secs: i64, uid: &str| {
+            let mut p = pod("a", "db-1").uid(uid);
+            p.metadata.creation_timestamp = Some(
+                k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(ts(secs)),
+            );
+            p
+        };
+        let tolerant = |mut p: Pod| {
+            p.spec.get_or_insert_default().tolerations = Some(vec![tolerating.clone()]);
+            p
+        };
+        let cordon = ts(100);
+        let none = Arrivals {
+            cordoned_at: cordon,
+            known: None,
+        };
+        // A replica that tolerates every taint and ran there all along is
+        // evicted like any other, whatever else the drain evicted.
+        let seen: BTreeSet<String> = ["u-old".to_string()].into();
+        let evicted: BTreeSet<String> = ["StatefulSet/db".to_string()].into();
+        let known = Arrivals {
+            cordoned_at: cordon,
+            known: Some((&seen, &evicted)),
+        };
+        let sts = Some("StatefulSet/db");
+        assert_eq!(came_back(&tolerant(at(50, "u-old")), sts, &known), None);
+        assert_eq!(came_back(&tolerant(at(50, "u-x")), sts, &known), None);
+        // Created after the cordon (beyond the clock skew): it came back,
+        // by the scheduler or bound by name.
+        assert_eq!(
+            came_back(&tolerant(at(102, "u-new")), sts, &none),
+            Some(Returned::Tolerating)
+        );
+        assert_eq!(
+            came_back(&at(102, "u-new"), Some("ConfigMap/mgr"), &none),
+            Some(Returned::BoundByName)
+        );
+        // Within the skew of the cordon: only a pod the drain did not find
+        // before its first eviction, of a controller it evicted from.
+        assert_eq!(came_back(&tolerant(at(100, "u-new")), sts, &none), None);
+        assert_eq!(
+            came_back(&tolerant(at(100, "u-new")), sts, &known),
+            Some(Returned::Tolerating)
+        );
+        assert_eq!(
+            came_back(&tolerant(at(101, "u-old")), sts, &known),
+            None,
+            "found before the first eviction"
+        );
+        assert_eq!(
+            came_back(
+                &tolerant(at(100, "u-new")),
+                Some("StatefulSet/other"),
+                &known
+            ),
+            None,
+            "nothing of its controller was evicted"
+        );
+        assert_eq!(
+            came_back(&tolerant(at(98, "u-new")), sts, &known),
+            None,
+            "created before the cordon and its skew"
+        );
     }
 
     #[test]

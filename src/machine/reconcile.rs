@@ -34,13 +34,13 @@ use super::write::{StatusWrite, write_status};
 use crate::api::conditions::{DRAIN_SETTINGS, VM_REQUESTED, VOLUMES_DETACHED};
 use crate::api::settings::{ResolvedSettings, resolve};
 use crate::api::{
-    CORDON_TAINT_KEY, FINALIZER, FORCE_DELETION_LABEL, Machine, MachineStatus, NodeReference,
-    PRE_DRAIN_HOOK_PREFIX, PRE_TERMINATE_HOOK_PREFIX,
+    CORDON_TAINT_KEY, CORDONED_AT_ANNOTATION, FINALIZER, FORCE_DELETION_LABEL, Machine,
+    MachineStatus, NodeReference, PRE_DRAIN_HOOK_PREFIX, PRE_TERMINATE_HOOK_PREFIX, cordoned_at,
 };
 use crate::drain::deadline::{Deadline, released};
 use crate::drain::engine::{Job, Outcome, Progress, RESTART_ENDED_AFTER, RETRY_FAILED_AFTER};
 use crate::drain::evict::Evicted;
-use crate::drain::select::{came_back, tolerates_any_cordon};
+use crate::drain::select::{Arrivals, came_back};
 use crate::providers::{MachineRequest, Provider, ProviderError};
 use crate::telemetry::RESULT_CONFLICT;
 
@@ -751,16 +751,26 @@ async fn cleanup_step(
             let pods = pods_on(ctx, n);
             // A pod being deleted that cannot go (a finalizer) no longer
             // holds the Machine from the deadline plus its grace period on.
-            // Nor does a pod that came back since the drain started: it
-            // ends with the VM (the drain reports it).
-            // (After a drain that ended here, any pod that tolerates the
-            // cordon came back: creation times have whole seconds only.)
-            let ended = ctx.drainer.finished(&ObjectRef::from_obj(m));
+            // Nor does a pod that came back after the cordon: it ends with
+            // the VM (the drain reports it). The drain judges those created
+            // within the clock skew of the cordon; the reconciler counts
+            // only those surely after it, and those the drain judged.
+            let cordoned = node
+                .as_deref()
+                .and_then(cordoned_at)
+                .or(deadline.map(|d| d.started));
+            let machine = ObjectRef::from_obj(m);
             let pods: Vec<_> = pods
                 .into_iter()
                 .filter(|p| !deadline.is_some_and(|d| released(p, &d, now)))
-                .filter(|p| !deadline.is_some_and(|d| came_back(p, d.started)))
-                .filter(|p| !(ended && tolerates_any_cordon(p)))
+                .filter(|p| {
+                    let arrivals = cordoned.map(|cordoned_at| Arrivals {
+                        cordoned_at,
+                        known: None,
+                    });
+                    arrivals.is_none_or(|a| came_back(p, None, &a).is_none())
+                        && !ctx.drainer.returned(&machine, p)
+                })
                 .collect();
             // What the force-deletion label deletes: neither the mirror of a
             // static pod nor a DaemonSet's pod (its controller would only
@@ -886,7 +896,9 @@ async fn cleanup_step(
                 };
                 match crate::drain::evict::delete(&ctx.client, &pod, Some(0)).await {
                     Evicted::Accepted | Evicted::Gone => {}
-                    Evicted::Refused { message } => {
+                    Evicted::Refused { message }
+                    | Evicted::Throttled { message, .. }
+                    | Evicted::MultipleBudgets { message } => {
                         tracing::warn!(pod = %p, %message, "force delete refused");
                     }
                     Evicted::Failed(e) => return Err(at(Step::PodDelete)(e)),
@@ -1050,10 +1062,17 @@ async fn cordon(ctx: &Context, node: &Node) -> Result<Node, Error> {
             ..Default::default()
         });
     }
-    patch_node(
+    // When it was cordoned, once: a pod created on the Node after this came
+    // back (see `came_back`); one created before is drained.
+    let annotations = match cordoned_at(node) {
+        Some(_) => serde_json::json!({}),
+        None => serde_json::json!({CORDONED_AT_ANNOTATION: Timestamp::now().to_string()}),
+    };
+    patch_node_with(
         ctx,
         node,
         serde_json::json!({"unschedulable": true, "taints": taints}),
+        annotations,
         Step::Cordon,
     )
     .await
@@ -1068,8 +1087,19 @@ async fn patch_node(
     spec: serde_json::Value,
     step: Step,
 ) -> Result<Node, Error> {
+    patch_node_with(ctx, node, spec, serde_json::json!({}), step).await
+}
+
+/// [`patch_node`], also merging `annotations` into the Node's.
+async fn patch_node_with(
+    ctx: &Context,
+    node: &Node,
+    spec: serde_json::Value,
+    annotations: serde_json::Value,
+    step: Step,
+) -> Result<Node, Error> {
     let patch = serde_json::json!({
-        "metadata": {"resourceVersion": node.resource_version()},
+        "metadata": {"resourceVersion": node.resource_version(), "annotations": annotations},
         "spec": spec,
     });
     Api::<Node>::all(ctx.client.clone())

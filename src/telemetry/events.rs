@@ -60,13 +60,36 @@ impl EventSink {
     }
 
     /// Queues `ev` about `regarding`; never waits.
-    pub fn publish(&self, ev: Event, regarding: ObjectReference) {
+    pub fn publish(&self, mut ev: Event, regarding: ObjectReference) {
+        // The API server refuses a note longer than this (the whole Event
+        // would be lost): a long one is cut, and says so.
+        if let Some(note) = ev.note.as_mut() {
+            cut_note(note);
+        }
         if let Err(e) = self.tx.try_send((ev, regarding)) {
             self.metrics.events_dropped.inc();
             let (ev, _) = e.into_inner();
             tracing::warn!(reason = %ev.reason, "Event queue full: Event dropped");
         }
     }
+}
+
+/// The longest note the API server takes (`events.k8s.io/v1` `note`).
+pub(crate) const MAX_NOTE: usize = 1024;
+
+/// Cuts `note` to [`MAX_NOTE`] bytes at a character boundary, ending in
+/// `…` when cut.
+fn cut_note(note: &mut String) {
+    if note.len() <= MAX_NOTE {
+        return;
+    }
+    let ellipsis = '…';
+    let mut end = MAX_NOTE - ellipsis.len_utf8();
+    while !note.is_char_boundary(end) {
+        end -= 1;
+    }
+    note.truncate(end);
+    note.push(ellipsis);
 }
 
 #[cfg(test)]
@@ -98,5 +121,16 @@ mod tests {
             sink.publish(event(reason), ObjectReference::default());
         }
         assert_eq!(metrics.events_dropped.get(), 2);
+    }
+
+    #[test]
+    fn a_long_note_is_cut_to_what_the_api_server_takes() {
+        let mut short = "evicted pod db/pg-0".to_string();
+        cut_note(&mut short);
+        assert_eq!(short, "evicted pod db/pg-0");
+        let mut long = "é".repeat(MAX_NOTE);
+        cut_note(&mut long);
+        assert!(long.len() <= MAX_NOTE, "{}", long.len());
+        assert!(long.ends_with('…'));
     }
 }

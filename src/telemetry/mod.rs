@@ -81,6 +81,9 @@ pub(crate) enum EvictionResult {
     /// The pod was removed ignoring its PodDisruptionBudget because the
     /// drain deadline passed.
     Forced,
+    /// The API server's own flow control refused it (HTTP 429 without a
+    /// budget's cause); retried after its `Retry-After`.
+    Throttled,
     /// Any other API error.
     Error,
 }
@@ -117,12 +120,13 @@ impl OrphanOutcome {
 
 impl EvictionResult {
     /// Every variant, in a fixed order.
-    pub const ALL: [EvictionResult; 6] = [
+    pub const ALL: [EvictionResult; 7] = [
         EvictionResult::Evicted,
         EvictionResult::PdbBlocked,
         EvictionResult::MisconfiguredPdb,
         EvictionResult::Deleted,
         EvictionResult::Forced,
+        EvictionResult::Throttled,
         EvictionResult::Error,
     ];
 
@@ -134,6 +138,7 @@ impl EvictionResult {
             EvictionResult::MisconfiguredPdb => "misconfigured_pdb",
             EvictionResult::Deleted => "deleted",
             EvictionResult::Forced => "forced",
+            EvictionResult::Throttled => "throttled",
             EvictionResult::Error => "error",
         }
     }
@@ -297,7 +302,7 @@ impl Metrics {
         let pod_evictions = r.add(IntCounterVec::new(
             Opts::new(
                 "berth_pod_evictions_total",
-                "Pod eviction attempts during drains, by result (evicted, pdb_blocked, misconfigured_pdb, deleted, forced, error).",
+                "Pod eviction attempts during drains, by result (evicted, pdb_blocked, misconfigured_pdb, deleted, forced, throttled, error).",
             ),
             &["result"],
         )?)?;

@@ -11,6 +11,7 @@ use tokio::sync::{mpsc, watch};
 use tracing::Instrument;
 
 use super::pass::run;
+use super::run::Memory;
 use super::{Deps, Job, Outcome, Progress};
 use crate::api::Machine;
 
@@ -28,6 +29,8 @@ struct Running {
     written: watch::Receiver<Option<Machine>>,
     /// The Machine's permission to lose node-local data, as last seen.
     data_loss_allowed: watch::Sender<bool>,
+    /// What its runs reported and judged, passed on to the next run.
+    memory: Arc<Mutex<Memory>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -79,6 +82,9 @@ impl Drainer {
                 return p;
             }
         }
+        let memory = running
+            .get(&job.machine)
+            .map_or_else(Arc::default, |r| Arc::clone(&r.memory));
         let (tx, rx) = watch::channel(Progress::default());
         let (written_tx, written) = watch::channel(None);
         let (allowed_tx, allowed) = watch::channel(job.data_loss_allowed);
@@ -91,10 +97,11 @@ impl Drainer {
             namespace = job.machine.namespace.as_deref().unwrap_or(""),
             node = %job.node
         );
+        let kept = Arc::clone(&memory);
         let task = tokio::spawn(
             async move {
                 let key = job.machine.clone();
-                run(deps, job, tx, written_tx, allowed).await;
+                run(deps, job, tx, written_tx, allowed, kept).await;
                 let _ = done.send(key);
             }
             .instrument(span),
@@ -106,6 +113,7 @@ impl Drainer {
                 progress: rx,
                 written,
                 data_loss_allowed: allowed_tx,
+                memory,
                 task,
             },
         ) {
@@ -140,6 +148,23 @@ impl Drainer {
     pub(crate) fn progress(&self, machine: &ObjectRef<Machine>) -> Option<Progress> {
         let running = self.running.lock().ok()?;
         Some(running.get(machine)?.progress.borrow().clone())
+    }
+
+    /// Whether a drain of this Machine judged `pod` to have come back after
+    /// the cordon: it ends with the VM and holds nothing.
+    pub(crate) fn returned(
+        &self,
+        machine: &ObjectRef<Machine>,
+        pod: &k8s_openapi::api::core::v1::Pod,
+    ) -> bool {
+        let Some(uid) = pod.metadata.uid.as_deref() else {
+            return false;
+        };
+        self.running.lock().is_ok_and(|running| {
+            running
+                .get(machine)
+                .is_some_and(|r| r.memory.lock().is_ok_and(|m| m.returned.contains(uid)))
+        })
     }
 
     /// Whether this Machine's drain ran here and ended drained or forced.

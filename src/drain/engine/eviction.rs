@@ -54,6 +54,7 @@ impl Run {
         let force_at = self.force_at(planned.grace);
         let mut backoff = evict_backoff();
         let mut refusals = 0u32;
+        let mut failures = 0u32;
         let mut failures_after_deadline = 0u32;
         loop {
             let forcing = force_at.is_some_and(|at| Instant::now() >= at);
@@ -105,8 +106,28 @@ impl Run {
                         backoff.next().unwrap_or(MAX_EVICT_BACKOFF)
                     }
                 }
+                Evicted::Throttled {
+                    message,
+                    retry_after,
+                } => {
+                    // Not a budget: nothing to report as a block, and it
+                    // counts as no refusal.
+                    self.deps.metrics.record_eviction(EvictionResult::Throttled);
+                    tracing::info!(pod = %key, %message, ?retry_after, "eviction throttled by the API server");
+                    retry_after
+                        .map(|d| d.min(MAX_EVICT_BACKOFF))
+                        .or_else(|| backoff.next())
+                        .unwrap_or(MAX_EVICT_BACKOFF)
+                }
+                Evicted::MultipleBudgets { message } => {
+                    refusals += 1;
+                    self.budgets_conflict(&pod, &key, refusals, &message);
+                    MAX_EVICT_BACKOFF
+                }
                 Evicted::Failed(e) => {
                     self.deps.metrics.record_eviction(EvictionResult::Error);
+                    failures += 1;
+                    self.failing(&pod, &key, failures, &e);
                     tracing::warn!(pod = %key, forcing, error = %e, "eviction failed");
                     if self.expired() {
                         // After the deadline nothing else ends the retries.
@@ -176,6 +197,61 @@ impl Run {
         }
         self.update(|p| p.block(key, why));
         stuck
+    }
+}
+
+impl Run {
+    /// More than one PodDisruptionBudget selects the pod, and the Eviction
+    /// API refuses such a pod (500) until someone fixes the budgets: named
+    /// at once (a Warning, once, and `blockedBy`), and retried at the
+    /// backoff's ceiling or when a budget changes.
+    fn budgets_conflict(&self, pod: &Pod, key: &str, refusals: u32, message: &str) {
+        self.deps
+            .metrics
+            .record_eviction(EvictionResult::MisconfiguredPdb);
+        let pdbs = self.pdbs_for(std::slice::from_ref(pod));
+        let names: Vec<String> = findings_for(pod, &pdbs)
+            .iter()
+            .map(|f| crate::drain::select::fmt_key(&f.pdb))
+            .collect();
+        let which = if names.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", names.join(", "))
+        };
+        let why = format!(
+            "pod {key}: more than one PodDisruptionBudget selects it{which}; the Eviction API refuses to evict it until only one does: {message}"
+        );
+        if refusals == 1 {
+            self.event(
+                EventType::Warning,
+                "EvictionBlocked",
+                why.clone(),
+                Some(pod_ref(pod)),
+            );
+        }
+        self.update(|p| p.block(key, why));
+    }
+
+    /// The `failures`-th eviction of pod `key` failed with an answer that is
+    /// neither a budget nor throttling (a webhook's refusal, a server
+    /// error, the network): after `maxEvictRetries` in a row it is named (a
+    /// Warning, once, and `blockedBy`) while the retries go on.
+    fn failing(&self, pod: &Pod, key: &str, failures: u32, error: &kube::Error) {
+        let after = self.job.settings.max_evict_retries.max(1);
+        if failures < after {
+            return;
+        }
+        let why = format!("pod {key}: eviction failed {failures} times: {error}");
+        if failures == after {
+            self.event(
+                EventType::Warning,
+                "EvictionFailing",
+                why.clone(),
+                Some(pod_ref(pod)),
+            );
+        }
+        self.update(|p| p.block(key, why));
     }
 }
 

@@ -131,7 +131,9 @@ impl<'a> Migration<'a> {
                 .iter()
                 .map(|v| v.volume.pv.clone())
                 .collect();
-            run.begin_move(&key, self.pod.uid.as_deref(), &pvs).await;
+            if !run.begin_move(&key, self.pod.uid.as_deref(), &pvs).await {
+                return false;
+            }
         }
         if !self.evict().await {
             run.end_move(&key);
@@ -469,6 +471,7 @@ impl<'a> Migration<'a> {
                         .map(|v| v.volume.pv.clone())
                         .collect(),
                 },
+                self.pod.order,
             );
         }
     }

@@ -42,19 +42,32 @@ pub(super) async fn run(
     progress: watch::Sender<Progress>,
     written: watch::Sender<Option<Machine>>,
     data_loss_allowed: watch::Receiver<bool>,
+    memory: Arc<std::sync::Mutex<super::run::Memory>>,
 ) {
-    let (steps_written, flushed) = watch::channel(0);
-    let writer = tokio::spawn(write_status(
+    let (steps_written, flushed) = watch::channel(super::progress::Flushed::default());
+    // The writer lives exactly as long as this drain: a drain stopped from
+    // outside (restarted, forgotten, leadership lost) takes its writer
+    // with it, so no final write of a stale `status.drain` can land after
+    // a newer drain's (it would erase that drain's move records: both apply
+    // under one field manager).
+    let mut writer = AbortOnDrop(tokio::spawn(write_status(
         deps.client.clone(),
         job.machine.clone(),
         job.deadline.started,
         progress.subscribe(),
         written,
         steps_written,
-    ));
+    )));
     let in_progress = GaugeHold::new(&deps.metrics.drains_in_progress);
     let started = std::time::Instant::now();
-    let r = Run::new(Arc::clone(&deps), job, progress, flushed, data_loss_allowed);
+    let r = Run::new(
+        Arc::clone(&deps),
+        job,
+        progress,
+        flushed,
+        data_loss_allowed,
+        memory,
+    );
     r.announce_resumed();
     let outcome = r.passes().await;
     drop(in_progress);
@@ -95,10 +108,28 @@ pub(super) async fn run(
             p.blocked_by = None;
         }
     });
-    // The writer flushes the final state on its own; the reconciler learns
-    // the outcome from memory and does not wait for it.
+    // The writer writes the final state once the drain lets go of it; the
+    // reconciler is woken (by the caller) once it is written, or given up.
     drop(r);
-    drop(writer);
+    if tokio::time::timeout(FINAL_WRITE_BOUND, &mut writer.0)
+        .await
+        .is_err()
+    {
+        tracing::warn!("the drain's final status was not written in time");
+    }
+}
+
+/// Longest wait for a finished drain's last `status.drain` write.
+const FINAL_WRITE_BOUND: Duration = Duration::from_secs(10);
+
+/// Aborts its task when dropped, on every path out of the scope that holds
+/// it (a drain task aborted drops its future, and so this).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// How long after its grace period a pod evicted in a pass is waited for
@@ -224,7 +255,11 @@ impl Run {
             p.pods_remaining = u32::try_from(remaining).unwrap_or(u32::MAX);
             p.pods_total = p.pods_total.max(p.pods_evicted + p.pods_remaining);
         });
-        if remaining == 0 && leftover.is_empty() {
+        // A move an earlier run recorded whose pod is gone is resumed
+        // (its volumes waited for) even when nothing else is left: a
+        // restart during the last pod's reattach wait must not end the
+        // drain with the move still recorded.
+        if remaining == 0 && leftover.is_empty() && !self.any_resumable() {
             return Pass::Done;
         }
         self.announce_rules(&full);
@@ -232,6 +267,32 @@ impl Run {
         // and any after the default one, evicts nothing before the volumes
         // of the pods that left are off the Node (`gated`).
         let group = full.current_group(|t| !self.released(t));
+        // A workload held back because the scheduler cannot place its last
+        // evicted pod's replacement holds every later group too: its volume
+        // is attached nowhere, and the pods of later groups (CSI
+        // controllers, DNS) may be what it needs to move.
+        if let (Some(g), Some(h)) = (group, self.held_order())
+            && h < g
+        {
+            self.update(|p| {
+                p.waiting_for = Some(format!(
+                    "a replacement of order group {h} to be placed before order group {g} starts"
+                ));
+            });
+            self.wait_pods_until(self.deadline(), || self.any_placed())
+                .await;
+            // Placed (or the deadline): its volumes attach where the
+            // replacement runs before the next group starts.
+            let placed = self.placed_workloads();
+            for m in &placed {
+                self.update(|p| p.unblock(&m.pod));
+            }
+            let moved = self.with_moved_volumes(Vec::new(), &placed);
+            if !moved.is_empty() {
+                self.wait_detaching(&moved).await;
+            }
+            return Pass::Again;
+        }
         let gated = group.is_some_and(|g| self.enter_group(&full, g));
         let plan = match group {
             Some(g) => full.only_group(g),

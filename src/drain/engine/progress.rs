@@ -122,31 +122,45 @@ impl Progress {
     }
 }
 
+/// What the status writer has written: the `steps_done` of its last
+/// write that landed, and the error of the last one that did not, if the
+/// latest attempt failed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Flushed {
+    pub(crate) steps: u64,
+    pub(crate) error: Option<String>,
+}
+
 /// Writes progress to the Machine's status. Bursts are coalesced (at most
 /// one write per [`STATUS_WRITE_INTERVAL`], always of the latest value),
-/// except that a completed migration step is written at once. Ends when
-/// the drain drops its sender, after writing the final state. Each write's
-/// answer (the Machine as the API server now has it) goes to `written`.
+/// except that a completed migration step is written at once. A write that
+/// fails is tried again with backoff (up to [`MAX_RETRY`]) even when
+/// nothing changes, since a volume move waits for its record before its
+/// eviction. Ends when the drain drops its sender, after writing the final
+/// state. Each write's answer (the Machine as the API server now has it)
+/// goes to `written`.
 pub(super) async fn write_status(
     client: Client,
     machine: ObjectRef<Machine>,
     started: Timestamp,
     mut rx: watch::Receiver<Progress>,
     written_to: watch::Sender<Option<Machine>>,
-    steps_written: watch::Sender<u64>,
+    flushed: watch::Sender<Flushed>,
 ) {
     let api: Api<Machine> =
         Api::namespaced(client, machine.namespace.as_deref().unwrap_or_default());
     let apply = PatchParams::apply(FIELD_MANAGER).force();
     let mut written: Option<serde_json::Value> = None;
     let mut last_write: Option<Instant> = None;
+    let mut retry = retry_backoff();
     'writing: loop {
         let (patch, steps) = {
             let p = rx.borrow_and_update();
             (p.status_patch(&machine.name, started), p.steps_done)
         };
+        let mut retry_at = None;
         if written.as_ref() == Some(&patch) {
-            steps_written.send_replace(steps);
+            flushed.send_replace(Flushed { steps, error: None });
         } else {
             match api
                 .patch_status(&machine.name, &apply, &Patch::Apply(&patch))
@@ -154,17 +168,32 @@ pub(super) async fn write_status(
             {
                 Ok(m) => {
                     written_to.send_replace(Some(m));
-                    steps_written.send_replace(steps);
+                    flushed.send_replace(Flushed { steps, error: None });
                     written = Some(patch);
                     last_write = Some(Instant::now());
+                    retry = retry_backoff();
                 }
                 Err(kube::Error::Api(s)) if s.code == 404 => return,
-                Err(e) => tracing::warn!(error = %e, "could not record drain progress"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not record drain progress");
+                    let error = match &e {
+                        kube::Error::Api(s) => format!("{} ({})", s.message, s.code),
+                        other => other.to_string(),
+                    };
+                    flushed.send_modify(|f| f.error = Some(error));
+                    retry_at = Some(Instant::now() + retry.next().unwrap_or(MAX_RETRY));
+                }
             }
         }
-        // The next change: a step goes out at once, anything else once the
-        // interval since the last write has passed.
-        if rx.changed().await.is_err() {
+        // The next change, or the retry of a failed write: a step goes out
+        // at once, anything else once the interval since the last write
+        // has passed.
+        if let Some(at) = retry_at {
+            tokio::select! {
+                () = tokio::time::sleep_until(at) => continue 'writing,
+                changed = rx.changed() => if changed.is_err() { break 'writing },
+            }
+        } else if rx.changed().await.is_err() {
             break;
         }
         loop {
@@ -187,6 +216,19 @@ pub(super) async fn write_status(
     {
         written_to.send_replace(Some(m));
     }
+}
+
+/// Longest pause between two attempts of a failed status write.
+const MAX_RETRY: Duration = Duration::from_secs(30);
+
+fn retry_backoff() -> backon::ExponentialBackoff {
+    use backon::BackoffBuilder;
+    backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(500))
+        .with_max_delay(MAX_RETRY)
+        .with_jitter()
+        .without_max_times()
+        .build()
 }
 
 /// Until when the status writer holds a change back: never for a step or

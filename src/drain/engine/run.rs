@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim, Pod};
@@ -19,6 +19,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::batch::{pod_ref_key, pv_ref};
+use super::progress::Flushed;
 use super::{Deps, Job, Progress};
 use crate::api::VolumeMove;
 use crate::cache::{claim_key, claim_names};
@@ -29,7 +30,7 @@ use crate::drain::plan::{
     still_to_wait_for,
 };
 use crate::drain::select::{
-    NamespacedName, came_back, fmt_key, held_by_finalizers, pod_key, tolerates_any_cordon,
+    Arrivals, NamespacedName, came_back, fmt_key, held_by_finalizers, pod_key,
 };
 use crate::drain::volume::{
     Moved, replacement_expected, replacements, unschedulable_replacement, users_elsewhere,
@@ -38,7 +39,21 @@ use crate::drain::volume::{
 use crate::telemetry::EvictionResult;
 use crate::volumes::{WaitError, unique_name_of};
 
-/// Longest wait for a volume move to be recorded before its eviction.
+/// What one Machine's drains said and judged, kept by the
+/// [`Drainer`](super::Drainer) across the runs of its drain (a failed drain
+/// retried, a drain started again for pods that came back), so that a retry
+/// neither reports again what was reported nor counts again a pod that came
+/// back.
+#[derive(Debug, Default)]
+pub(crate) struct Memory {
+    /// What was reported once (a topic and a pod's UID).
+    pub(crate) reported: BTreeSet<String>,
+    /// The pods (by UID) judged to have come back after the cordon.
+    pub(crate) returned: BTreeSet<String>,
+}
+
+/// How long a volume move's record may take to be written before the
+/// wait for it is named.
 const FLUSH_BOUND: Duration = Duration::from_secs(5);
 
 /// One drain, from its first pass to its outcome.
@@ -54,17 +69,20 @@ pub(super) struct Run {
     /// Volumes whose detach wait timed out: warned about once, not waited
     /// for again (the reconciler's own volume step still guards the VM).
     abandoned: Mutex<BTreeSet<String>>,
-    /// Pods (by UID) reported as held by a finalizer, or as come back:
-    /// each reported once.
-    reported: Mutex<BTreeSet<String>>,
+    /// What this Machine's drains said and judged so far: kept across its
+    /// runs (a failed drain retried), so that each report is made once.
+    memory: Arc<Mutex<Memory>>,
+    /// The pods (by UID) on the Node when this run first planned, before
+    /// it evicted anything: none of them came back.
+    seen_first: OnceLock<BTreeSet<String>>,
     /// Pods deleted with their PodDisruptionBudget bypassed (the deadline).
     forced: Mutex<Vec<String>>,
-    /// The last `steps_done` the status writer wrote.
-    flushed: watch::Receiver<u64>,
+    /// What the status writer has written.
+    flushed: watch::Receiver<Flushed>,
     /// Workloads (by controller) whose last evicted pod's replacement the
     /// scheduler cannot place, with that pod's move: none of their other
     /// pods is evicted until it is placed (before the deadline).
-    stuck: Mutex<BTreeMap<String, VolumeMove>>,
+    stuck: Mutex<BTreeMap<String, (VolumeMove, i32)>>,
     /// Set for the drain's last pass after the deadline without forcing:
     /// each pod gets one more eviction attempt.
     last_try: AtomicBool,
@@ -80,8 +98,9 @@ impl Run {
         deps: Arc<Deps>,
         job: Job,
         progress: watch::Sender<Progress>,
-        flushed: watch::Receiver<u64>,
+        flushed: watch::Receiver<Flushed>,
         data_loss_allowed: watch::Receiver<bool>,
+        memory: Arc<Mutex<Memory>>,
     ) -> Self {
         // The moves a previous run recorded stay recorded until resumed.
         progress.send_modify(|p| {
@@ -100,7 +119,8 @@ impl Run {
             evicted_uids: Mutex::new(BTreeSet::new()),
             evicted_controllers: Mutex::new(BTreeSet::new()),
             abandoned: Mutex::new(BTreeSet::new()),
-            reported: Mutex::new(BTreeSet::new()),
+            memory,
+            seen_first: OnceLock::new(),
             forced: Mutex::new(Vec::new()),
             stuck: Mutex::new(BTreeMap::new()),
             last_try: AtomicBool::new(false),
@@ -175,11 +195,7 @@ impl Run {
         if let Some(pod) = self.pod(&t.pod, uid)
             && let Some(finalizers) = held_by_finalizers(&pod, Timestamp::now())
         {
-            let first = self
-                .reported
-                .lock()
-                .map(|mut r| r.insert(t.uid.clone().unwrap_or_else(|| key.clone())))
-                .unwrap_or(false);
+            let first = self.first_report(t.uid.clone().unwrap_or_else(|| key.clone()));
             let until = self
                 .job
                 .deadline
@@ -222,9 +238,9 @@ impl Run {
     /// Whether `what` (a pod's UID and a topic) is reported for the first
     /// time in this drain: each report is made once.
     pub(super) fn first_report(&self, what: String) -> bool {
-        self.reported
+        self.memory
             .lock()
-            .map(|mut r| r.insert(what))
+            .map(|mut m| m.reported.insert(what))
             .unwrap_or(false)
     }
 
@@ -365,29 +381,38 @@ impl Run {
     }
 
     /// Copies of the pods bound to this Node, less those that came back
-    /// since the drain started ([`came_back`]): each of those is reported
-    /// once, and left to end with the VM.
+    /// after the cordon ([`came_back`]): each of those is reported once,
+    /// and left to end with the VM.
     fn pods_on_node(&self) -> Vec<Pod> {
         let pods = self
             .deps
             .indexes
             .pods_by_node
             .get(&self.deps.pods, &self.job.node);
-        // Also a pod created in the same second as the deletion request
-        // (whole-second timestamps) that replaces one this drain evicted.
+        let seen = self
+            .seen_first
+            .get_or_init(|| pods.iter().filter_map(|p| p.metadata.uid.clone()).collect());
         let evicted_from = self.evicted_controllers();
-        let (returned, staying): (Vec<_>, Vec<_>) = pods.into_iter().partition(|p| {
-            came_back(p, self.job.deadline.started)
-                || (tolerates_any_cordon(p)
-                    && controller_of(p).is_some_and(|c| evicted_from.contains(&c))
-                    && !self.was_evicted(p))
-        });
-        for p in returned {
+        let arrivals = Arrivals {
+            cordoned_at: self.cordoned_at(),
+            known: Some((seen, &evicted_from)),
+        };
+        let mut staying = Vec::with_capacity(pods.len());
+        for p in pods {
+            let returned = if self.was_evicted(&p) {
+                None
+            } else {
+                came_back(&p, controller_of(&p).as_deref(), &arrivals)
+            };
+            let Some(how) = returned else {
+                staying.push((*p).clone());
+                continue;
+            };
             let uid = p.metadata.uid.clone().unwrap_or_default();
             let first = self
-                .reported
+                .memory
                 .lock()
-                .map(|mut r| r.insert(format!("returned/{uid}")))
+                .map(|mut m| m.returned.insert(uid))
                 .unwrap_or(false);
             if first {
                 let key = fmt_key(&pod_key(&p));
@@ -395,14 +420,25 @@ impl Run {
                     EventType::Warning,
                     "PodReturned",
                     format!(
-                        "pod {key} was scheduled back onto Node {} after its drain started: it tolerates the cordon (berth.dev/terminating:NoSchedule); it is not evicted again, and ends with the VM",
-                        self.job.node
+                        "pod {key} came to Node {} after it was cordoned: {}; it is not evicted again, and ends with the VM",
+                        self.job.node,
+                        how.why()
                     ),
                     Some(pod_ref_key(&pod_key(&p))),
                 );
             }
         }
-        staying.into_iter().map(|p| (*p).clone()).collect()
+        staying
+    }
+
+    /// When the Node was cordoned: its annotation, or without one (a Node
+    /// cordoned by an earlier release) the deletion request.
+    fn cordoned_at(&self) -> Timestamp {
+        self.deps
+            .nodes
+            .get(&ObjectRef::new(&self.job.node))
+            .and_then(|n| crate::api::cordoned_at(&n))
+            .unwrap_or(self.job.deadline.started)
     }
 
     /// Copies of the VolumeAttachments to this Node.
@@ -525,10 +561,15 @@ impl Run {
         });
     }
 
-    /// Records a volume move in `status.drain.moves` and waits (at most
-    /// [`FLUSH_BOUND`]) until it is written, so that a controller killed
-    /// right after the eviction that follows finds it on restart.
-    pub(super) async fn begin_move(&self, key: &str, uid: Option<&str>, pvs: &[String]) {
+    /// Records a volume move in `status.drain.moves` and waits until it is
+    /// written: no record, no eviction, so that a controller killed right
+    /// after the eviction that follows always finds the move on restart
+    /// (and the ledger of a new leader counts it). A record not written
+    /// within [`FLUSH_BOUND`] is named (a Warning, once per pod, and
+    /// `blockedBy`) while the writer tries again with backoff; the move is
+    /// given up (false, the pod not evicted) at the drain's deadline, or
+    /// after one more bound once it passed.
+    pub(super) async fn begin_move(&self, key: &str, uid: Option<&str>, pvs: &[String]) -> bool {
         let mut target = 0;
         self.step(|p| {
             p.moves.insert(
@@ -539,16 +580,44 @@ impl Run {
                     volumes: pvs.to_vec(),
                 },
             );
+            // `step` counts the step once this closure returns.
             target = p.steps_done + 1;
         });
         let mut flushed = self.flushed.clone();
-        let written = tokio::time::timeout(FLUSH_BOUND, flushed.wait_for(|w| *w >= target)).await;
-        if !matches!(written, Ok(Ok(_))) {
-            tracing::warn!(
-                pod = key,
-                "the volume move could not be recorded in status before the eviction"
+        let quick = tokio::time::timeout(FLUSH_BOUND, flushed.wait_for(|f| f.steps >= target));
+        if matches!(quick.await, Ok(Ok(_))) {
+            return true;
+        }
+        let error = flushed.borrow().error.clone();
+        let why = format!(
+            "the move of pod {key} could not be recorded in status.drain.moves{}: it is not evicted until it is (the write is retried with backoff)",
+            error.map(|e| format!(" ({e})")).unwrap_or_default()
+        );
+        tracing::warn!(pod = key, "{why}");
+        if self.first_report(format!("unrecorded/{}", uid.unwrap_or(key))) {
+            let (ns, name) = key.split_once('/').unwrap_or(("", key));
+            self.event(
+                EventType::Warning,
+                "MoveNotRecorded",
+                why.clone(),
+                Some(pod_ref_key(&(ns.to_string(), name.to_string()))),
             );
         }
+        self.update(|p| p.block(key, why));
+        let until = if self.expired() {
+            Instant::now() + FLUSH_BOUND
+        } else {
+            self.deadline()
+        };
+        let recorded = tokio::select! {
+            r = flushed.wait_for(|f| f.steps >= target) => r.is_ok(),
+            () = tokio::time::sleep_until(until) => false,
+        };
+        self.update(|p| p.unblock(key));
+        if !recorded {
+            self.end_move(key);
+        }
+        recorded
     }
 
     /// The move of pod `key`'s volumes is over (moved, given up, or never
@@ -580,6 +649,18 @@ impl Run {
             }
         }
         resumed
+    }
+
+    /// Whether a recorded move's pod is gone, so that
+    /// [`Run::resumed_moves`] would resume it.
+    pub(super) fn any_resumable(&self) -> bool {
+        let p = self.progress.borrow();
+        p.moves.values().any(|m| {
+            m.pod.split_once('/').is_some_and(|(ns, name)| {
+                self.pod(&(ns.to_string(), name.to_string()), m.uid.as_deref())
+                    .is_none()
+            })
+        })
     }
 
     /// Names, once when a drain starts, each move an earlier run recorded
@@ -654,10 +735,23 @@ impl Run {
 
     /// Holds back the other pods of `controller` until the replacement of
     /// the pod `moved` left is placed.
-    pub(super) fn hold_workload(&self, controller: &str, moved: VolumeMove) {
+    /// The move was of a pod of order group `order`: no later group starts
+    /// while it is held (see [`Run::held_order`]).
+    pub(super) fn hold_workload(&self, controller: &str, moved: VolumeMove, order: i32) {
         if let Ok(mut s) = self.stuck.lock() {
-            s.insert(controller.to_string(), moved);
+            s.insert(controller.to_string(), (moved, order));
         }
+    }
+
+    /// The lowest order group of a held workload's move (never after the
+    /// deadline): a later group waits for it, since a group starts only
+    /// once the volumes of every pod before it have moved.
+    pub(super) fn held_order(&self) -> Option<i32> {
+        if self.expired() {
+            return None;
+        }
+        let stuck = self.stuck.lock().ok()?;
+        stuck.values().map(|(_, order)| *order).min()
     }
 
     /// Whether pods of `controller` are held back now (never after the
@@ -676,17 +770,21 @@ impl Run {
         let expired = self.expired();
         let placed: Vec<String> = stuck
             .iter()
-            .filter(|(_, m)| expired || !self.unplaced(m))
+            .filter(|(_, (m, _))| expired || !self.unplaced(m))
             .map(|(c, _)| c.clone())
             .collect();
-        placed.iter().filter_map(|c| stuck.remove(c)).collect()
+        placed
+            .iter()
+            .filter_map(|c| stuck.remove(c))
+            .map(|(m, _)| m)
+            .collect()
     }
 
     /// Whether any held workload's replacement was placed.
     pub(super) fn any_placed(&self) -> bool {
         self.stuck
             .lock()
-            .is_ok_and(|s| s.values().any(|m| !self.unplaced(m)))
+            .is_ok_and(|s| s.values().any(|(m, _)| !self.unplaced(m)))
     }
 
     /// Whether the scheduler still cannot place the replacement of the pod

@@ -3,6 +3,7 @@
 
 pub mod audit;
 pub mod aws;
+pub mod oracle;
 pub mod pool;
 pub mod process;
 

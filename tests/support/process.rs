@@ -167,6 +167,26 @@ impl Berth {
             .expect("exit status")
     }
 
+    /// SIGSTOP: the process is frozen wherever it is (a paused VM, a
+    /// starved node), its timers running on; [`Berth::resume`] thaws it.
+    pub fn freeze(&self) {
+        self.signal("-STOP");
+    }
+
+    /// SIGCONT after [`Berth::freeze`].
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, which: &str) {
+        let pid = self.child.id().expect("running");
+        let sent = std::process::Command::new("kill")
+            .args([which, &pid.to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(sent.success(), "kill {which} {pid}");
+    }
+
     /// SIGKILL: the process stops wherever it is, with no chance to clean
     /// up, as when its node dies or the OOM killer takes it.
     pub async fn kill(mut self) {

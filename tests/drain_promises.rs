@@ -1,0 +1,862 @@
+//! The drain's promises in the cases a review found open, each a failure
+//! class, end to end on the real control plane. The truth of every
+//! assertion about order and counts is what the cluster did: the API
+//! server's audit log of the controller's requests and watches of Pods and
+//! VolumeAttachments (`support::oracle`). What berth tells operators
+//! (`status.drain`, Events) is checked apart, as what an operator sees.
+
+mod support;
+
+use std::time::Duration;
+
+use berth::api::Machine;
+use berth_devkit::testbed::fixtures::{csi_pv, deployment, stateful_set};
+use berth_devkit::testbed::{TestBed, wait};
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, PodSpec};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::api::storage::v1::VolumeAttachment;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use support::LONG;
+use support::audit::{assert_no_request_loop, controller};
+use support::oracle::{self, Watches, accepted_evictions_of, evictions, requests_once};
+use support::pool::{
+    POOL, create, delayed_bed, delayed_client, json, on_node, pod_running, pool_class,
+    running_machine, start_delayed,
+};
+
+const ATTACH_DELAY: Duration = Duration::from_millis(1000);
+const DETACH_DELAY: Duration = Duration::from_millis(1000);
+
+async fn client() -> Client {
+    delayed_client(ATTACH_DELAY, DETACH_DELAY).await
+}
+
+async fn bed() -> &'static TestBed {
+    delayed_bed(ATTACH_DELAY, DETACH_DELAY).await
+}
+
+async fn start(ns: &str) -> support::Running {
+    start_delayed(ATTACH_DELAY, DETACH_DELAY, ns, ns).await
+}
+
+/// A case's namespace and pool class (drain settings `drain`).
+async fn case(ns: &str, drain: serde_json::Value) -> Client {
+    let client = client().await;
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, drain).await;
+    client
+}
+
+/// StatefulSet `name` of `replicas` pods kept to pool `ns`, each with a
+/// pre-bound CSI PV `<ns>-<name>-<i>`; `spec` adjusts its pod template.
+async fn stateful(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    replicas: i32,
+    spec: impl FnOnce(&mut PodSpec),
+) {
+    for i in 0..replicas {
+        let pv = format!("{ns}-{name}-{i}");
+        create(
+            Api::all(client.clone()),
+            csi_pv(&pv, &format!("vol-{pv}"), ns, &format!("data-{name}-{i}")),
+        )
+        .await;
+    }
+    let mut sts: StatefulSet = stateful_set(name, replicas, 1);
+    if let Some(s) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        s.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
+        spec(s);
+    }
+    create(Api::namespaced(client.clone(), ns), sts).await;
+}
+
+/// Waits until `n` volumes are attached to `node`.
+async fn attached_to(client: &Client, node: &str, n: usize) {
+    wait::until(
+        Api::<VolumeAttachment>::all(client.clone()),
+        LONG,
+        &format!("{n} volumes attached to {node}"),
+        |all| {
+            all.iter()
+                .filter(|va| {
+                    va.spec.node_name == node && va.status.as_ref().is_some_and(|s| s.attached)
+                })
+                .count()
+                == n
+        },
+    )
+    .await
+    .expect("the volumes attach");
+}
+
+async fn delete_machine(client: &Client, ns: &str, name: &str) {
+    Api::<Machine>::namespaced(client.clone(), ns)
+        .delete(name, &DeleteParams::default())
+        .await
+        .expect("delete the Machine");
+}
+
+async fn machine_gone(client: &Client, ns: &str, name: &str, within: Duration) {
+    wait::for_none(
+        Api::<Machine>::namespaced(client.clone(), ns),
+        within,
+        &format!("Machine {name} gone"),
+        |m| m.name_any() == name,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Waits until Machine `name`'s `status.drain.blockedBy` contains `needle`
+/// (what an operator is told); returns it.
+async fn blocked_by(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    needle: &str,
+    within: Duration,
+) -> String {
+    let m = wait::for_one(
+        Api::<Machine>::namespaced(client.clone(), ns),
+        within,
+        &format!("{name}: blockedBy names {needle:?}"),
+        |m| {
+            m.name_any() == name
+                && m.status
+                    .as_ref()
+                    .and_then(|s| s.drain.as_ref())
+                    .and_then(|d| d.blocked_by.as_deref())
+                    .is_some_and(|b| b.contains(needle))
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    m.status
+        .as_ref()
+        .and_then(|s| s.drain.as_ref())
+        .and_then(|d| d.blocked_by.clone())
+        .unwrap_or_default()
+}
+
+async fn annotate_pod(client: &Client, ns: &str, pod: &str, key: &str, value: &str) {
+    Api::<Pod>::namespaced(client.clone(), ns)
+        .patch(
+            pod,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"metadata": {"annotations": {key: value}}})),
+        )
+        .await
+        .expect("annotate the pod");
+}
+
+/// The controller's deletion of Node `node`, once it is in the audit log.
+async fn node_deleted(bed: &TestBed, ns: &str, node: &str) -> Timestamp {
+    let is_it = |r: &berth_devkit::bench::audit::Request| {
+        r.verb == "delete" && r.resource == "nodes" && r.name.as_deref() == Some(node)
+    };
+    let all = requests_once(bed, ns, |rs| rs.iter().any(is_it)).await;
+    all.iter()
+        .find(|r| is_it(r))
+        .map(|r| r.received)
+        .unwrap_or_else(|| panic!("no delete of Node {node}:\n{}", oracle::log_of(&all)))
+}
+
+/// Class 1. A replica that tolerates berth's cordon and ran on the Node
+/// from the start is a replica, not a pod that came back, whatever else of
+/// its workload the drain evicted: planned in a later pass (a later order
+/// group here; a restart or a held workload does the same), it is evicted,
+/// its volume leaves the Node before the VM goes, and no `PodReturned` is
+/// said of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_tolerates_the_cordon_is_evicted_in_a_later_pass() {
+    let ns = "promise-tolerant";
+    let client = case(ns, serde_json::json!({"timeout": "10m"})).await;
+    let ctl = start(ns).await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    // It tolerates berth's cordon taint, not the unschedulable one: the
+    // scheduler never puts a replacement back on A.
+    stateful(&client, ns, "db", 2, |s| {
+        s.tolerations = Some(vec![json(serde_json::json!({
+            "key": berth::api::CORDON_TAINT_KEY, "operator": "Exists"
+        }))]);
+    })
+    .await;
+    attached_to(&client, &node_a, 2).await;
+    annotate_pod(
+        &client,
+        ns,
+        "db-1",
+        berth::drain::rules::ORDER_ANNOTATION,
+        "1",
+    )
+    .await;
+    running_machine(&client, ns, "b", ns).await;
+    let watches = Watches::start(&client, ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    machine_gone(&client, ns, "a", Duration::from_secs(180)).await;
+
+    let deleted = node_deleted(bed().await, ns, &node_a).await;
+    let all = evictions(bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    assert_eq!(accepted_evictions_of(&all, "db-0").len(), 1, "{log}");
+    let db1 = accepted_evictions_of(&all, "db-1");
+    assert_eq!(db1.len(), 1, "db-1 evicted once: {log}");
+    let pv0 = format!("{ns}-db-0");
+    let pv1 = format!("{ns}-db-1");
+    let moved0 = watches
+        .attached_elsewhere(bed().await, &pv0, &node_a)
+        .await
+        .unwrap_or_else(|| panic!("db-0's volume attached elsewhere: {log}"));
+    assert!(db1[0].received > moved0, "db-1 after db-0 moved: {log}");
+    let off1 = watches
+        .detached_from(&pv1, &node_a)
+        .unwrap_or_else(|| panic!("db-1's volume detached from A: {log}"));
+    assert!(off1 < deleted, "db-1's volume left A before A went: {log}");
+    // What operators are told: nothing came back.
+    let evs = support::pool::events(&client, ns, "a").await;
+    assert!(
+        !evs.iter().any(|(_, r, _)| r == "PodReturned"),
+        "{}",
+        support::pool::log_of(&evs)
+    );
+    assert_no_request_loop(bed().await, "tolerant_replica", ns);
+    ctl.stop().await;
+}
+
+/// Class 3. A controller that is not a DaemonSet recreates its per-node
+/// pod bound to the Node by `spec.nodeName` (a storage system's instance
+/// manager): the recreated pod came back, bypassing the cordon. It is not
+/// evicted again (one eviction in all, by the audit log), and the Machine
+/// goes long before its 10 minute deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_recreated_by_name_on_the_node_is_not_evicted_for_ever() {
+    let ns = "promise-byname";
+    let client = case(ns, serde_json::json!({"timeout": "10m"})).await;
+    let ctl = start(ns).await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    let owner: ConfigMap = Api::namespaced(client.clone(), ns)
+        .create(
+            &PostParams::default(),
+            &json(serde_json::json!({"metadata": {"name": "mgr"}})),
+        )
+        .await
+        .expect("the owner");
+    let manager = tokio::spawn(per_node_controller(
+        client.clone(),
+        ns.to_string(),
+        node_a.clone(),
+        owner,
+    ));
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    wait::until(pods, LONG, "mgr running on A", |ps| {
+        ps.iter()
+            .any(|p| p.name_any().starts_with("mgr-") && on_node(p, &node_a) && pod_running(p))
+    })
+    .await
+    .expect("the per-node pod runs");
+
+    delete_machine(&client, ns, "a").await;
+    machine_gone(&client, ns, "a", Duration::from_secs(90)).await;
+    manager.abort();
+
+    let all = requests_once(bed().await, ns, |rs| {
+        rs.iter()
+            .any(|r| r.resource == "nodes" && r.verb == "delete")
+    })
+    .await;
+    let evicted: Vec<_> = all
+        .iter()
+        .filter(|r| r.subresource.as_deref() == Some("eviction"))
+        .cloned()
+        .collect();
+    assert_eq!(
+        accepted_evictions_of(&evicted, "mgr-*").len(),
+        1,
+        "the first mgr pod only: {}",
+        oracle::log_of(&evicted)
+    );
+    let evs = support::pool::events(&client, ns, "a").await;
+    let returned: Vec<_> = evs.iter().filter(|(_, r, _)| r == "PodReturned").collect();
+    assert_eq!(returned.len(), 1, "{}", support::pool::log_of(&evs));
+    assert!(returned[0].2.contains("spec.nodeName"), "{:?}", returned[0]);
+    assert_no_request_loop(bed().await, "recreated_by_name", ns);
+    ctl.stop().await;
+}
+
+/// Keeps one pod `mgr-<n>` bound to `node` by name, owned by `owner` (a
+/// controller that is not a DaemonSet), as long as the Node is there.
+async fn per_node_controller(client: Client, ns: String, node: String, owner: ConfigMap) {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let nodes: Api<Node> = Api::all(client);
+    for n in 0.. {
+        match nodes.get_opt(&node).await {
+            Ok(Some(_)) => {}
+            _ => return,
+        }
+        let running = pods
+            .list(&Default::default())
+            .await
+            .map(|l| {
+                l.items.iter().any(|p| {
+                    p.name_any().starts_with("mgr-") && p.metadata.deletion_timestamp.is_none()
+                })
+            })
+            .unwrap_or(true);
+        if !running {
+            let pod: Pod = json(serde_json::json!({
+                "metadata": {
+                    "name": format!("mgr-{n}"),
+                    "labels": {"app": "mgr"},
+                    "ownerReferences": [{
+                        "apiVersion": "v1", "kind": "ConfigMap", "name": owner.name_any(),
+                        "uid": owner.metadata.uid, "controller": true
+                    }]
+                },
+                "spec": {
+                    "nodeName": node,
+                    "terminationGracePeriodSeconds": 1,
+                    "containers": [{"name": "main", "image": "registry.invalid/mgr:1"}]
+                }
+            }));
+            let _ = pods.create(&PostParams::default(), &pod).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Class 6. A volume move is recorded in `status.drain.moves` before its
+/// eviction, or there is no eviction: while an admission policy refuses
+/// every status write that records a move, the pod is not evicted (the
+/// audit log has no eviction and the refused writes), and the operator is
+/// told why; once the writes go through, the eviction follows a status
+/// write the API server accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_eviction_until_its_move_is_recorded() {
+    let ns = "promise-record";
+    let client = case(ns, serde_json::json!({"timeout": "10m"})).await;
+    let ctl = start(ns).await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    stateful(&client, ns, "db", 1, |_| {}).await;
+    attached_to(&client, &node_a, 1).await;
+    running_machine(&client, ns, "b", ns).await;
+    let label = "test.berth.dev/refuse-moves";
+    refuse_recorded_moves(&client, ns, label).await;
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    machines
+        .patch(
+            "a",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"metadata": {"labels": {label: "true"}}})),
+        )
+        .await
+        .expect("label a");
+    policy_in_force(&machines, "a").await;
+
+    delete_machine(&client, ns, "a").await;
+    // Told by a Warning (`status.drain` itself cannot be written while the
+    // policy refuses it).
+    let evs = support::events_until(&client, ns, "a", &["MoveNotRecorded"]).await;
+    let told = evs
+        .iter()
+        .find(|e| e.reason.as_deref() == Some("MoveNotRecorded"))
+        .and_then(|e| e.note.clone())
+        .unwrap_or_default();
+    assert!(
+        told.contains(&format!("{ns}/db-0")) && told.contains("refuses to record"),
+        "names the pod and the API server's answer: {told}"
+    );
+    let before = requests_once(bed().await, ns, |rs| {
+        rs.iter()
+            .any(|r| r.subresource.as_deref() == Some("status") && r.code >= 400)
+    })
+    .await;
+    let log = oracle::log_of(&before);
+    assert!(
+        !before
+            .iter()
+            .any(|r| r.subresource.as_deref() == Some("eviction")),
+        "no eviction while its move cannot be recorded: {log}"
+    );
+    assert!(
+        before.iter().any(|r| r.resource == "machines"
+            && r.subresource.as_deref() == Some("status")
+            && r.code >= 400),
+        "the refused writes: {log}"
+    );
+
+    let allowed_at = Timestamp::now();
+    machines
+        .patch(
+            "a",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"metadata": {"labels": {label: null}}})),
+        )
+        .await
+        .expect("unlabel a");
+    machine_gone(&client, ns, "a", Duration::from_secs(120)).await;
+    let all = requests_once(bed().await, ns, |rs| {
+        rs.iter()
+            .any(|r| r.subresource.as_deref() == Some("eviction") && oracle::accepted(r))
+    })
+    .await;
+    let log = oracle::log_of(&all);
+    let evicted = accepted_evictions_of(&all, "db-0");
+    assert_eq!(evicted.len(), 1, "{log}");
+    let recorded = all.iter().find(|r| {
+        r.resource == "machines"
+            && r.subresource.as_deref() == Some("status")
+            && oracle::accepted(r)
+            && r.received > allowed_at
+    });
+    assert!(
+        recorded.is_some_and(|w| w.completed <= evicted[0].received),
+        "a status write landed before the eviction: {log}"
+    );
+    assert_no_request_loop(bed().await, "record_before_eviction", ns);
+    ctl.stop().await;
+}
+
+/// A ValidatingAdmissionPolicy (and its binding) that refuses any status
+/// write of a Machine in `ns` carrying `label` that records a volume move.
+async fn refuse_recorded_moves(client: &Client, ns: &str, label: &str) {
+    use k8s_openapi::api::admissionregistration::v1::{
+        ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+    };
+    let name = format!("{ns}-refuse-moves");
+    let expression = format!(
+        "!(object.metadata.namespace == '{ns}' && has(object.metadata.labels) && '{label}' in object.metadata.labels \
+         && has(object.status) && has(object.status.drain) && has(object.status.drain.moves) \
+         && size(object.status.drain.moves) > 0)"
+    );
+    create(
+        Api::<ValidatingAdmissionPolicy>::all(client.clone()),
+        json(serde_json::json!({
+            "metadata": {"name": name},
+            "spec": {
+                "failurePolicy": "Fail",
+                "matchConstraints": {"resourceRules": [{
+                    "apiGroups": ["berth.dev"], "apiVersions": ["*"],
+                    "operations": ["UPDATE"], "resources": ["machines/status"]
+                }]},
+                "validations": [{"expression": expression, "message": "the test refuses to record volume moves"}]
+            }
+        })),
+    )
+    .await;
+    create(
+        Api::<ValidatingAdmissionPolicyBinding>::all(client.clone()),
+        json(serde_json::json!({
+            "metadata": {"name": name},
+            "spec": {"policyName": name, "validationActions": ["Deny"]}
+        })),
+    )
+    .await;
+}
+
+/// Waits until the policy of [`refuse_recorded_moves`] refuses a write
+/// (policies take effect a moment after they are created): a probe that
+/// records a move on Machine `name`, taken back if it went through.
+async fn policy_in_force(machines: &Api<Machine>, name: &str) {
+    let probe = serde_json::json!({"status": {"drain": {"moves": [{"pod": "probe/probe", "volumes": []}]}}});
+    let clear = serde_json::json!({"status": {"drain": null}});
+    let params = PatchParams::default();
+    for _ in 0..100 {
+        match machines
+            .patch_status(name, &params, &Patch::Merge(&probe))
+            .await
+        {
+            Err(kube::Error::Api(s)) if s.code == 422 || s.code == 403 || s.code == 400 => return,
+            _ => {
+                let _ = machines
+                    .patch_status(name, &params, &Patch::Merge(&clear))
+                    .await;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    panic!("the admission policy never took effect");
+}
+
+/// Class 4. A pod that two PodDisruptionBudgets select cannot be evicted
+/// (the Eviction API answers 500 until one budget goes): it is named at
+/// once (`blockedBy` names both budgets), retried at a bounded pace rather
+/// than silently, and evicted once a budget goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_two_budgets_select_is_named_and_evicted_once_one_goes() {
+    let ns = "promise-budgets";
+    let client = case(ns, serde_json::json!({"timeout": "10m"})).await;
+    let ctl = start(ns).await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    create(
+        Api::namespaced(client.clone(), ns),
+        deployment("web", 1, 1, ns),
+    )
+    .await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    wait::until(pods, LONG, "web running on A", |ps| {
+        ps.iter()
+            .any(|p| p.name_any().starts_with("web-") && on_node(p, &node_a) && pod_running(p))
+    })
+    .await
+    .expect("web runs");
+    for name in ["web-1", "web-2"] {
+        create(
+            Api::<PodDisruptionBudget>::namespaced(client.clone(), ns),
+            json(serde_json::json!({
+                "metadata": {"name": name},
+                "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"app": "web"}}}
+            })),
+        )
+        .await;
+    }
+    running_machine(&client, ns, "b", ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    let told = blocked_by(
+        &client,
+        ns,
+        "a",
+        "more than one PodDisruptionBudget",
+        Duration::from_secs(30),
+    )
+    .await;
+    assert!(
+        told.contains(&format!("{ns}/web-1")) && told.contains(&format!("{ns}/web-2")),
+        "both budgets named: {told}"
+    );
+    let refused = evictions(bed().await, ns);
+    assert!(
+        refused.iter().all(|r| r.code == 500) && !refused.is_empty(),
+        "{}",
+        oracle::log_of(&refused)
+    );
+
+    Api::<PodDisruptionBudget>::namespaced(client.clone(), ns)
+        .delete("web-2", &DeleteParams::default())
+        .await
+        .expect("delete a budget");
+    machine_gone(&client, ns, "a", Duration::from_secs(90)).await;
+    let all = evictions(bed().await, ns);
+    let log = oracle::log_of(&all);
+    assert_eq!(accepted_evictions_of(&all, "web-*").len(), 1, "{log}");
+    // Retried at the backoff's ceiling (or when a budget changed), not in
+    // a loop: a handful of refusals.
+    let refusals = all.iter().filter(|r| r.code == 500).count();
+    assert!((1..=6).contains(&refusals), "{refusals} refusals: {log}");
+    assert_no_request_loop(bed().await, "two_budgets", ns);
+    ctl.stop().await;
+}
+
+/// Class 2. The scheduler cannot place the replacement of the last pod of
+/// a workload in an order group: the next group (here a pod of order 5, as
+/// DNS or a CSI controller would be) is not evicted while that volume is
+/// attached nowhere; once a Node comes and the replacement runs there with
+/// the volume, it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unplaceable_replacement_holds_the_next_order_group() {
+    let ns = "promise-groups";
+    let client = case(
+        ns,
+        serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "5m"}),
+    )
+    .await;
+    let ctl = start(ns).await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    stateful(&client, ns, "db", 1, |_| {}).await;
+    let mut dns = deployment("dns", 1, 1, ns);
+    if let Some(t) = dns.spec.as_mut().map(|s| &mut s.template) {
+        t.metadata
+            .get_or_insert_default()
+            .annotations
+            .get_or_insert_default()
+            .insert(berth::drain::rules::ORDER_ANNOTATION.into(), "5".into());
+    }
+    create(Api::namespaced(client.clone(), ns), dns).await;
+    attached_to(&client, &node_a, 1).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    wait::until(pods, LONG, "dns running on A", |ps| {
+        ps.iter()
+            .any(|p| p.name_any().starts_with("dns-") && on_node(p, &node_a) && pod_running(p))
+    })
+    .await
+    .expect("dns runs");
+    let watches = Watches::start(&client, ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    blocked_by(&client, ns, "a", "cannot be scheduled", LONG).await;
+    // Without the gate the next group's eviction follows the unplaceable
+    // verdict within milliseconds; a few seconds show that it does not.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let early = evictions(bed().await, ns);
+    assert!(
+        accepted_evictions_of(&early, "dns-*").is_empty(),
+        "dns not evicted while db-0's volume is attached nowhere: {}",
+        oracle::log_of(&early)
+    );
+
+    running_machine(&client, ns, "b", ns).await;
+    machine_gone(&client, ns, "a", Duration::from_secs(120)).await;
+    let all = evictions(bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let dns = accepted_evictions_of(&all, "dns-*");
+    assert_eq!(dns.len(), 1, "{log}");
+    let moved = watches
+        .attached_elsewhere(bed().await, &format!("{ns}-db-0"), &node_a)
+        .await
+        .unwrap_or_else(|| panic!("db-0's volume attached elsewhere: {log}"));
+    assert!(
+        dns[0].received > moved,
+        "dns after db-0's volume moved: {log}"
+    );
+    assert_no_request_loop(bed().await, "unplaceable_holds_next_group", ns);
+    ctl.stop().await;
+}
+
+/// Class 9. A drain that fails at its deadline and is retried every 30 s
+/// says its once-per-drain things once: a pod skipped by its rule, and a
+/// rule it cannot read, are each named in one Event however often the
+/// drain is retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_drain_does_not_repeat_its_reports() {
+    let ns = "promise-retried";
+    let client = case(
+        ns,
+        serde_json::json!({"timeout": "5s", "forceAfterDeadline": false}),
+    )
+    .await;
+    let ctl = start(ns).await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    // A pod a budget keeps (the drain fails at each deadline), with an
+    // order the drain cannot read.
+    let mut guarded = deployment("guarded", 1, 1, ns);
+    if let Some(t) = guarded.spec.as_mut().map(|s| &mut s.template) {
+        t.metadata
+            .get_or_insert_default()
+            .annotations
+            .get_or_insert_default()
+            .insert(berth::drain::rules::ORDER_ANNOTATION.into(), "soon".into());
+    }
+    create(Api::namespaced(client.clone(), ns), guarded).await;
+    create(
+        Api::<PodDisruptionBudget>::namespaced(client.clone(), ns),
+        json(serde_json::json!({
+            "metadata": {"name": "guarded"},
+            "spec": {"maxUnavailable": 0, "selector": {"matchLabels": {"app": "guarded"}}}
+        })),
+    )
+    .await;
+    let mut skipped = deployment("skipped", 1, 1, ns);
+    if let Some(t) = skipped.spec.as_mut().map(|s| &mut s.template) {
+        t.metadata
+            .get_or_insert_default()
+            .annotations
+            .get_or_insert_default()
+            .insert(berth::drain::rules::DRAIN_ANNOTATION.into(), "skip".into());
+    }
+    create(Api::namespaced(client.clone(), ns), skipped).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    wait::until(pods, LONG, "both running on A", |ps| {
+        ps.iter()
+            .filter(|p| on_node(p, &node_a) && pod_running(p))
+            .count()
+            == 2
+    })
+    .await
+    .expect("the pods run");
+
+    delete_machine(&client, ns, "a").await;
+    let failed = |n: usize| {
+        let client = client.clone();
+        async move {
+            wait::until(
+                Api::<k8s_openapi::api::events::v1::Event>::namespaced(client, ns),
+                Duration::from_secs(90),
+                &format!("{n} DrainFailed"),
+                |evs| {
+                    evs.iter()
+                        .filter(|e| e.reason.as_deref() == Some("DrainFailed"))
+                        .map(|e| e.series.as_ref().map_or(1, |s| s.count))
+                        .sum::<i32>()
+                        >= i32::try_from(n).unwrap_or(i32::MAX)
+                },
+            )
+            .await
+            .expect("the drain fails and is retried")
+        }
+    };
+    let evs = failed(2).await;
+    let count = |reason: &str| {
+        evs.iter()
+            .filter(|e| e.reason.as_deref() == Some(reason))
+            .map(|e| e.series.as_ref().map_or(1, |s| s.count))
+            .sum::<i32>()
+    };
+    assert_eq!(count("PodSkipped"), 1, "{evs:?}");
+    assert_eq!(count("DrainRuleInvalid"), 1, "{evs:?}");
+    assert_no_request_loop(bed().await, "retried_drain_reports_once", ns);
+    // Let the Machine go: the budget goes.
+    Api::<PodDisruptionBudget>::namespaced(client.clone(), ns)
+        .delete("guarded", &DeleteParams::default())
+        .await
+        .expect("delete the budget");
+    ctl.stop().await;
+}
+
+/// Class 5. A leader frozen (SIGSTOP) past its Lease loses it to another
+/// replica; when it thaws, it sends nothing that changes the cluster: no
+/// write of its identity reaches the API server after the other replica
+/// acquired the Lease (by the audit log), and it exits; the new leader
+/// finishes the drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_that_wakes_after_losing_its_lease_changes_nothing() {
+    use support::process::Berth;
+    let ns = "promise-fence";
+    let client = case(ns, serde_json::json!({"timeout": "10m"})).await;
+    let flags = |id: &'static str| {
+        [
+            "--identity",
+            id,
+            "--lease-namespace",
+            ns,
+            "--lease-duration=3s",
+            "--namespace",
+            ns,
+        ]
+    };
+    let first = &controller(bed().await).await.kubeconfig;
+    let standby = bed()
+        .await
+        .identity(&client, "kube-system", "berth-standby")
+        .await
+        .expect("a second identity");
+    let a = Berth::spawn(first, &flags("replica-a"));
+    a.wait_log("caches synced").await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    // db-0 and db-1 take 4 s to stop: the drain is mid-move when frozen.
+    stateful(&client, ns, "db", 2, |s| {
+        s.termination_grace_period_seconds = Some(4);
+    })
+    .await;
+    attached_to(&client, &node_a, 2).await;
+    running_machine(&client, ns, "b", ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    wait::for_one(
+        Api::<Pod>::namespaced(client.clone(), ns),
+        LONG,
+        "db-0 evicted",
+        |p| p.name_any() == "db-0" && p.metadata.deletion_timestamp.is_some(),
+    )
+    .await
+    .expect("the first eviction");
+    a.freeze();
+    let b = Berth::spawn(&standby.kubeconfig, &flags("replica-b"));
+    let leases: Api<Lease> = Api::namespaced(client.clone(), ns);
+    let lease = wait::for_one(leases, LONG, "replica-b holds the Lease", |l| {
+        l.spec.as_ref().and_then(|s| s.holder_identity.as_deref()) == Some("replica-b")
+    })
+    .await
+    .expect("the standby takes over");
+    let acquired = lease
+        .spec
+        .as_ref()
+        .and_then(|s| s.acquire_time.as_ref())
+        .map(|t| t.0)
+        .expect("acquireTime");
+    a.resume();
+    let status = a.exited().await;
+    assert!(!status.success(), "the old leader exits: {status:?}");
+    machine_gone(&client, ns, "a", Duration::from_secs(180)).await;
+
+    // The old leader's identity is the audited one. Its election may still
+    // try to renew the Lease it lost, and be refused: that changes nothing.
+    let after: Vec<_> = oracle::writes(bed().await, ns)
+        .into_iter()
+        .filter(|r| r.received >= acquired)
+        .filter(|r| !(r.resource == "leases" && r.code >= 400))
+        .collect();
+    assert!(
+        after.is_empty(),
+        "writes of the old leader after replica-b acquired the Lease at {acquired}:\n{}",
+        oracle::log_of(&after)
+    );
+    drop(b);
+}
+
+/// Class 7, the record of the last move. The controller is killed
+/// (SIGKILL) during the last stateful pod's reattach wait, once its volume
+/// left the Node: the restarted drain resumes that move instead of ending
+/// at once with nothing left to evict, and its record goes once the volume
+/// is attached where the replacement runs (a pre-terminate hook keeps the
+/// Machine to look at `status.drain.moves`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_in_the_last_reattach_wait_resumes_it_and_clears_its_record() {
+    use support::pool::{release_hook, running_held};
+    use support::process::Berth;
+    let ns = "promise-lastmove";
+    let client = case(ns, serde_json::json!({"timeout": "10m"})).await;
+    let flags = ["--namespace", ns, "--leader-elect=false"];
+    let kubeconfig = &controller(bed().await).await.kubeconfig;
+    let berth = Berth::spawn(kubeconfig, &flags);
+    let node_a = running_held(&client, ns, "a", ns, true).await;
+    stateful(&client, ns, "db", 1, |_| {}).await;
+    attached_to(&client, &node_a, 1).await;
+    running_machine(&client, ns, "b", ns).await;
+    let watches = Watches::start(&client, ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    let pv = format!("{ns}-db-0");
+    wait::until(
+        Api::<VolumeAttachment>::all(client.clone()),
+        LONG,
+        "db-0's volume detached from A",
+        |all| {
+            !all.iter().any(|va| {
+                va.spec.node_name == node_a
+                    && va.spec.source.persistent_volume_name.as_deref() == Some(pv.as_str())
+            })
+        },
+    )
+    .await
+    .expect("the volume detaches");
+    berth.kill().await;
+    let berth = Berth::spawn(kubeconfig, &flags);
+
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    let m = wait::for_one(machines, Duration::from_secs(120), "a drained", |m| {
+        m.name_any() == "a"
+            && m.status
+                .as_ref()
+                .and_then(|s| s.drain.as_ref())
+                .is_some_and(|d| d.finished_at.is_some())
+    })
+    .await
+    .expect("the resumed drain finishes");
+    let drain = m
+        .status
+        .as_ref()
+        .and_then(|s| s.drain.clone())
+        .unwrap_or_default();
+    assert!(
+        drain.moves.is_empty(),
+        "no move left recorded: {:?}\n{}",
+        drain.moves,
+        watches.log()
+    );
+    assert!(
+        watches.attachment_elsewhere(&pv, &node_a).is_some(),
+        "the volume attached where db-0 runs now: {}",
+        watches.log()
+    );
+    release_hook(&client, ns, "a").await;
+    machine_gone(&client, ns, "a", LONG).await;
+    assert_no_request_loop(bed().await, "restart_in_last_reattach_wait", ns);
+    berth.terminate().await;
+}

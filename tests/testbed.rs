@@ -8,7 +8,9 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use berth_devkit::testbed::fixtures::{csi_pv, csi_unique_name, namespace, node, stateful_set};
-use berth_devkit::testbed::stages::{ATTACHER_FINALIZER, CSI_DRIVER};
+use berth_devkit::testbed::stages::{
+    ATTACHER_FINALIZER, CSI_DRIVER, NEVER_START_ANNOTATION, READY_AFTER_ANNOTATION,
+};
 use berth_devkit::testbed::{Options, TestBed, wait};
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::core::v1::{Namespace, Node, PersistentVolume, Pod};
@@ -314,6 +316,79 @@ async fn a_pdb_at_its_limit_refuses_eviction_with_429() {
     // Nothing was evicted.
     let still = pods.get(&victim).await.expect("the pod is still there");
     assert!(still.metadata.deletion_timestamp.is_none());
+}
+
+/// The bed can hold a pod's readiness and keep a pod from starting, so
+/// that "the replacement is not Ready yet" and "the replacement never
+/// starts" can be tested: a pod annotated `ready-after: 3s` runs at once,
+/// unready, and turns Ready 3 s after it started; one annotated
+/// `never-start` stays Pending on its Node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_can_be_held_unready_or_kept_from_starting() {
+    let ns = "smoke-ready";
+    let client = setup(ns, &["smoke-ready-node"]).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    for (name, annotation, value) in [
+        ("late", READY_AFTER_ANNOTATION, "3s"),
+        ("never", NEVER_START_ANNOTATION, "true"),
+    ] {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "annotations": {annotation: value}},
+            "spec": {
+                "nodeSelector": {POOL: ns},
+                "containers": [{"name": "main", "image": "registry.invalid/app:1"}]
+            }
+        }))
+        .expect("pod");
+        pods.create(&PostParams::default(), &pod)
+            .await
+            .expect("create pod");
+    }
+    let condition = |p: &Pod, t: &str| {
+        p.status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|cs| cs.iter().find(|c| c.type_ == t).cloned())
+    };
+    let phase = |p: &Pod| p.status.as_ref().and_then(|s| s.phase.clone());
+    let running = wait::for_one(pods.clone(), LONG, "late running", |p| {
+        p.name_any() == "late" && phase(p).as_deref() == Some("Running")
+    })
+    .await
+    .expect("late starts");
+    assert_eq!(
+        condition(&running, "Ready").map(|c| c.status).as_deref(),
+        Some("False"),
+        "running, not Ready: {running:?}"
+    );
+    let ready = wait::for_one(pods.clone(), LONG, "late Ready", |p| {
+        p.name_any() == "late" && condition(p, "Ready").is_some_and(|c| c.status == "True")
+    })
+    .await
+    .expect("late turns Ready");
+    let started = ready
+        .status
+        .as_ref()
+        .and_then(|s| s.start_time.as_ref())
+        .map(|t| t.0)
+        .expect("startTime");
+    let became = condition(&ready, "Ready")
+        .and_then(|c| c.last_transition_time)
+        .map(|t| t.0)
+        .expect("Ready's transition time");
+    let after = became.duration_since(started).as_secs_f64();
+    assert!(after >= 2.0, "Ready {after} s after it started");
+    // By now (3 s on) a pod that could start would have.
+    let never = pods.get("never").await.expect("never");
+    assert_eq!(phase(&never).as_deref(), Some("Pending"), "{never:?}");
+    assert!(
+        never
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.as_deref())
+            .is_some_and(|n| n == "smoke-ready-node"),
+        "bound to its Node: {never:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

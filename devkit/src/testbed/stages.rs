@@ -11,6 +11,12 @@
 //!   (16 pod Stage workers) kwok's IP allocation gave pods two IPs 12,000
 //!   times, which the API server refuses (422) and kwok retries, keeping
 //!   the bed busy long after the pods were created.
+//!   A pod annotated [`NEVER_START_ANNOTATION`] never starts: it stays
+//!   `Pending` on its Node (a replacement whose image never pulls). A pod
+//!   annotated [`READY_AFTER_ANNOTATION`] starts at once but is not Ready:
+//! * `pod-start-unready` / `pod-ready-after`: it runs, not Ready, and turns
+//!   Ready after that long (a database replaying its log); a long value
+//!   (`1000h`) keeps it unready.
 //! * `pod-complete`: a Running pod annotated
 //!   [`COMPLETE_AFTER_ANNOTATION`] turns `Succeeded` after that duration
 //!   (a terminal pod for drain tests).
@@ -49,6 +55,13 @@ pub const COMPLETE_AFTER_ANNOTATION: &str = "testbed.berth.dev/complete-after";
 /// that long instead of at the end of its grace period.
 pub const TERMINATE_AFTER_ANNOTATION: &str = "testbed.berth.dev/terminate-after";
 
+/// A pod with this annotation (any value) never starts: it stays
+/// `Pending` on the Node it is bound to.
+pub const NEVER_START_ANNOTATION: &str = "testbed.berth.dev/never-start";
+/// A pod with this annotation (a Go duration) runs at once but turns Ready
+/// only after that long.
+pub const READY_AFTER_ANNOTATION: &str = "testbed.berth.dev/ready-after";
+
 /// Pod Stages kwok plays at once (its default is 4). Each play is an API
 /// request; with 20 Machines drained together, 4 workers queued pod
 /// deletions seconds behind their grace periods.
@@ -74,6 +87,9 @@ pub fn kwok_config(attach_delay: Duration, detach_delay: Duration, heartbeat: Du
     let detach_ms = detach_delay.as_millis();
     let beat_min_ms = heartbeat.as_millis() / 2;
     let beat_max_ms = heartbeat.as_millis() * 3 / 2;
+    let ready_status = pod_status(true, true);
+    let unready_status = pod_status(false, true);
+    let turned_ready_status = pod_status(true, false);
     format!(
         r#"apiVersion: config.kwok.x-k8s.io/v1alpha1
 kind: KwokConfiguration
@@ -201,38 +217,64 @@ spec:
     - key: '.status.phase'
       operator: In
       values: ['Pending']
+    - key: '.metadata.annotations["{NEVER_START_ANNOTATION}"]'
+      operator: DoesNotExist
+    - key: '.metadata.annotations["{READY_AFTER_ANNOTATION}"]'
+      operator: DoesNotExist
   next:
     statusTemplate: |
-      {{{{ $now := Now }}}}
-      conditions:
-      - lastTransitionTime: {{{{ $now | Quote }}}}
-        status: "True"
-        type: Initialized
-      - lastTransitionTime: {{{{ $now | Quote }}}}
-        status: "True"
-        type: Ready
-      - lastTransitionTime: {{{{ $now | Quote }}}}
-        status: "True"
-        type: ContainersReady
-      - lastTransitionTime: {{{{ $now | Quote }}}}
-        status: "True"
-        type: PodScheduled
-      containerStatuses:
-      {{{{ range .spec.containers }}}}
-      - image: {{{{ .image | Quote }}}}
-        name: {{{{ .name | Quote }}}}
-        ready: true
-        started: true
-        restartCount: 0
-        state:
-          running:
-            startedAt: {{{{ $now | Quote }}}}
-      {{{{ end }}}}
-      {{{{ with NodeIPsWith .spec.nodeName }}}}
-      hostIP: {{{{ index . 0 | Quote }}}}
-      {{{{ end }}}}
-      phase: Running
-      startTime: {{{{ $now | Quote }}}}
+{ready_status}
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: pod-start-unready
+spec:
+  resourceRef:
+    apiGroup: v1
+    kind: Pod
+  selector:
+    matchExpressions:
+    - key: '.metadata.deletionTimestamp'
+      operator: DoesNotExist
+    - key: '.status.phase'
+      operator: In
+      values: ['Pending']
+    - key: '.metadata.annotations["{NEVER_START_ANNOTATION}"]'
+      operator: DoesNotExist
+    - key: '.metadata.annotations["{READY_AFTER_ANNOTATION}"]'
+      operator: Exists
+  next:
+    statusTemplate: |
+{unready_status}
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: pod-ready-after
+spec:
+  resourceRef:
+    apiGroup: v1
+    kind: Pod
+  selector:
+    matchExpressions:
+    - key: '.metadata.deletionTimestamp'
+      operator: DoesNotExist
+    - key: '.status.phase'
+      operator: In
+      values: ['Running']
+    - key: '.metadata.annotations["{READY_AFTER_ANNOTATION}"]'
+      operator: Exists
+    - key: '.status.conditions.[] | select( .type == "Ready" ) | .status'
+      operator: NotIn
+      values: ['True']
+  delay:
+    durationMilliseconds: 0
+    durationFrom:
+      expressionFrom: '.metadata.annotations["{READY_AFTER_ANNOTATION}"]'
+  next:
+    statusTemplate: |
+{turned_ready_status}
 ---
 apiVersion: kwok.x-k8s.io/v1alpha1
 kind: Stage
@@ -348,6 +390,36 @@ spec:
     )
 }
 
+/// The status template (indented for a Stage's `statusTemplate`) of a
+/// running pod, Ready or not; `starting` also sets what a pod gets when it
+/// starts (its phase, start time and host IP), which a pod turning Ready
+/// later keeps.
+fn pod_status(ready: bool, starting: bool) -> String {
+    let ready = if ready { "True" } else { "False" };
+    let container_ready = if ready == "True" { "true" } else { "false" };
+    let mut t = String::from("      {{ $now := Now }}\n      conditions:\n");
+    for (kind, status) in [
+        ("Initialized", "True"),
+        ("Ready", ready),
+        ("ContainersReady", ready),
+        ("PodScheduled", "True"),
+    ] {
+        t.push_str(&format!(
+            "      - lastTransitionTime: {{{{ $now | Quote }}}}\n        status: \"{status}\"\n        type: {kind}\n"
+        ));
+    }
+    t.push_str(&format!(
+        "      containerStatuses:\n      {{{{ range .spec.containers }}}}\n      - image: {{{{ .image | Quote }}}}\n        name: {{{{ .name | Quote }}}}\n        ready: {container_ready}\n        started: true\n        restartCount: 0\n        state:\n          running:\n            startedAt: {{{{ $now | Quote }}}}\n      {{{{ end }}}}\n"
+    ));
+    if starting {
+        t.push_str(
+            "      {{ with NodeIPsWith .spec.nodeName }}\n      hostIP: {{ index . 0 | Quote }}\n      {{ end }}\n      phase: Running\n      startTime: {{ $now | Quote }}\n",
+        );
+    }
+    t.pop();
+    t
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -385,14 +457,68 @@ mod tests {
     }
 
     #[test]
+    fn a_pod_can_start_unready_and_turn_ready_later_or_never_start() {
+        let cfg = kwok_config(Duration::ZERO, Duration::ZERO, DEFAULT_HEARTBEAT);
+        let stage = |name: &str| {
+            cfg.split("\n---\n")
+                .find(|d| d.contains(&format!("name: {name}\n")))
+                .unwrap_or_else(|| panic!("the {name} Stage"))
+                .to_string()
+        };
+        let ready = stage("pod-ready");
+        for skipped in [NEVER_START_ANNOTATION, READY_AFTER_ANNOTATION] {
+            assert!(
+                ready.contains(&format!(
+                    "- key: '.metadata.annotations[\"{skipped}\"]'\n      operator: DoesNotExist"
+                )),
+                "{ready}"
+            );
+        }
+        assert!(
+            ready.contains("        status: \"True\"\n        type: Ready\n"),
+            "{ready}"
+        );
+        assert!(
+            ready.contains("        ready: true\n        started: true\n"),
+            "{ready}"
+        );
+        assert!(
+            ready.ends_with("      phase: Running\n      startTime: {{ $now | Quote }}"),
+            "{ready}"
+        );
+        let unready = stage("pod-start-unready");
+        assert!(
+            unready.contains("        status: \"False\"\n        type: Ready\n"),
+            "{unready}"
+        );
+        assert!(
+            unready.contains("        ready: false\n        started: true\n"),
+            "{unready}"
+        );
+        assert!(unready.contains("      phase: Running\n"), "{unready}");
+        let later = stage("pod-ready-after");
+        assert!(later.contains(&format!(
+            "expressionFrom: '.metadata.annotations[\"{READY_AFTER_ANNOTATION}\"]'"
+        )));
+        assert!(
+            later.contains("        status: \"True\"\n        type: Ready\n"),
+            "{later}"
+        );
+        assert!(
+            !later.contains("startTime"),
+            "turning Ready keeps when it started: {later}"
+        );
+    }
+
+    #[test]
     fn go_template_braces_survive_formatting() {
         let cfg = kwok_config(Duration::ZERO, Duration::ZERO, DEFAULT_HEARTBEAT);
         assert!(cfg.contains("{{ $now := Now }}"));
         assert!(!cfg.contains("{{{{"));
         assert_eq!(
             cfg.matches("\n---\n").count(),
-            7,
-            "kwok's settings and seven Stage documents"
+            9,
+            "kwok's settings and nine Stage documents"
         );
         assert!(
             cfg.starts_with("apiVersion: config.kwok.x-k8s.io/v1alpha1\nkind: KwokConfiguration\n")

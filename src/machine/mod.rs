@@ -371,8 +371,11 @@ pub async fn run(
         pvs_w,
         watcher(Api::<PersistentVolume>::all(client.clone()), wc.clone()).modify(trim::metadata),
     );
-    // CSIDrivers say which drivers attach: the drain's volume classes.
+    // CSIDrivers say which drivers attach: the drain's volume classes. A
+    // drain planned before they are listed would take every attach-free
+    // CSI volume for an attachable one, so the sync waits for them too.
     let (csi_drivers, csi_drivers_w) = reflector::store();
+    let csi_drivers_listed = csi_drivers.clone();
     let csi_driver_events = reflector::reflector(
         csi_drivers_w,
         watcher(Api::<CSIDriver>::all(client.clone()), wc.clone()).modify(trim::csi_driver),
@@ -553,6 +556,7 @@ pub async fn run(
                 stores.pvcs.wait_until_ready(),
                 stores.pvs.wait_until_ready(),
                 stores.pdbs.wait_until_ready(),
+                csi_drivers_listed.wait_until_ready(),
             );
             ctx.synced.store(true, std::sync::atomic::Ordering::Release);
             let _ = synced_tx.send(true);

@@ -24,7 +24,7 @@ use support::LONG;
 use support::audit::{assert_no_request_loop, controller};
 use support::oracle::{self, Watches, accepted_evictions_of, evictions, requests_once};
 use support::pool::{
-    POOL, create, delayed_bed, delayed_client, json, on_node, pod_running, pool_class,
+    POOL, create, delayed_bed, delayed_client, gone, json, on_node, pod_running, pool_class,
     running_machine, start_delayed,
 };
 
@@ -100,17 +100,6 @@ async fn delete_machine(client: &Client, ns: &str, name: &str) {
         .delete(name, &DeleteParams::default())
         .await
         .expect("delete the Machine");
-}
-
-async fn machine_gone(client: &Client, ns: &str, name: &str, within: Duration) {
-    wait::for_none(
-        Api::<Machine>::namespaced(client.clone(), ns),
-        within,
-        &format!("Machine {name} gone"),
-        |m| m.name_any() == name,
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// Waits until Machine `name`'s `status.drain.blockedBy` contains `needle`
@@ -200,7 +189,7 @@ async fn a_replica_that_tolerates_the_cordon_is_evicted_in_a_later_pass() {
     let watches = Watches::start(&client, ns).await;
 
     delete_machine(&client, ns, "a").await;
-    machine_gone(&client, ns, "a", Duration::from_secs(180)).await;
+    gone(&client, ns, "a", Duration::from_secs(180)).await;
 
     let deleted = node_deleted(bed().await, ns, &node_a).await;
     let all = evictions(bed().await, ns);
@@ -263,7 +252,7 @@ async fn a_pod_recreated_by_name_on_the_node_is_not_evicted_for_ever() {
     .expect("the per-node pod runs");
 
     delete_machine(&client, ns, "a").await;
-    machine_gone(&client, ns, "a", Duration::from_secs(90)).await;
+    gone(&client, ns, "a", Duration::from_secs(90)).await;
     manager.abort();
 
     let all = requests_once(bed().await, ns, |rs| {
@@ -400,7 +389,7 @@ async fn no_eviction_until_its_move_is_recorded() {
         )
         .await
         .expect("unlabel a");
-    machine_gone(&client, ns, "a", Duration::from_secs(120)).await;
+    gone(&client, ns, "a", Duration::from_secs(120)).await;
     let all = requests_once(bed().await, ns, |rs| {
         rs.iter()
             .any(|r| r.subresource.as_deref() == Some("eviction") && oracle::accepted(r))
@@ -542,7 +531,7 @@ async fn a_pod_two_budgets_select_is_named_and_evicted_once_one_goes() {
         .delete("web-2", &DeleteParams::default())
         .await
         .expect("delete a budget");
-    machine_gone(&client, ns, "a", Duration::from_secs(90)).await;
+    gone(&client, ns, "a", Duration::from_secs(90)).await;
     let all = evictions(bed().await, ns);
     let log = oracle::log_of(&all);
     assert_eq!(accepted_evictions_of(&all, "web-*").len(), 1, "{log}");
@@ -602,7 +591,7 @@ async fn an_unplaceable_replacement_holds_the_next_order_group() {
     );
 
     running_machine(&client, ns, "b", ns).await;
-    machine_gone(&client, ns, "a", Duration::from_secs(120)).await;
+    gone(&client, ns, "a", Duration::from_secs(120)).await;
     let all = evictions(bed().await, ns);
     let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
     let dns = accepted_evictions_of(&all, "dns-*");
@@ -773,7 +762,7 @@ async fn a_leader_that_wakes_after_losing_its_lease_changes_nothing() {
     a.resume();
     let status = a.exited().await;
     assert!(!status.success(), "the old leader exits: {status:?}");
-    machine_gone(&client, ns, "a", Duration::from_secs(180)).await;
+    gone(&client, ns, "a", Duration::from_secs(180)).await;
 
     // The old leader's identity is the audited one. Its election may still
     // try to renew the Lease it lost, and be refused: that changes nothing.
@@ -856,7 +845,7 @@ async fn a_restart_in_the_last_reattach_wait_resumes_it_and_clears_its_record() 
         watches.log()
     );
     release_hook(&client, ns, "a").await;
-    machine_gone(&client, ns, "a", LONG).await;
+    gone(&client, ns, "a", LONG).await;
     assert_no_request_loop(bed().await, "restart_in_last_reattach_wait", ns);
     berth.terminate().await;
 }

@@ -185,22 +185,21 @@ impl Run {
         } else {
             format!("pod {key}: eviction refused: {blocking}")
         };
-        if (stuck && refusals == self.job.settings.max_evict_retries.max(1))
-            || (misconfigured.is_some() && refusals == 1)
-        {
-            self.event(
-                EventType::Warning,
-                "EvictionBlocked",
-                why.clone(),
-                Some(pod_ref(pod)),
-            );
-        }
-        self.update(|p| p.block(key, why));
+        let warn = (stuck && refusals == self.job.settings.max_evict_retries.max(1))
+            || (misconfigured.is_some() && refusals == 1);
+        self.blocked(pod, key, "EvictionBlocked", why, warn);
         stuck
     }
-}
 
-impl Run {
+    /// Names pod `key` as what blocks the drain (`blockedBy`), with a
+    /// Warning of `reason` when `warn` (each caller warns once).
+    fn blocked(&self, pod: &Pod, key: &str, reason: &str, why: String, warn: bool) {
+        if warn {
+            self.event(EventType::Warning, reason, why.clone(), Some(pod_ref(pod)));
+        }
+        self.update(|p| p.block(key, why));
+    }
+
     /// More than one PodDisruptionBudget selects the pod, and the Eviction
     /// API refuses such a pod (500) until someone fixes the budgets: named
     /// at once (a Warning, once, and `blockedBy`), and retried at the
@@ -222,15 +221,7 @@ impl Run {
         let why = format!(
             "pod {key}: more than one PodDisruptionBudget selects it{which}; the Eviction API refuses to evict it until only one does: {message}"
         );
-        if refusals == 1 {
-            self.event(
-                EventType::Warning,
-                "EvictionBlocked",
-                why.clone(),
-                Some(pod_ref(pod)),
-            );
-        }
-        self.update(|p| p.block(key, why));
+        self.blocked(pod, key, "EvictionBlocked", why, refusals == 1);
     }
 
     /// The `failures`-th eviction of pod `key` failed with an answer that is
@@ -243,15 +234,7 @@ impl Run {
             return;
         }
         let why = format!("pod {key}: eviction failed {failures} times: {error}");
-        if failures == after {
-            self.event(
-                EventType::Warning,
-                "EvictionFailing",
-                why.clone(),
-                Some(pod_ref(pod)),
-            );
-        }
-        self.update(|p| p.block(key, why));
+        self.blocked(pod, key, "EvictionFailing", why, failures == after);
     }
 }
 

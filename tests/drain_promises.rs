@@ -310,7 +310,10 @@ async fn per_node_controller(client: Client, ns: String, node: String, owner: Co
                 },
                 "spec": {
                     "nodeName": node,
-                    "terminationGracePeriodSeconds": 1,
+                    // Long enough for the drain to see the next one come
+                    // (deletion times have whole seconds: a grace of 1 s
+                    // can end within 0.1 s, the drain with it).
+                    "terminationGracePeriodSeconds": 5,
                     "containers": [{"name": "main", "image": "registry.invalid/mgr:1"}]
                 }
             }));
@@ -847,5 +850,116 @@ async fn a_restart_in_the_last_reattach_wait_resumes_it_and_clears_its_record() 
     release_hook(&client, ns, "a").await;
     gone(&client, ns, "a", LONG).await;
     assert_no_request_loop(bed().await, "restart_in_last_reattach_wait", ns);
+    berth.terminate().await;
+}
+
+/// Class 7, a resumed move follows the rules of a first run. The
+/// controller is killed (SIGKILL) while the first pod of a StatefulSet on
+/// an attach-free CSI driver waits for its replacement to be Ready (the
+/// replacement is held unready for 8 s): the restarted drain classes the
+/// recorded volume attach-free too, so it waits for that readiness, not
+/// for a VolumeAttachment that never comes (the 5 minute reattach
+/// timeout), and the second pod is evicted only once the first one's
+/// replacement is Ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_attach_free_move_waits_for_readiness_not_a_timeout() {
+    use berth_devkit::testbed::stages::READY_AFTER_ANNOTATION;
+    use k8s_openapi::api::storage::v1::CSIDriver;
+    use support::process::Berth;
+    let ns = "promise-resume-free";
+    let driver = "attach-free.promises.berth.dev";
+    let client = case(
+        ns,
+        serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "5m"}),
+    )
+    .await;
+    create(
+        Api::<CSIDriver>::all(client.clone()),
+        json(serde_json::json!({"metadata": {"name": driver}, "spec": {"attachRequired": false}})),
+    )
+    .await;
+    let flags = ["--namespace", ns, "--leader-elect=false"];
+    let kubeconfig = &controller(bed().await).await.kubeconfig;
+    let berth = Berth::spawn(kubeconfig, &flags);
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    for i in 0..2 {
+        let mut pv = csi_pv(
+            &format!("{ns}-share-{i}"),
+            &format!("share-{i}"),
+            ns,
+            &format!("data-share-{i}"),
+        );
+        if let Some(csi) = pv.spec.as_mut().and_then(|s| s.csi.as_mut()) {
+            csi.driver = driver.into();
+        }
+        create(Api::all(client.clone()), pv).await;
+    }
+    let mut sts: StatefulSet = stateful_set("share", 2, 1);
+    if let Some(spec) = sts.spec.as_mut() {
+        spec.template
+            .metadata
+            .get_or_insert_default()
+            .annotations
+            .get_or_insert_default()
+            .insert(READY_AFTER_ANNOTATION.into(), "8s".into());
+        if let Some(s) = spec.template.spec.as_mut() {
+            s.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
+        }
+    }
+    create(Api::namespaced(client.clone(), ns), sts).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let ready = |p: &Pod| {
+        p.status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+    };
+    let originals = wait::until(pods.clone(), LONG, "share-0 and share-1 Ready on A", |ps| {
+        ps.iter()
+            .filter(|p| on_node(p, &node_a) && ready(p))
+            .count()
+            == 2
+    })
+    .await
+    .expect("the pods run");
+    let old0 = originals
+        .iter()
+        .find(|p| p.name_any() == "share-0")
+        .and_then(|p| p.metadata.uid.clone());
+    running_machine(&client, ns, "b", ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    wait::until(pods.clone(), LONG, "the first share-0 gone", |ps| {
+        !ps.iter().any(|p| p.metadata.uid == old0)
+    })
+    .await
+    .expect("share-0 goes");
+    // Its replacement is not Ready for 8 s: the move waits for it.
+    berth.kill().await;
+    let berth = Berth::spawn(kubeconfig, &flags);
+    gone(&client, ns, "a", Duration::from_secs(90)).await;
+
+    let all = evictions(bed().await, ns);
+    let log = oracle::log_of(&all);
+    let second = accepted_evictions_of(&all, "share-1");
+    assert_eq!(second.len(), 1, "{log}");
+    assert_eq!(accepted_evictions_of(&all, "share-0").len(), 1, "{log}");
+    let replacement = pods.get("share-0").await.expect("share-0's replacement");
+    let started = replacement
+        .status
+        .as_ref()
+        .and_then(|s| s.start_time.as_ref())
+        .map(|t| t.0)
+        .expect("it started");
+    // Ready 8 s after it started (whole seconds): share-1 went after that.
+    let ready_at = started
+        .checked_add(k8s_openapi::jiff::SignedDuration::from_secs(7))
+        .expect("a time");
+    assert!(
+        second[0].received > ready_at,
+        "share-1 evicted at {} only once share-0's replacement (started {started}) was Ready: {log}",
+        second[0].received
+    );
+    assert_no_request_loop(bed().await, "resumed_attach_free_move", ns);
     berth.terminate().await;
 }

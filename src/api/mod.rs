@@ -329,6 +329,15 @@ pub struct VolumeMove {
     pub uid: Option<String>,
     /// The PersistentVolumes moving with it.
     pub volumes: Vec<String>,
+    /// Its controller (`Kind/name`), which is expected to replace it: a
+    /// resumed move waits for the replacement as a first run does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub controller: Option<String>,
+    /// When the move began, just before the eviction: a pod that used one
+    /// of its claims on another Node before then (a ReadWriteMany peer) is
+    /// not its replacement.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
 }
 
 fn free_form_object(_: &mut schemars::SchemaGenerator) -> schemars::Schema {

@@ -190,6 +190,7 @@ mod tests {
                 pod: "db/db-0".into(),
                 uid: Some("u0".into()),
                 volumes: vec!["pv-db-0".into()],
+                ..VolumeMove::default()
             }],
             ..DrainStatus::default()
         };

@@ -8,6 +8,7 @@ pub mod evict;
 pub mod live;
 pub mod pdb;
 pub mod plan;
+pub mod resume;
 pub mod rules;
 pub mod select;
 pub mod volume;

@@ -239,6 +239,24 @@ pub fn users_elsewhere<'a>(
         .collect()
 }
 
+/// [`users_elsewhere`] among the pods created before `since`: after a
+/// restart, the pods that used the claim elsewhere before the move began
+/// (a pod created since may be its replacement).
+pub fn users_elsewhere_before<'a>(
+    claim: &NamespacedName,
+    pods: impl IntoIterator<Item = &'a Pod>,
+    node: &str,
+    since: k8s_openapi::jiff::Timestamp,
+) -> BTreeSet<String> {
+    let before = pods.into_iter().filter(|p| {
+        p.metadata
+            .creation_timestamp
+            .as_ref()
+            .is_some_and(|t| t.0 < since)
+    });
+    users_elsewhere(claim, before, node)
+}
+
 /// Where a volume went: the Node and the pod that uses it there.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Moved {
@@ -636,6 +654,48 @@ mod tests {
         assert!(replacements(&claim, &after[..1], "uid-evicted", &before).is_empty());
         // Without the list, the peer would count (the old rule).
         assert!(replacement_expected(&claim, &after[..1], "uid-evicted"));
+    }
+
+    #[test]
+    fn after_a_restart_the_users_before_are_those_created_before_the_move() {
+        use crate::drain::fixtures::ts;
+        let claim: NamespacedName = ("db".into(), "shared".into());
+        let created = |p: Pod, secs: i64| {
+            let mut p = p;
+            p.metadata.creation_timestamp = Some(
+                k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(ts(secs)),
+            );
+            p
+        };
+        // After the restart both the peer (there all along) and the
+        // replacement use the claim on other Nodes; only the peer was
+        // there before the move began at 100.
+        let now = [
+            created(
+                pod("db", "peer")
+                    .claim("d", "shared")
+                    .on_node(Some("node-2")),
+                10,
+            ),
+            created(
+                pod("db", "evicted")
+                    .uid("uid-new")
+                    .claim("d", "shared")
+                    .on_node(Some("node-3")),
+                105,
+            ),
+        ];
+        let before = users_elsewhere_before(&claim, &now, NODE, ts(100));
+        assert_eq!(before, BTreeSet::from(["uid-peer".to_string()]));
+        let got: Vec<String> = replacements(&claim, &now, "uid-evicted", &before)
+            .iter()
+            .map(|p| p.metadata.uid.clone().unwrap_or_default())
+            .collect();
+        assert_eq!(got, ["uid-new"], "the peer is not the replacement");
+        // Every user now (the first run's rule at this point) would take
+        // the replacement for a peer, and wait for ever.
+        let all = users_elsewhere(&claim, &now, NODE);
+        assert!(replacements(&claim, &now, "uid-evicted", &all).is_empty());
     }
 
     #[test]

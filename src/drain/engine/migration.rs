@@ -32,6 +32,7 @@ use super::run::Run;
 use crate::api::VolumeMove;
 use crate::drain::class::{VolumeClass, allows_data_loss};
 use crate::drain::plan::{DrainPlan, PlannedPod, PlannedVolume};
+use crate::drain::resume::resumed_pod;
 use crate::drain::select::fmt_key;
 use crate::drain::volume::Moved;
 use crate::volumes::{Interest, Registration, Signal, WaitError};
@@ -45,7 +46,9 @@ const REPLACEMENT_WAIT: Duration = Duration::from_secs(30);
 /// One stateful pod being moved.
 struct Migration<'a> {
     run: &'a Run,
-    plan: &'a DrainPlan,
+    /// The plan the pod was moved by (what must be gone before its volumes
+    /// detach); none for a move resumed after a restart.
+    plan: Option<&'a DrainPlan>,
     pod: &'a PlannedPod,
     /// The pod's `namespace/name`.
     key: String,
@@ -65,7 +68,7 @@ impl Run {
     /// Node (the pod went and they detached); if not, no other stateful pod
     /// may go in this pass.
     pub(super) async fn migrate(&self, plan: &DrainPlan, pod: &PlannedPod) -> bool {
-        let mut m = Migration::register(self, plan, pod);
+        let mut m = Migration::register(self, Some(plan), pod, None);
         let key = m.key.clone();
         let span = tracing::info_span!("migrate", pod = %key, pvs = %m.pvs.join(","));
         let moved = m.steps().instrument(span).await;
@@ -80,9 +83,56 @@ impl Run {
     }
 }
 
+impl Run {
+    /// Resumes move `m`, which an earlier run recorded and whose pod is
+    /// gone, by the rules of a first run (see
+    /// [`resumed_pod`](crate::drain::resume::resumed_pod)): its attachable
+    /// volumes detached from this Node, the replacement its controller
+    /// makes, and each volume moved to it (an attach-free one when the
+    /// replacement is Ready). Ends the move.
+    pub(super) async fn resume(&self, m: &VolumeMove) {
+        let pvs: Vec<_> = m
+            .volumes
+            .iter()
+            .filter_map(|pv| {
+                self.deps
+                    .pvs
+                    .get(&kube::runtime::reflector::ObjectRef::new(pv))
+            })
+            .map(|pv| (*pv).clone())
+            .collect();
+        let planned = resumed_pod(m, &pvs, &self.volume_context(), &self.job.settings);
+        let Some(planned) = planned else {
+            self.end_move(&m.pod);
+            return;
+        };
+        let since = m.since.as_ref().map(|t| t.0);
+        let mut mig = Migration::register(self, None, &planned, since);
+        let span = tracing::info_span!("resume", pod = %m.pod, pvs = %m.volumes.join(","));
+        mig.after_gone(std::time::Instant::now())
+            .instrument(span)
+            .await;
+        self.update(|p| {
+            if p.current_pod.as_deref() == Some(m.pod.as_str()) {
+                p.current_pod = None;
+                p.current_volume = None;
+                p.waiting_for = None;
+            }
+        });
+    }
+}
+
 impl<'a> Migration<'a> {
-    /// Registers interest in the volumes `pod` waits for to detach.
-    fn register(run: &'a Run, plan: &'a DrainPlan, pod: &'a PlannedPod) -> Self {
+    /// Registers interest in the volumes `pod` waits for to detach. The
+    /// pods that use its claims elsewhere now are not its replacement; for
+    /// a move resumed after a restart (`since`: when it began), those that
+    /// did before it began.
+    fn register(
+        run: &'a Run,
+        plan: Option<&'a DrainPlan>,
+        pod: &'a PlannedPod,
+        since: Option<k8s_openapi::jiff::Timestamp>,
+    ) -> Self {
         let detach: Vec<&PlannedVolume> = pod
             .volumes
             .iter()
@@ -96,7 +146,7 @@ impl<'a> Migration<'a> {
             .iter()
             .filter(|v| v.wait.waits_for_reattach())
             .map(|v| {
-                let users = run.users_elsewhere(&v.volume.claim);
+                let users = run.users_elsewhere(&v.volume.claim, since);
                 (v.volume.pv.clone(), users)
             })
             .collect();
@@ -131,7 +181,7 @@ impl<'a> Migration<'a> {
                 .iter()
                 .map(|v| v.volume.pv.clone())
                 .collect();
-            if !run.begin_move(&key, self.pod.uid.as_deref(), &pvs).await {
+            if !run.begin_move(&key, self.pod, &pvs).await {
                 return false;
             }
         }
@@ -144,6 +194,15 @@ impl<'a> Migration<'a> {
             return false;
         }
         self.data_lost();
+        self.after_gone(evicted_at).await
+    }
+
+    /// The steps once the pod is gone, for a first run and a resumed move
+    /// alike: its attachable volumes detached, the replacement that needs
+    /// them again, and their move to it. Ends the move; says whether its
+    /// volumes left the Node.
+    async fn after_gone(&mut self, evicted_at: std::time::Instant) -> bool {
+        let (run, key) = (self.run, self.key.clone());
         let detached = self.pvs.is_empty() || self.detached(evicted_at).await;
         if detached && run.expired() {
             // Past the deadline availability is given up, data is not: the
@@ -371,7 +430,10 @@ impl<'a> Migration<'a> {
     /// With one migration at a time they are gone already.
     async fn others_gone(&self, pvs: &str, until: Instant) {
         let run = self.run;
-        let first = self.plan.gone_first(self.pod);
+        let first = self
+            .plan
+            .map(|p| p.gone_first(self.pod))
+            .unwrap_or_default();
         let all_gone = || {
             first
                 .iter()
@@ -470,6 +532,8 @@ impl<'a> Migration<'a> {
                         .iter()
                         .map(|v| v.volume.pv.clone())
                         .collect(),
+                    controller: self.pod.controller.clone(),
+                    since: None,
                 },
                 self.pod.order,
             );

@@ -409,23 +409,28 @@ impl Run {
                 self.detaching()
             };
             // Moves in flight that a previous run recorded (the controller
-            // restarted after an eviction, a pod gone or a detach): their
-            // volumes must be attached where they are needed before the next
-            // stateful eviction, even those already off this Node.
+            // restarted after an eviction, a pod gone or a detach): each
+            // goes on by the rules of a first run, from its pod gone on, and
+            // ends before the next stateful eviction.
             let resumed = self.resumed_moves();
+            let resumed_pvs: BTreeSet<&str> = resumed
+                .iter()
+                .flat_map(|m| m.volumes.iter().map(String::as_str))
+                .collect();
+            futures::future::join_all(resumed.iter().map(|m| self.resume(m))).await;
+            let leftover: Vec<_> = leftover
+                .into_iter()
+                .filter(|v| !resumed_pvs.contains(v.pv.as_str()))
+                .collect();
             // And the workloads held back whose replacement is now placed:
             // its volumes attach there before their next pod goes.
             let placed = self.placed_workloads();
             for m in &placed {
                 self.update(|p| p.unblock(&m.pod));
             }
-            let moved: Vec<_> = resumed.iter().chain(&placed).cloned().collect();
-            let leftover = self.with_moved_volumes(leftover, &moved);
+            let leftover = self.with_moved_volumes(leftover, &placed);
             if !leftover.is_empty() {
                 self.wait_detaching(&leftover).await;
-            }
-            for m in &resumed {
-                self.end_move(&m.pod);
             }
         };
         let chain = async {

@@ -26,7 +26,7 @@ use crate::cache::{claim_key, claim_names};
 use crate::drain::class::{VolumeClass, VolumeContext};
 use crate::drain::evict::{self, Evicted};
 use crate::drain::plan::{
-    DetachingVolume, DrainPlan, TerminatingPod, controller_of, detaching_volumes, plan,
+    DetachingVolume, DrainPlan, PlannedPod, TerminatingPod, controller_of, detaching_volumes, plan,
     still_to_wait_for,
 };
 use crate::drain::select::{
@@ -34,7 +34,7 @@ use crate::drain::select::{
 };
 use crate::drain::volume::{
     Moved, replacement_expected, replacements, unschedulable_replacement, users_elsewhere,
-    volume_moved,
+    users_elsewhere_before, volume_moved,
 };
 use crate::telemetry::EvictionResult;
 use crate::volumes::{WaitError, unique_name_of};
@@ -313,7 +313,7 @@ impl Run {
 
     /// What classifying this Node's volumes needs: its Node object, the
     /// CSIDrivers, and the Machine's permission to lose node-local data.
-    fn volume_context(&self) -> VolumeContext {
+    pub(super) fn volume_context(&self) -> VolumeContext {
         let node = self.deps.nodes.get(&ObjectRef::new(&self.job.node));
         let drivers: Vec<CSIDriver> = self
             .deps
@@ -327,10 +327,19 @@ impl Run {
     }
 
     /// The pods that use `claim` on other Nodes now (see
-    /// [`users_elsewhere`]).
-    pub(super) fn users_elsewhere(&self, claim: &NamespacedName) -> BTreeSet<String> {
+    /// [`users_elsewhere`]), or, for a move that began at `since` (resumed
+    /// after a restart), those created before it began.
+    pub(super) fn users_elsewhere(
+        &self,
+        claim: &NamespacedName,
+        since: Option<Timestamp>,
+    ) -> BTreeSet<String> {
         let users = self.claim_users(claim);
-        users_elsewhere(claim, users.iter().map(|p| &**p), &self.job.node)
+        let pods = users.iter().map(|p| &**p);
+        match since {
+            Some(t) => users_elsewhere_before(claim, pods, &self.job.node, t),
+            None => users_elsewhere(claim, pods, &self.job.node),
+        }
     }
 
     /// Whether the volume of `claim` has moved with the pod that replaced
@@ -569,7 +578,8 @@ impl Run {
     /// `blockedBy`) while the writer tries again with backoff; the move is
     /// given up (false, the pod not evicted) at the drain's deadline, or
     /// after one more bound once it passed.
-    pub(super) async fn begin_move(&self, key: &str, uid: Option<&str>, pvs: &[String]) -> bool {
+    pub(super) async fn begin_move(&self, key: &str, pod: &PlannedPod, pvs: &[String]) -> bool {
+        let uid = pod.uid.as_deref();
         let mut target = 0;
         self.step(|p| {
             p.moves.insert(
@@ -578,6 +588,10 @@ impl Run {
                     pod: key.to_string(),
                     uid: uid.map(String::from),
                     volumes: pvs.to_vec(),
+                    controller: pod.controller.clone(),
+                    since: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                        Timestamp::now(),
+                    )),
                 },
             );
             // `step` counts the step once this closure returns.

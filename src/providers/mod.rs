@@ -153,7 +153,7 @@ impl Registry {
     }
 
     /// The same drivers, each refusing to create or delete a VM while
-    /// `may_act` says no (see [`gated`]).
+    /// `may_act` says no (see `providers::gated`).
     pub fn gated(self, may_act: &gated::MayAct) -> Self {
         let drivers = self
             .drivers

@@ -56,7 +56,7 @@ impl Fence {
         Self(None)
     }
 
-    /// A fence closed until [`Fence::hold_until`] opens it: leadership is
+    /// A fence closed until `Fence::hold_until` opens it: leadership is
     /// to be won first.
     pub fn closed() -> Self {
         Self(Some(Arc::new(State {

@@ -18,11 +18,19 @@
 //! Reads (GET, which also carries lists and watches) are never fenced: a
 //! standby replica keeps its caches warm.
 //!
-//! What it cannot close: a request that passed the fence and is then held
-//! in flight (by the network, or a stop in between) for longer than the
-//! margin. Kubernetes has no fencing token to reject it at the API server;
-//! the margin (half the renew grace period) is the bound, as it is for
-//! client-go's leader election.
+//! A request that passed that check can still be in the process's own
+//! buffers when the process is stopped: its bytes are written to the socket
+//! by the connection's task, later. So the connections run on a
+//! `FencedExecutor`, which drops a connection instead of polling it once
+//! leadership is lost: what a stopped leader had not handed to the kernel
+//! is never sent. (The end-to-end test that freezes a leader mid-drain saw
+//! exactly that: a status write and an Event received 7 ms after the new
+//! leader took the Lease, before the connections were fenced too.)
+//!
+//! What it cannot close: bytes already in the kernel, or on the network,
+//! that take longer than the margin to arrive. Kubernetes has no fencing
+//! token to reject them at the API server; the margin (half the renew
+//! grace period) is the bound, as it is for client-go's leader election.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -47,6 +55,8 @@ struct State {
     open_until: AtomicU64,
     /// Set once leadership is lost: it never opens again.
     closed: AtomicBool,
+    /// Set once leadership was held.
+    held: AtomicBool,
 }
 
 impl Fence {
@@ -63,6 +73,7 @@ impl Fence {
             base: Instant::now(),
             open_until: AtomicU64::new(0),
             closed: AtomicBool::new(false),
+            held: AtomicBool::new(false),
         })))
     }
 
@@ -89,10 +100,25 @@ impl Fence {
     /// only extends it, and ends it with [`Fence::close`]).
     pub(crate) fn hold_until(&self, until: Instant) {
         if let Some(s) = &self.0 {
+            s.held.store(true, Ordering::Release);
             let nanos = u64::try_from(until.saturating_duration_since(s.base).as_nanos())
                 .unwrap_or(u64::MAX);
             s.open_until.fetch_max(nanos, Ordering::AcqRel);
         }
+    }
+
+    /// Whether leadership was held and is no longer valid now: a
+    /// connection of this process must not send another byte. (A standby
+    /// that never held it reads freely.)
+    pub fn lost(&self) -> bool {
+        self.lost_at(Instant::now())
+    }
+
+    fn lost_at(&self, now: Instant) -> bool {
+        self.0
+            .as_ref()
+            .is_some_and(|s| s.held.load(Ordering::Acquire))
+            && !self.allows_at(now)
     }
 
     /// Leadership is lost, for good.
@@ -100,6 +126,29 @@ impl Fence {
         if let Some(s) = &self.0 {
             s.closed.store(true, Ordering::Release);
         }
+    }
+}
+
+/// The executor the client's HTTP connections run on: a connection's task
+/// is where a request's bytes are written to the socket, which may be a
+/// while after the request passed [`FenceService`] (a process stopped in
+/// between wakes with the request still in its buffers). Each poll of a
+/// connection first asks the fence; once leadership is [lost](Fence::lost)
+/// the connection is dropped instead, and nothing it holds is sent.
+#[derive(Clone)]
+pub(crate) struct FencedExecutor(pub(crate) Fence);
+
+type Task = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+impl hyper::rt::Executor<Task> for FencedExecutor {
+    fn execute(&self, mut task: Task) {
+        let fence = self.0.clone();
+        tokio::spawn(std::future::poll_fn(move |cx| {
+            if fence.lost() {
+                return Poll::Ready(());
+            }
+            task.as_mut().poll(cx)
+        }));
     }
 }
 
@@ -210,6 +259,48 @@ mod tests {
         fence.close();
         fence.hold_until(at(40));
         assert!(!fence.allows_at(at(16)));
+        assert!(fence.lost_at(at(16)));
+    }
+
+    #[test]
+    fn a_standby_that_never_led_has_lost_nothing() {
+        let fence = Fence::closed();
+        let t0 = Instant::now();
+        assert!(!fence.lost_at(t0), "never held: its reads go on");
+        fence.hold_until(t0 + Duration::from_secs(5));
+        assert!(!fence.lost_at(t0 + Duration::from_secs(1)));
+        assert!(
+            fence.lost_at(t0 + Duration::from_secs(6)),
+            "held, then expired"
+        );
+        assert!(!Fence::open().lost());
+    }
+
+    #[tokio::test]
+    async fn a_connection_of_a_leader_that_lost_is_dropped_before_it_sends() {
+        use hyper::rt::Executor;
+        let fence = Fence::closed();
+        fence.hold_until(Instant::now() + Duration::from_secs(60));
+        let exec = FencedExecutor(fence.clone());
+        let (sent_tx, mut sent) = tokio::sync::mpsc::unbounded_channel::<u32>();
+        let (go_tx, go) = tokio::sync::watch::channel(0u32);
+        let task = {
+            let sent_tx = sent_tx.clone();
+            let mut go = go.clone();
+            async move {
+                // A connection: sends what it is given, while alive.
+                while go.changed().await.is_ok() {
+                    let _ = sent_tx.send(*go.borrow());
+                }
+            }
+        };
+        exec.execute(Box::pin(task));
+        go_tx.send_replace(1);
+        assert_eq!(sent.recv().await, Some(1), "sent while leader");
+        fence.close();
+        go_tx.send_replace(2);
+        drop(sent_tx);
+        assert_eq!(sent.recv().await, None, "dropped, nothing more sent");
     }
 
     #[tokio::test]

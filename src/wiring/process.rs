@@ -31,7 +31,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client};
 use tokio::sync::{oneshot, watch};
 
-use super::fence::{Fence, FenceLayer};
+use super::fence::{Fence, FenceLayer, FencedExecutor};
 use super::leader::LeaderElection;
 use super::ratelimit::TokenBucketLayer;
 use crate::api::{Machine, MachineClass};
@@ -465,7 +465,8 @@ fn rate_limited_client(
     let layer = TokenBucketLayer::new(qps, burst);
     // The fence inside the rate limit: a write is checked when it leaves,
     // not when it starts to wait for its token.
-    let client = kube::client::ClientBuilder::try_from(config)
+    let executor = FencedExecutor(fence.clone());
+    let client = kube::client::ClientBuilder::try_from((config, executor))
         .context("building the Kubernetes client")?
         .with_layer(&FenceLayer(fence.clone()))
         .with_layer(&layer)

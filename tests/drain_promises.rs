@@ -51,13 +51,24 @@ async fn case(ns: &str, drain: serde_json::Value) -> Client {
     client
 }
 
+/// How a StatefulSet makes its pods: `OrderedReady` (the Kubernetes
+/// default: a later replica only once the earlier ones are available) or
+/// `Parallel`.
+#[derive(Clone, Copy)]
+enum Policy {
+    OrderedReady,
+    Parallel,
+}
+
 /// StatefulSet `name` of `replicas` pods kept to pool `ns`, each with a
-/// pre-bound CSI PV `<ns>-<name>-<i>`; `spec` adjusts its pod template.
+/// pre-bound CSI PV `<ns>-<name>-<i>`, made by `policy`; `spec` adjusts its
+/// pod template.
 async fn stateful(
     client: &Client,
     ns: &str,
     name: &str,
     replicas: i32,
+    policy: Policy,
     spec: impl FnOnce(&mut PodSpec),
 ) {
     for i in 0..replicas {
@@ -69,6 +80,15 @@ async fn stateful(
         .await;
     }
     let mut sts: StatefulSet = stateful_set(name, replicas, 1);
+    if let Some(s) = sts.spec.as_mut() {
+        s.pod_management_policy = Some(
+            match policy {
+                Policy::OrderedReady => "OrderedReady",
+                Policy::Parallel => "Parallel",
+            }
+            .into(),
+        );
+    }
     if let Some(s) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
         s.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
         spec(s);
@@ -161,7 +181,8 @@ async fn node_deleted(bed: &TestBed, ns: &str, node: &str) -> Timestamp {
 /// its workload the drain evicted: planned in a later pass (a later order
 /// group here; a restart or a held workload does the same), it is evicted,
 /// its volume leaves the Node before the VM goes, and no `PodReturned` is
-/// said of it.
+/// said of it. The StatefulSet is `OrderedReady`, the Kubernetes default
+/// (the frozen-leader case below uses `Parallel`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_that_tolerates_the_cordon_is_evicted_in_a_later_pass() {
     let ns = "promise-tolerant";
@@ -170,7 +191,7 @@ async fn a_replica_that_tolerates_the_cordon_is_evicted_in_a_later_pass() {
     let node_a = running_machine(&client, ns, "a", ns).await;
     // It tolerates berth's cordon taint, not the unschedulable one: the
     // scheduler never puts a replacement back on A.
-    stateful(&client, ns, "db", 2, |s| {
+    stateful(&client, ns, "db", 2, Policy::OrderedReady, |s| {
         s.tolerations = Some(vec![json(serde_json::json!({
             "key": berth::api::CORDON_TAINT_KEY, "operator": "Exists"
         }))]);
@@ -335,7 +356,7 @@ async fn no_eviction_until_its_move_is_recorded() {
     let client = case(ns, serde_json::json!({"timeout": "10m"})).await;
     let ctl = start(ns).await;
     let node_a = running_machine(&client, ns, "a", ns).await;
-    stateful(&client, ns, "db", 1, |_| {}).await;
+    stateful(&client, ns, "db", 1, Policy::OrderedReady, |_| {}).await;
     attached_to(&client, &node_a, 1).await;
     running_machine(&client, ns, "b", ns).await;
     let label = "test.berth.dev/refuse-moves";
@@ -561,7 +582,7 @@ async fn an_unplaceable_replacement_holds_the_next_order_group() {
     .await;
     let ctl = start(ns).await;
     let node_a = running_machine(&client, ns, "a", ns).await;
-    stateful(&client, ns, "db", 1, |_| {}).await;
+    stateful(&client, ns, "db", 1, Policy::OrderedReady, |_| {}).await;
     let mut dns = deployment("dns", 1, 1, ns);
     if let Some(t) = dns.spec.as_mut().map(|s| &mut s.template) {
         t.metadata
@@ -732,7 +753,7 @@ async fn a_leader_that_wakes_after_losing_its_lease_changes_nothing() {
     a.wait_log("caches synced").await;
     let node_a = running_machine(&client, ns, "a", ns).await;
     // db-0 and db-1 take 4 s to stop: the drain is mid-move when frozen.
-    stateful(&client, ns, "db", 2, |s| {
+    stateful(&client, ns, "db", 2, Policy::Parallel, |s| {
         s.termination_grace_period_seconds = Some(4);
     })
     .await;
@@ -798,7 +819,7 @@ async fn a_restart_in_the_last_reattach_wait_resumes_it_and_clears_its_record() 
     let kubeconfig = &controller(bed().await).await.kubeconfig;
     let berth = Berth::spawn(kubeconfig, &flags);
     let node_a = running_held(&client, ns, "a", ns, true).await;
-    stateful(&client, ns, "db", 1, |_| {}).await;
+    stateful(&client, ns, "db", 1, Policy::OrderedReady, |_| {}).await;
     attached_to(&client, &node_a, 1).await;
     running_machine(&client, ns, "b", ns).await;
     let watches = Watches::start(&client, ns).await;

@@ -385,6 +385,22 @@ async fn no_eviction_until_its_move_is_recorded() {
         told.contains(&format!("{ns}/db-0")) && told.contains("refuses to record"),
         "names the pod and the API server's answer: {told}"
     );
+    // And in a condition, which the reconciler writes apart.
+    wait::for_one(
+        Api::<Machine>::namespaced(client.clone(), ns),
+        LONG,
+        "a condition names the unrecorded move",
+        |m| {
+            m.name_any() == "a"
+                && m.status.as_ref().is_some_and(|s| {
+                    s.conditions
+                        .iter()
+                        .any(|c| c.message.contains("could not be recorded"))
+                })
+        },
+    )
+    .await
+    .expect("the Drained condition says why nothing is evicted");
     let before = requests_once(bed().await, ns, |rs| {
         rs.iter()
             .any(|r| r.subresource.as_deref() == Some("status") && r.code >= 400)

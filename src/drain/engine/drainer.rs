@@ -101,7 +101,7 @@ impl Drainer {
         let task = tokio::spawn(
             async move {
                 let key = job.machine.clone();
-                run(deps, job, tx, written_tx, allowed, kept).await;
+                run(deps, job, tx, written_tx, allowed, kept, done.clone()).await;
                 let _ = done.send(key);
             }
             .instrument(span),

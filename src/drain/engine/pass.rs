@@ -43,6 +43,7 @@ pub(super) async fn run(
     written: watch::Sender<Option<Machine>>,
     data_loss_allowed: watch::Receiver<bool>,
     memory: Arc<std::sync::Mutex<super::run::Memory>>,
+    wake: tokio::sync::mpsc::UnboundedSender<ObjectRef<Machine>>,
 ) {
     let (steps_written, flushed) = watch::channel(super::progress::Flushed::default());
     // The writer lives exactly as long as this drain: a drain stopped from
@@ -67,6 +68,7 @@ pub(super) async fn run(
         flushed,
         data_loss_allowed,
         memory,
+        wake,
     );
     r.announce_resumed();
     let outcome = r.passes().await;

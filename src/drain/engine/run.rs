@@ -91,6 +91,9 @@ pub(super) struct Run {
     pub(super) data_loss_allowed: watch::Receiver<bool>,
     /// The order groups this run has worked on: the first, and the last.
     pub(super) groups: Mutex<Option<(i32, i32)>>,
+    /// Asks for a reconcile of the Machine: for news its reconciler would
+    /// otherwise learn only from the Machine's own changes.
+    wake: tokio::sync::mpsc::UnboundedSender<ObjectRef<crate::api::Machine>>,
 }
 
 impl Run {
@@ -101,6 +104,7 @@ impl Run {
         flushed: watch::Receiver<Flushed>,
         data_loss_allowed: watch::Receiver<bool>,
         memory: Arc<Mutex<Memory>>,
+        wake: tokio::sync::mpsc::UnboundedSender<ObjectRef<crate::api::Machine>>,
     ) -> Self {
         // The moves a previous run recorded stay recorded until resumed.
         progress.send_modify(|p| {
@@ -126,6 +130,7 @@ impl Run {
             last_try: AtomicBool::new(false),
             data_loss_allowed,
             groups: Mutex::new(None),
+            wake,
         }
     }
 
@@ -618,6 +623,10 @@ impl Run {
             );
         }
         self.update(|p| p.block(key, why));
+        // `status.drain` cannot carry the block (its write is what fails),
+        // and nothing else changes the Machine: the reconciler is woken to
+        // say it in the `Drained` condition, which it writes apart.
+        let _ = self.wake.send(self.job.machine.clone());
         let until = if self.expired() {
             Instant::now() + FLUSH_BOUND
         } else {

@@ -284,3 +284,17 @@ pub fn pdb(
         }),
     }
 }
+
+/// A CSIDriver `name` that does (or does not) require attach.
+pub fn csi_driver(name: &str, attach_required: bool) -> k8s_openapi::api::storage::v1::CSIDriver {
+    k8s_openapi::api::storage::v1::CSIDriver {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        spec: k8s_openapi::api::storage::v1::CSIDriverSpec {
+            attach_required: Some(attach_required),
+            ..Default::default()
+        },
+    }
+}

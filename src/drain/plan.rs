@@ -1784,17 +1784,7 @@ mod tests {
 
     #[test]
     fn each_class_of_volume_gets_its_wait() {
-        use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec};
-        let nfs = CSIDriver {
-            metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
-                name: Some("nfs.csi".into()),
-                ..Default::default()
-            },
-            spec: CSIDriverSpec {
-                attach_required: Some(false),
-                ..Default::default()
-            },
-        };
+        let nfs = crate::drain::fixtures::csi_driver("nfs.csi", false);
         let allow = crate::api::ALLOW_NODE_LOCAL_DATA_LOSS;
         let pods = [
             pod("db", "block").claim("d", "c-block"),

@@ -89,7 +89,6 @@ pub(crate) fn resumed_pod(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec};
 
     fn pv(name: &str, driver: &str, claim: Option<&str>) -> PersistentVolume {
         let mut pv: PersistentVolume = serde_json::from_value(serde_json::json!({
@@ -108,16 +107,7 @@ mod tests {
 
     #[test]
     fn a_resumed_move_waits_for_each_volume_as_a_first_run_would() {
-        let nfs = CSIDriver {
-            metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
-                name: Some("nfs.csi".into()),
-                ..Default::default()
-            },
-            spec: CSIDriverSpec {
-                attach_required: Some(false),
-                ..Default::default()
-            },
-        };
+        let nfs = crate::drain::fixtures::csi_driver("nfs.csi", false);
         let ctx = VolumeContext::new("n1", None, &[nfs]);
         let m = VolumeMove {
             pod: "db/pg-0".into(),

@@ -1,8 +1,10 @@
 //! The volume-aware drain end to end: real kube-apiserver, controller-
 //! manager (StatefulSet, ReplicaSet, DaemonSet, disruption, attach-detach
 //! and PV controllers), scheduler and kwok, with simulated CSI attach and
-//! detach delays. Every assertion is read from the cluster or from the
-//! Events berth recorded, with their timestamps.
+//! detach delays. The truth of every assertion about what was done, in
+//! what order and how often is the cluster's: the API server's audit log
+//! and watches of Pods and VolumeAttachments (`support::oracle`). berth's
+//! Events are checked apart, as what operators are told.
 
 mod support;
 
@@ -22,6 +24,7 @@ use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
 use support::audit::{assert_no_request_loop, controller};
+use support::oracle::{self, Watches, accepted_evictions_of, evictions};
 use support::pool::{
     POOL, create, delayed_bed, delayed_client, events, first, json, log_of, on_node, pod_running,
     pool_class, running_machine, start_delayed, stateful_in_pool,
@@ -207,6 +210,7 @@ async fn a_node_is_drained_in_volume_aware_order() {
         live.plan
     );
 
+    let watches = Watches::start(&client, ns).await;
     let started = std::time::Instant::now();
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     machines
@@ -223,47 +227,54 @@ async fn a_node_is_drained_in_volume_aware_order() {
     let log = log_of(&evs);
     eprintln!("drain of a took {took:?}; events:\n{log}");
 
-    // Stateful pods: evicted in the planned order, and each one's volume
-    // detached from A and attached elsewhere before the next eviction.
-    let evicted: Vec<String> = evs
-        .iter()
-        .filter(|(_, r, _)| r == "Evicted")
-        .filter_map(|(_, _, n)| {
-            n.strip_prefix(&format!("evicted pod {ns}/"))
-                .map(String::from)
-        })
-        .collect();
-    let stateful_evicted: Vec<&String> = evicted
-        .iter()
-        .filter(|n| n.starts_with("cache-") || n.starts_with("db-"))
-        .collect();
-    assert_eq!(
-        stateful_evicted,
-        planned.iter().collect::<Vec<_>>(),
-        "{log}"
-    );
+    // Stateful pods, by the audit log and the watches: each evicted once,
+    // in the planned order, and each one's volume detached from A and
+    // attached on B (the attacher's write received) before the next
+    // eviction was received.
+    let all = evictions(bed().await, ns);
+    let truth = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let received = |pod: &str| {
+        let accepted = accepted_evictions_of(&all, pod);
+        assert_eq!(accepted.len(), 1, "{pod} evicted once: {truth}");
+        accepted[0].received
+    };
+    let mut in_order: Vec<&String> = planned.iter().collect();
+    in_order.sort_by_key(|p| received(p));
+    assert_eq!(in_order, planned.iter().collect::<Vec<_>>(), "{truth}");
     for pair in planned.windows(2) {
         let (pod, next) = (&pair[0], &pair[1]);
         let pv = format!("{ns}-{pod}");
-        let detached =
-            first(&evs, "VolumeDetached", &pv).unwrap_or_else(|| panic!("{pv} detached: {log}"));
-        let attached =
+        let next_evicted = received(next);
+        let detached = watches
+            .detached_from(&pv, &node_a)
+            .unwrap_or_else(|| panic!("{pv} detached from A: {truth}"));
+        let attached = watches
+            .attached_on(bed().await, &pv, &node_b)
+            .await
+            .unwrap_or_else(|| panic!("{pv} attached on B: {truth}"));
+        assert!(
+            detached < next_evicted && attached < next_evicted,
+            "{pv} must detach from A and attach on B before {next} is evicted:\n{truth}"
+        );
+        // What operators are told.
+        let told =
             first(&evs, "VolumeAttached", &pv).unwrap_or_else(|| panic!("{pv} attached: {log}"));
-        let next_evicted = first(&evs, "Evicted", &format!("{ns}/{next}")).expect("next evicted");
-        assert!(
-            detached.0 <= attached.0 && attached.0 <= next_evicted.0,
-            "{pv} must detach from A and attach elsewhere before {next} is evicted:\n{log}"
-        );
-        assert!(
-            attached.2.contains(&node_b),
-            "{pv} moved to B: {}",
-            attached.2
-        );
+        assert!(told.2.contains(&node_b), "{pv} moved to B: {}", told.2);
     }
+    // Stateless pods: each evicted once, none queued behind the stateful
+    // sequence (every one received before db-1's eviction).
+    let db1 = received("db-1");
+    let web_accepted = accepted_evictions_of(&all, "web-*");
+    assert_eq!(web_accepted.len(), 5, "{truth}");
+    assert!(
+        web_accepted.iter().all(|r| r.received < db1),
+        "stateless pods do not queue behind the stateful sequence: {truth}"
+    );
 
-    // Stateless pods: evicted concurrently (three allowed by the PDB at
-    // once), and those accepted within a second of one another announced in
-    // one Event that names them.
+    // What operators are told of them: three allowed by the PDB at once,
+    // and those accepted within a second of one another announced in one
+    // Event that names them.
+
     let web: Vec<(k8s_openapi::jiff::Timestamp, BTreeSet<&str>)> = evs
         .iter()
         .filter(|(_, r, n)| r == "Evicted" && n.contains("/web-"))
@@ -287,13 +298,6 @@ async fn a_node_is_drained_in_volume_aware_order() {
     assert!(
         web[0].1.len() >= 3,
         "the first three web evictions were concurrent (one batch): {log}"
-    );
-    let db1_evicted = first(&evs, "Evicted", &format!("{ns}/db-1"))
-        .expect("db-1 evicted")
-        .0;
-    assert!(
-        web.iter().all(|(t, _)| *t < db1_evicted),
-        "stateless pods do not queue behind the stateful sequence: {log}"
     );
 
     // The finished pod was deleted, the VM and the Node are gone, and every
@@ -556,6 +560,7 @@ async fn after_the_deadline_stateful_pods_still_move_one_at_a_time() {
     .await
     .expect("the disruption controller computes the PDB");
     running_machine(&client, ns, "t", ns).await;
+    let watches = Watches::start(&client, ns).await;
 
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     machines
@@ -567,22 +572,53 @@ async fn after_the_deadline_stateful_pods_still_move_one_at_a_time() {
     })
     .await
     .expect("the deletion completes");
+    // By the audit log and the watches: the budget holds both pods, so
+    // each is deleted past the deadline; db-1's deletion was received only
+    // once db-0's volume was seen detached from the Node, and db-1's own
+    // volume was seen detached before the Node's deletion was received.
+    let all = oracle::requests_once(bed().await, ns, |rs| {
+        rs.iter()
+            .any(|r| r.verb == "delete" && r.resource == "nodes")
+    })
+    .await;
+    let truth = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let deleted = |what: &str, name: &str| {
+        all.iter()
+            .filter(|r| {
+                r.verb == "delete"
+                    && r.resource == what
+                    && r.subresource.is_none()
+                    && r.name.as_deref() == Some(name)
+                    && oracle::accepted(r)
+            })
+            .map(|r| r.received)
+            .min()
+            .unwrap_or_else(|| panic!("{what} {name} deleted: {truth}"))
+    };
+    let db1 = deleted("pods", "db-1");
+    let off0 = watches
+        .detached_from(&format!("{ns}-db-0"), &node)
+        .unwrap_or_else(|| panic!("db-0's volume detached: {truth}"));
+    assert!(
+        deleted("pods", "db-0") < off0 && off0 < db1,
+        "db-1 goes only once db-0's volume left the Node:\n{truth}"
+    );
+    let off1 = watches
+        .detached_from(&format!("{ns}-db-1"), &node)
+        .unwrap_or_else(|| panic!("db-1's volume detached: {truth}"));
+    assert!(
+        off1 < deleted("nodes", &node),
+        "the last volume's detach is waited for before the Node goes:\n{truth}"
+    );
+    // What operators are told.
     let evs = events(&client, ns, "s").await;
     let log = log_of(&evs);
-    let forced_0 = first(&evs, "ForcedAtDeadline", &format!("{ns}/db-0"))
-        .unwrap_or_else(|| panic!("db-0 forced: {log}"));
-    let detached_0 = first(&evs, "VolumeDetached", &format!("{ns}-db-0"))
-        .unwrap_or_else(|| panic!("db-0's volume detached: {log}"));
-    let forced_1 = first(&evs, "ForcedAtDeadline", &format!("{ns}/db-1"))
-        .unwrap_or_else(|| panic!("db-1 forced: {log}"));
-    assert!(
-        forced_0.0 <= detached_0.0 && detached_0.0 <= forced_1.0,
-        "db-1 goes only once db-0's volume left the Node:\n{log}"
-    );
-    assert!(
-        first(&evs, "VolumeDetached", &format!("{ns}-db-1")).is_some(),
-        "the last volume's detach is waited for before the VM goes:\n{log}"
-    );
+    for pod in ["db-0", "db-1"] {
+        assert!(
+            first(&evs, "ForcedAtDeadline", &format!("{ns}/{pod}")).is_some(),
+            "{pod} forced: {log}"
+        );
+    }
     calm(
         "after_the_deadline_stateful_pods_still_move_one_at_a_time",
         ns,
@@ -927,6 +963,7 @@ async fn a_controlled_pod_whose_replacement_comes_late_is_still_waited_for() {
     .await
     .expect("the volume attaches");
 
+    let watches = Watches::start(&client, ns).await;
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     machines
         .delete("old", &DeleteParams::default())
@@ -951,13 +988,32 @@ async fn a_controlled_pod_whose_replacement_comes_late_is_still_waited_for() {
     wait::for_none(machines, LONG, "old gone", |m| m.name_any() == "old")
         .await
         .expect("the drain ends once the volume attached on the new Node");
+    // By the audit log: the old Node was deleted only after the attacher
+    // wrote the volume attached on the new one.
+    let all = oracle::requests_once(bed().await, ns, |rs| {
+        rs.iter()
+            .any(|r| r.verb == "delete" && r.resource == "nodes")
+    })
+    .await;
+    let truth = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let node_deleted = all
+        .iter()
+        .find(|r| {
+            r.verb == "delete" && r.resource == "nodes" && r.name.as_deref() == Some(old.as_str())
+        })
+        .map(|r| r.received)
+        .unwrap_or_else(|| panic!("the old Node deleted: {truth}"));
+    let attached_new = watches
+        .attached_on(bed().await, &pv, &new)
+        .await
+        .unwrap_or_else(|| panic!("attached on the new Node: {truth}"));
+    assert!(attached_new < node_deleted, "{truth}");
+    // What operators are told.
     let evs = events(&client, ns, "old").await;
     let log = log_of(&evs);
     assert!(first(&evs, "NoReplacement", "").is_none(), "{log}");
     let attached = first(&evs, "VolumeAttached", &pv).expect("a VolumeAttached Event");
     assert!(attached.2.contains(&new), "{log}");
-    let drained = first(&evs, "Drained", "").expect("a Drained Event");
-    assert!(drained.0 >= attached.0, "{log}");
     calm(
         "a_controlled_pod_whose_replacement_comes_late_is_still_waited_for",
         ns,
@@ -977,6 +1033,7 @@ async fn a_restart_mid_drain_never_evicts_while_a_volume_is_detaching() {
     // Two replicas that take 6 s to stop: the first is still terminating
     // (its volume still attached) when the controller restarts.
     two_replicas_on(&client, ns, &node_a, 6).await;
+    let watches = Watches::start(&client, ns).await;
 
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     machines
@@ -998,7 +1055,7 @@ async fn a_restart_mid_drain_never_evicts_while_a_volume_is_detaching() {
     .await
     .expect("the resumed drain completes");
 
-    each_evicted_once_and_db_1_after_db_0_moved(&client, ns).await;
+    each_evicted_once_and_db_1_after_db_0_moved(&client, ns, &node_a, &watches).await;
     calm(
         "a_restart_mid_drain_never_evicts_while_a_volume_is_detaching",
         ns,
@@ -1027,6 +1084,7 @@ async fn a_killed_controller_resumes_a_volume_move_wherever_it_stopped() {
     // the eviction and before the pod is gone.
     two_replicas_on(&client, ns, &node_a, 4).await;
     let vas: Api<VolumeAttachment> = Api::all(client.clone());
+    let watches = Watches::start(&client, ns).await;
 
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     machines
@@ -1082,7 +1140,7 @@ async fn a_killed_controller_resumes_a_volume_move_wherever_it_stopped() {
     })
     .await
     .expect("the resumed drain completes");
-    each_evicted_once_and_db_1_after_db_0_moved(&client, ns).await;
+    each_evicted_once_and_db_1_after_db_0_moved(&client, ns, &node_a, &watches).await;
     calm(
         "a_killed_controller_resumes_a_volume_move_wherever_it_stopped",
         ns,
@@ -1126,38 +1184,54 @@ async fn two_replicas_on(client: &Client, ns: &str, node: &str, grace: i64) {
     running_machine(client, ns, "b", ns).await;
 }
 
-/// From Machine `a`'s Events: db-0 and db-1 each evicted once, and db-1
-/// only after db-0's volume detached and attached elsewhere. A controller
-/// stopped while db-0's eviction was in flight never announced it: the
-/// resumed drain's `MoveResumed` then stands for it.
-async fn each_evicted_once_and_db_1_after_db_0_moved(client: &Client, ns: &str) {
+/// By the audit log and the watches: db-0 and db-1 each evicted once (and
+/// nothing else), and db-1's eviction received only after db-0's volume
+/// was seen detached from A and its attach elsewhere was written. What
+/// operators are told: a controller stopped while db-0's eviction was in
+/// flight never announced it, and the resumed drain's `MoveResumed` then
+/// stands for it.
+async fn each_evicted_once_and_db_1_after_db_0_moved(
+    client: &Client,
+    ns: &str,
+    node_a: &str,
+    watches: &Watches,
+) {
+    let all = evictions(bed().await, ns);
+    let truth = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let db0 = accepted_evictions_of(&all, "db-0");
+    let db1 = accepted_evictions_of(&all, "db-1");
+    assert_eq!(db0.len(), 1, "db-0 evicted once: {truth}");
+    assert_eq!(db1.len(), 1, "db-1 evicted once: {truth}");
+    assert_eq!(
+        all.iter().filter(|r| oracle::accepted(r)).count(),
+        2,
+        "no other eviction: {truth}"
+    );
+    let pv0 = format!("{ns}-db-0");
+    let detached = watches
+        .detached_from(&pv0, node_a)
+        .unwrap_or_else(|| panic!("db-0's volume detached from A: {truth}"));
+    let attached = watches
+        .attached_elsewhere(bed().await, &pv0, node_a)
+        .await
+        .unwrap_or_else(|| panic!("db-0's volume attached elsewhere: {truth}"));
+    assert!(
+        detached < db1[0].received && attached < db1[0].received,
+        "db-1 waited for db-0's volume to detach and attach elsewhere: {truth}"
+    );
     let evs = events(client, ns, "a").await;
     let log = log_of(&evs);
-    let evicted = |pod: &str| {
+    let told = |pod: &str| {
         let note = format!("evicted pod {ns}/{pod}");
         evs.iter()
             .filter(|(_, r, n)| r == "Evicted" && *n == note)
             .count()
     };
-    assert_eq!(evicted("db-1"), 1, "db-1 evicted once: {log}");
-    assert!(evicted("db-0") <= 1, "db-0 evicted once: {log}");
+    assert_eq!(told("db-1"), 1, "db-1's eviction told once: {log}");
     let resumed = first(&evs, "MoveResumed", &format!("pod {ns}/db-0's"));
     assert!(
-        evicted("db-0") == 1 || resumed.is_some(),
+        told("db-0") == 1 || resumed.is_some(),
         "db-0's eviction is on record, as Evicted or as the move resumed: {log}"
-    );
-    assert_eq!(
-        evs.iter().filter(|(_, r, _)| r == "Evicted").count(),
-        2,
-        "no other eviction: {log}"
-    );
-    let pv0 = format!("{ns}-db-0");
-    let detached = first(&evs, "VolumeDetached", &pv0).unwrap_or_else(|| panic!("{log}"));
-    let attached = first(&evs, "VolumeAttached", &pv0).unwrap_or_else(|| panic!("{log}"));
-    let next = first(&evs, "Evicted", &format!("{ns}/db-1")).unwrap_or_else(|| panic!("{log}"));
-    assert!(
-        detached.0 <= attached.0 && attached.0 <= next.0,
-        "db-1 waited for db-0's volume to detach and attach elsewhere: {log}"
     );
 }
 
@@ -1193,6 +1267,7 @@ async fn a_replacement_that_cannot_be_placed_holds_back_its_workload_only() {
     .expect("the volumes attach");
 
     // No other Node in the pool: no replacement can be placed.
+    let watches = Watches::start(&client, ns).await;
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     let started = std::time::Instant::now();
     machines
@@ -1250,18 +1325,26 @@ async fn a_replacement_that_cannot_be_placed_holds_back_its_workload_only() {
     })
     .await
     .expect("the drain completes once the replacements are placed");
-    let evs = events(&client, ns, "a").await;
-    let log = log_of(&evs);
-    let pv0 = format!("{ns}-db-0");
-    let attached = first(&evs, "VolumeAttached", &pv0).unwrap_or_else(|| panic!("{log}"));
-    let next = first(&evs, "Evicted", &format!("{ns}/db-1")).unwrap_or_else(|| panic!("{log}"));
+    // By the audit log: db-1 evicted once, after the attacher wrote db-0's
+    // volume attached on B, where its replacement runs.
+    let all = evictions(bed().await, ns);
+    let truth = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let next = accepted_evictions_of(&all, "db-1");
+    assert_eq!(next.len(), 1, "{truth}");
+    let attached = watches
+        .attached_elsewhere(bed().await, &format!("{ns}-db-0"), &node_a)
+        .await
+        .unwrap_or_else(|| panic!("db-0's volume attached elsewhere: {truth}"));
     assert!(
-        attached.0 <= next.0,
-        "db-1 went only once db-0's replacement had its volume: {log}"
+        attached < next[0].received,
+        "db-1 went only once db-0's replacement had its volume: {truth}"
     );
+    // What operators are told.
+    let evs = events(&client, ns, "a").await;
     assert!(
         first(&evs, "ReplacementUnschedulable", &format!("{ns}/db-0")).is_some(),
-        "{log}"
+        "{}",
+        log_of(&evs)
     );
     calm(
         "a_replacement_that_cannot_be_placed_holds_back_its_workload_only",
@@ -1474,15 +1557,29 @@ async fn a_machine_whose_node_object_is_gone_is_still_drained_before_its_vm_goes
     })
     .await
     .expect("the deletion completes");
+    // By the audit log: the pod was evicted once, and the VM (the fake
+    // provider's ConfigMap) deleted only after that.
+    let is_vm_delete = |r: &berth_devkit::bench::audit::Request| {
+        r.verb == "delete" && r.resource == "configmaps" && r.name.as_deref() == Some("fake-vm-a")
+    };
+    let all = oracle::requests_once(bed().await, ns, |rs| rs.iter().any(is_vm_delete)).await;
+    let truth = oracle::log_of(&all);
+    let evicted = accepted_evictions_of(&all, "app");
+    assert_eq!(evicted.len(), 1, "{truth}");
+    let vm = all
+        .iter()
+        .find(|r| is_vm_delete(r))
+        .unwrap_or_else(|| panic!("the VM deleted: {truth}"));
+    assert!(
+        evicted[0].received < vm.received,
+        "drained, then the VM: {truth}"
+    );
+    // What operators are told: the Node's absence, before the drain.
     let evs = events(&client, ns, "a").await;
     let log = log_of(&evs);
     let gone = first(&evs, "NodeGone", &node).unwrap_or_else(|| panic!("{log}"));
-    let evicted = first(&evs, "Evicted", &format!("{ns}/app")).unwrap_or_else(|| panic!("{log}"));
-    let vm = first(&evs, "DeleteVmAndNode", "VM deleted").unwrap_or_else(|| panic!("{log}"));
-    assert!(
-        gone.0 <= evicted.0 && evicted.0 <= vm.0,
-        "said, drained, then the VM: {log}"
-    );
+    let told = first(&evs, "Evicted", &format!("{ns}/app")).unwrap_or_else(|| panic!("{log}"));
+    assert!(gone.0 <= told.0, "said, then drained: {log}");
     calm(
         "a_machine_whose_node_object_is_gone_is_still_drained_before_its_vm_goes",
         ns,

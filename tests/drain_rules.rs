@@ -14,11 +14,11 @@ use berth_devkit::testbed::stages::COMPLETE_AFTER_ANNOTATION;
 use berth_devkit::testbed::wait;
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::Api;
 use kube::{Client, ResourceExt};
 use support::LONG;
 use support::audit::assert_no_request_loop;
+use support::oracle::{self, Seen, Watches, accepted_evictions_of, evictions};
 use support::pool::{
     Ev, assert_contains, create, delayed_bed, delayed_client, delete_machine, events, first, gone,
     json, log_of, plan_text, pool_class, release_hook, running_held, running_pods, start_delayed,
@@ -132,6 +132,7 @@ async fn critical_pods_leave_after_every_other_pod_and_its_volumes() {
         ],
     );
 
+    let watches = Watches::start(&client, ns).await;
     let started = std::time::Instant::now();
     delete_machine(&client, ns, "a").await;
     gone(&client, ns, "a", Duration::from_secs(120)).await;
@@ -140,27 +141,45 @@ async fn critical_pods_leave_after_every_other_pod_and_its_volumes() {
     let log = log_of(&evs);
     eprintln!("drain of {node_a} took {took:?}:\n{log}");
 
-    // The workloads went first, and their volume moved to B.
-    let web = at(&evs, "Evicted", &format!("{ns}/web"));
-    let db = at(&evs, "Evicted", &format!("{ns}/db-0"));
-    let db_moved = at(&evs, "VolumeAttached", &format!("{ns}-db"));
-    assert!(db_moved.2.contains(&node_b), "{}", db_moved.2);
-    // Then the critical group, announced, after all of that.
-    let group = at(&evs, "OrderGroupStarted", "order group 1000");
-    let dns = at(&evs, "Evicted", &format!("{ns}/dns"));
-    let ctl_evicted = at(&evs, "Evicted", &format!("{ns}/ctl-0"));
-    for (what, ev) in [("web", web), ("db-0", db), ("db's volume", db_moved)] {
-        assert!(ev.0 <= group.0, "{what} before the critical group:\n{log}");
-    }
-    for (what, ev) in [("dns", dns), ("ctl-0", ctl_evicted)] {
+    // By the audit log and the watches: every pod evicted once; the
+    // critical ones (dns, ctl-0) only once web was seen gone and db's
+    // volume was written attached on B; ctl-0's volume moved to B too.
+    let bed = delayed_bed(ATTACH_DELAY, DETACH_DELAY).await;
+    let all = evictions(bed, ns);
+    let truth = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let once = |pod: &str| {
+        let accepted = accepted_evictions_of(&all, pod);
+        assert_eq!(accepted.len(), 1, "{pod} evicted once: {truth}");
+        accepted[0].received
+    };
+    let (web, db) = (once("web"), once("db-0"));
+    let web_gone = watches
+        .first(|s| matches!(s, Seen::PodGone { name, .. } if name == "web"))
+        .unwrap_or_else(|| panic!("web gone: {truth}"));
+    let db_moved = watches
+        .attached_on(bed, &format!("{ns}-db"), &node_b)
+        .await
+        .unwrap_or_else(|| panic!("db's volume attached on B: {truth}"));
+    assert!(web < web_gone && db < db_moved, "{truth}");
+    for critical in ["dns", "ctl-0"] {
+        let at = once(critical);
         assert!(
-            group.0 <= ev.0 && db_moved.0 <= ev.0,
-            "{what} evicted only after db's volume moved:\n{log}"
+            web_gone < at && db_moved < at,
+            "{critical} evicted only after web left and db's volume moved:\n{truth}"
         );
     }
-    // The critical stateful pod is moved by the same volume-aware rules.
-    let ctl_moved = at(&evs, "VolumeAttached", &format!("{ns}-ctl"));
-    assert!(ctl_evicted.0 <= ctl_moved.0, "{log}");
+    assert!(
+        watches
+            .attached_on(bed, &format!("{ns}-ctl"), &node_b)
+            .await
+            .is_some(),
+        "the critical stateful pod's volume moved by the same rules: {truth}"
+    );
+    // What operators are told.
+    let group = at(&evs, "OrderGroupStarted", "order group 1000");
+    let db_told = at(&evs, "VolumeAttached", &format!("{ns}-db"));
+    assert!(db_told.2.contains(&node_b), "{}", db_told.2);
+    assert!(db_told.0 <= group.0, "{log}");
     assert!(first(&evs, "Drained", "").is_some(), "{log}");
     calm(ns).await;
     ctl.stop().await;
@@ -242,8 +261,6 @@ async fn a_wait_completed_rule_holds_the_critical_group_until_the_pod_completes(
     let ctl = start(ns).await;
     let node = running_held(&client, ns, "a", ns, false).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    let runs_for = Duration::from_secs(15);
-    let created = Timestamp::now();
     create(
         pods.clone(),
         bare_pod(
@@ -277,6 +294,7 @@ async fn a_wait_completed_rule_holds_the_critical_group_until_the_pod_completes(
         ],
     );
 
+    let watches = Watches::start(&client, ns).await;
     delete_machine(&client, ns, "a").await;
     // status.drain names the pod waited on while it runs, not evicted.
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
@@ -299,27 +317,27 @@ async fn a_wait_completed_rule_holds_the_critical_group_until_the_pod_completes(
     );
 
     gone(&client, ns, "a", Duration::from_secs(90)).await;
+    // By the audit log and the watch of the pods: report never evicted,
+    // dns evicted once, after report was seen finished.
+    let all = evictions(delayed_bed(ATTACH_DELAY, DETACH_DELAY).await, ns);
+    let truth = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    assert!(accepted_evictions_of(&all, "report").is_empty(), "{truth}");
+    let dns_evicted = accepted_evictions_of(&all, "dns");
+    assert_eq!(dns_evicted.len(), 1, "{truth}");
+    let finished = watches
+        .first(|s| matches!(s, Seen::PodFinished { name, .. } if name == "report"))
+        .unwrap_or_else(|| panic!("report finished: {truth}"));
+    assert!(
+        finished < dns_evicted[0].received,
+        "dns evicted only once report completed: {truth}"
+    );
+    // What operators are told.
     let evs = events(&client, ns, "a").await;
     let log = log_of(&evs);
     eprintln!("{log}");
     let waiting = at(&evs, "WaitingForCompletion", &format!("{ns}/report"));
-    let dns_evicted = at(&evs, "Evicted", &format!("{ns}/dns"));
-    assert!(waiting.0 <= dns_evicted.0, "{log}");
-    // The critical pod went only once report completed (it runs for
-    // `runs_for` from its start; timestamps have whole seconds).
-    let completes = created
-        .checked_add(SignedDuration::try_from(runs_for).expect("duration"))
-        .and_then(|t| t.checked_sub(SignedDuration::from_secs(1)))
-        .expect("in range");
-    assert!(
-        dns_evicted.0 >= completes,
-        "dns evicted at {} before report completed (~{completes}):\n{log}",
-        dns_evicted.0
-    );
-    assert!(
-        first(&evs, "Evicted", &format!("{ns}/report")).is_none(),
-        "{log}"
-    );
+    let dns_told = at(&evs, "Evicted", &format!("{ns}/dns"));
+    assert!(waiting.0 <= dns_told.0, "{log}");
     assert!(first(&evs, "ForcedAtDeadline", "").is_none(), "{log}");
     assert!(first(&evs, "Drained", "").is_some(), "{log}");
     calm(ns).await;

@@ -114,6 +114,8 @@ pub enum Seen {
     },
     /// Pod `name` (this UID) is Ready.
     PodReady { name: String, uid: String },
+    /// Pod `name` (this UID) finished: phase Succeeded or Failed.
+    PodFinished { name: String, uid: String },
     /// Pod `name` (this UID) is gone.
     PodGone { name: String, uid: String },
 }
@@ -177,6 +179,7 @@ impl Watches {
             tokio::spawn(async move {
                 let mut bound = std::collections::BTreeSet::new();
                 let mut ready = std::collections::BTreeSet::new();
+                let mut finished = std::collections::BTreeSet::new();
                 let mut stream = watcher::watcher(api, watcher::Config::default()).boxed();
                 while let Some(ev) = stream.next().await {
                     let now = Timestamp::now();
@@ -199,6 +202,15 @@ impl Watches {
                             }
                             if is_ready(&p) && ready.insert(uid.clone()) {
                                 record(Seen::PodReady {
+                                    name: p.name_any(),
+                                    uid: uid.clone(),
+                                });
+                            }
+                            let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+                            if matches!(phase, Some("Succeeded" | "Failed"))
+                                && finished.insert(uid.clone())
+                            {
+                                record(Seen::PodFinished {
                                     name: p.name_any(),
                                     uid,
                                 });
@@ -256,20 +268,17 @@ impl Watches {
         not: &str,
     ) -> Option<Timestamp> {
         let va = self.attachment_elsewhere(pv, not)?;
-        let is_it = |r: &Request| {
-            r.resource == "volumeattachments"
-                && r.subresource.as_deref() == Some("status")
-                && matches!(r.verb.as_str(), "patch" | "update")
-                && r.name.as_deref() == Some(va.as_str())
-        };
-        let until = std::time::Instant::now() + Duration::from_secs(15);
-        loop {
-            let found = cluster_requests(bed).into_iter().find(|r| is_it(r));
-            if found.is_some() || std::time::Instant::now() >= until {
-                return found.map(|r| r.received);
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        attach_write(bed, &va).await
+    }
+
+    /// When the write that attached `pv` to Node `node` reached the API
+    /// server (as [`Watches::attached_elsewhere`], for one Node).
+    pub async fn attached_on(&self, bed: &TestBed, pv: &str, node: &str) -> Option<Timestamp> {
+        let va = self.seen().into_iter().find_map(|(_, s)| match s {
+            Seen::Attached { pv: p, node: n, va } if p == pv && n == node => Some(va),
+            _ => None,
+        })?;
+        attach_write(bed, &va).await
     }
 
     /// When `pv` was first seen detached from `node`.
@@ -284,6 +293,25 @@ impl Watches {
             .map(|(t, s)| format!("{t} {s:?}"))
             .collect::<Vec<_>>()
             .join("\n")
+    }
+}
+
+/// When the first status write of VolumeAttachment `va` (the attacher's,
+/// which attached it) reached the API server, from the audit log.
+async fn attach_write(bed: &TestBed, va: &str) -> Option<Timestamp> {
+    let is_it = |r: &Request| {
+        r.resource == "volumeattachments"
+            && r.subresource.as_deref() == Some("status")
+            && matches!(r.verb.as_str(), "patch" | "update")
+            && r.name.as_deref() == Some(va)
+    };
+    let until = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let found = cluster_requests(bed).into_iter().find(|r| is_it(r));
+        if found.is_some() || std::time::Instant::now() >= until {
+            return found.map(|r| r.received);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 

@@ -1000,3 +1000,116 @@ async fn a_resumed_attach_free_move_waits_for_readiness_not_a_timeout() {
     assert_no_request_loop(bed().await, "resumed_attach_free_move", ns);
     berth.terminate().await;
 }
+
+/// Class 7, a held move follows the rules of a first run, across a
+/// restart. The scheduler cannot place db-0's replacement (no other Node
+/// of the pool yet), so the StatefulSet is held: db-1 stays. The
+/// controller is killed (SIGKILL) while it is held; the restarted drain
+/// still holds it (the move stays recorded). Once Node B comes, db-0's
+/// ReadWriteMany volume, which a peer on Node C used all along, has moved
+/// only when it is attached on B, where the replacement runs: db-1 is
+/// evicted once, after that attach (audit log).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_move_survives_a_restart_and_ends_where_its_replacement_runs() {
+    use support::process::Berth;
+    let ns = "promise-held";
+    let peers = "promise-held-peers";
+    let client = case(
+        ns,
+        serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "5m"}),
+    )
+    .await;
+    pool_class(&client, peers, serde_json::json!({})).await;
+    let flags = ["--namespace", ns, "--leader-elect=false"];
+    let kubeconfig = &controller(bed().await).await.kubeconfig;
+    let berth = Berth::spawn(kubeconfig, &flags);
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    let node_c = running_machine(&client, ns, "c", peers).await;
+    // db's volumes are ReadWriteMany; a peer on C shares db-0's.
+    for i in 0..2 {
+        let name = format!("{ns}-db-{i}");
+        let mut pv = csi_pv(&name, &format!("vol-{name}"), ns, &format!("data-db-{i}"));
+        if let Some(spec) = pv.spec.as_mut() {
+            spec.access_modes = Some(vec!["ReadWriteMany".into()]);
+        }
+        create(Api::all(client.clone()), pv).await;
+    }
+    let mut sts: StatefulSet = stateful_set("db", 2, 1);
+    if let Some(spec) = sts.spec.as_mut() {
+        spec.pod_management_policy = Some("OrderedReady".into());
+        for t in spec.volume_claim_templates.iter_mut().flatten() {
+            if let Some(s) = t.spec.as_mut() {
+                s.access_modes = Some(vec!["ReadWriteMany".into()]);
+            }
+        }
+        if let Some(s) = spec.template.spec.as_mut() {
+            s.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
+        }
+    }
+    create(Api::namespaced(client.clone(), ns), sts).await;
+    attached_to(&client, &node_a, 2).await;
+    create(
+        Api::<Pod>::namespaced(client.clone(), ns),
+        json(serde_json::json!({
+            "metadata": {"name": "peer"},
+            "spec": {
+                "nodeName": node_c,
+                "containers": [{"name": "c", "image": "peer"}],
+                "volumes": [{"name": "d", "persistentVolumeClaim": {"claimName": "data-db-0"}}]
+            }
+        })),
+    )
+    .await;
+    attached_to(&client, &node_c, 1).await;
+    let watches = Watches::start(&client, ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    blocked_by(&client, ns, "a", "cannot be scheduled", LONG).await;
+    berth.kill().await;
+    let berth = Berth::spawn(kubeconfig, &flags);
+    // B comes once the restarted drain has planned: it holds db again
+    // (its second ReplacementUnschedulable) or, without the record, has
+    // evicted db-1 (the audit log, which the assertions below judge).
+    let events: Api<k8s_openapi::api::core::v1::Event> = Api::namespaced(client.clone(), ns);
+    let until = std::time::Instant::now() + LONG;
+    loop {
+        let held_again = events
+            .list(&Default::default())
+            .await
+            .expect("list Events")
+            .items
+            .iter()
+            .filter(|e| e.reason.as_deref() == Some("ReplacementUnschedulable"))
+            .map(|e| e.count.unwrap_or(1))
+            .sum::<i32>()
+            >= 2;
+        let all = evictions(bed().await, ns);
+        let db1_gone = !accepted_evictions_of(&all, "db-1").is_empty();
+        if held_again || db1_gone {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "the restarted drain neither holds db nor evicts db-1"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let node_b = running_machine(&client, ns, "b", ns).await;
+    gone(&client, ns, "a", Duration::from_secs(120)).await;
+
+    let all = evictions(bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    assert_eq!(accepted_evictions_of(&all, "db-0").len(), 1, "{log}");
+    let db1 = accepted_evictions_of(&all, "db-1");
+    assert_eq!(db1.len(), 1, "db-1 evicted once: {log}");
+    let on_b = watches
+        .attached_on(bed().await, &format!("{ns}-db-0"), &node_b)
+        .await
+        .unwrap_or_else(|| panic!("db-0's volume attached on B: {log}"));
+    assert!(
+        db1[0].received > on_b,
+        "db-1 evicted only after db-0's volume attached on B, where its replacement runs (not because C had it): {log}"
+    );
+    assert_no_request_loop(bed().await, "held_move_restart", ns);
+    berth.terminate().await;
+}

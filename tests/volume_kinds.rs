@@ -553,3 +553,250 @@ async fn an_in_tree_volume_is_planned_under_its_migrated_csi_name() {
     .await;
     ctl.stop().await;
 }
+
+/// What a watch of the Nodes saw: when, which Node, the names it listed in
+/// `status.volumesAttached`.
+type NodeLists =
+    std::sync::Arc<std::sync::Mutex<Vec<(k8s_openapi::jiff::Timestamp, String, Vec<String>)>>>;
+
+/// Watches the Nodes' `status.volumesAttached` (see [`NodeLists`]).
+fn watch_node_lists(client: &Client) -> (NodeLists, tokio::task::JoinHandle<()>) {
+    use futures::StreamExt;
+    use k8s_openapi::api::core::v1::Node;
+    use kube::runtime::watcher::{self, Event};
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let api: Api<Node> = Api::all(client.clone());
+    let into = std::sync::Arc::clone(&seen);
+    let task = tokio::spawn(async move {
+        let mut stream = watcher::watcher(api, watcher::Config::default()).boxed();
+        while let Some(ev) = stream.next().await {
+            let now = k8s_openapi::jiff::Timestamp::now();
+            if let Ok(Event::Apply(n) | Event::InitApply(n)) = ev {
+                let names = n
+                    .status
+                    .iter()
+                    .flat_map(|s| s.volumes_attached.iter().flatten())
+                    .map(|v| v.name.clone())
+                    .collect();
+                into.lock().expect("lock").push((now, n.name_any(), names));
+            }
+        }
+    });
+    (seen, task)
+}
+
+/// An in-tree iSCSI PV has no VolumeAttachment: the attach-detach
+/// controller attaches it itself and lists it in the Node's
+/// `status.volumesAttached` as `kubernetes.io/iscsi/<portal>:<iqn>:<lun>`.
+/// The drain classes it attachable, waits for the old Node to stop listing
+/// it and for the Node where the replacement runs to list it: db-1 is
+/// evicted only after the attach-detach controller's status write that
+/// listed db-0's volume on B (audit log, found through a watch of the
+/// Nodes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_tree_iscsi_volume_moves_as_the_node_lists_it() {
+    let client = client().await;
+    let ns = "kinds-iscsi";
+    support::namespace(&client, ns).await;
+    pool_class(
+        &client,
+        ns,
+        serde_json::json!({"volumeReattachTimeout": "5m"}),
+    )
+    .await;
+    let ctl = start(ns).await;
+    let node_a = running_held(&client, ns, "a", ns, false).await;
+    let unique =
+        |i: usize| format!("kubernetes.io/iscsi/10.0.0.9:3260:iqn.2026-11.dev.berth:{ns}:{i}");
+    for i in 0..2 {
+        let mut pv = csi_pv(
+            &format!("{ns}-db-{i}"),
+            "unused",
+            ns,
+            &format!("data-db-{i}"),
+        );
+        if let Some(spec) = pv.spec.as_mut() {
+            spec.csi = None;
+            spec.iscsi = Some(json(serde_json::json!({
+                "targetPortal": "10.0.0.9:3260",
+                "iqn": format!("iqn.2026-11.dev.berth:{ns}"),
+                "lun": i
+            })));
+        }
+        create(Api::all(client.clone()), pv).await;
+    }
+    let mut sts = stateful_set("db", 2, 1);
+    if let Some(pod) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        pod.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
+    }
+    create(Api::<StatefulSet>::namespaced(client.clone(), ns), sts).await;
+    running_pods(&client, ns, &["db-0", "db-1"]).await;
+    let (lists, watch) = watch_node_lists(&client);
+    iscsi_listed(&client, &node_a, 2).await;
+    let node_b = running_held(&client, ns, "b", ns, false).await;
+    let plan = plan_text(&client, ns, "a").await;
+    assert_contains(
+        &plan,
+        &[&format!(
+            "PV {ns}-db-0 (claim {ns}/data-db-0), attachable: in-tree iscsi the attach-detach controller attached (no VolumeAttachment is made for it); on the Node as {}",
+            unique(0)
+        )],
+    );
+
+    delete_machine(&client, ns, "a").await;
+    gone(&client, ns, "a", Duration::from_secs(120)).await;
+    watch.abort();
+
+    let bed = delayed_bed(ATTACH_DELAY, DETACH_DELAY).await;
+    let write = listing_write(bed, &lists, &node_b, &unique(0));
+    let all = support::oracle::evictions(bed, ns);
+    let log = support::oracle::log_of(&all);
+    let db1 = support::oracle::accepted_evictions_of(&all, "db-1");
+    assert_eq!(db1.len(), 1, "{log}");
+    assert!(
+        db1[0].received > write,
+        "db-1 evicted at {} only after B listed db-0's volume (write received {write}): {log}",
+        db1[0].received
+    );
+    calm("an_in_tree_iscsi_volume_moves_as_the_node_lists_it", ns).await;
+    ctl.stop().await;
+}
+
+/// When the write that made Node `node` list `unique` in
+/// `status.volumesAttached` reached the API server: the attach-detach
+/// controller's last status write of that Node received before the watch
+/// (`lists`) saw the Node list it (no earlier write can have listed it;
+/// the audit log does not keep the bodies).
+fn listing_write(
+    bed: &berth_devkit::testbed::TestBed,
+    lists: &NodeLists,
+    node: &str,
+    unique: &str,
+) -> k8s_openapi::jiff::Timestamp {
+    let seen = lists.lock().expect("lock").clone();
+    let listed = seen
+        .iter()
+        .find(|(_, n, names)| n == node && names.iter().any(|u| u == unique))
+        .map(|(t, _, _)| *t)
+        .unwrap_or_else(|| panic!("{node} never listed {unique}: {seen:?}"));
+    let writes: Vec<_> = support::oracle::cluster_requests(bed)
+        .into_iter()
+        .filter(|r| {
+            r.resource == "nodes"
+                && r.subresource.as_deref() == Some("status")
+                && r.name.as_deref() == Some(node)
+                && r.is_write()
+        })
+        .collect();
+    writes
+        .iter()
+        .filter(|r| r.user_agent.contains("attachdetach") && r.received < listed)
+        .map(|r| r.received)
+        .max()
+        .unwrap_or_else(|| {
+            panic!(
+                "no status write of Node {node} by the attach-detach controller before {listed}: {:?}",
+                writes
+                    .iter()
+                    .map(|r| (&r.user_agent, r.received))
+                    .collect::<Vec<_>>()
+            )
+        })
+}
+
+/// An inline iSCSI volume (named in the pod spec, without a PV or a
+/// claim) is a persistent volume for the drain: the cache keeps it, the
+/// plan classes it as the PV it would be, and the next pod waits for it to
+/// be listed where the replacement runs. Two Deployments with one inline
+/// LUN each: `b-legacy`'s eviction is received only after the
+/// attach-detach controller's status write that listed `a-legacy`'s LUN
+/// on B (audit log, found through a watch of the Nodes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inline_iscsi_volume_moves_as_a_claim_would() {
+    use berth_devkit::testbed::fixtures::deployment;
+    let client = client().await;
+    let ns = "kinds-inline";
+    support::namespace(&client, ns).await;
+    pool_class(
+        &client,
+        ns,
+        serde_json::json!({"volumeReattachTimeout": "5m"}),
+    )
+    .await;
+    let ctl = start(ns).await;
+    let node_a = running_held(&client, ns, "a", ns, false).await;
+    // One target each: the scheduler lets no two pods on a Node mount the
+    // same IQN read-write.
+    let iqn = |name: &str| format!("iqn.2026-11.dev.berth:{name}");
+    let unique = |name: &str| format!("kubernetes.io/iscsi/10.0.0.9:3260:{}:0", iqn(name));
+    for name in ["a-legacy", "b-legacy"] {
+        let mut d = deployment(name, 1, 1, ns);
+        if let Some(pod) = d.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+            pod.volumes = Some(vec![json(serde_json::json!({
+                "name": "disk",
+                "iscsi": {"targetPortal": "10.0.0.9:3260", "iqn": iqn(name), "lun": 0}
+            }))]);
+        }
+        create(
+            Api::<k8s_openapi::api::apps::v1::Deployment>::namespaced(client.clone(), ns),
+            d,
+        )
+        .await;
+    }
+    let (lists, watch) = watch_node_lists(&client);
+    iscsi_listed(&client, &node_a, 2).await;
+    let node_b = running_held(&client, ns, "b", ns, false).await;
+    let plan = plan_text(&client, ns, "a").await;
+    assert_contains(
+        &plan,
+        &[&format!(
+            "inline:iscsi:10.0.0.9:3260 {} 0 (in the pod spec), attachable: inline volume of the pod, in-tree iscsi the attach-detach controller attached (no VolumeAttachment is made for it); on the Node as {}",
+            iqn("a-legacy"),
+            unique("a-legacy")
+        )],
+    );
+
+    delete_machine(&client, ns, "a").await;
+    gone(&client, ns, "a", Duration::from_secs(120)).await;
+    watch.abort();
+    let bed = delayed_bed(ATTACH_DELAY, DETACH_DELAY).await;
+    let write = listing_write(bed, &lists, &node_b, &unique("a-legacy"));
+    let all = support::oracle::evictions(bed, ns);
+    let log = support::oracle::log_of(&all);
+    assert_eq!(
+        support::oracle::accepted_evictions_of(&all, "a-legacy-*").len(),
+        1,
+        "{log}"
+    );
+    let next = support::oracle::accepted_evictions_of(&all, "b-legacy-*");
+    assert_eq!(next.len(), 1, "{log}");
+    assert!(
+        next[0].received > write,
+        "b-legacy evicted at {} only after B listed a-legacy's LUN (write received {write}): {log}",
+        next[0].received
+    );
+    calm("an_inline_iscsi_volume_moves_as_a_claim_would", ns).await;
+    ctl.stop().await;
+}
+
+/// Waits until Node `node` lists `n` iSCSI volumes in
+/// `status.volumesAttached` (the attach-detach controller attached them).
+async fn iscsi_listed(client: &Client, node: &str, n: usize) {
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    wait::for_one(
+        nodes,
+        LONG,
+        &format!("{node} lists {n} iSCSI volumes"),
+        |o| {
+            o.name_any() == node
+                && o.status
+                    .iter()
+                    .flat_map(|s| s.volumes_attached.iter().flatten())
+                    .filter(|v| v.name.starts_with("kubernetes.io/iscsi/"))
+                    .count()
+                    == n
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("the attach-detach controller attaches them: {e}"));
+}

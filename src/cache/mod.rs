@@ -11,6 +11,7 @@
 //! are read from it on lookup, so an index costs a few strings per object
 //! and can never hand out a version older than the store's.
 
+pub mod inline;
 pub mod trim;
 
 use std::collections::{HashMap, HashSet};
@@ -204,8 +205,9 @@ pub fn pod_claims(pod: &Pod) -> Vec<String> {
 }
 
 /// The claims a pod's volumes name, in its namespace: a
-/// `persistentVolumeClaim` volume's claim, and a generic ephemeral volume's
-/// claim (`<pod>-<volume>`).
+/// `persistentVolumeClaim` volume's claim, a generic ephemeral volume's
+/// claim (`<pod>-<volume>`), and the name an inline volume of a kind that
+/// attaches goes by instead ([`inline::inline_claim_name`]).
 pub fn claim_names(pod: &Pod) -> Vec<String> {
     let name = pod.metadata.name.as_deref().unwrap_or_default();
     pod.spec
@@ -214,8 +216,10 @@ pub fn claim_names(pod: &Pod) -> Vec<String> {
         .filter_map(|v| {
             if let Some(c) = &v.persistent_volume_claim {
                 Some(c.claim_name.clone())
+            } else if v.ephemeral.is_some() {
+                Some(format!("{name}-{}", v.name))
             } else {
-                v.ephemeral.as_ref().map(|_| format!("{name}-{}", v.name))
+                inline::inline_claim_name(v)
             }
         })
         .collect()

@@ -28,7 +28,8 @@ pub fn metadata<K: Resource>(obj: &mut K) {
 /// mirror annotation and the drain rule annotations, UID, deletion
 /// timestamp), of its spec the Node, the priority and its class (critical
 /// pods go last), the grace period, its claim-backed volumes
-/// (`persistentVolumeClaim` and generic `ephemeral`) and the names of its
+/// (`persistentVolumeClaim` and generic `ephemeral`), its inline volumes
+/// of the kinds that attach (see [`super::inline`]) and the names of its
 /// `emptyDir` volumes (scratch, for the plan), and of its status the phase
 /// and the `Ready` condition (an attach-free volume has moved when the pod
 /// that uses it next is Ready).
@@ -42,7 +43,10 @@ pub fn pod(pod: &mut Pod) {
                         v.empty_dir = Some(EmptyDirVolumeSource::default());
                         return Some(v);
                     }
-                    (v.persistent_volume_claim.is_some() || v.ephemeral.is_some()).then_some(v)
+                    (v.persistent_volume_claim.is_some()
+                        || v.ephemeral.is_some()
+                        || super::inline::inline_claim_name(&v).is_some())
+                    .then_some(v)
                 })
                 .collect::<Vec<_>>()
         });
@@ -132,6 +136,10 @@ mod tests {
             );
         }
         volumes.push(serde_json::json!({"name": "cache", "emptyDir": {"sizeLimit": "1Gi"}}));
+        if claim.is_some() {
+            volumes.push(serde_json::json!({"name": "disk", "awsElasticBlockStore": {"volumeID": format!("vol-{name}")}}));
+            volumes.push(serde_json::json!({"name": "share", "nfs": {"server": "s", "path": "/"}}));
+        }
         serde_json::from_value(serde_json::json!({
             "metadata": {
                 "namespace": "db", "name": name, "uid": format!("uid-{name}"),
@@ -189,10 +197,18 @@ mod tests {
             "the toleration that lets it come back to a cordoned Node"
         );
         let volumes = spec.volumes.as_ref().expect("the claim's volume");
-        assert_eq!(volumes.len(), 2);
+        assert_eq!(
+            volumes.len(),
+            3,
+            "the NFS share attaches nowhere: {volumes:?}"
+        );
         assert_eq!(volumes[0].name, "data");
         assert_eq!(volumes[1].name, "cache");
         assert_eq!(volumes[1].empty_dir, Some(Default::default()));
+        assert_eq!(
+            volumes[2].name, "disk",
+            "an inline volume that attaches stays"
+        );
         let status = p.status.as_ref().expect("status");
         assert_eq!(status.phase.as_deref(), Some("Running"));
         let conditions = status.conditions.as_ref().expect("Ready");

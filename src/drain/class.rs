@@ -4,8 +4,8 @@
 //!
 //! | class | what it is | what the drain does |
 //! | --- | --- | --- |
-//! | **attachable** | a CSI PV whose CSIDriver requires attach (or has no CSIDriver object: Kubernetes then assumes attach), an in-tree PV CSI migration moves to such a driver (EBS, GCE PD, Azure disk, Cinder, vSphere, Portworx) | waits for it to detach from the Node, then to be attached where the replacement pod runs |
-//! | **attach-free** | a CSI PV whose CSIDriver says `attachRequired: false` (NFS, EFS, CephFS, SMB, many local-volume drivers), in-tree network kinds that never get a VolumeAttachment (nfs, cephfs, glusterfs, azureFile, iscsi, fc, rbd, ...) | no detach or attach wait: the move is done when the pod that now uses the claim is Running and Ready on another Node |
+//! | **attachable** | a CSI PV whose CSIDriver requires attach (or has no CSIDriver object: Kubernetes then assumes attach), an in-tree PV CSI migration moves to such a driver (EBS, GCE PD, Azure disk, Cinder, vSphere, Portworx), an in-tree iSCSI, FC, RBD or FlexVolume PV the Node lists in `status.volumesAttached` (the attach-detach controller attaches those itself, without a VolumeAttachment) | waits for it to detach from the Node, then to be attached where the replacement pod runs |
+//! | **attach-free** | a CSI PV whose CSIDriver says `attachRequired: false` (NFS, EFS, CephFS, SMB, many local-volume drivers), in-tree network kinds that are never attached (nfs, cephfs, glusterfs, azureFile, ...), an iSCSI, FC, RBD or FlexVolume PV the Node does not list (a FlexVolume driver without attach, a Node whose kubelet attaches) | no detach or attach wait: the move is done when the pod that now uses the claim is Running and Ready on another Node |
 //! | **node-local** | `spec.local`, `spec.hostPath`, or a PV whose node affinity only this Node meets (every term requires this Node by `kubernetes.io/hostname` or `metadata.name`) | its data cannot follow the pod: `nodeLocalVolumes` says whether the pod is evicted anyway (data lost with the VM, always named) or held |
 //! | **scratch** | an `emptyDir` of the pod | nothing to wait for: lost with the pod, which goes with the pods without persistent volumes |
 //!
@@ -18,7 +18,7 @@ use std::fmt;
 use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement, PersistentVolume, Pod};
 use k8s_openapi::api::storage::v1::CSIDriver;
 
-use crate::volumes::migrated_csi_source;
+use crate::volumes::{in_tree_attachable_name, migrated_csi_source};
 
 /// The label a Node's hostname is in; local PVs are pinned by it.
 const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
@@ -76,6 +76,9 @@ pub struct VolumeContext {
     attach_required: BTreeMap<String, bool>,
     /// The Node's name and its `kubernetes.io/hostname` label.
     node_names: BTreeSet<String>,
+    /// The names in the Node's `status.volumesAttached`; `None` when the
+    /// Node is not known (gone from the cache).
+    listed: Option<BTreeSet<String>>,
     /// The Machine carries the `berth.dev/allow-node-local-data-loss:
     /// "true"` annotation: `nodeLocalVolumes: Block` holds none of its pods.
     pub data_loss_allowed: bool,
@@ -99,9 +102,17 @@ impl VolumeContext {
         {
             node_names.insert(h.clone());
         }
+        let listed = node_obj.map(|n| {
+            n.status
+                .iter()
+                .flat_map(|s| s.volumes_attached.iter().flatten())
+                .map(|v| v.name.clone())
+                .collect()
+        });
         Self {
             attach_required,
             node_names,
+            listed,
             data_loss_allowed: false,
         }
     }
@@ -134,6 +145,26 @@ impl VolumeContext {
         if let Some((driver, _)) = migrated_csi_source(pv) {
             let kind = in_tree_kind(pv).unwrap_or("in-tree");
             return self.by_driver(driver, &format!("in-tree {kind} migrated to CSI, "));
+        }
+        if let Some((kind, name)) = in_tree_attachable_name(pv) {
+            return match &self.listed {
+                Some(listed) if !listed.contains(&name) => Classified::new(
+                    AttachFree,
+                    format!(
+                        "in-tree {kind} the Node does not list in status.volumesAttached: nothing attaches it"
+                    ),
+                ),
+                Some(_) => Classified::new(
+                    Attachable,
+                    format!(
+                        "in-tree {kind} the attach-detach controller attached (no VolumeAttachment is made for it)"
+                    ),
+                ),
+                None => Classified::new(
+                    Attachable,
+                    format!("in-tree {kind}, the Node unknown: treated as attachable"),
+                ),
+            };
         }
         match in_tree_kind(pv) {
             Some(kind) => Classified::new(
@@ -241,9 +272,10 @@ pub fn scratch_volumes(pod: &Pod) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use k8s_openapi::api::core::v1::{
-        AWSElasticBlockStoreVolumeSource, CSIPersistentVolumeSource, EmptyDirVolumeSource,
-        HostPathVolumeSource, LocalVolumeSource, NFSVolumeSource, NodeSelector, NodeSelectorTerm,
-        PersistentVolumeSpec, PodSpec, RBDPersistentVolumeSource, Volume, VolumeNodeAffinity,
+        AWSElasticBlockStoreVolumeSource, AttachedVolume, CSIPersistentVolumeSource,
+        EmptyDirVolumeSource, HostPathVolumeSource, ISCSIPersistentVolumeSource, LocalVolumeSource,
+        NFSVolumeSource, NodeSelector, NodeSelectorTerm, NodeStatus, PersistentVolumeSpec, PodSpec,
+        RBDPersistentVolumeSource, Volume, VolumeNodeAffinity,
     };
     use k8s_openapi::api::storage::v1::CSIDriverSpec;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -318,6 +350,29 @@ mod tests {
                 labels: Some([(HOSTNAME_LABEL.to_string(), "ip-10-0-0-1".to_string())].into()),
                 ..Default::default()
             },
+            status: Some(NodeStatus {
+                volumes_attached: Some(
+                    [
+                        "kubernetes.io/iscsi/10.0.0.9:3260:iqn.2020-01.io.example:db:0",
+                        "kubernetes.io/rbd/rbd:img-1",
+                    ]
+                    .map(|name| AttachedVolume {
+                        name: name.into(),
+                        device_path: String::new(),
+                    })
+                    .into(),
+                ),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let iscsi = |lun| PersistentVolumeSpec {
+            iscsi: Some(ISCSIPersistentVolumeSource {
+                target_portal: "10.0.0.9:3260".into(),
+                iqn: "iqn.2020-01.io.example:db".into(),
+                lun,
+                ..Default::default()
+            }),
             ..Default::default()
         };
         let ctx = VolumeContext::new(
@@ -464,13 +519,28 @@ mod tests {
                 "in-tree nfs: no VolumeAttachment",
             ),
             (
-                "in-tree rbd",
+                "in-tree iscsi the Node lists",
+                iscsi(0),
+                Attachable,
+                "in-tree iscsi the attach-detach controller attached",
+            ),
+            (
+                "in-tree iscsi the Node does not list",
+                iscsi(1),
+                AttachFree,
+                "in-tree iscsi the Node does not list",
+            ),
+            (
+                "in-tree rbd the Node lists",
                 PersistentVolumeSpec {
-                    rbd: Some(RBDPersistentVolumeSource::default()),
+                    rbd: Some(RBDPersistentVolumeSource {
+                        image: "img-1".into(),
+                        ..Default::default()
+                    }),
                     ..Default::default()
                 },
-                AttachFree,
-                "in-tree rbd",
+                Attachable,
+                "in-tree rbd the attach-detach controller attached",
             ),
             (
                 "no source at all",
@@ -493,6 +563,9 @@ mod tests {
         assert_eq!(bare.classify(&pv(by_hostname)).class, Attachable);
         let by_name = pinned(csi("x"), vec![(vec![hostname("In", &["node-1"])], vec![])]);
         assert_eq!(bare.classify(&pv(by_name)).class, NodeLocal);
+        // Nor can it tell an in-tree kind that attaches from one that does
+        // not: the safe side waits.
+        assert_eq!(bare.classify(&pv(iscsi(1))).class, Attachable);
     }
 
     #[test]

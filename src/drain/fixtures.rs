@@ -193,7 +193,7 @@ pub fn csi_pv(name: &str, driver: &str, handle: &str) -> PersistentVolume {
     }
 }
 
-/// A PV with no volume source berth knows: attachable, with no CSI name.
+/// A PV with no volume source berth knows: attachable, with no unique name.
 pub fn bare_pv(name: &str) -> PersistentVolume {
     PersistentVolume {
         metadata: meta(None, name),

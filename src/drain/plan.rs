@@ -73,7 +73,7 @@ use crate::drain::deadline::{
 use crate::drain::pdb::{PdbFinding, findings_for};
 use crate::drain::rules;
 use crate::drain::select::{NamespacedName, PodClass, classify, finished, fmt_key, pod_key};
-use crate::drain::volume::{VolumeIndex, VolumeRef, attached_nodes};
+use crate::drain::volume::{VolumeIndex, VolumeRef, attached_nodes, inline_pv_of, is_inline};
 use crate::volumes::{pv_of, unique_name_of};
 
 /// A pod the drain does not evict: skipped, or deleted outright.
@@ -107,8 +107,8 @@ pub struct TerminatingPod {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DetachingVolume {
     pub pv: String,
-    /// Its CSI unique name, as `node.status.volumesAttached` lists it.
-    pub csi_unique_name: Option<String>,
+    /// Its unique name, as `node.status.volumesAttached` lists it.
+    pub unique_name: Option<String>,
 }
 
 /// What the drain waits for about one volume of a stateful pod.
@@ -425,12 +425,22 @@ pub(crate) fn plan(
     let mut pinned: BTreeMap<String, Vec<NamespacedName>> = BTreeMap::new();
     let mut already_going: BTreeMap<String, Vec<NamespacedName>> = BTreeMap::new();
     let mut stateful: Vec<(PlannedPod, Vec<(VolumeRef, Classified)>)> = Vec::new();
-    let class_of = |v: &VolumeRef| match index.pv(&v.pv) {
-        Some(pv) => volumes.classify(pv),
-        None => Classified {
-            class: VolumeClass::Attachable,
-            why: "PV not found".into(),
-        },
+    let class_of = |pod: &Pod, v: &VolumeRef| {
+        let inline = is_inline(&v.pv).then(|| inline_pv_of(pod, &v.pv)).flatten();
+        match inline.as_ref().or_else(|| index.pv(&v.pv)) {
+            Some(pv) if inline.is_some() => {
+                let c = volumes.classify(pv);
+                Classified {
+                    class: c.class,
+                    why: format!("inline volume of the pod, {}", c.why),
+                }
+            }
+            Some(pv) => volumes.classify(pv),
+            None => Classified {
+                class: VolumeClass::Attachable,
+                why: "PV not found".into(),
+            },
+        }
     };
 
     let on_node = pods
@@ -517,7 +527,7 @@ pub(crate) fn plan(
                     out.stateless.push(planned);
                 } else {
                     let refs = pod_volumes.refs.into_iter().map(|v| {
-                        let c = class_of(&v);
+                        let c = class_of(pod, &v);
                         (v, c)
                     });
                     let mut p = (planned, refs.collect::<Vec<_>>());
@@ -625,7 +635,7 @@ fn hold(
 
 /// The volumes attached to `node` (a VolumeAttachment names the Node) that
 /// no pod on it uses (`pods` may include pods of other Nodes), each once,
-/// by PV name, with their CSI unique names when `pvs` has them.
+/// by PV name, with their unique names when `pvs` has them.
 pub(crate) fn detaching_volumes(
     node: &str,
     pods: &[Pod],
@@ -652,7 +662,7 @@ pub(crate) fn detaching_volumes(
     left.into_iter()
         .map(|pv| DetachingVolume {
             pv: pv.to_string(),
-            csi_unique_name: by_name.get(pv).and_then(|p| unique_name_of(p)),
+            unique_name: by_name.get(pv).and_then(|p| unique_name_of(p)),
         })
         .collect()
 }
@@ -708,20 +718,24 @@ fn list(keys: &[NamespacedName]) -> String {
 
 impl fmt::Display for PlannedVolume {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "PV {} (claim {}",
-            self.volume.pv,
-            fmt_key(&self.volume.claim)
-        )?;
+        if is_inline(&self.volume.pv) {
+            write!(f, "{} (in the pod spec", self.volume.pv)?;
+        } else {
+            write!(
+                f,
+                "PV {} (claim {}",
+                self.volume.pv,
+                fmt_key(&self.volume.claim)
+            )?;
+        }
         if self.volume.ephemeral {
             f.write_str(", ephemeral")?;
         }
         write!(f, "), {}: {}", self.class, self.class_why)?;
-        match (&self.volume.csi_unique_name, self.class) {
+        match (&self.volume.unique_name, self.class) {
             (Some(unique), _) => write!(f, "; on the Node as {unique}")?,
             (None, VolumeClass::Attachable) => {
-                f.write_str("; no CSI name: recognised by VolumeAttachment only")?;
+                f.write_str("; no unique name: recognised by VolumeAttachment only")?;
             }
             (None, _) => {}
         }
@@ -929,7 +943,7 @@ impl fmt::Display for DrainPlan {
             self.detaching.len()
         )?;
         for v in &self.detaching {
-            match &v.csi_unique_name {
+            match &v.unique_name {
                 Some(unique) => writeln!(f, "  PV {} ({unique})", v.pv)?,
                 None => writeln!(f, "  PV {}", v.pv)?,
             }
@@ -1391,12 +1405,12 @@ mod tests {
             VolumeRef {
                 pv: "pv-d".into(),
                 claim: key("db", "data"),
-                csi_unique_name: Some("kubernetes.io/csi/ebs.csi.aws.com^vol-1".into()),
+                unique_name: Some("kubernetes.io/csi/ebs.csi.aws.com^vol-1".into()),
                 ephemeral: false,
             }
         );
         assert_eq!(vols[0].attached_to, vec![NODE.to_string()]);
-        assert_eq!(vols[1].volume.csi_unique_name, None);
+        assert_eq!(vols[1].volume.unique_name, None);
         assert_eq!(vols[1].attached_to, Vec::<String>::new());
     }
 
@@ -1595,7 +1609,7 @@ mod tests {
             volume: VolumeRef {
                 pv: "pv-e".into(),
                 claim: key("db", "pg-0-scratch"),
-                csi_unique_name: Some("kubernetes.io/csi/d.csi^e".into()),
+                unique_name: Some("kubernetes.io/csi/d.csi^e".into()),
                 ephemeral: true,
             },
             class: VolumeClass::Attachable,
@@ -1640,11 +1654,11 @@ mod tests {
             vec![
                 DetachingVolume {
                     pv: "pv-a".into(),
-                    csi_unique_name: Some("kubernetes.io/csi/d.csi^h-a".into()),
+                    unique_name: Some("kubernetes.io/csi/d.csi^h-a".into()),
                 },
                 DetachingVolume {
                     pv: "pv-b".into(),
-                    csi_unique_name: None,
+                    unique_name: None,
                 },
             ],
             "each once, by name; pv-c is in use, pv-d is on another Node"
@@ -1731,7 +1745,7 @@ mod tests {
             p.detaching,
             [DetachingVolume {
                 pv: "pv-gone".into(),
-                csi_unique_name: Some("kubernetes.io/csi/d.csi^g".into()),
+                unique_name: Some("kubernetes.io/csi/d.csi^g".into()),
             }]
         );
         at(

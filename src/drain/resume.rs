@@ -11,15 +11,16 @@
 
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::PersistentVolume;
+use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume};
 
 use crate::api::VolumeMove;
 use crate::api::settings::ResolvedSettings;
+use crate::cache::inline::{inline_as_pv, inline_volume_named};
 use crate::drain::class::{VolumeClass, VolumeContext};
 use crate::drain::deadline::StepBounds;
 use crate::drain::plan::{PlannedPod, PlannedVolume, VolumeWait};
 use crate::drain::rules::DEFAULT_ORDER;
-use crate::drain::volume::VolumeRef;
+use crate::drain::volume::{VolumeRef, is_inline};
 use crate::volumes::unique_name_of;
 
 /// The pod of recorded move `m`, as a first run would have planned its
@@ -36,8 +37,26 @@ pub(crate) fn resumed_pod(
     settings: &ResolvedSettings,
 ) -> Option<PlannedPod> {
     let (ns, name) = m.pod.split_once('/')?;
+    // An inline volume is recorded by the name that stands for its PV and
+    // claim: made again from it, as the PV it would be, bound to itself.
+    let inline: Vec<PersistentVolume> = m
+        .volumes
+        .iter()
+        .filter(|v| is_inline(v))
+        .filter_map(|v| {
+            let mut pv = inline_as_pv(&inline_volume_named(v)?)?;
+            pv.metadata.name = Some(v.clone());
+            pv.spec.get_or_insert_default().claim_ref = Some(ObjectReference {
+                namespace: Some(ns.to_string()),
+                name: Some(v.clone()),
+                ..Default::default()
+            });
+            Some(pv)
+        })
+        .collect();
     let volumes = pvs
         .iter()
+        .chain(&inline)
         .filter_map(|pv| {
             let name = pv.metadata.name.clone()?;
             let claim = pv.spec.as_ref()?.claim_ref.as_ref()?;
@@ -55,7 +74,7 @@ pub(crate) fn resumed_pod(
                 volume: VolumeRef {
                     pv: name,
                     claim,
-                    csi_unique_name: unique_name_of(pv),
+                    unique_name: unique_name_of(pv),
                     ephemeral: false,
                 },
                 class: classified.class,

@@ -10,22 +10,31 @@
 //! bound to a missing PV or not created for the pod gives the pod no volume
 //! and leaves a note instead: such a pod cannot be using a volume yet.
 //!
+//! An **inline** volume of a kind that attaches (an EBS volume, a GCE PD,
+//! an iSCSI LUN named in the pod spec itself) is a persistent volume too:
+//! it has no PV and no claim, so it goes by one name in place of both,
+//! `inline:<kind>:<id>` ([`inline_claim_name`]), and is classed and
+//! recognised on the Node as the PV it would be ([`inline_as_pv`]).
+//!
 //! A volume is recognised by two computed identities, never by guessing:
 //!
 //! - its PV name, which VolumeAttachments carry in
 //!   `spec.source.persistentVolumeName`;
-//! - for a CSI PV, the unique name the Node lists in
-//!   `status.volumesAttached[].name`, exactly
-//!   `kubernetes.io/csi/<driver>^<volumeHandle>`. Other PVs have none and are
-//!   recognised by their VolumeAttachments alone.
+//! - the unique name the Node lists in `status.volumesAttached[].name`:
+//!   exactly `kubernetes.io/csi/<driver>^<volumeHandle>` for a CSI PV (and
+//!   an in-tree PV CSI migration translates), `<plugin>/<volume name>` for
+//!   the in-tree kinds the attach-detach controller attaches itself
+//!   (iSCSI, FC, RBD, FlexVolume: see [`unique_name_of`]). Other PVs have
+//!   none and are recognised by their VolumeAttachments alone.
 //!
 //! All comparisons are exact string equality.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod, Volume};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 
+use crate::cache::inline::{INLINE_PREFIX, inline_as_pv, inline_claim_name, inline_volume_named};
 use crate::drain::class::VolumeClass;
 use crate::drain::select::{NamespacedName, fmt_key, pod_key};
 use crate::volumes::{is_attached, pv_of, unique_name_of};
@@ -37,9 +46,9 @@ pub struct VolumeRef {
     pub pv: String,
     /// The claim bound to the PV, in the pod's namespace.
     pub claim: NamespacedName,
-    /// For a CSI PV, `kubernetes.io/csi/<driver>^<volumeHandle>`, the name
-    /// in `node.status.volumesAttached`.
-    pub csi_unique_name: Option<String>,
+    /// The name in `node.status.volumesAttached` ([`unique_name_of`]), for
+    /// a PV that has one.
+    pub unique_name: Option<String>,
     /// The claim belongs to a generic ephemeral volume: it is deleted with
     /// its pod, so its volume is never attached anywhere again.
     pub ephemeral: bool,
@@ -95,6 +104,11 @@ impl<'a> VolumeIndex<'a> {
             } else if volume.ephemeral.is_some() {
                 (format!("{pod_name}-{}", volume.name), true)
             } else {
+                if let Some(r) = inline_ref(ns, volume)
+                    && !out.refs.iter().any(|o| o.pv == r.pv)
+                {
+                    out.refs.push(r);
+                }
                 continue;
             };
             let claim: NamespacedName = (ns.to_string(), claim_name);
@@ -133,12 +147,48 @@ impl<'a> VolumeIndex<'a> {
             out.refs.push(VolumeRef {
                 pv: pv_name.to_string(),
                 claim,
-                csi_unique_name: unique_name_of(pv),
+                unique_name: unique_name_of(pv),
                 ephemeral,
             });
         }
         out
     }
+}
+
+/// The [`VolumeRef`] of inline volume `volume` of a pod in namespace `ns`,
+/// if it is of a kind that attaches and the Node can list: its name stands
+/// for both the PV and the claim.
+fn inline_ref(ns: &str, volume: &Volume) -> Option<VolumeRef> {
+    let name = inline_claim_name(volume)?;
+    let unique_name = unique_name_of(&inline_as_pv(volume)?)?;
+    Some(VolumeRef {
+        pv: name.clone(),
+        claim: (ns.to_string(), name),
+        unique_name: Some(unique_name),
+        ephemeral: false,
+    })
+}
+
+/// The PersistentVolume the inline volume of `pod` named `name` (see
+/// [`inline_claim_name`]) would be, for its class.
+pub fn inline_pv_of(pod: &Pod, name: &str) -> Option<PersistentVolume> {
+    pod.spec
+        .iter()
+        .flat_map(|s| s.volumes.iter().flatten())
+        .find(|v| inline_claim_name(v).as_deref() == Some(name))
+        .and_then(inline_as_pv)
+}
+
+/// The unique name of the inline volume named `name` (see
+/// [`inline_claim_name`]), made again from the name.
+pub fn inline_unique_name(name: &str) -> Option<String> {
+    unique_name_of(&inline_as_pv(&inline_volume_named(name)?)?)
+}
+
+/// Whether `name` is an inline volume's (see [`inline_claim_name`]), not a
+/// PV's or a claim's.
+pub fn is_inline(name: &str) -> bool {
+    name.starts_with(INLINE_PREFIX)
 }
 
 /// Whether an ephemeral volume's claim was created for `pod`: its controller
@@ -217,8 +267,10 @@ fn uses_claim(pod: &Pod, claim: &str) -> bool {
     pod.spec
         .iter()
         .flat_map(|s| s.volumes.iter().flatten())
-        .filter_map(|v| v.persistent_volume_claim.as_ref())
-        .any(|c| c.claim_name == claim)
+        .any(|v| match &v.persistent_volume_claim {
+            Some(c) => c.claim_name == claim,
+            None => is_inline(claim) && inline_claim_name(v).as_deref() == Some(claim),
+        })
 }
 
 /// The UIDs of the pods that use `claim` on a Node other than `node` (bound
@@ -267,9 +319,12 @@ pub struct Moved {
 /// Whether a volume of class `class` has moved off `old_node` with its
 /// claim's `replacements`: for an attachable volume, a replacement is
 /// bound to another Node and a VolumeAttachment of `pv` to that Node is
-/// attached (and not being deleted); for an attach-free one, a replacement
-/// is Running and Ready on another Node. The first replacement (by
-/// namespace and name) that qualifies is the answer.
+/// attached (and not being deleted), or that Node lists the volume in
+/// `status.volumesAttached` (`listed_on`: the in-tree kinds the
+/// attach-detach controller attaches without a VolumeAttachment); for an
+/// attach-free one, a replacement is Running and Ready on another Node.
+/// The first replacement (by namespace and name) that qualifies is the
+/// answer.
 ///
 /// # Errors
 /// What is still awaited, in words that name the class.
@@ -279,6 +334,7 @@ pub fn volume_moved(
     old_node: &str,
     replacements: &[&Pod],
     attachments: &[VolumeAttachment],
+    listed_on: &dyn Fn(&str) -> bool,
 ) -> Result<Moved, String> {
     let mut candidates: Vec<(NamespacedName, &str, &Pod)> = replacements
         .iter()
@@ -314,7 +370,7 @@ pub fn volume_moved(
                         && va.spec.node_name == *node
                         && is_attached(va)
                         && va.metadata.deletion_timestamp.is_none()
-                });
+                }) || listed_on(node);
                 if !held {
                     pending.push(format!("not attached on Node {node}, where {who} runs"));
                 }
@@ -459,7 +515,7 @@ mod tests {
         VolumeRef {
             pv: pv.into(),
             claim: ("db".into(), claim.into()),
-            csi_unique_name: csi.map(str::to_string),
+            unique_name: csi.map(str::to_string),
             ephemeral,
         }
     }
@@ -596,6 +652,45 @@ mod tests {
                 assert!(note.contains(want), "{what}: {note:?} lacks {want:?}");
             }
         }
+    }
+
+    #[test]
+    fn an_inline_volume_that_attaches_is_a_persistent_volume() {
+        let inline = |source: serde_json::Value| {
+            let mut p = pod("db", "legacy-1");
+            let mut v = source;
+            v["name"] = "disk".into();
+            p.spec
+                .get_or_insert_default()
+                .volumes
+                .get_or_insert_default()
+                .push(serde_json::from_value(v).expect("a volume"));
+            p
+        };
+        let index = VolumeIndex::new(&[], &[]);
+        let ebs = inline(serde_json::json!({"awsElasticBlockStore": {"volumeID": "vol-1"}}));
+        let got = index.pod_volumes(&ebs);
+        let name = "inline:awsElasticBlockStore:vol-1".to_string();
+        assert_eq!(
+            got.refs,
+            vec![VolumeRef {
+                pv: name.clone(),
+                claim: ("db".into(), name.clone()),
+                unique_name: Some("kubernetes.io/csi/ebs.csi.aws.com^vol-1".into()),
+                ephemeral: false,
+            }]
+        );
+        assert!(is_inline(&name));
+        assert!(inline_pv_of(&ebs, &name).is_some());
+        // Its replacement, made from the same template, uses it too.
+        let new = inline(serde_json::json!({"awsElasticBlockStore": {"volumeID": "vol-1"}}))
+            .uid("uid-new")
+            .on_node(Some("node-2"));
+        let found = replacements(&("db".into(), name), [&new], "uid-old", &BTreeSet::new());
+        assert_eq!(found.len(), 1);
+        // An inline NFS share attaches nowhere: no persistent volume.
+        let nfs = inline(serde_json::json!({"nfs": {"server": "s", "path": "/"}}));
+        assert!(index.pod_volumes(&nfs).refs.is_empty());
     }
 
     #[test]
@@ -797,8 +892,9 @@ mod tests {
                 Err("not Running and Ready"),
             ),
         ];
+        let listed_nowhere = |_: &str| false;
         for (what, class, pods, vas, want) in cases {
-            let got = volume_moved("pv-1", class, NODE, &pods, &vas);
+            let got = volume_moved("pv-1", class, NODE, &pods, &vas, &listed_nowhere);
             match (got, want) {
                 (Ok(m), Ok(node)) => {
                     assert_eq!(m.node, node, "{what}");
@@ -808,6 +904,15 @@ mod tests {
                 (got, want) => panic!("{what}: {got:?}, wanted {want:?}"),
             }
         }
+        // An in-tree kind the attach-detach controller attaches itself has
+        // no VolumeAttachment: the Node where the replacement runs lists
+        // it, and no other Node's listing counts.
+        let on_node_2 = |node: &str| node == "node-2";
+        let on_node_3 = |node: &str| node == "node-3";
+        let got = volume_moved("pv-1", attachable, NODE, &[&on2], &[], &on_node_2);
+        assert_eq!(got.expect("listed where it runs").node, "node-2");
+        let got = volume_moved("pv-1", attachable, NODE, &[&on2], &[], &on_node_3);
+        assert!(got.is_err(), "listed elsewhere only: {got:?}");
     }
 
     #[test]

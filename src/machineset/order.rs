@@ -135,9 +135,9 @@ pub(crate) fn drain_cost<'a>(
         .filter(|p| classify(p) == PodClass::Evictable)
         .filter(|p| {
             let ns = p.metadata.namespace.as_deref().unwrap_or_default();
-            crate::cache::claim_names(p)
-                .iter()
-                .any(|claim| bound(ns, claim))
+            crate::cache::claim_names(p).iter().any(|claim| {
+                claim.starts_with(crate::cache::inline::INLINE_PREFIX) || bound(ns, claim)
+            })
         })
         .count();
     DrainCost {

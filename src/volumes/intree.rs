@@ -1,4 +1,7 @@
-//! The CSI identity CSI migration gives an in-tree PersistentVolume.
+//! The names the Node gives in-tree PersistentVolumes in
+//! `status.volumesAttached`: the CSI identity CSI migration gives the cloud
+//! kinds, and the plugin's own name for the in-tree kinds that still attach
+//! without CSI (iSCSI, Fibre Channel, Ceph RBD, FlexVolume).
 //!
 //! With CSI migration (on by default for every cloud volume plugin since
 //! Kubernetes 1.25-1.27, the in-tree code gone since), the attach-detach
@@ -17,6 +20,53 @@
 //! its VolumeAttachment alone.
 
 use k8s_openapi::api::core::v1::PersistentVolume;
+
+/// The `node.status.volumesAttached` name of a PV of an in-tree kind whose
+/// plugin the attach-detach controller still drives itself, without CSI
+/// and without a VolumeAttachment: `<plugin>/<volume name>`, the volume
+/// name as the plugin's `GetVolumeName` makes it (`k8s.io/kubernetes`,
+/// `pkg/volume/<plugin>`):
+///
+/// - iSCSI: `kubernetes.io/iscsi/<targetPortal>:<iqn>:<lun>`;
+/// - Fibre Channel: `kubernetes.io/fc/[<wwn> …]:<lun>`, or
+///   `kubernetes.io/fc/[<wwid> …]` (Go's `%v` of a string list);
+/// - Ceph RBD (the plugin left Kubernetes in 1.31; older clusters):
+///   `kubernetes.io/rbd/<pool>:<image>`;
+/// - FlexVolume: `<driver>/<PV name>` (the plugin is named after its
+///   driver, and the volume after the PV whatever the driver answers).
+///
+/// Returns the kind too, as the PV's field is named. `None` for any other
+/// PV, or one whose source names no volume (upstream refuses it too).
+pub fn in_tree_attachable_name(pv: &PersistentVolume) -> Option<(&'static str, String)> {
+    let spec = pv.spec.as_ref()?;
+    if let Some(iscsi) = &spec.iscsi {
+        let name = format!("{}:{}:{}", iscsi.target_portal, iscsi.iqn, iscsi.lun);
+        return Some(("iscsi", format!("kubernetes.io/iscsi/{name}")));
+    }
+    if let Some(fc) = &spec.fc {
+        let list = |v: &[String]| format!("[{}]", v.join(" "));
+        let wwns = fc.target_wwns.as_deref().unwrap_or_default();
+        let wwids = fc.wwids.as_deref().unwrap_or_default();
+        let name = match fc.lun {
+            Some(lun) if !wwns.is_empty() => format!("{}:{lun}", list(wwns)),
+            _ if !wwids.is_empty() => list(wwids),
+            _ => return None,
+        };
+        return Some(("fc", format!("kubernetes.io/fc/{name}")));
+    }
+    if let Some(rbd) = &spec.rbd {
+        let pool = rbd.pool.as_deref().unwrap_or(RBD_DEFAULT_POOL);
+        return Some(("rbd", format!("kubernetes.io/rbd/{pool}:{}", rbd.image)));
+    }
+    if let Some(flex) = &spec.flex_volume {
+        let name = pv.metadata.name.as_deref()?;
+        return Some(("flexVolume", format!("{}/{name}", flex.driver)));
+    }
+    None
+}
+
+/// The pool the API server defaults an RBD source to.
+const RBD_DEFAULT_POOL: &str = "rbd";
 
 /// `topology.kubernetes.io/zone`, and its deprecated beta twin, which GCE PD
 /// reads first.
@@ -108,8 +158,9 @@ mod tests {
 
     use k8s_openapi::api::core::v1::{
         AWSElasticBlockStoreVolumeSource, AzureDiskVolumeSource, CinderPersistentVolumeSource,
-        GCEPersistentDiskVolumeSource, PersistentVolumeSpec, PortworxVolumeSource,
-        VsphereVirtualDiskVolumeSource,
+        FCVolumeSource, FlexPersistentVolumeSource, GCEPersistentDiskVolumeSource,
+        ISCSIPersistentVolumeSource, PersistentVolumeSpec, PortworxVolumeSource,
+        RBDPersistentVolumeSource, VsphereVirtualDiskVolumeSource,
     };
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
@@ -204,7 +255,77 @@ mod tests {
             },
             &[],
         );
+        let spec_pv = |spec: PersistentVolumeSpec| pv(spec, &[]);
+        let fc = |wwns: &[&str], lun: Option<i32>, wwids: &[&str]| {
+            spec_pv(PersistentVolumeSpec {
+                fc: Some(FCVolumeSource {
+                    target_wwns: Some(wwns.iter().map(|s| s.to_string()).collect()),
+                    lun,
+                    wwids: Some(wwids.iter().map(|s| s.to_string()).collect()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+        };
+        let iscsi = spec_pv(PersistentVolumeSpec {
+            iscsi: Some(ISCSIPersistentVolumeSource {
+                target_portal: "10.0.0.9:3260".into(),
+                iqn: "iqn.2020-01.io.example:db".into(),
+                lun: 3,
+                portals: Some(vec!["10.0.0.10:3260".into()]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let rbd = |pool: Option<&str>| {
+            spec_pv(PersistentVolumeSpec {
+                rbd: Some(RBDPersistentVolumeSource {
+                    image: "img".into(),
+                    pool: pool.map(str::to_string),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+        };
+        let flex = spec_pv(PersistentVolumeSpec {
+            flex_volume: Some(FlexPersistentVolumeSource {
+                driver: "example.com/lvm".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
         let cases: Vec<(&str, PersistentVolume, Option<&str>)> = vec![
+            (
+                "iSCSI: the target portal only (not the other portals), IQN and LUN",
+                iscsi,
+                Some("kubernetes.io/iscsi/10.0.0.9:3260:iqn.2020-01.io.example:db:3"),
+            ),
+            (
+                "FC: target WWNs and LUN",
+                fc(&["500a0981891b8dc5", "500a0981991b8dc5"], Some(1), &["w"]),
+                Some("kubernetes.io/fc/[500a0981891b8dc5 500a0981991b8dc5]:1"),
+            ),
+            (
+                "FC: WWIDs without a LUN",
+                fc(&["500a0981891b8dc5"], None, &["3600508b400105e21"]),
+                Some("kubernetes.io/fc/[3600508b400105e21]"),
+            ),
+            ("FC: nothing to name it by", fc(&[], Some(1), &[]), None),
+            (
+                "RBD: the pool it says",
+                rbd(Some("kube")),
+                Some("kubernetes.io/rbd/kube:img"),
+            ),
+            (
+                "RBD: the default pool",
+                rbd(None),
+                Some("kubernetes.io/rbd/rbd:img"),
+            ),
+            (
+                "FlexVolume: the driver, then the PV's name",
+                flex,
+                Some("example.com/lvm/pv"),
+            ),
             (
                 "EBS, bare ID",
                 ebs("vol-0abc"),

@@ -9,7 +9,7 @@
 //!   waits.
 //! * `Tracker::register` returns a `Registration` for an `Interest`:
 //!   the Node being drained and the PersistentVolumes of the pod being moved
-//!   (each with its CSI unique name, see [`unique_name_of`]).
+//!   (each with its unique name, see [`unique_name_of`]).
 //! * The watch streams feed the tracker with
 //!   `Tracker::observe_attachment_event` and
 //!   `Tracker::observe_node_event`. Each event is routed only to the
@@ -80,10 +80,10 @@ mod intree;
 mod predicate;
 mod tracker;
 
-pub use self::intree::migrated_csi_source;
+pub use self::intree::{in_tree_attachable_name, migrated_csi_source};
 pub use self::predicate::{
     Attachment, CSI_UNIQUE_NAME_PREFIX, attached_elsewhere, attachments_of, csi_unique_name,
-    detached_from, is_attached, is_deleting, pv_of, unique_name_of,
+    detached_from, is_attached, is_deleting, listed_on, pv_of, unique_name_of,
 };
 pub(crate) use self::tracker::{
     DEFAULT_CHANNEL_CAPACITY, Interest, Registration, Signal, Tracker, WaitError,

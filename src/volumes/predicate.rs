@@ -25,7 +25,10 @@ pub fn csi_unique_name(driver: &str, volume_handle: &str) -> String {
 ///
 /// An in-tree PV that CSI migration moves to a CSI driver (EBS, GCE PD,
 /// Azure disk, Cinder, vSphere, Portworx) is listed under the name of its
-/// translated source ([`migrated_csi_source`](super::intree::migrated_csi_source)).
+/// translated source ([`migrated_csi_source`](super::intree::migrated_csi_source));
+/// one of the in-tree kinds the attach-detach controller attaches itself
+/// (iSCSI, FC, RBD, FlexVolume) under its plugin's name
+/// ([`in_tree_attachable_name`](super::intree::in_tree_attachable_name)).
 ///
 /// `None` for other PVs (a local or host-path volume, an attach-free
 /// in-tree kind, a source that does not translate): such a volume is then
@@ -34,8 +37,19 @@ pub fn unique_name_of(pv: &PersistentVolume) -> Option<String> {
     if let Some(csi) = pv.spec.as_ref()?.csi.as_ref() {
         return Some(csi_unique_name(&csi.driver, &csi.volume_handle));
     }
-    let (driver, handle) = super::intree::migrated_csi_source(pv)?;
-    Some(csi_unique_name(driver, &handle))
+    if let Some((driver, handle)) = super::intree::migrated_csi_source(pv) {
+        return Some(csi_unique_name(driver, &handle));
+    }
+    super::intree::in_tree_attachable_name(pv).map(|(_, name)| name)
+}
+
+/// Whether Node `node` lists `unique_name` in `status.volumesAttached`:
+/// the attach-detach controller attached the volume there.
+pub fn listed_on(node: &Node, unique_name: &str) -> bool {
+    node.status
+        .as_ref()
+        .and_then(|s| s.volumes_attached.as_ref())
+        .is_some_and(|vols| vols.iter().any(|v| v.name == unique_name))
 }
 
 /// The PersistentVolume a VolumeAttachment attaches
@@ -130,8 +144,8 @@ fn describe(va: &VolumeAttachment) -> String {
 ///   attached: the external attacher removes its finalizer, and so the
 ///   object, only after the detach succeeded (`ControllerUnpublishVolume`),
 ///   so the object's disappearance is the one reliable signal.
-/// * **Node side**, when the volume's CSI unique name is known (see
-///   [`csi_unique_name`]): `node.status.volumesAttached` must not list it.
+/// * **Node side**, when the volume's unique name is known (see
+///   [`unique_name_of`]): `node.status.volumesAttached` must not list it.
 ///   A Node that is gone from the cache counts as detached on this side
 ///   (there is nothing left to be attached to).
 ///
@@ -155,11 +169,7 @@ pub fn detached_from<'a>(
     held.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
 
     let listed = match (unique_name, node) {
-        (Some(unique), Some(node)) => node
-            .status
-            .as_ref()
-            .and_then(|s| s.volumes_attached.as_ref())
-            .is_some_and(|vols| vols.iter().any(|v| v.name == unique)),
+        (Some(unique), Some(node)) => listed_on(node, unique),
         _ => false,
     };
 

@@ -15,7 +15,7 @@ use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
-use super::predicate::{detached_from, pv_of};
+use super::predicate::{detached_from, listed_on, pv_of};
 use crate::cache::Index;
 use crate::telemetry::Metrics;
 
@@ -23,7 +23,7 @@ use crate::telemetry::Metrics;
 pub(crate) const DEFAULT_CHANNEL_CAPACITY: usize = 16;
 
 /// What a wait is interested in: the Node being drained and the volumes
-/// (PersistentVolume names, each with its CSI unique name when known) of the
+/// (PersistentVolume names, each with its unique name when known) of the
 /// pod being moved off it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Interest {
@@ -40,7 +40,7 @@ impl Interest {
         }
     }
 
-    /// Adds a PersistentVolume, with its CSI unique name as listed in
+    /// Adds a PersistentVolume, with its unique name as listed in
     /// `node.status.volumesAttached` (see
     /// [`unique_name_of`](super::unique_name_of)) when it has one.
     #[must_use]
@@ -49,11 +49,16 @@ impl Interest {
         self
     }
 
-    /// The volumes: PV name and CSI unique name, ordered by PV name.
+    /// The volumes: PV name and unique name, ordered by PV name.
     pub(crate) fn volumes(&self) -> impl Iterator<Item = (&str, Option<&str>)> {
         self.volumes
             .iter()
             .map(|(pv, unique)| (pv.as_str(), unique.as_deref()))
+    }
+
+    /// The unique names of the volumes that have one.
+    fn unique_names(&self) -> BTreeSet<String> {
+        self.volumes.values().flatten().cloned().collect()
     }
 
     /// Whether `pv` is one of the volumes.
@@ -137,6 +142,10 @@ struct Shared {
 struct Slot {
     node: String,
     pvs: BTreeSet<String>,
+    /// The unique names of `pvs` that have one: another Node that lists
+    /// one is where the volume went (the in-tree kinds the attach-detach
+    /// controller attaches without a VolumeAttachment).
+    names: BTreeSet<String>,
     tx: mpsc::Sender<Hint>,
     shared: Arc<Shared>,
 }
@@ -269,6 +278,7 @@ impl Tracker {
                 Slot {
                     node: interest.node.clone(),
                     pvs: interest.volumes.keys().cloned().collect(),
+                    names: interest.unique_names(),
                     tx,
                     shared: Arc::clone(&shared),
                 },
@@ -322,14 +332,16 @@ impl Tracker {
         }
     }
 
-    /// Routes a Node that was applied or deleted to the registrations for it.
+    /// Routes a Node that was applied or deleted to the registrations for
+    /// it, and to those with a volume it lists in `status.volumesAttached`
+    /// (attached there: where a volume without a VolumeAttachment went).
     fn observe_node(&self, node: &Node) {
         let Some(name) = node.metadata.name.as_deref() else {
             return;
         };
         let state = self.inner.lock();
         for (id, slot) in &state.slots {
-            if slot.node == name {
+            if slot.node == name || slot.names.iter().any(|n| listed_on(node, n)) {
                 let hint = Hint::Node {
                     name: name.to_owned(),
                 };
@@ -510,8 +522,10 @@ impl Registration {
     pub(crate) fn retain_volumes(&mut self, mut keep: impl FnMut(&str) -> bool) {
         self.interest.volumes.retain(|pv, _| keep(pv));
         let pvs: BTreeSet<String> = self.interest.volumes.keys().cloned().collect();
+        let names = self.interest.unique_names();
         if let Some(slot) = self.inner.lock().slots.get_mut(&self.id) {
             slot.pvs = pvs;
+            slot.names = names;
         }
     }
 
@@ -568,7 +582,7 @@ impl Registration {
 
     /// Waits until every volume is detached from the interest's Node: no
     /// VolumeAttachment for (PV, Node) left in the store, and the Node's
-    /// `status.volumesAttached` no longer listing the PV's CSI unique name
+    /// `status.volumesAttached` no longer listing the PV's unique name
     /// (a Node gone from the store counts as detached). See
     /// [`detached_from`].
     ///
@@ -1010,6 +1024,32 @@ mod tests {
             let more = tokio::time::timeout(SHORT, reg.next_signal()).await;
             assert!(more.is_err(), "unexpected {more:?}");
         }
+    }
+
+    #[tokio::test]
+    async fn another_node_that_lists_a_volume_wakes_its_registration() {
+        // An in-tree iSCSI volume has no VolumeAttachment: the only sign
+        // that it attached where its replacement runs is that Node's list.
+        let (mut feed, tracker, _m) = setup(4);
+        let mut a = tracker.register(interest_a());
+        feed.apply_node(node("node-b", &["kubernetes.io/iscsi/other:iqn:0"]));
+        let quiet = tokio::time::timeout(SHORT, a.next_signal()).await;
+        assert!(
+            quiet.is_err(),
+            "node-b lists none of a's volumes: {quiet:?}"
+        );
+        feed.apply_node(node("node-b", &[UNIQUE_A]));
+        assert_eq!(
+            a.next_signal().await,
+            Signal::Hint(Hint::Node {
+                name: "node-b".to_owned()
+            })
+        );
+        // Narrowed to no volume, it is woken by its own Node only.
+        a.retain_volumes(|_| false);
+        feed.apply_node(node("node-c", &[UNIQUE_A]));
+        let quiet = tokio::time::timeout(SHORT, a.next_signal()).await;
+        assert!(quiet.is_err(), "pv-a is no longer of interest: {quiet:?}");
     }
 
     #[tokio::test]

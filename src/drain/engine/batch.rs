@@ -101,13 +101,14 @@ pub(super) fn pod_ref_key(key: &NamespacedName) -> ObjectReference {
     }
 }
 
-pub(super) fn pv_ref(pv: &str) -> ObjectReference {
-    ObjectReference {
+pub(super) fn pv_ref(pv: &str) -> Option<ObjectReference> {
+    // An inline volume has no object of its own.
+    (!crate::drain::volume::is_inline(pv)).then(|| ObjectReference {
         api_version: Some("v1".into()),
         kind: Some("PersistentVolume".into()),
         name: Some(pv.to_string()),
         ..Default::default()
-    }
+    })
 }
 
 impl Run {

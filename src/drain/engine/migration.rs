@@ -139,7 +139,7 @@ impl<'a> Migration<'a> {
             .filter(|v| v.wait.waits_for_detach())
             .collect();
         let interest = detach.iter().fold(Interest::new(&run.job.node), |i, v| {
-            i.volume(v.volume.pv.clone(), v.volume.csi_unique_name.clone())
+            i.volume(v.volume.pv.clone(), v.volume.unique_name.clone())
         });
         let users_before = pod
             .volumes
@@ -204,6 +204,7 @@ impl<'a> Migration<'a> {
     async fn after_gone(&mut self, evicted_at: std::time::Instant) -> bool {
         let (run, key) = (self.run, self.key.clone());
         let detached = self.pvs.is_empty() || self.detached(evicted_at).await;
+        let mut held = false;
         if detached && run.expired() {
             // Past the deadline availability is given up, data is not: the
             // volumes left this Node, the next pod may go.
@@ -214,10 +215,15 @@ impl<'a> Migration<'a> {
             let left_at = std::time::Instant::now();
             let expected = self.replacement().await;
             if !expected.is_empty() {
-                self.moved(&expected, left_at).await;
+                held = self.moved(&expected, left_at).await;
             }
         }
-        run.end_move(&key);
+        // A move held for an unplaceable replacement stays recorded: it
+        // goes on, by these same steps, once the replacement is placed
+        // (`Run::resume`), in this run or the next.
+        if !held {
+            run.end_move(&key);
+        }
         detached
     }
 
@@ -329,7 +335,7 @@ impl<'a> Migration<'a> {
                 run.job.node,
                 which.join(", ")
             ),
-            local.first().map(|v| pv_ref(&v.volume.pv)),
+            local.first().and_then(|v| pv_ref(&v.volume.pv)),
         );
         run.update(|p| {
             for v in &local {
@@ -412,7 +418,7 @@ impl<'a> Migration<'a> {
                         took.as_secs_f64(),
                         self.key
                     ),
-                    self.pvs.first().map(|pv| pv_ref(pv)),
+                    self.pvs.first().and_then(|pv| pv_ref(pv)),
                 );
                 true
             }
@@ -494,7 +500,7 @@ impl<'a> Migration<'a> {
                     v.class,
                     v.volume.pv
                 ),
-                Some(pv_ref(&v.volume.pv)),
+                pv_ref(&v.volume.pv),
             );
         }
         expected
@@ -502,8 +508,9 @@ impl<'a> Migration<'a> {
 
     /// The scheduler cannot place the replacement `pod` of this pod: says
     /// so at once, with its message, and holds back the other pods of the
-    /// same workload until it is placed (other workloads go on).
-    fn unplaceable(&self, pod: &str, message: &str) {
+    /// same workload until it is placed (other workloads go on). Says
+    /// whether the move is held (the pod has a controller).
+    fn unplaceable(&self, pod: &str, message: &str) -> bool {
         let run = self.run;
         let holds = match &self.pod.controller {
             Some(c) => format!("no other pod of {c} is evicted until it is placed"),
@@ -520,24 +527,26 @@ impl<'a> Migration<'a> {
             Some(pod_ref_key(&self.pod.pod)),
         );
         run.update(|p| p.block(&self.key, why));
-        if let Some(c) = &self.pod.controller {
-            run.hold_workload(
-                c,
-                VolumeMove {
-                    pod: self.key.clone(),
-                    uid: self.pod.uid.clone(),
-                    volumes: self
-                        .pod
-                        .volumes
-                        .iter()
-                        .map(|v| v.volume.pv.clone())
-                        .collect(),
-                    controller: self.pod.controller.clone(),
-                    since: None,
-                },
-                self.pod.order,
-            );
-        }
+        let Some(c) = &self.pod.controller else {
+            return false;
+        };
+        // The move as recorded (when it began tells a ReadWriteMany peer
+        // from the replacement once it is placed).
+        let recorded = run.progress.borrow().moves.get(&self.key).cloned();
+        let moved = recorded.unwrap_or_else(|| VolumeMove {
+            pod: self.key.clone(),
+            uid: self.pod.uid.clone(),
+            volumes: self
+                .pod
+                .volumes
+                .iter()
+                .map(|v| v.volume.pv.clone())
+                .collect(),
+            controller: self.pod.controller.clone(),
+            since: None,
+        });
+        run.hold_workload(c, moved, self.pod.order);
+        true
     }
 
     /// Waits, within the reattach timeout, for the `expected` volumes to
@@ -545,8 +554,9 @@ impl<'a> Migration<'a> {
     /// volume attached on the Node where that pod runs, an attach-free one
     /// with that pod Running and Ready on another Node. Woken by the
     /// tracker (VolumeAttachment and Node events) and by pod events; a
-    /// warning when not in time.
-    async fn moved(&mut self, expected: &[&PlannedVolume], left_at: std::time::Instant) {
+    /// warning when not in time. True when the move is held instead: the
+    /// scheduler cannot place the replacement (see `unplaceable`).
+    async fn moved(&mut self, expected: &[&PlannedVolume], left_at: std::time::Instant) -> bool {
         let run = self.run;
         let keep: BTreeSet<&str> = expected
             .iter()
@@ -595,8 +605,7 @@ impl<'a> Migration<'a> {
                 break Ok(moved);
             }
             if let Some((pod, message)) = unplaceable() {
-                self.unplaceable(&fmt_key(&pod), &message);
-                return;
+                return self.unplaceable(&fmt_key(&pod), &message);
             }
             tokio::select! {
                 signal = self.reg.next_signal(), if tracker_open => {
@@ -638,7 +647,7 @@ impl<'a> Migration<'a> {
                             "{} PV {} {how}, {took:.1}s after it left Node {}",
                             v.class, v.volume.pv, run.job.node
                         ),
-                        Some(pv_ref(&v.volume.pv)),
+                        pv_ref(&v.volume.pv),
                     );
                 }
             }
@@ -651,5 +660,6 @@ impl<'a> Migration<'a> {
                 );
             }
         }
+        false
     }
 }

@@ -262,6 +262,7 @@ impl Run {
         // restart during the last pod's reattach wait must not end the
         // drain with the move still recorded.
         if remaining == 0 && leftover.is_empty() && !self.any_resumable() {
+            self.release_held();
             return Pass::Done;
         }
         self.announce_rules(&full);
@@ -285,14 +286,7 @@ impl Run {
                 .await;
             // Placed (or the deadline): its volumes attach where the
             // replacement runs before the next group starts.
-            let placed = self.placed_workloads();
-            for m in &placed {
-                self.update(|p| p.unblock(&m.pod));
-            }
-            let moved = self.with_moved_volumes(Vec::new(), &placed);
-            if !moved.is_empty() {
-                self.wait_detaching(&moved).await;
-            }
+            self.resume_placed().await;
             return Pass::Again;
         }
         let gated = group.is_some_and(|g| self.enter_group(&full, g));
@@ -415,22 +409,20 @@ impl Run {
             // goes on by the rules of a first run, from its pod gone on, and
             // ends before the next stateful eviction.
             let resumed = self.resumed_moves();
-            let resumed_pvs: BTreeSet<&str> = resumed
+            let mut recorded: BTreeSet<String> = resumed
                 .iter()
-                .flat_map(|m| m.volumes.iter().map(String::as_str))
+                .flat_map(|m| m.volumes.iter().cloned())
                 .collect();
+            recorded.extend(self.held_volumes());
             futures::future::join_all(resumed.iter().map(|m| self.resume(m))).await;
+            // And the workloads held back whose replacement is now placed:
+            // the same steps, so its volumes attach there before their next
+            // pod goes.
+            self.resume_placed().await;
             let leftover: Vec<_> = leftover
                 .into_iter()
-                .filter(|v| !resumed_pvs.contains(v.pv.as_str()))
+                .filter(|v| !recorded.contains(&v.pv))
                 .collect();
-            // And the workloads held back whose replacement is now placed:
-            // its volumes attach there before their next pod goes.
-            let placed = self.placed_workloads();
-            for m in &placed {
-                self.update(|p| p.unblock(&m.pod));
-            }
-            let leftover = self.with_moved_volumes(leftover, &placed);
             if !leftover.is_empty() {
                 self.wait_detaching(&leftover).await;
             }
@@ -486,6 +478,19 @@ impl Run {
         Pass::Again
     }
 
+    /// Resumes the moves held for a replacement the scheduler could not
+    /// place, now placed (or past the deadline), by the rules of a first
+    /// run ([`Run::resume`]): the volumes attach where the replacement
+    /// runs, a ReadWriteMany peer that used them elsewhere before the move
+    /// is not taken for it.
+    async fn resume_placed(&self) {
+        let placed = self.placed_workloads();
+        for m in &placed {
+            self.update(|p| p.unblock(&m.pod));
+        }
+        futures::future::join_all(placed.iter().map(|m| self.resume(m))).await;
+    }
+
     /// Deletes the pods that finished (Succeeded or Failed).
     async fn delete_finished(&self, plan: &DrainPlan) {
         for p in &plan.to_delete {
@@ -509,7 +514,7 @@ impl Run {
     /// Node, then to attach where a pod still needs them.
     async fn wait_detaching(&self, leftover: &[DetachingVolume]) {
         let interest = leftover.iter().fold(Interest::new(&self.job.node), |i, v| {
-            i.volume(v.pv.clone(), v.csi_unique_name.clone())
+            i.volume(v.pv.clone(), v.unique_name.clone())
         });
         let names: Vec<&str> = leftover.iter().map(|v| v.pv.as_str()).collect();
         self.update(|p| {
@@ -537,7 +542,7 @@ impl Run {
                     EventType::Normal,
                     "VolumeDetached",
                     format!("{} detached from Node {}", names.join(", "), self.job.node),
-                    leftover.first().map(|v| pv_ref(&v.pv)),
+                    leftover.first().and_then(|v| pv_ref(&v.pv)),
                 );
             }
             Err(e) => {
@@ -636,7 +641,7 @@ impl Run {
                             fmt_key(&m.pod),
                             self.job.node
                         ),
-                        Some(pv_ref(pv)),
+                        pv_ref(pv),
                     );
                 }
             }

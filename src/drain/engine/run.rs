@@ -33,11 +33,11 @@ use crate::drain::select::{
     Arrivals, NamespacedName, came_back, fmt_key, held_by_finalizers, pod_key,
 };
 use crate::drain::volume::{
-    Moved, replacement_expected, replacements, unschedulable_replacement, users_elsewhere,
-    users_elsewhere_before, volume_moved,
+    Moved, inline_unique_name, is_inline, replacement_expected, replacements,
+    unschedulable_replacement, users_elsewhere, users_elsewhere_before, volume_moved,
 };
 use crate::telemetry::EvictionResult;
-use crate::volumes::{WaitError, unique_name_of};
+use crate::volumes::{WaitError, listed_on, unique_name_of};
 
 /// What one Machine's drains said and judged, kept by the
 /// [`Drainer`](super::Drainer) across the runs of its drain (a failed drain
@@ -367,7 +367,23 @@ impl Run {
             .iter()
             .map(|va| (**va).clone())
             .collect();
-        volume_moved(pv, class, &self.job.node, &new, &vas)
+        let unique = if is_inline(pv) {
+            inline_unique_name(pv)
+        } else {
+            self.deps
+                .pvs
+                .get(&ObjectRef::new(pv))
+                .and_then(|p| unique_name_of(&p))
+        };
+        let listed_on = |node: &str| {
+            unique.as_deref().is_some_and(|name| {
+                self.deps
+                    .nodes
+                    .get(&ObjectRef::new(node))
+                    .is_some_and(|n| listed_on(&n, name))
+            })
+        };
+        volume_moved(pv, class, &self.job.node, &new, &vas, &listed_on)
     }
 
     fn claim_users(&self, claim: &NamespacedName) -> Vec<Arc<Pod>> {
@@ -659,7 +675,7 @@ impl Run {
     pub(super) fn resumed_moves(&self) -> Vec<VolumeMove> {
         let moves: Vec<VolumeMove> = self.progress.borrow().moves.values().cloned().collect();
         let mut resumed = Vec::new();
-        for m in moves {
+        for m in moves.into_iter().filter(|m| !self.is_held(&m.pod)) {
             let Some((ns, name)) = m.pod.split_once('/') else {
                 self.end_move(&m.pod);
                 continue;
@@ -678,7 +694,7 @@ impl Run {
     /// [`Run::resumed_moves`] would resume it.
     pub(super) fn any_resumable(&self) -> bool {
         let p = self.progress.borrow();
-        p.moves.values().any(|m| {
+        p.moves.values().filter(|m| !self.is_held(&m.pod)).any(|m| {
             m.pod.split_once('/').is_some_and(|(ns, name)| {
                 self.pod(&(ns.to_string(), name.to_string()), m.uid.as_deref())
                     .is_none()
@@ -716,28 +732,41 @@ impl Run {
         }
     }
 
-    /// The volumes of `moves`, as [`DetachingVolume`]s, added to `leftover`
-    /// (each PV once).
-    pub(super) fn with_moved_volumes(
-        &self,
-        mut leftover: Vec<DetachingVolume>,
-        moves: &[VolumeMove],
-    ) -> Vec<DetachingVolume> {
-        for pv in moves.iter().flat_map(|m| &m.volumes) {
-            if leftover.iter().any(|v| &v.pv == pv) {
-                continue;
-            }
-            let csi_unique_name = self
-                .deps
-                .pvs
-                .get(&ObjectRef::new(pv))
-                .and_then(|p| unique_name_of(&p));
-            leftover.push(DetachingVolume {
-                pv: pv.clone(),
-                csi_unique_name,
-            });
+    /// Whether the move of pod `key` is held for its unplaceable
+    /// replacement (see [`Run::hold_workload`]): it is resumed once the
+    /// replacement is placed, not before.
+    fn is_held(&self, key: &str) -> bool {
+        self.stuck
+            .lock()
+            .is_ok_and(|s| s.values().any(|(m, _)| m.pod == key))
+    }
+
+    /// The volumes of the moves held now, by PV name.
+    pub(super) fn held_volumes(&self) -> BTreeSet<String> {
+        self.stuck.lock().map_or_else(
+            |_| BTreeSet::new(),
+            |s| s.values().flat_map(|(m, _)| m.volumes.clone()).collect(),
+        )
+    }
+
+    /// Lets go of the moves still held when nothing else is left to drain:
+    /// their pods are gone and their volumes off this Node; only where the
+    /// replacement lands is unknown, and no pod of this Node waits on it.
+    pub(super) fn release_held(&self) {
+        let held: Vec<VolumeMove> = self
+            .stuck
+            .lock()
+            .map(|mut s| {
+                std::mem::take(&mut *s)
+                    .into_values()
+                    .map(|(m, _)| m)
+                    .collect()
+            })
+            .unwrap_or_default();
+        for m in held {
+            self.update(|p| p.unblock(&m.pod));
+            self.end_move(&m.pod);
         }
-        leftover
     }
 
     /// The replacement of the pod evicted as `evicted_uid`, among the users
@@ -904,7 +933,12 @@ impl Run {
     /// notes, so two volumes' timeouts with none would show as one.
     pub(super) fn warn_volume(&self, reason: &str, e: &WaitError, pv: Option<&str>) {
         tracing::warn!(reason, error = %e, "volume wait ended without success");
-        self.event(EventType::Warning, reason, e.to_string(), pv.map(pv_ref));
+        self.event(
+            EventType::Warning,
+            reason,
+            e.to_string(),
+            pv.and_then(pv_ref),
+        );
     }
 
     /// Waits until the pod (this UID) is gone from the cache, woken by pod

@@ -1022,6 +1022,104 @@ async fn a_controlled_pod_whose_replacement_comes_late_is_still_waited_for() {
     ctl.stop().await;
 }
 
+/// Class 7 of the drain's promises: a move resumed after a restart waits
+/// for a replacement not created yet, as a first run does. The controller
+/// (a real `berth run`) is killed (SIGKILL) once the volume detached from
+/// the old Node; the replacement comes 4 s after the restart. By the audit
+/// log the old Node is deleted only after the attacher wrote the volume
+/// attached on the new Node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replacement_that_comes_late_after_a_restart_is_still_waited_for() {
+    use support::process::Berth;
+    let client = client().await;
+    let ns = "drain-late-restart";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
+    let flags = ["--namespace", ns, "--leader-elect=false"];
+    let kubeconfig = &controller(bed().await).await.kubeconfig;
+    let berth = Berth::spawn(kubeconfig, &flags);
+    let old = running_machine(&client, ns, "old", ns).await;
+    let new = running_machine(&client, ns, "new", ns).await;
+    let pv = format!("{ns}-pv");
+    claim_and_volume(&client, ns, &pv).await;
+    let owner = Api::<ConfigMap>::namespaced(client.clone(), ns)
+        .create(
+            &PostParams::default(),
+            &json(serde_json::json!({"metadata": {"name": "controller"}})),
+        )
+        .await
+        .expect("owner");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    create(pods.clone(), claim_user("first", &old, &owner)).await;
+    let vas = Api::<VolumeAttachment>::all(client.clone());
+    let on = |node: String, attached: bool| {
+        let pv = pv.clone();
+        move |va: &VolumeAttachment| {
+            va.spec.source.persistent_volume_name.as_deref() == Some(pv.as_str())
+                && va.spec.node_name == node
+                && (!attached || va.status.as_ref().is_some_and(|s| s.attached))
+        }
+    };
+    wait::for_one(
+        vas.clone(),
+        LONG,
+        "attached to the old Node",
+        on(old.clone(), true),
+    )
+    .await
+    .expect("the volume attaches");
+    let watches = Watches::start(&client, ns).await;
+
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    machines
+        .delete("old", &DeleteParams::default())
+        .await
+        .expect("delete");
+    wait::for_none(
+        vas.clone(),
+        LONG,
+        "detached from the old Node",
+        on(old.clone(), false),
+    )
+    .await
+    .expect("the volume detaches");
+    berth.kill().await;
+    let berth = Berth::spawn(kubeconfig, &flags);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    create(pods.clone(), claim_user("second", &new, &owner)).await;
+    wait::for_none(machines, LONG, "old gone", |m| m.name_any() == "old")
+        .await
+        .expect("the resumed drain ends once the volume attached on the new Node");
+
+    let all = oracle::requests_once(bed().await, ns, |rs| {
+        rs.iter()
+            .any(|r| r.verb == "delete" && r.resource == "nodes")
+    })
+    .await;
+    let truth = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let node_deleted = all
+        .iter()
+        .find(|r| {
+            r.verb == "delete" && r.resource == "nodes" && r.name.as_deref() == Some(old.as_str())
+        })
+        .map(|r| r.received)
+        .unwrap_or_else(|| panic!("the old Node deleted: {truth}"));
+    let attached_new = watches
+        .attached_on(bed().await, &pv, &new)
+        .await
+        .unwrap_or_else(|| panic!("attached on the new Node: {truth}"));
+    assert!(
+        attached_new < node_deleted,
+        "the Node went only once the late replacement had the volume: {truth}"
+    );
+    calm(
+        "a_replacement_that_comes_late_after_a_restart_is_still_waited_for",
+        ns,
+    )
+    .await;
+    berth.terminate().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_mid_drain_never_evicts_while_a_volume_is_detaching() {
     let client = client().await;

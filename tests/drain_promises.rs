@@ -21,8 +21,8 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use support::LONG;
-use support::audit::{assert_no_request_loop, controller};
-use support::oracle::{self, Watches, accepted_evictions_of, evictions, requests_once};
+use support::audit::{self, assert_no_request_loop, controller};
+use support::oracle::{self, Seen, Watches, accepted_evictions_of, evictions, requests_once};
 use support::pool::{
     POOL, create, delayed_bed, delayed_client, gone, json, on_node, pod_running, pool_class,
     running_machine, start_delayed,
@@ -1111,5 +1111,158 @@ async fn a_held_move_survives_a_restart_and_ends_where_its_replacement_runs() {
         "db-1 evicted only after db-0's volume attached on B, where its replacement runs (not because C had it): {log}"
     );
     assert_no_request_loop(bed().await, "held_move_restart", ns);
+    berth.terminate().await;
+}
+
+/// Class 8, the CSIDriver cache. `berth run` starts while a Machine's
+/// deletion waits, as its identity may not list the CSIDrivers yet (a
+/// ClusterRole with all it needs but that): no drain is planned before it
+/// knows which drivers attach, since an attach-free volume would be taken
+/// for an attachable one and wait for a VolumeAttachment that never comes
+/// (the 5 minute reattach timeout). By the audit log: the CSIDrivers'
+/// lists refused until the grant, no eviction before it; by the pods'
+/// watch, no pod of the workload going before it; then the drain by the
+/// rules of the attach-free driver, long before the timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_drain_is_planned_before_the_csi_drivers_are_known() {
+    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+    use k8s_openapi::api::storage::v1::CSIDriver;
+    use support::process::Berth;
+    let ns = "promise-csidrivers";
+    let driver = "attach-free.csidrivers.berth.dev";
+    let client = case(
+        ns,
+        serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "5m"}),
+    )
+    .await;
+    create(
+        Api::<CSIDriver>::all(client.clone()),
+        json(serde_json::json!({"metadata": {"name": driver}, "spec": {"attachRequired": false}})),
+    )
+    .await;
+    // The Machines and the workload, with the usual controller.
+    let ctl = start(ns).await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    for i in 0..2 {
+        let mut pv = csi_pv(
+            &format!("{ns}-share-{i}"),
+            &format!("share-{i}"),
+            ns,
+            &format!("data-share-{i}"),
+        );
+        if let Some(csi) = pv.spec.as_mut().and_then(|s| s.csi.as_mut()) {
+            csi.driver = driver.into();
+        }
+        create(Api::all(client.clone()), pv).await;
+    }
+    let mut sts: StatefulSet = stateful_set("share", 2, 1);
+    if let Some(s) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        s.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
+    }
+    create(Api::namespaced(client.clone(), ns), sts).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    wait::until(pods, LONG, "share-0 and share-1 running on A", |ps| {
+        ps.iter()
+            .filter(|p| on_node(p, &node_a) && pod_running(p))
+            .count()
+            == 2
+    })
+    .await
+    .expect("the pods run");
+    running_machine(&client, ns, "b", ns).await;
+    ctl.stop().await;
+
+    // An identity with everything berth calls but the CSIDrivers.
+    let role = format!("{ns}-all-but-csidrivers");
+    create(
+        Api::<ClusterRole>::all(client.clone()),
+        json(serde_json::json!({
+            "metadata": {"name": role},
+            "rules": [
+                {"apiGroups": ["", "apps", "policy", "coordination.k8s.io", "events.k8s.io",
+                    "berth.dev", "apiextensions.k8s.io"], "resources": ["*"], "verbs": ["*"]},
+                {"apiGroups": ["storage.k8s.io"], "resources": ["volumeattachments"], "verbs": ["*"]},
+                {"nonResourceURLs": ["*"], "verbs": ["*"]}
+            ]
+        })),
+    )
+    .await;
+    let bed = bed().await;
+    let id = bed
+        .identity_as(&client, "kube-system", audit::RESTRICTED_SA, &role)
+        .await
+        .expect("the identity");
+    delete_machine(&client, ns, "a").await;
+    let watches = Watches::start(&client, ns).await;
+    let berth = Berth::spawn(&id.kubeconfig, &["--namespace", ns, "--leader-elect=false"]);
+    // Refused for a while: long enough that a drain planned without them
+    // evicts share-0 (it would within a second of the start).
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let granted = Timestamp::now();
+    let grant = format!("{ns}-csidrivers");
+    create(
+        Api::<ClusterRole>::all(client.clone()),
+        json(serde_json::json!({
+            "metadata": {"name": grant},
+            "rules": [{"apiGroups": ["storage.k8s.io"], "resources": ["csidrivers"],
+                "verbs": ["list", "watch"]}]
+        })),
+    )
+    .await;
+    create(
+        Api::<ClusterRoleBinding>::all(client.clone()),
+        json(serde_json::json!({
+            "metadata": {"name": grant},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": grant},
+            "subjects": [{"kind": "ServiceAccount", "name": audit::RESTRICTED_SA, "namespace": "kube-system"}]
+        })),
+    )
+    .await;
+    gone(&client, ns, "a", Duration::from_secs(90)).await;
+
+    // By the watch of the pods (the bed audits only the usual controller's
+    // requests): no pod of share began to go before the grant (seen
+    // before it, it certainly did), and both went after it.
+    let seen = watches.seen();
+    let going: Vec<_> = seen
+        .iter()
+        .filter_map(|(t, s)| match s {
+            Seen::PodDeleting { name, .. } if name.starts_with("share-") => {
+                Some((*t, name.clone()))
+            }
+            _ => None,
+        })
+        .collect();
+    let log = watches.log();
+    assert!(
+        going.iter().all(|(t, _)| *t > granted),
+        "nothing evicted before the CSIDrivers could be known (granted {granted}): {log}"
+    );
+    for pod in ["share-0", "share-1"] {
+        assert!(going.iter().any(|(_, n)| n == pod), "{pod} evicted: {log}");
+    }
+    // By the audit log: the refusal was real (the controller asked, and
+    // was refused, before the grant), and no eviction was sent before it.
+    let user = audit::restricted_user();
+    let all = berth_devkit::bench::audit::parse(
+        &std::fs::read_to_string(bed.dir().join("audit.log")).expect("the audit log"),
+    );
+    let refused: Vec<_> = all
+        .iter()
+        .filter(|r| r.user == user && r.resource == "csidrivers" && r.code == 403)
+        .collect();
+    assert!(
+        !refused.is_empty() && refused.iter().all(|r| r.received < granted),
+        "the CSIDrivers refused before the grant, and only then: {refused:?}"
+    );
+    let sent: Vec<_> = audit::requests_of(bed, ns, &user)
+        .into_iter()
+        .filter(|r| r.resource == "pods" && r.subresource.as_deref() == Some("eviction"))
+        .collect();
+    assert!(
+        !sent.is_empty() && sent.iter().all(|r| r.received > granted),
+        "evictions only after the grant ({granted}): {sent:?}"
+    );
+    audit::assert_no_request_loop_of(bed, "late_csidrivers", ns, &user);
     berth.terminate().await;
 }

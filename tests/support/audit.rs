@@ -9,10 +9,21 @@ use tokio::sync::OnceCell;
 
 const CONTROLLER_NS: &str = "kube-system";
 const CONTROLLER_SA: &str = "berth-controller";
+/// A second controller identity the beds audit, for a case whose
+/// controller runs with less than cluster-admin (see
+/// [`restricted_user`]).
+pub const RESTRICTED_SA: &str = "berth-restricted";
 
 /// The user the controller's requests carry.
 pub fn controller_user() -> String {
     service_account_user(CONTROLLER_NS, CONTROLLER_SA)
+}
+
+/// The user of a controller a case binds to a ClusterRole of its own
+/// (`TestBed::identity_as` in namespace `kube-system`, named
+/// [`RESTRICTED_SA`]); audited like [`controller_user`].
+pub fn restricted_user() -> String {
+    service_account_user(CONTROLLER_NS, RESTRICTED_SA)
 }
 
 /// The identity the controller runs as on `bed`, the test binary's one bed
@@ -76,12 +87,16 @@ pub const PEAK_10S_CEILING: usize = 150;
 /// it alone): about objects in `ns`, or named after it (the pool's Nodes
 /// and PVs); oldest first.
 pub fn requests(bed: &TestBed, ns: &str) -> Vec<Request> {
-    let user = controller_user();
+    requests_of(bed, ns, &controller_user())
+}
+
+/// [`requests`] of `user`.
+pub fn requests_of(bed: &TestBed, ns: &str, user: &str) -> Vec<Request> {
     let log = std::fs::read_to_string(bed.dir().join("audit.log")).expect("the audit log");
     let prefix = format!("{ns}-");
     let mut mine: Vec<Request> = audit::parse(&log)
         .into_iter()
-        .filter(|r| r.user == user && r.verb != "watch")
+        .filter(|r| r.user == *user && r.verb != "watch")
         .filter(|r| {
             r.namespace.as_deref() == Some(ns)
                 || r.name.as_deref().is_some_and(|n| n.starts_with(&prefix))
@@ -93,7 +108,12 @@ pub fn requests(bed: &TestBed, ns: &str) -> Vec<Request> {
 
 /// The controller's [`Load`] for the case in namespace `ns`.
 pub fn load(bed: &TestBed, ns: &str) -> Load {
-    let mine = requests(bed, ns);
+    load_of(bed, ns, &controller_user())
+}
+
+/// [`load`] of `user`.
+pub fn load_of(bed: &TestBed, ns: &str, user: &str) -> Load {
+    let mine = requests_of(bed, ns, user);
     let window = k8s_openapi::jiff::SignedDuration::from_secs(10);
     let (mut peak, mut at) = (0, 0);
     for (i, r) in mine.iter().enumerate() {
@@ -140,7 +160,15 @@ pub const ROLLOUT_PEAK_10S_CEILING: usize = 400;
 /// [`assert_no_request_loop`] with the ceiling of a case that does more
 /// work in 10 seconds than a drain case.
 pub fn assert_no_request_loop_below(bed: &TestBed, case: &str, ns: &str, ceiling: usize) {
-    let l = load(bed, ns);
+    assert_below(load(bed, ns), case, ceiling);
+}
+
+/// [`assert_no_request_loop`] for a controller running as `user`.
+pub fn assert_no_request_loop_of(bed: &TestBed, case: &str, ns: &str, user: &str) {
+    assert_below(load_of(bed, ns, user), case, PEAK_10S_CEILING);
+}
+
+fn assert_below(l: Load, case: &str, ceiling: usize) {
     eprintln!(
         "requests: {case}: {} in {:.0} s ({:.2}/s), busiest 10 s: {} ({:?})",
         l.requests,

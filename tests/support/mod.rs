@@ -57,11 +57,12 @@ pub async fn bed() -> &'static TestBed {
 }
 
 /// A control plane of `options` that audits the controller's requests (see
-/// `audit`), with the CRDs installed.
+/// `audit`, both of its identities), with the CRDs installed.
 pub async fn start_bed(options: Options) -> TestBed {
-    let bed = TestBed::start(options.audit_only(&[&audit::controller_user()]))
-        .await
-        .expect("the end-to-end test bed starts");
+    let bed =
+        TestBed::start(options.audit_only(&[&audit::controller_user(), &audit::restricted_user()]))
+            .await
+            .expect("the end-to-end test bed starts");
     let client = bed.client().await.expect("client");
     berth::api::install_crds(client, LONG)
         .await

@@ -116,6 +116,9 @@ pub enum Seen {
     PodReady { name: String, uid: String },
     /// Pod `name` (this UID) finished: phase Succeeded or Failed.
     PodFinished { name: String, uid: String },
+    /// Pod `name` (this UID) is being deleted (evicted, or deleted): its
+    /// deletion timestamp is set.
+    PodDeleting { name: String, uid: String },
     /// Pod `name` (this UID) is gone.
     PodGone { name: String, uid: String },
 }
@@ -180,6 +183,7 @@ impl Watches {
                 let mut bound = std::collections::BTreeSet::new();
                 let mut ready = std::collections::BTreeSet::new();
                 let mut finished = std::collections::BTreeSet::new();
+                let mut deleting = std::collections::BTreeSet::new();
                 let mut stream = watcher::watcher(api, watcher::Config::default()).boxed();
                 while let Some(ev) = stream.next().await {
                     let now = Timestamp::now();
@@ -202,6 +206,14 @@ impl Watches {
                             }
                             if is_ready(&p) && ready.insert(uid.clone()) {
                                 record(Seen::PodReady {
+                                    name: p.name_any(),
+                                    uid: uid.clone(),
+                                });
+                            }
+                            if p.metadata.deletion_timestamp.is_some()
+                                && deleting.insert(uid.clone())
+                            {
+                                record(Seen::PodDeleting {
                                     name: p.name_any(),
                                     uid: uid.clone(),
                                 });

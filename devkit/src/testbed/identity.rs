@@ -1,6 +1,7 @@
 //! A client with an identity of its own on the test bed: a ServiceAccount
-//! bound to `cluster-admin`, with a token in a kubeconfig of its own, so
-//! that the audit log tells the controller's requests from the test's.
+//! bound to `cluster-admin` (or to a ClusterRole a test makes), with a
+//! token in a kubeconfig of its own, so that the audit log tells the
+//! controller's requests from the test's.
 
 use std::path::PathBuf;
 
@@ -43,6 +44,17 @@ impl TestBed {
     /// `cluster-admin`, with a token valid for two hours; its kubeconfig is
     /// written into the bed's directory.
     pub async fn identity(&self, admin: &Client, ns: &str, name: &str) -> anyhow::Result<Identity> {
+        self.identity_as(admin, ns, name, "cluster-admin").await
+    }
+
+    /// [`TestBed::identity`], bound to ClusterRole `role` instead.
+    pub async fn identity_as(
+        &self,
+        admin: &Client,
+        ns: &str,
+        name: &str,
+        role: &str,
+    ) -> anyhow::Result<Identity> {
         create_or_keep(
             Api::<ServiceAccount>::namespaced(admin.clone(), ns),
             serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?,
@@ -53,7 +65,7 @@ impl TestBed {
             Api::<ClusterRoleBinding>::all(admin.clone()),
             serde_json::from_value(serde_json::json!({
                 "metadata": {"name": binding},
-                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
                 "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}]
             }))?,
         )

@@ -1266,3 +1266,242 @@ async fn no_drain_is_planned_before_the_csi_drivers_are_known() {
     audit::assert_no_request_loop_of(bed, "late_csidrivers", ns, &user);
     berth.terminate().await;
 }
+
+/// Class 4, its other half. The API server's own flow control (API
+/// Priority and Fairness) turns the controller's evictions away with 429
+/// while the pod's budget allows the eviction: that is no budget's refusal.
+/// The case's evictions go to a priority level with no seat of its own and
+/// none to borrow, whose one request at a time (the least APF runs) is
+/// taken by a request whose body never comes; APF rejects every other with
+/// a plain-text 429. By the audit log: the evictions refused 429 while the
+/// seat is held, retried at a bounded pace, and the pod evicted once, after
+/// the seat is freed. What operators are told: `blockedBy` never names the
+/// pod, and no `EvictionBlocked` Warning.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_eviction_the_api_server_throttles_is_not_a_budget_refusal() {
+    use k8s_openapi::api::flowcontrol::v1::{FlowSchema, PriorityLevelConfiguration};
+    let ns = "promise-throttled";
+    let client = case(ns, serde_json::json!({"timeout": "10m"})).await;
+    let bed = bed().await;
+    let ctl = start(ns).await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    create(
+        Api::namespaced(client.clone(), ns),
+        deployment("web", 1, 1, ns),
+    )
+    .await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    wait::until(pods, LONG, "web running on A", |ps| {
+        ps.iter()
+            .any(|p| p.name_any().starts_with("web-") && on_node(p, &node_a) && pod_running(p))
+    })
+    .await
+    .expect("web runs");
+    create(
+        Api::<PodDisruptionBudget>::namespaced(client.clone(), ns),
+        json(serde_json::json!({
+            "metadata": {"name": "web"},
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"app": "web"}}}
+        })),
+    )
+    .await;
+    running_machine(&client, ns, "b", ns).await;
+
+    // The priority level, and the flow schema that sends the case's
+    // evictions to it: the controller's and a holder's.
+    let holder = bed
+        .identity(&client, ns, "seat-holder")
+        .await
+        .expect("the holder's identity");
+    create(
+        Api::<PriorityLevelConfiguration>::all(client.clone()),
+        json(serde_json::json!({
+            "metadata": {"name": ns},
+            "spec": {"type": "Limited", "limited": {
+                "nominalConcurrencyShares": 0, "lendablePercent": 0, "borrowingLimitPercent": 0,
+                "limitResponse": {"type": "Reject"}
+            }}
+        })),
+    )
+    .await;
+    create(
+        Api::<FlowSchema>::all(client.clone()),
+        json(serde_json::json!({
+            "metadata": {"name": ns},
+            "spec": {
+                "priorityLevelConfiguration": {"name": ns},
+                "matchingPrecedence": 100,
+                "rules": [{
+                    "subjects": [
+                        {"kind": "User", "user": {"name": audit::controller_user()}},
+                        {"kind": "User", "user": {"name": holder.user}}
+                    ],
+                    "resourceRules": [{"verbs": ["create"], "apiGroups": [""],
+                        "resources": ["pods/eviction"], "namespaces": [ns]}]
+                }]
+            }
+        })),
+    )
+    .await;
+    // The holder's eviction of a pod that does not exist, whose body never
+    // comes: it holds the level's one seat until it is killed.
+    let ca = bed.dir().join(format!("{ns}-ca.pem"));
+    std::fs::write(&ca, bed.ca_pem().expect("the bed's CA")).expect("write the CA");
+    let url = format!("{}/api/v1/namespaces/{ns}/pods/held/eviction", bed.server());
+    let mut hold = tokio::process::Command::new("curl")
+        .args(["-sS", "--cacert"])
+        .arg(&ca)
+        .args(["-H", "Content-Type: application/json", "-H", "Expect:"])
+        .arg("-H")
+        .arg(format!("Authorization: Bearer {}", holder.token))
+        .args(["-X", "POST", "-T", "-", &url])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("curl runs");
+    // In force once the holder's own probe is turned away.
+    let probe: Api<Pod> = Api::namespaced(holder.client().await.expect("client"), ns);
+    let until = std::time::Instant::now() + LONG;
+    loop {
+        match probe.evict("probe", &Default::default()).await {
+            Err(kube::Error::Api(s)) if s.code == 429 => break,
+            _ => {}
+        }
+        assert!(std::time::Instant::now() < until, "the seat is never held");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Everything Machine a's status says of blocks while it drains.
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    let told = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let watching = {
+        let told = told.clone();
+        tokio::spawn(async move {
+            use futures::StreamExt;
+            let mut stream = kube::runtime::watcher(machines, Default::default()).boxed();
+            while let Some(ev) = stream.next().await {
+                if let Ok(kube::runtime::watcher::Event::Apply(m)) = ev
+                    && m.name_any() == "a"
+                    && let Some(b) = m
+                        .status
+                        .as_ref()
+                        .and_then(|s| s.drain.as_ref())
+                        .and_then(|d| d.blocked_by.clone())
+                {
+                    told.lock().expect("lock").push(b);
+                }
+            }
+        })
+    };
+    delete_machine(&client, ns, "a").await;
+    let throttled = |all: &[berth_devkit::bench::audit::Request]| {
+        all.iter()
+            .filter(|r| r.resource == "pods" && r.subresource.as_deref() == Some("eviction"))
+            .filter(|r| r.code == 429)
+            .count()
+    };
+    let until = std::time::Instant::now() + LONG;
+    while throttled(&evictions(bed, ns)) < 3 {
+        assert!(
+            std::time::Instant::now() < until,
+            "no three throttled evictions: {}",
+            oracle::log_of(&evictions(bed, ns))
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let freed = Timestamp::now();
+    hold.kill().await.expect("kill the holder");
+    gone(&client, ns, "a", Duration::from_secs(90)).await;
+    watching.abort();
+
+    let all = evictions(bed, ns);
+    let log = oracle::log_of(&all);
+    let accepted = accepted_evictions_of(&all, "web-*");
+    assert!(
+        accepted.len() == 1 && accepted[0].received > freed,
+        "web evicted once, after the seat was freed ({freed}): {log}"
+    );
+    assert!(
+        all.iter().all(|r| r.code == 429 || oracle::accepted(r)),
+        "nothing but throttled and accepted evictions: {log}"
+    );
+    // Retried at a bounded pace, not in a loop: the backoff doubles from a
+    // second to its ceiling.
+    let throttled_n = throttled(&all);
+    assert!(
+        (3..=12).contains(&throttled_n),
+        "{throttled_n} throttled: {log}"
+    );
+    let told = told.lock().expect("lock").clone();
+    assert!(
+        told.iter().all(|b| !b.contains("web-")),
+        "a throttled eviction is no block of the pod: {told:?}"
+    );
+    let warned: Vec<_> = Api::<k8s_openapi::api::core::v1::Event>::namespaced(client.clone(), ns)
+        .list(&Default::default())
+        .await
+        .expect("list Events")
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some("EvictionBlocked"))
+        .map(|e| e.message.unwrap_or_default())
+        .collect();
+    assert!(warned.is_empty(), "no EvictionBlocked Warning: {warned:?}");
+    assert_no_request_loop(bed, "throttled", ns);
+    ctl.stop().await;
+    drop(hold);
+}
+
+/// An eviction is pinned to the UID of the pod the drain planned: when
+/// that pod is gone and another took its name (a StatefulSet's replacement,
+/// here a pod made again by the test), the eviction answers that the pod is
+/// gone and the new pod is left alone, by the real API server's answer and
+/// the new pod's own state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_eviction_never_takes_the_pod_that_took_the_name() {
+    use berth::drain::evict::{Evicted, evict};
+    let ns = "promise-pinned";
+    let client = case(ns, serde_json::json!({})).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    // Kept Pending (no Node has the label): an eviction works the same.
+    let pod = || -> Pod {
+        json(serde_json::json!({
+            "metadata": {"name": "db-0"},
+            "spec": {
+                "nodeSelector": {"pinned.berth.dev/nowhere": "true"},
+                "containers": [{"name": "c", "image": "db"}]
+            }
+        }))
+    };
+    let old = pods
+        .create(&PostParams::default(), &pod())
+        .await
+        .expect("the first db-0");
+    pods.delete("db-0", &DeleteParams::default().grace_period(0))
+        .await
+        .expect("delete it");
+    let until = std::time::Instant::now() + LONG;
+    while pods.get_opt("db-0").await.expect("read").is_some() {
+        assert!(std::time::Instant::now() < until, "db-0 never goes");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let new = pods
+        .create(&PostParams::default(), &pod())
+        .await
+        .expect("the second db-0");
+    assert_ne!(old.uid(), new.uid());
+
+    let answer = evict(&client, &old).await;
+    assert!(matches!(answer, Evicted::Gone), "{answer:?}");
+    let now = pods.get("db-0").await.expect("db-0 is there");
+    assert!(
+        now.uid() == new.uid() && now.metadata.deletion_timestamp.is_none(),
+        "the pod that took the name is untouched: {:?}",
+        now.metadata
+    );
+    // And the pod itself is evicted.
+    let answer = evict(&client, &new).await;
+    assert!(matches!(answer, Evicted::Accepted), "{answer:?}");
+}

@@ -19,6 +19,8 @@ use super::{TestBed, create_or_keep};
 pub struct Identity {
     pub kubeconfig: PathBuf,
     pub user: String,
+    /// Its bearer token, for a request made without a Kubernetes client.
+    pub token: String,
 }
 
 impl Identity {
@@ -80,7 +82,7 @@ impl TestBed {
             )
             .await?
             .status
-            .map(|s| s.token)
+            .and_then(|s| s.token)
             .context("no token issued")?;
         let kubeconfig = self.dir().join(format!("{binding}.kubeconfig"));
         let ca = base64::Engine::encode(&base64::engine::general_purpose::STANDARD, self.ca_pem()?);
@@ -89,13 +91,14 @@ impl TestBed {
             serde_yaml_ng::to_string(&serde_json::json!({
                 "apiVersion": "v1", "kind": "Config", "current-context": "bed",
                 "clusters": [{"name": "bed", "cluster": {"server": self.server(), "certificate-authority-data": ca}}],
-                "users": [{"name": name, "user": {"token": token}}],
+                "users": [{"name": name, "user": {"token": &token}}],
                 "contexts": [{"name": "bed", "context": {"cluster": "bed", "user": name, "namespace": ns}}]
             }))?,
         )?;
         Ok(Identity {
             kubeconfig,
             user: service_account_user(ns, name),
+            token,
         })
     }
 }

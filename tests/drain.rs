@@ -921,6 +921,65 @@ fn claim_user(name: &str, node: &str, owner: &ConfigMap) -> Pod {
     }))
 }
 
+/// The volume of a claim (PV `<ns>-pv`) used by pod `first` on Node
+/// `old`, once attached there. The pod's controller is played by the
+/// test: a ConfigMap owns the pods (the garbage collector only needs the
+/// owner to exist), and the test makes the replacement when it wants, as a
+/// busy kube-controller-manager would. Returns the PV's name and the owner.
+async fn first_claim_user(client: &Client, ns: &str, old: &str) -> (String, ConfigMap) {
+    let pv = format!("{ns}-pv");
+    claim_and_volume(client, ns, &pv).await;
+    let owner = Api::<ConfigMap>::namespaced(client.clone(), ns)
+        .create(
+            &PostParams::default(),
+            &json(serde_json::json!({"metadata": {"name": "controller"}})),
+        )
+        .await
+        .expect("owner");
+    create(
+        Api::namespaced(client.clone(), ns),
+        claim_user("first", old, &owner),
+    )
+    .await;
+    wait::for_one(
+        Api::<VolumeAttachment>::all(client.clone()),
+        LONG,
+        "attached to the old Node",
+        |va| {
+            va.spec.source.persistent_volume_name.as_deref() == Some(pv.as_str())
+                && va.spec.node_name == old
+                && va.status.as_ref().is_some_and(|s| s.attached)
+        },
+    )
+    .await
+    .expect("the volume attaches");
+    (pv, owner)
+}
+
+/// By the audit log: Node `old` was deleted only after the attacher wrote
+/// volume `pv` attached on Node `new`.
+async fn node_went_after_attach(ns: &str, pv: &str, old: &str, new: &str, watches: &Watches) {
+    let all = oracle::requests_once(bed().await, ns, |rs| {
+        rs.iter()
+            .any(|r| r.verb == "delete" && r.resource == "nodes")
+    })
+    .await;
+    let truth = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let node_deleted = all
+        .iter()
+        .find(|r| r.verb == "delete" && r.resource == "nodes" && r.name.as_deref() == Some(old))
+        .map(|r| r.received)
+        .unwrap_or_else(|| panic!("the old Node deleted: {truth}"));
+    let attached_new = watches
+        .attached_on(bed().await, pv, new)
+        .await
+        .unwrap_or_else(|| panic!("attached on the new Node: {truth}"));
+    assert!(
+        attached_new < node_deleted,
+        "the Node went only once the replacement had the volume: {truth}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_controlled_pod_whose_replacement_comes_late_is_still_waited_for() {
     let client = client().await;
@@ -930,38 +989,9 @@ async fn a_controlled_pod_whose_replacement_comes_late_is_still_waited_for() {
     let ctl = start(ns, "drain-late").await;
     let old = running_machine(&client, ns, "old", ns).await;
     let new = running_machine(&client, ns, "new", ns).await;
-    let pv = format!("{ns}-pv");
-    claim_and_volume(&client, ns, &pv).await;
-    // The controller is played by the test: a ConfigMap owns the pods (the
-    // garbage collector only needs the owner to exist), and the replacement
-    // is created seconds after the volume detached, as a busy
-    // kube-controller-manager would.
-    let owner = Api::<ConfigMap>::namespaced(client.clone(), ns)
-        .create(
-            &PostParams::default(),
-            &json(serde_json::json!({"metadata": {"name": "controller"}})),
-        )
-        .await
-        .expect("owner");
+    let (pv, owner) = first_claim_user(&client, ns, &old).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    create(pods.clone(), claim_user("first", &old, &owner)).await;
-    let attached_on = |node: String| {
-        let pv = pv.clone();
-        move |va: &VolumeAttachment| {
-            va.spec.source.persistent_volume_name.as_deref() == Some(pv.as_str())
-                && va.spec.node_name == node
-                && va.status.as_ref().is_some_and(|s| s.attached)
-        }
-    };
     let vas = Api::<VolumeAttachment>::all(client.clone());
-    wait::for_one(
-        vas.clone(),
-        LONG,
-        "attached to the old Node",
-        attached_on(old.clone()),
-    )
-    .await
-    .expect("the volume attaches");
 
     let watches = Watches::start(&client, ns).await;
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
@@ -988,26 +1018,7 @@ async fn a_controlled_pod_whose_replacement_comes_late_is_still_waited_for() {
     wait::for_none(machines, LONG, "old gone", |m| m.name_any() == "old")
         .await
         .expect("the drain ends once the volume attached on the new Node");
-    // By the audit log: the old Node was deleted only after the attacher
-    // wrote the volume attached on the new one.
-    let all = oracle::requests_once(bed().await, ns, |rs| {
-        rs.iter()
-            .any(|r| r.verb == "delete" && r.resource == "nodes")
-    })
-    .await;
-    let truth = format!("{}\n{}", oracle::log_of(&all), watches.log());
-    let node_deleted = all
-        .iter()
-        .find(|r| {
-            r.verb == "delete" && r.resource == "nodes" && r.name.as_deref() == Some(old.as_str())
-        })
-        .map(|r| r.received)
-        .unwrap_or_else(|| panic!("the old Node deleted: {truth}"));
-    let attached_new = watches
-        .attached_on(bed().await, &pv, &new)
-        .await
-        .unwrap_or_else(|| panic!("attached on the new Node: {truth}"));
-    assert!(attached_new < node_deleted, "{truth}");
+    node_went_after_attach(ns, &pv, &old, &new, &watches).await;
     // What operators are told.
     let evs = events(&client, ns, "old").await;
     let log = log_of(&evs);
@@ -1040,34 +1051,16 @@ async fn a_replacement_that_comes_late_after_a_restart_is_still_waited_for() {
     let berth = Berth::spawn(kubeconfig, &flags);
     let old = running_machine(&client, ns, "old", ns).await;
     let new = running_machine(&client, ns, "new", ns).await;
-    let pv = format!("{ns}-pv");
-    claim_and_volume(&client, ns, &pv).await;
-    let owner = Api::<ConfigMap>::namespaced(client.clone(), ns)
-        .create(
-            &PostParams::default(),
-            &json(serde_json::json!({"metadata": {"name": "controller"}})),
-        )
-        .await
-        .expect("owner");
+    let (pv, owner) = first_claim_user(&client, ns, &old).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
-    create(pods.clone(), claim_user("first", &old, &owner)).await;
     let vas = Api::<VolumeAttachment>::all(client.clone());
-    let on = |node: String, attached: bool| {
+    let on = |node: String| {
         let pv = pv.clone();
         move |va: &VolumeAttachment| {
             va.spec.source.persistent_volume_name.as_deref() == Some(pv.as_str())
                 && va.spec.node_name == node
-                && (!attached || va.status.as_ref().is_some_and(|s| s.attached))
         }
     };
-    wait::for_one(
-        vas.clone(),
-        LONG,
-        "attached to the old Node",
-        on(old.clone(), true),
-    )
-    .await
-    .expect("the volume attaches");
     let watches = Watches::start(&client, ns).await;
 
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
@@ -1079,7 +1072,7 @@ async fn a_replacement_that_comes_late_after_a_restart_is_still_waited_for() {
         vas.clone(),
         LONG,
         "detached from the old Node",
-        on(old.clone(), false),
+        on(old.clone()),
     )
     .await
     .expect("the volume detaches");
@@ -1091,27 +1084,7 @@ async fn a_replacement_that_comes_late_after_a_restart_is_still_waited_for() {
         .await
         .expect("the resumed drain ends once the volume attached on the new Node");
 
-    let all = oracle::requests_once(bed().await, ns, |rs| {
-        rs.iter()
-            .any(|r| r.verb == "delete" && r.resource == "nodes")
-    })
-    .await;
-    let truth = format!("{}\n{}", oracle::log_of(&all), watches.log());
-    let node_deleted = all
-        .iter()
-        .find(|r| {
-            r.verb == "delete" && r.resource == "nodes" && r.name.as_deref() == Some(old.as_str())
-        })
-        .map(|r| r.received)
-        .unwrap_or_else(|| panic!("the old Node deleted: {truth}"));
-    let attached_new = watches
-        .attached_on(bed().await, &pv, &new)
-        .await
-        .unwrap_or_else(|| panic!("attached on the new Node: {truth}"));
-    assert!(
-        attached_new < node_deleted,
-        "the Node went only once the late replacement had the volume: {truth}"
-    );
+    node_went_after_attach(ns, &pv, &old, &new, &watches).await;
     calm(
         "a_replacement_that_comes_late_after_a_restart_is_still_waited_for",
         ns,

@@ -153,6 +153,55 @@ async fn blocked_by(
         .unwrap_or_default()
 }
 
+/// A case whose volumes are on CSI driver `driver`, which attaches nothing
+/// (`attachRequired: false`); its deadline (10 min) and reattach timeout
+/// (5 min) are far beyond what a test waits, so that a volume taken for an
+/// attachable one shows as a Machine never gone.
+async fn attach_free_case(ns: &str, driver: &str) -> Client {
+    use k8s_openapi::api::storage::v1::CSIDriver;
+    let client = case(
+        ns,
+        serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "5m"}),
+    )
+    .await;
+    create(
+        Api::<CSIDriver>::all(client.clone()),
+        json(serde_json::json!({"metadata": {"name": driver}, "spec": {"attachRequired": false}})),
+    )
+    .await;
+    client
+}
+
+/// StatefulSet `share` of two pods kept to pool `ns`, each with a PV on
+/// CSI driver `driver`; `template` adjusts its pod template.
+async fn share(
+    client: &Client,
+    ns: &str,
+    driver: &str,
+    template: impl FnOnce(&mut k8s_openapi::api::core::v1::PodTemplateSpec),
+) {
+    for i in 0..2 {
+        let mut pv = csi_pv(
+            &format!("{ns}-share-{i}"),
+            &format!("share-{i}"),
+            ns,
+            &format!("data-share-{i}"),
+        );
+        if let Some(csi) = pv.spec.as_mut().and_then(|s| s.csi.as_mut()) {
+            csi.driver = driver.into();
+        }
+        create(Api::all(client.clone()), pv).await;
+    }
+    let mut sts: StatefulSet = stateful_set("share", 2, 1);
+    if let Some(spec) = sts.spec.as_mut() {
+        if let Some(s) = spec.template.spec.as_mut() {
+            s.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
+        }
+        template(&mut spec.template);
+    }
+    create(Api::namespaced(client.clone(), ns), sts).await;
+}
+
 async fn annotate_pod(client: &Client, ns: &str, pod: &str, key: &str, value: &str) {
     Api::<Pod>::namespaced(client.clone(), ns)
         .patch(
@@ -901,49 +950,22 @@ async fn a_restart_in_the_last_reattach_wait_resumes_it_and_clears_its_record() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resumed_attach_free_move_waits_for_readiness_not_a_timeout() {
     use berth_devkit::testbed::stages::READY_AFTER_ANNOTATION;
-    use k8s_openapi::api::storage::v1::CSIDriver;
     use support::process::Berth;
     let ns = "promise-resume-free";
     let driver = "attach-free.promises.berth.dev";
-    let client = case(
-        ns,
-        serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "5m"}),
-    )
-    .await;
-    create(
-        Api::<CSIDriver>::all(client.clone()),
-        json(serde_json::json!({"metadata": {"name": driver}, "spec": {"attachRequired": false}})),
-    )
-    .await;
+    let client = attach_free_case(ns, driver).await;
     let flags = ["--namespace", ns, "--leader-elect=false"];
     let kubeconfig = &controller(bed().await).await.kubeconfig;
     let berth = Berth::spawn(kubeconfig, &flags);
     let node_a = running_machine(&client, ns, "a", ns).await;
-    for i in 0..2 {
-        let mut pv = csi_pv(
-            &format!("{ns}-share-{i}"),
-            &format!("share-{i}"),
-            ns,
-            &format!("data-share-{i}"),
-        );
-        if let Some(csi) = pv.spec.as_mut().and_then(|s| s.csi.as_mut()) {
-            csi.driver = driver.into();
-        }
-        create(Api::all(client.clone()), pv).await;
-    }
-    let mut sts: StatefulSet = stateful_set("share", 2, 1);
-    if let Some(spec) = sts.spec.as_mut() {
-        spec.template
-            .metadata
+    share(&client, ns, driver, |t| {
+        t.metadata
             .get_or_insert_default()
             .annotations
             .get_or_insert_default()
             .insert(READY_AFTER_ANNOTATION.into(), "8s".into());
-        if let Some(s) = spec.template.spec.as_mut() {
-            s.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
-        }
-    }
-    create(Api::namespaced(client.clone(), ns), sts).await;
+    })
+    .await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     let ready = |p: &Pod| {
         p.status
@@ -1126,40 +1148,14 @@ async fn a_held_move_survives_a_restart_and_ends_where_its_replacement_runs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_drain_is_planned_before_the_csi_drivers_are_known() {
     use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
-    use k8s_openapi::api::storage::v1::CSIDriver;
     use support::process::Berth;
     let ns = "promise-csidrivers";
     let driver = "attach-free.csidrivers.berth.dev";
-    let client = case(
-        ns,
-        serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "5m"}),
-    )
-    .await;
-    create(
-        Api::<CSIDriver>::all(client.clone()),
-        json(serde_json::json!({"metadata": {"name": driver}, "spec": {"attachRequired": false}})),
-    )
-    .await;
+    let client = attach_free_case(ns, driver).await;
     // The Machines and the workload, with the usual controller.
     let ctl = start(ns).await;
     let node_a = running_machine(&client, ns, "a", ns).await;
-    for i in 0..2 {
-        let mut pv = csi_pv(
-            &format!("{ns}-share-{i}"),
-            &format!("share-{i}"),
-            ns,
-            &format!("data-share-{i}"),
-        );
-        if let Some(csi) = pv.spec.as_mut().and_then(|s| s.csi.as_mut()) {
-            csi.driver = driver.into();
-        }
-        create(Api::all(client.clone()), pv).await;
-    }
-    let mut sts: StatefulSet = stateful_set("share", 2, 1);
-    if let Some(s) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
-        s.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
-    }
-    create(Api::namespaced(client.clone(), ns), sts).await;
+    share(&client, ns, driver, |_| {}).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     wait::until(pods, LONG, "share-0 and share-1 running on A", |ps| {
         ps.iter()

@@ -38,6 +38,14 @@ async fn client() -> Client {
     delayed_client(ATTACH_DELAY, DETACH_DELAY).await
 }
 
+/// A case's namespace and pool class (drain settings `drain`).
+async fn case(ns: &str, drain: serde_json::Value) -> Client {
+    let client = client().await;
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, drain).await;
+    client
+}
+
 /// The controller for the case in `ns`, as its own identity (audited).
 async fn start(ns: &str) -> support::Running {
     start_delayed(ATTACH_DELAY, DETACH_DELAY, ns, ns).await
@@ -209,15 +217,8 @@ async fn an_attach_free_stateful_set_drains_without_waiting_for_a_timeout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_volume_is_evicted_and_its_loss_named() {
-    let client = client().await;
     let ns = "kinds-evict";
-    support::namespace(&client, ns).await;
-    pool_class(
-        &client,
-        ns,
-        serde_json::json!({"volumeReattachTimeout": "5m"}),
-    )
-    .await;
+    let client = case(ns, serde_json::json!({"volumeReattachTimeout": "5m"})).await;
     let ctl = start(ns).await;
     let node = running_held(&client, ns, "a", ns, true).await;
     let pv = format!("{ns}-local");
@@ -278,11 +279,8 @@ async fn a_local_volume_is_evicted_and_its_loss_named() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn block_holds_a_local_volume_until_an_operator_allows_it() {
-    let client = client().await;
     let ns = "kinds-block";
-    support::namespace(&client, ns).await;
-    pool_class(
-        &client,
+    let client = case(
         ns,
         serde_json::json!({"nodeLocalVolumes": "Block", "timeout": "10m"}),
     )
@@ -517,10 +515,8 @@ async fn a_shared_volume_has_moved_only_once_attached_where_the_replacement_runs
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_in_tree_volume_is_planned_under_its_migrated_csi_name() {
-    let client = client().await;
     let ns = "kinds-intree";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({})).await;
+    let client = case(ns, serde_json::json!({})).await;
     let ctl = start(ns).await;
     let node = running_held(&client, ns, "a", ns, false).await;
     let pv = format!("{ns}-ebs");
@@ -614,15 +610,8 @@ fn watch_node_lists(client: &Client) -> (NodeLists, tokio::task::JoinHandle<()>)
 /// Nodes).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_in_tree_iscsi_volume_moves_as_the_node_lists_it() {
-    let client = client().await;
     let ns = "kinds-iscsi";
-    support::namespace(&client, ns).await;
-    pool_class(
-        &client,
-        ns,
-        serde_json::json!({"volumeReattachTimeout": "5m"}),
-    )
-    .await;
+    let client = case(ns, serde_json::json!({"volumeReattachTimeout": "5m"})).await;
     let ctl = start(ns).await;
     let node_a = running_held(&client, ns, "a", ns, false).await;
     let unique =
@@ -733,15 +722,8 @@ fn listing_write(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_inline_iscsi_volume_moves_as_a_claim_would() {
     use berth_devkit::testbed::fixtures::deployment;
-    let client = client().await;
     let ns = "kinds-inline";
-    support::namespace(&client, ns).await;
-    pool_class(
-        &client,
-        ns,
-        serde_json::json!({"volumeReattachTimeout": "5m"}),
-    )
-    .await;
+    let client = case(ns, serde_json::json!({"volumeReattachTimeout": "5m"})).await;
     let ctl = start(ns).await;
     let node_a = running_held(&client, ns, "a", ns, false).await;
     // One target each: the scheduler lets no two pods on a Node mount the

@@ -18,9 +18,11 @@ pub(crate) struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum Command {
-    /// Run the controller: reconcile Machines and drain their Nodes.
+    /// Run the controller: reconcile Machines (draining their Nodes),
+    /// MachineSets and MachineDeployments, and collect orphan VMs.
     Run(Box<crate::wiring::process::RunArgs>),
-    /// Print the CustomResourceDefinitions (MachineClass, Machine) as YAML.
+    /// Print the CustomResourceDefinitions (MachineClass, Machine,
+    /// MachineSet, MachineDeployment) as YAML.
     Crd,
     /// Print the drain that would happen now for a Machine (read-only): the
     /// pods in each group and their order, each stateful pod's volumes and

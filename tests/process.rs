@@ -105,6 +105,26 @@ async fn missing_crds_get_a_clear_message_then_berth_starts_by_itself() {
         "a clear message, not a crash"
     );
 
+    // Two of the four: still not ready, and the next missing one named.
+    {
+        use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+        use kube::CustomResourceExt;
+        let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+        for crd in [MachineClass::crd(), Machine::crd()] {
+            crds.create(&PostParams::default(), &crd)
+                .await
+                .expect("a CRD created");
+        }
+    }
+    berth
+        .wait_log("machinesets.berth.dev is not installed")
+        .await;
+    assert_eq!(
+        berth.get("/readyz").await.map(|(s, _)| s),
+        Some(503),
+        "not ready with two CRDs of four"
+    );
+
     berth::api::install_crds(client.clone(), LONG)
         .await
         .expect("CRDs installed");

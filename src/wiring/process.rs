@@ -7,8 +7,9 @@
 //! 2. The Kubernetes client: retries inside the client are off (a 429 from a
 //!    PodDisruptionBudget must reach the drain, not hide in the client for
 //!    minutes) and requests are rate-limited to `--kube-qps`/`--kube-burst`.
-//! 3. The CRDs: while `machines.berth.dev` or `machineclasses.berth.dev` is
-//!    missing (or RBAC forbids reading them), the process says so in one
+//! 3. The CRDs: while any of the four (`machines`, `machineclasses`,
+//!    `machinesets`, `machinedeployments`, all `.berth.dev`) is missing
+//!    (or RBAC forbids reading them), the process says so in one
 //!    clear log line, how to fix it, and tries again with backoff instead of
 //!    exiting into a crash loop. `/readyz` stays 503 meanwhile.
 //! 4. Leader election on a Lease (unless disabled): a standby replica is
@@ -529,9 +530,9 @@ fn default_identity() -> String {
 /// What stops the controller from starting when its CRDs cannot be read.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum CrdProblem {
-    Missing(&'static str),
-    Forbidden(&'static str, String),
-    Other(&'static str, String),
+    Missing(String),
+    Forbidden(String, String),
+    Other(String, String),
 }
 
 impl std::fmt::Display for CrdProblem {
@@ -554,7 +555,7 @@ impl std::fmt::Display for CrdProblem {
 }
 
 /// Classifies the error of listing a CRD's objects.
-pub(crate) fn crd_problem(crd: &'static str, e: &kube::Error) -> CrdProblem {
+pub(crate) fn crd_problem(crd: String, e: &kube::Error) -> CrdProblem {
     match e {
         kube::Error::Api(s) if s.code == 404 => CrdProblem::Missing(crd),
         kube::Error::Api(s) if s.code == 403 => CrdProblem::Forbidden(crd, s.message.clone()),
@@ -563,23 +564,41 @@ pub(crate) fn crd_problem(crd: &'static str, e: &kube::Error) -> CrdProblem {
 }
 
 async fn check_crds(client: &Client, namespace: Option<&str>) -> Result<(), CrdProblem> {
-    let lp = kube::api::ListParams::default().limit(1);
-    let machines: Api<Machine> = match namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
-    machines
-        .list_metadata(&lp)
-        .await
-        .map_err(|e| crd_problem("machines.berth.dev", &e))?;
-    Api::<MachineClass>::all(client.clone())
-        .list_metadata(&lp)
-        .await
-        .map_err(|e| crd_problem("machineclasses.berth.dev", &e))?;
+    use crate::api::{MachineDeployment, MachineSet};
+    use kube::Resource;
+    /// Lists at most one `K` (its metadata): whether the CRD is served and
+    /// this identity may read it.
+    async fn listable<K>(api: Api<K>) -> Result<(), CrdProblem>
+    where
+        K: Resource<DynamicType = ()> + Clone + std::fmt::Debug + serde::de::DeserializeOwned,
+    {
+        api.list_metadata(&kube::api::ListParams::default().limit(1))
+            .await
+            .map(|_| ())
+            .map_err(|e| crd_problem(crd_name::<K>(), &e))
+    }
+    fn scoped<K>(client: &Client, namespace: Option<&str>) -> Api<K>
+    where
+        K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>,
+    {
+        match namespace {
+            Some(ns) => Api::namespaced(client.clone(), ns),
+            None => Api::all(client.clone()),
+        }
+    }
+    listable(scoped::<Machine>(client, namespace)).await?;
+    listable(Api::<MachineClass>::all(client.clone())).await?;
+    listable(scoped::<MachineSet>(client, namespace)).await?;
+    listable(scoped::<MachineDeployment>(client, namespace)).await?;
     Ok(())
 }
 
-/// Returns once both CRDs can be listed, logging one clear line per
+/// `<plural>.<group>`, the name of `K`'s CustomResourceDefinition.
+fn crd_name<K: kube::Resource<DynamicType = ()>>() -> String {
+    format!("{}.{}", K::plural(&()), K::group(&()))
+}
+
+/// Returns once all four CRDs can be listed, logging one clear line per
 /// failed attempt (backoff 1s doubling to 1 minute).
 async fn wait_for_crds(client: &Client, namespace: Option<&str>) {
     use backon::BackoffBuilder;
@@ -710,16 +729,28 @@ mod tests {
                 ..Default::default()
             }))
         };
-        let missing = crd_problem("machines.berth.dev", &status(404));
-        assert_eq!(missing, CrdProblem::Missing("machines.berth.dev"));
+        let missing = crd_problem("machines.berth.dev".into(), &status(404));
+        assert_eq!(missing, CrdProblem::Missing("machines.berth.dev".into()));
         assert!(missing.to_string().contains("berth crd | kubectl apply"));
-        let forbidden = crd_problem("machines.berth.dev", &status(403));
+        let forbidden = crd_problem("machines.berth.dev".into(), &status(403));
         assert!(matches!(forbidden, CrdProblem::Forbidden(_, _)));
         assert!(forbidden.to_string().contains("get/list/watch"));
         assert!(matches!(
-            crd_problem("x", &status(500)),
-            CrdProblem::Other("x", _)
+            crd_problem("x".into(), &status(500)),
+            CrdProblem::Other(c, _) if c == "x"
         ));
+    }
+
+    #[test]
+    fn the_four_crds_are_named_as_kubectl_names_them() {
+        use crate::api::{MachineDeployment, MachineSet};
+        assert_eq!(crd_name::<Machine>(), "machines.berth.dev");
+        assert_eq!(crd_name::<MachineClass>(), "machineclasses.berth.dev");
+        assert_eq!(crd_name::<MachineSet>(), "machinesets.berth.dev");
+        assert_eq!(
+            crd_name::<MachineDeployment>(),
+            "machinedeployments.berth.dev"
+        );
     }
 
     fn dummy_client() -> Client {

@@ -8,6 +8,7 @@ pub mod evict;
 pub mod live;
 pub mod pdb;
 pub mod plan;
+mod print;
 pub mod resume;
 pub mod rules;
 pub mod select;

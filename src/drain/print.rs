@@ -1,0 +1,309 @@
+//! How `berth plan` prints a drain plan, and how the engine names a
+//! volume's wait in its reports: the `Display` of [`DrainPlan`],
+//! [`PlannedVolume`] and [`VolumeWait`], apart from how the plan is made
+//! (`drain::plan`).
+
+use std::fmt;
+
+use humantime::format_duration;
+
+use crate::api::settings::NodeLocalVolumes;
+use crate::drain::class::VolumeClass;
+use crate::drain::plan::{DrainPlan, PlannedPod, PlannedVolume, VolumeWait};
+use crate::drain::rules;
+use crate::drain::select::{NamespacedName, fmt_key};
+use crate::drain::volume::is_inline;
+
+fn list(keys: &[NamespacedName]) -> String {
+    keys.iter().map(fmt_key).collect::<Vec<_>>().join(", ")
+}
+
+impl fmt::Display for PlannedVolume {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if is_inline(&self.volume.pv) {
+            write!(f, "{} (in the pod spec", self.volume.pv)?;
+        } else {
+            write!(
+                f,
+                "PV {} (claim {}",
+                self.volume.pv,
+                fmt_key(&self.volume.claim)
+            )?;
+        }
+        if self.volume.ephemeral {
+            f.write_str(", ephemeral")?;
+        }
+        write!(f, "), {}: {}", self.class, self.class_why)?;
+        match (&self.volume.unique_name, self.class) {
+            (Some(unique), _) => write!(f, "; on the Node as {unique}")?,
+            (None, VolumeClass::Attachable) => {
+                f.write_str("; no unique name: recognised by VolumeAttachment only")?;
+            }
+            (None, _) => {}
+        }
+        if self.attached_to.is_empty() {
+            f.write_str(", attached nowhere per VolumeAttachments")
+        } else {
+            write!(f, ", attached to {}", self.attached_to.join(", "))
+        }
+    }
+}
+
+impl fmt::Display for VolumeWait {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Detach {
+                gone_first,
+                reattach,
+            } => {
+                f.write_str("last user: waits ")?;
+                if !gone_first.is_empty() {
+                    write!(
+                        f,
+                        "until {} {} gone, then ",
+                        list(gone_first),
+                        if gone_first.len() == 1 { "is" } else { "are" }
+                    )?;
+                }
+                f.write_str("for detach")?;
+                if *reattach {
+                    f.write_str(", then for attach to another Node")
+                } else {
+                    f.write_str("; no reattach (ephemeral claim dies with its pod)")
+                }
+            }
+            Self::LeftTo { last_user } => write!(
+                f,
+                "shared: {} uses it later and waits for it",
+                fmt_key(last_user)
+            ),
+            Self::StaysAttached { pinned_by } => write!(
+                f,
+                "stays attached: also used by {}, which end(s) with the VM; no detach wait",
+                list(pinned_by)
+            ),
+            Self::ReplacementReady => f.write_str(
+                "no detach or attach: waits for the pod that uses the claim next to be Running and Ready on another Node",
+            ),
+            Self::DiesWithPod => {
+                f.write_str("no wait: the ephemeral claim dies with its pod")
+            }
+            Self::DataLost => f.write_str(
+                "its data stays on this Node and is lost with the VM; evicted without any reattach wait",
+            ),
+        }
+    }
+}
+
+/// `order 1000, critical: …` for a pod not in the default order group or
+/// with an order of its own, else nothing.
+fn order_of(p: &PlannedPod) -> Option<String> {
+    if p.order == rules::DEFAULT_ORDER && p.order_source.is_none() {
+        return None;
+    }
+    Some(match &p.order_source {
+        Some(source) => format!("order {}, {source}", p.order),
+        None => format!("order {}", p.order),
+    })
+}
+
+/// ` (order …)`, or nothing.
+fn order_suffix(p: &PlannedPod) -> String {
+    order_of(p).map_or_else(String::new, |o| format!(" ({o})"))
+}
+
+fn write_pdbs_and_notes(f: &mut fmt::Formatter<'_>, p: &PlannedPod, indent: &str) -> fmt::Result {
+    for pdb in &p.pdbs {
+        writeln!(f, "{indent}{pdb}")?;
+    }
+    for note in &p.notes {
+        writeln!(f, "{indent}note: {note}")?;
+    }
+    if !p.scratch.is_empty() {
+        writeln!(
+            f,
+            "{indent}scratch: emptyDir {} (lost with the pod; nothing to wait for)",
+            p.scratch.join(", ")
+        )?;
+    }
+    if let Some(why) = &p.held {
+        writeln!(f, "{indent}HELD: {why}")?;
+    }
+    Ok(())
+}
+
+impl fmt::Display for DrainPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = &self.settings;
+        writeln!(f, "Drain plan for Node {}", self.node)?;
+        writeln!(
+            f,
+            "Deadline: drain.timeout {} from the Machine's deletion; then {}",
+            format_duration(s.drain_timeout),
+            if s.force_after_deadline {
+                "budgets are bypassed (each pod left deleted with its grace period, at the deadline minus it), volumes still waited for"
+            } else {
+                "the drain fails and is retried"
+            }
+        )?;
+
+        writeln!(
+            f,
+            "Node-local volumes: nodeLocalVolumes {}",
+            match s.node_local_volumes {
+                NodeLocalVolumes::Evict =>
+                    "Evict: their pods are evicted and their data is lost with the VM",
+                NodeLocalVolumes::Block =>
+                    "Block: their pods stay until annotated berth.dev/allow-node-local-data-loss=true (pod or Machine) or the deadline",
+            }
+        )?;
+
+        let groups = self.groups();
+        writeln!(
+            f,
+            "\nOrder groups, lowest first; each starts once every pod of the groups before it is gone and their volumes have moved ({}):",
+            groups.len()
+        )?;
+        for g in &groups {
+            write!(f, "  order {}", g.order)?;
+            if !g.why.is_empty() {
+                let why: Vec<&str> = g.why.iter().map(String::as_str).collect();
+                write!(f, " ({})", why.join("; "))?;
+            }
+            let counts = [
+                (g.stateless, "without persistent volumes"),
+                (g.stateful, "with persistent volumes"),
+                (g.waiting, "waited on to complete"),
+            ];
+            let counts: Vec<String> = counts
+                .iter()
+                .filter(|(n, _)| *n > 0)
+                .map(|(n, what)| format!("{n} {what}"))
+                .collect();
+            writeln!(f, ": {}", counts.join(", "))?;
+        }
+
+        writeln!(f, "\nSkipped ({}):", self.skipped.len())?;
+        for p in &self.skipped {
+            writeln!(f, "  {}: {}", fmt_key(&p.pod), p.class)?;
+        }
+
+        writeln!(f, "\nDeleted outright ({}):", self.to_delete.len())?;
+        for p in &self.to_delete {
+            writeln!(f, "  {}: {}", fmt_key(&p.pod), p.class)?;
+        }
+
+        writeln!(
+            f,
+            "\nWaited on to complete, never evicted ({}):",
+            self.waiting.len()
+        )?;
+        for p in &self.waiting {
+            writeln!(
+                f,
+                "  {}{}: drain rule {}=wait-completed: the drain waits until it succeeds, fails or is gone; {}",
+                fmt_key(&p.pod),
+                order_suffix(p),
+                rules::DRAIN_ANNOTATION,
+                if s.force_after_deadline {
+                    "at the deadline minus its grace period it is deleted with its grace period"
+                } else {
+                    "at the deadline the drain fails naming it, and is retried"
+                }
+            )?;
+        }
+
+        writeln!(
+            f,
+            "\nDrain rules not understood, defaults used ({}):",
+            self.rule_problems.len()
+        )?;
+        for (pod, problem) in &self.rule_problems {
+            writeln!(f, "  {}: {problem}", fmt_key(pod))?;
+        }
+
+        writeln!(
+            f,
+            "\nAlready terminating, waited on ({}):",
+            self.terminating.len()
+        )?;
+        for p in &self.terminating {
+            write!(f, "  {}: being deleted since {}", fmt_key(&p.pod), p.since)?;
+            if !p.pvs.is_empty() {
+                write!(
+                    f,
+                    "; uses PV {}: gone before the first stateful eviction",
+                    p.pvs.join(", ")
+                )?;
+            }
+            writeln!(f)?;
+        }
+
+        writeln!(
+            f,
+            "\nStill detaching from pods that left, waited for before the first stateful eviction ({}):",
+            self.detaching.len()
+        )?;
+        for v in &self.detaching {
+            match &v.unique_name {
+                Some(unique) => writeln!(f, "  PV {} ({unique})", v.pv)?,
+                None => writeln!(f, "  PV {}", v.pv)?,
+            }
+        }
+
+        writeln!(
+            f,
+            "\nWithout persistent volumes, evicted concurrently, up to {} at a time ({}):",
+            s.max_concurrent_evictions,
+            self.stateless.len()
+        )?;
+        for p in &self.stateless {
+            writeln!(f, "  {}{}", fmt_key(&p.pod), order_suffix(p))?;
+            write_pdbs_and_notes(f, p, "    ")?;
+        }
+
+        let pace = if s.max_parallel_volume_migrations == 1 {
+            "one at a time".to_string()
+        } else {
+            format!("up to {} at a time", s.max_parallel_volume_migrations)
+        };
+        writeln!(
+            f,
+            "\nWith persistent volumes, evicted {pace}, by order group, then highest priority first ({}):",
+            self.stateful.len()
+        )?;
+        for (i, p) in self.stateful.iter().enumerate() {
+            writeln!(
+                f,
+                "  {}. {} (priority {}, grace {}{})",
+                i + 1,
+                fmt_key(&p.pod),
+                p.priority,
+                format_duration(p.grace),
+                order_of(p).map_or_else(String::new, |o| format!(", {o}"))
+            )?;
+            for v in &p.volumes {
+                writeln!(f, "       {v}")?;
+                writeln!(f, "         {}", v.wait)?;
+            }
+            write_pdbs_and_notes(f, p, "       ")?;
+        }
+
+        let path = self.critical_path();
+        writeln!(
+            f,
+            "\nCritical path: worst case {}, {} drain.timeout {}",
+            format_duration(path.worst_case),
+            if path.worst_case > s.drain_timeout {
+                "exceeds"
+            } else {
+                "within"
+            },
+            format_duration(s.drain_timeout)
+        )?;
+        for (i, step) in path.steps.iter().enumerate() {
+            writeln!(f, "  {}. {}: {}", i + 1, fmt_key(&step.pod), step.bounds)?;
+        }
+        Ok(())
+    }
+}

@@ -15,7 +15,7 @@
 //! * [`events::EventSink`]: Kubernetes Events, queued and published off the
 //!   critical path.
 //!
-//! The list of family names ([`Metrics::names`]) is what the README's metric
+//! The list of family names ([`Metrics::names`]) is what docs/operations.md's metric
 //! table is checked against, so adding a metric here means documenting it.
 
 pub mod events;
@@ -217,7 +217,7 @@ struct Registrar {
     docs: Vec<MetricDoc>,
 }
 
-/// One metric family as documented in the README's metrics reference.
+/// One metric family as documented in the metrics reference of docs/operations.md.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MetricDoc {
     pub name: String,
@@ -430,7 +430,7 @@ impl Metrics {
         &self.docs
     }
 
-    /// The README's metrics reference: a Markdown table generated from the
+    /// The metrics reference of docs/operations.md: a Markdown table generated from the
     /// definitions, so the documentation cannot drift from the code.
     pub fn reference_markdown(&self) -> String {
         let mut out =

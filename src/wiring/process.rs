@@ -133,7 +133,7 @@ pub(crate) struct RunArgs {
     pub orphans: crate::orphans::OrphanArgs,
 }
 
-/// The README's configuration reference: a Markdown table of every
+/// The configuration reference of docs/operations.md: a Markdown table of every
 /// `berth run` flag, its environment variable and default, generated from
 /// the flag definitions so the documentation cannot drift from the code.
 pub fn config_reference_markdown() -> String {

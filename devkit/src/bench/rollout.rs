@@ -96,7 +96,7 @@ pub struct Rollout {
 }
 
 /// The least time a rollout of `machines` Machines can take under berth's
-/// pacing (README, "MachineDeployments"), played as events: new Machines
+/// pacing (docs/pools.md), played as events: new Machines
 /// are created while the VMs, those being deleted included, stay within
 /// `machines + surge`, each Ready `create` seconds later; an old Machine
 /// starts its drain, `drain` seconds, when no more than `max(unavailable,

@@ -5,6 +5,7 @@
 pub mod api;
 pub mod cache;
 pub mod cli;
+pub mod controller;
 pub mod drain;
 pub mod machine;
 pub mod machinedeployment;

@@ -793,14 +793,14 @@ async fn each_machine_asks_its_provider_for_one_vm() {
     namespace(&client, ns).await;
     create_class(&client, "one-create", "fake", serde_json::json!({})).await;
     let metrics = Arc::new(berth::telemetry::Metrics::new().expect("metrics"));
-    let mut ctl = berth::machine::spawn(
+    let mut ctl = berth::wiring::manager::spawn(
         client.clone(),
         Registry::default().with(Arc::new(FakeProvider::new(client.clone()))),
-        berth::machine::Settings {
+        berth::wiring::manager::Settings {
             namespace: Some(ns.to_string()),
             instance: "one-create".into(),
             concurrency: 4,
-            max_concurrent_drains: berth::machine::DEFAULT_MAX_CONCURRENT_DRAINS,
+            ..Default::default()
         },
         Arc::clone(&metrics),
     );

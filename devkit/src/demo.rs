@@ -110,14 +110,14 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         },
     ));
     let providers = Registry::default().with(Arc::new(FakeProvider::new(client.clone())));
-    let settings = berth::machine::Settings {
+    let settings = berth::wiring::manager::Settings {
         namespace: Some(NS.into()),
         instance: "berth-demo".into(),
         concurrency: 4,
-        max_concurrent_drains: berth::machine::DEFAULT_MAX_CONCURRENT_DRAINS,
+        ..Default::default()
     };
     let mut controller =
-        berth::machine::spawn(client.clone(), providers, settings, Arc::clone(&metrics));
+        berth::wiring::manager::spawn(client.clone(), providers, settings, Arc::clone(&metrics));
     (&mut controller.ready)
         .await
         .context("the controller did not start")?;

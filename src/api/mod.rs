@@ -10,6 +10,7 @@
 
 pub mod machinedeployment;
 pub mod machineset;
+pub mod owners;
 pub mod settings;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, Time};
@@ -25,6 +26,7 @@ pub use machineset::{
     DELETE_PRIORITY_ANNOTATION, MachineSet, MachineSetSpec, MachineSetStatus, MachineTemplate,
     TemplateMetadata,
 };
+pub use owners::{controlling_set, owner_of, owner_ref, set_owner};
 pub use settings::{DrainSettings, NodeLocalVolumes, ResolvedSettings, SettingsError};
 
 pub const GROUP: &str = "berth.dev";
@@ -63,6 +65,21 @@ pub fn cordoned_at(
         .get(CORDONED_AT_ANNOTATION)?
         .parse()
         .ok()
+}
+
+/// Whether a toleration tolerates berth's cordon taint
+/// ([`CORDON_TAINT_KEY`], `NoSchedule`): a
+/// pod with one may be scheduled back onto the Node being drained.
+pub fn tolerates_cordon(t: &k8s_openapi::api::core::v1::Toleration) -> bool {
+    let effect_ok = t
+        .effect
+        .as_deref()
+        .is_none_or(|e| e.is_empty() || e == "NoSchedule");
+    let key_ok = match t.key.as_deref() {
+        None | Some("") => t.operator.as_deref() == Some("Exists"),
+        Some(k) => k == CORDON_TAINT_KEY,
+    };
+    effect_ok && key_ok
 }
 
 /// The types of the conditions berth sets on a Machine.
@@ -407,6 +424,49 @@ pub async fn install_crds(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn which_tolerations_tolerate_the_cordon() {
+        let tol = |key: Option<&str>, op: &str, effect: Option<&str>| {
+            k8s_openapi::api::core::v1::Toleration {
+                key: key.map(String::from),
+                operator: Some(op.into()),
+                effect: effect.map(String::from),
+                ..Default::default()
+            }
+        };
+        let cases = [
+            (tol(None, "Exists", None), true, "tolerates everything"),
+            (
+                tol(Some(CORDON_TAINT_KEY), "Exists", Some("NoSchedule")),
+                true,
+                "berth's taint",
+            ),
+            (
+                tol(Some(CORDON_TAINT_KEY), "Equal", None),
+                true,
+                "berth's taint, any effect",
+            ),
+            (
+                tol(None, "Exists", Some("NoExecute")),
+                false,
+                "another effect",
+            ),
+            (
+                tol(
+                    Some("node.kubernetes.io/not-ready"),
+                    "Exists",
+                    Some("NoExecute"),
+                ),
+                false,
+                "the defaults",
+            ),
+            (tol(None, "Equal", None), false, "an empty key needs Exists"),
+        ];
+        for (t, want, what) in cases {
+            assert_eq!(tolerates_cordon(&t), want, "{what}");
+        }
+    }
 
     #[test]
     fn crds_carry_printer_columns_descriptions_and_cel_rules() {

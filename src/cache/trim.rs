@@ -53,7 +53,7 @@ pub fn pod(pod: &mut Pod) {
         // Only the tolerations that let it come back to a cordoned Node.
         let tolerations = spec.tolerations.take().map(|ts| {
             ts.into_iter()
-                .filter(crate::drain::select::tolerates_cordon)
+                .filter(crate::api::tolerates_cordon)
                 .collect::<Vec<_>>()
         });
         *spec = PodSpec {

@@ -36,7 +36,7 @@
 use std::collections::BTreeSet;
 use std::fmt;
 
-use k8s_openapi::api::core::v1::{Pod, Toleration};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 
 use super::rules::Behavior;
@@ -177,21 +177,6 @@ pub fn held_by_finalizers(pod: &Pod, now: Timestamp) -> Option<&[String]> {
     (ends <= now && !finalizers.is_empty()).then_some(finalizers)
 }
 
-/// Whether a toleration tolerates berth's cordon taint
-/// ([`CORDON_TAINT_KEY`](crate::api::CORDON_TAINT_KEY), `NoSchedule`): a
-/// pod with one may be scheduled back onto the Node being drained.
-pub fn tolerates_cordon(t: &Toleration) -> bool {
-    let effect_ok = t
-        .effect
-        .as_deref()
-        .is_none_or(|e| e.is_empty() || e == "NoSchedule");
-    let key_ok = match t.key.as_deref() {
-        None | Some("") => t.operator.as_deref() == Some("Exists"),
-        Some(k) => k == crate::api::CORDON_TAINT_KEY,
-    };
-    effect_ok && key_ok
-}
-
 /// How far the controller's clock may be from the API server's: a pod's
 /// `creationTimestamp` is the API server's, the cordon's time
 /// ([`CORDONED_AT_ANNOTATION`](crate::api::CORDONED_AT_ANNOTATION)) the
@@ -274,7 +259,7 @@ pub fn tolerates_any_cordon(pod: &Pod) -> bool {
     pod.spec
         .iter()
         .flat_map(|s| s.tolerations.iter().flatten())
-        .any(tolerates_cordon)
+        .any(crate::api::tolerates_cordon)
 }
 
 #[cfg(test)]
@@ -413,53 +398,8 @@ mod tests {
     }
 
     #[test]
-    fn a_pod_that_tolerates_the_cordon_and_came_since_came_back() {
-        let tol = |key: Option<&str>, op: &str, effect: Option<&str>| Toleration {
-            key: key.map(String::from),
-            operator: Some(op.into()),
-            effect: effect.map(String::from),
-            ..Default::default()
-        };
-        let cases = [
-            (tol(None, "Exists", None), true, "tolerates everything"),
-            (
-                tol(
-                    Some(crate::api::CORDON_TAINT_KEY),
-                    "Exists",
-                    Some("NoSchedule"),
-                ),
-                true,
-                "berth's taint",
-            ),
-            (
-                tol(Some(crate::api::CORDON_TAINT_KEY), "Equal", None),
-                true,
-                "berth's taint, any effect",
-            ),
-            (
-                tol(None, "Exists", Some("NoExecute")),
-                false,
-                "another effect",
-            ),
-            (
-                tol(
-                    Some("node.kubernetes.io/not-ready"),
-                    "Exists",
-                    Some("NoExecute"),
-                ),
-                false,
-                "the defaults",
-            ),
-            (tol(None, "Equal", None), false, "an empty key needs Exists"),
-        ];
-        for (t, want, what) in cases {
-            assert_eq!(tolerates_cordon(&t), want, "{what}");
-        }
-    }
-
-    #[test]
     fn only_a_pod_created_after_the_cordon_came_back() {
-        let tolerating = Toleration {
+        let tolerating = k8s_openapi::api::core::v1::Toleration {
             operator: Some("Exists".into()),
             ..Default::default()
         };

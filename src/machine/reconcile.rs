@@ -274,7 +274,7 @@ struct Resolved {
 fn resolve_machine(m: &Machine, ctx: &Context) -> Result<Resolved, Unresolved> {
     let class_name = &m.spec.class_ref.name;
     let class = ctx
-        .stores
+        .caches
         .classes
         .get(&ObjectRef::new(class_name))
         .ok_or_else(|| Unresolved {
@@ -486,15 +486,15 @@ fn find_node(m: &Machine, ctx: &Context) -> Option<Arc<Node>> {
         .as_ref()
         .and_then(|s| s.node_ref.as_ref())
         .map(|r| &r.name)
-        && let Some(n) = ctx.stores.nodes.get(&ObjectRef::new(name))
+        && let Some(n) = ctx.caches.nodes.get(&ObjectRef::new(name))
     {
         return Some(n);
     }
     let id = m.spec.provider_id.as_deref()?;
-    ctx.stores
+    ctx.caches
         .indexes
         .nodes_by_provider_id
-        .get(&ctx.stores.nodes, id)
+        .get(&ctx.caches.nodes, id)
         .into_iter()
         .next()
 }
@@ -630,7 +630,7 @@ async fn create_vm(m: &Machine, ctx: &Context, r: &Resolved) -> Result<Next, Err
 }
 
 fn pods_on(ctx: &Context, node: &str) -> Vec<Arc<Pod>> {
-    ctx.stores.indexes.pods_by_node.get(&ctx.stores.pods, node)
+    ctx.caches.indexes.pods_by_node.get(&ctx.caches.pods, node)
 }
 
 fn key(p: &Pod) -> String {
@@ -799,10 +799,10 @@ async fn cleanup_step(
     };
     let on_node = match &node_name {
         Some(n) => ctx
-            .stores
+            .caches
             .indexes
             .attachments_by_node
-            .get(&ctx.stores.attachments, n),
+            .get(&ctx.caches.attachments, n),
         None => vec![],
     };
     let attachments: Vec<String> = on_node.iter().map(|va| va.name_any()).collect();
@@ -891,7 +891,7 @@ async fn cleanup_step(
                 let Some((ns, name)) = p.split_once('/') else {
                     continue;
                 };
-                let Some(pod) = ctx.stores.pods.get(&ObjectRef::new(name).within(ns)) else {
+                let Some(pod) = ctx.caches.pods.get(&ObjectRef::new(name).within(ns)) else {
                     continue;
                 };
                 match crate::drain::evict::delete(&ctx.client, &pod, Some(0)).await {

@@ -10,8 +10,8 @@
 //! gives up a Machine with the same order over all its old Machines, so the
 //! Machine it counted on is the one the set deletes.
 //!
-//! Like the MachineSet controller it runs on the leader, on the Machine
-//! controller's caches plus one of MachineSets. A Machine event (or its
+//! Like the MachineSet controller it runs on the leader, on the caches
+//! the controllers share (the MachineSets' included). A Machine event (or its
 //! Node's) wakes the deployment of its set, and a MachineSet event its
 //! deployment, so nothing polls. Writes to a set's `spec.replicas` are
 //! remembered until the cache has seen them (`Ledger`), so a reconcile
@@ -28,12 +28,12 @@ use std::sync::Arc;
 use futures::{Stream, StreamExt};
 use kube::api::Api;
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 
 use crate::api::{MachineDeployment, MachineSet};
-use crate::machineset::Caches;
+use crate::cache::Caches;
 use crate::telemetry::Metrics;
 use crate::telemetry::events::EventSink;
 
@@ -43,7 +43,6 @@ use reconcile::Error;
 pub(crate) struct Context {
     pub(crate) client: Client,
     pub(crate) caches: Caches,
-    pub(crate) sets: Store<MachineSet>,
     pub(crate) events: EventSink,
     /// The most old Machines being deleted by rollouts at once, across
     /// every deployment (`berth run --max-concurrent-drains`).
@@ -51,7 +50,7 @@ pub(crate) struct Context {
     /// Held while a deployment decides and writes its next step.
     pub(crate) ledger: tokio::sync::Mutex<Ledger>,
     pub(crate) metrics: Arc<Metrics>,
-    backoff: crate::machine::backoff::Backoffs<MachineDeployment>,
+    backoff: crate::controller::Backoffs<MachineDeployment>,
 }
 
 /// `spec.replicas` written to MachineSets and not yet seen in the cache:
@@ -88,33 +87,23 @@ impl Ledger {
     }
 }
 
-/// The UID of the MachineDeployment that controls `set`, if one does.
-pub(crate) fn owner_of(set: &MachineSet) -> Option<ObjectRef<MachineDeployment>> {
-    let o = set.metadata.owner_references.iter().flatten().find(|o| {
-        o.controller == Some(true)
-            && o.kind == "MachineDeployment"
-            && o.api_version.split('/').next() == Some(crate::api::GROUP)
-    })?;
-    Some(ObjectRef::new(&o.name).within(&set.namespace()?))
-}
-
 /// Runs the MachineDeployment controller until `shutdown` resolves, once
-/// `synced` says the Machine controller's caches and `sets` have synced.
+/// every cache has synced and the MachineSet watch has listed.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn run(
     client: Client,
     namespace: Option<String>,
     caches: Caches,
-    sets: Store<MachineSet>,
     events: EventSink,
     drain_cap: usize,
     metrics: Arc<Metrics>,
-    mut synced: tokio::sync::watch::Receiver<bool>,
     wakes: impl Stream<Item = ObjectRef<MachineDeployment>> + Send + 'static,
     shutdown: impl std::future::Future<Output = ()> + Send + Sync + Clone + 'static,
 ) {
-    let ready =
-        async { synced.wait_for(|s| *s).await.is_ok() && sets.wait_until_ready().await.is_ok() };
+    let mut synced = caches.synced.clone();
+    let ready = async {
+        synced.wait_for(|s| *s).await.is_ok() && caches.sets.wait_until_ready().await.is_ok()
+    };
     tokio::select! {
         ok = ready => if !ok { return },
         _ = shutdown.clone() => return,
@@ -126,7 +115,6 @@ pub(crate) async fn run(
     let ctx = Arc::new(Context {
         client,
         caches,
-        sets,
         events,
         drain_cap,
         ledger: tokio::sync::Mutex::new(Ledger::default()),
@@ -198,7 +186,7 @@ mod tests {
         assert_eq!(l.replicas(&set(4, 3)), 3);
         assert_eq!(l.replicas(&set(5, 7)), 7, "forgotten once seen");
         assert_eq!(
-            owner_of(&set(1, 1)),
+            crate::api::owner_of(&set(1, 1)),
             Some(ObjectRef::new("pool").within("ns"))
         );
     }

@@ -288,7 +288,8 @@ fn members(
     now: Timestamp,
 ) -> Vec<Member> {
     let min_ready = SignedDuration::from_secs(md.spec.min_ready_seconds.unwrap_or(0).into());
-    ctx.sets
+    ctx.caches
+        .sets
         .state()
         .into_iter()
         .filter(|s| s.namespace().as_deref() == Some(ns))
@@ -344,7 +345,8 @@ fn sum(counts: impl Iterator<Item = SetCounts>) -> SetCounts {
 /// Old Machines being deleted by the rollouts of every deployment, the
 /// deletions asked of their sets and not yet begun included.
 fn drains_everywhere(ctx: &Context, ledger: &mut super::Ledger) -> usize {
-    ctx.sets
+    ctx.caches
+        .sets
         .state()
         .iter()
         .filter(|s| s.annotations().contains_key(SUPERSEDED_ANNOTATION))

@@ -33,8 +33,10 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 
 use crate::api::{Machine, MachineClass};
-use crate::machine::Shared;
+use crate::cache::Caches;
+use crate::providers::Registry;
 use crate::providers::{ListRequest, MachineRef, MachineRequest, Provider, ProviderError, Vm};
+use crate::telemetry::events::EventSink;
 use crate::telemetry::{Metrics, OrphanOutcome};
 use decide::{Machines, Once, Rules, Tally, Verdict};
 
@@ -67,8 +69,8 @@ pub struct OrphanArgs {
     pub orphan_dry_run: bool,
 }
 
-/// How orphan collection runs.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// How orphan collection runs. The default runs none.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Settings {
     /// Between rounds; zero: never run.
     pub interval: Duration,
@@ -91,25 +93,25 @@ impl Settings {
     }
 }
 
-/// Runs orphan collection until the task is dropped: waits for what the
-/// controller shares (`shared`, sent once its caches have synced) and for
-/// its first complete list of Machines, then runs a round at once and one
-/// every `settings.interval`. Returns at once when the interval is zero, and
-/// when the controller went away before it shared anything.
-pub async fn run(
-    settings: Settings,
-    shared: tokio::sync::oneshot::Receiver<Shared>,
-    metrics: Arc<Metrics>,
-) {
+/// What orphan collection reads and acts through: the controller's caches
+/// (it reads no API object the controllers do not already watch), its
+/// drivers (counted in the metrics) and its Events queue.
+pub(crate) struct Shared {
+    pub(crate) caches: Caches,
+    pub(crate) providers: Registry,
+    pub(crate) events: EventSink,
+}
+
+/// Runs orphan collection until the task is dropped: waits for every
+/// cache to sync (the first complete list of Machines included), then runs
+/// a round at once and one every `settings.interval`. Returns at once when
+/// the interval is zero, and when the watches went away before the sync.
+pub(crate) async fn run(settings: Settings, shared: Shared, metrics: Arc<Metrics>) {
     if settings.interval.is_zero() {
         tracing::info!("orphan VM collection is off (--orphan-interval=0)");
         return;
     }
-    let Ok(shared) = shared.await else {
-        return;
-    };
-    let mut listed = shared.machines_listed.clone();
-    if listed.wait_for(|l| *l).await.is_err() {
+    if !shared.caches.wait_until_synced().await {
         return;
     }
     for driver in shared.providers.names() {
@@ -174,7 +176,7 @@ impl Collector {
         let driver = provider.name();
         let (listed, complete) = self.list(provider).await;
         let vms = decide::dedupe(listed);
-        let machines = Machines::of(self.shared.machines.state().iter().map(|m| &**m));
+        let machines = Machines::of(self.shared.caches.machines.state().iter().map(|m| &**m));
         let mut tally = Tally::default();
         for (class, vm) in vms {
             let verdict = decide::judge(&vm, &machines, &self.rules, Timestamp::now());
@@ -220,6 +222,7 @@ impl Collector {
         let driver = provider.name();
         let mut classes: Vec<Arc<MachineClass>> = self
             .shared
+            .caches
             .classes
             .state()
             .into_iter()
@@ -278,7 +281,7 @@ impl Collector {
     /// latest cache: a Machine may have arrived while the round listed.
     async fn collect(&self, provider: &dyn Provider, class: &MachineClass, vm: Vm) {
         let driver = provider.name();
-        let machines = Machines::of(self.shared.machines.state().iter().map(|m| &**m));
+        let machines = Machines::of(self.shared.caches.machines.state().iter().map(|m| &**m));
         let (age, namesake) = match decide::judge(&vm, &machines, &self.rules, Timestamp::now()) {
             Verdict::Orphan { age, namesake } => (age, namesake),
             _ => return,
@@ -341,7 +344,7 @@ impl Collector {
             return;
         };
         let key = ObjectRef::<Machine>::new(&r.tag.name).within(&r.tag.namespace);
-        let Some(machine) = self.shared.machines.get(&key) else {
+        let Some(machine) = self.shared.caches.machines.get(&key) else {
             return;
         };
         if machine.metadata.uid.as_deref() != Some(uid.as_str()) {

@@ -103,7 +103,7 @@ pub(crate) struct RunArgs {
     #[arg(long, env = "BERTH_IDENTITY")]
     pub identity: Option<String>,
     /// Machines reconciled at the same time.
-    #[arg(long, env = "BERTH_CONCURRENCY", default_value_t = crate::machine::DEFAULT_CONCURRENCY)]
+    #[arg(long, env = "BERTH_CONCURRENCY", default_value_t = super::manager::DEFAULT_CONCURRENCY)]
     pub concurrency: u16,
     /// Old Machines that MachineDeployment rollouts delete (drain) at once,
     /// across every deployment: each deployment's `maxUnavailable` applies
@@ -306,24 +306,17 @@ async fn lead_and_control(
         None
     };
 
-    let settings = crate::machine::Settings {
+    let settings = super::manager::Settings {
         namespace: args.namespace.clone(),
         instance: identity.clone(),
         concurrency: args.concurrency,
         max_concurrent_drains: usize::from(args.max_concurrent_drains),
+        orphans: crate::orphans::Settings::new(&args.orphans, args.namespace.clone()),
     };
     let (controller_stop_tx, controller_stop) = oneshot::channel::<()>();
     let ready = http.clone();
-    // Orphan collection runs beside the controller, on its caches.
-    let (shared_tx, shared) = oneshot::channel();
-    let orphans = tokio::spawn(crate::orphans::run(
-        crate::orphans::Settings::new(&args.orphans, args.namespace.clone()),
-        shared,
-        Arc::clone(metrics),
-    ));
-    let orphans = AbortOnDrop(orphans);
-    let mut controller = tokio::spawn(crate::machine::run(
-        crate::machine::Clients {
+    let mut controller = tokio::spawn(super::manager::run(
+        super::manager::Clients {
             api: client,
             events: events_client,
         },
@@ -333,11 +326,7 @@ async fn lead_and_control(
         async move {
             let _ = controller_stop.await;
         },
-        move |shared| {
-            tracing::info!("caches synced; reconciling Machines");
-            ready.set_ready(true);
-            let _ = shared_tx.send(shared);
-        },
+        move || ready.set_ready(true),
     ));
 
     let lost = async {
@@ -353,9 +342,6 @@ async fn lead_and_control(
             return Err(anyhow::anyhow!("the controller stopped unexpectedly: {ended:?}"));
         }
     };
-    // Whatever ends the controller ends orphan collection first: it acts
-    // only for a leader. A delete cut short is asked again by the next one.
-    drop(orphans);
     match outcome {
         Err(lost) => {
             // Another replica may act as soon as the Lease expires: stop now,
@@ -382,16 +368,6 @@ async fn lead_and_control(
             }
             Ok(())
         }
-    }
-}
-
-/// Aborts its task when dropped, on every path out of the scope that holds
-/// it.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 

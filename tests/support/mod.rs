@@ -105,7 +105,10 @@ pub async fn namespace(client: &Client, ns: &str) {
 
 /// The controller, scoped to one namespace, running in this process, and
 /// its metrics.
-pub struct Running(berth::machine::Spawned, Arc<berth::telemetry::Metrics>);
+pub struct Running(
+    berth::wiring::manager::Spawned,
+    Arc<berth::telemetry::Metrics>,
+);
 
 impl Running {
     /// Graceful shutdown; waits for the controller to finish.
@@ -121,15 +124,15 @@ impl Running {
 
 pub async fn start_controller(client: &Client, ns: &str, instance: &str) -> Running {
     let providers = Registry::default().with(Arc::new(FakeProvider::new(client.clone())));
-    let settings = berth::machine::Settings {
+    let settings = berth::wiring::manager::Settings {
         namespace: Some(ns.to_string()),
         instance: instance.to_string(),
         concurrency: 4,
-        max_concurrent_drains: berth::machine::DEFAULT_MAX_CONCURRENT_DRAINS,
+        ..Default::default()
     };
     let metrics = Arc::new(berth::telemetry::Metrics::new().expect("metrics"));
     let mut spawned =
-        berth::machine::spawn(client.clone(), providers, settings, Arc::clone(&metrics));
+        berth::wiring::manager::spawn(client.clone(), providers, settings, Arc::clone(&metrics));
     tokio::time::timeout(LONG, &mut spawned.ready)
         .await
         .expect("caches sync in time")

@@ -264,14 +264,13 @@ async fn drains(args: &BenchArgs) -> anyhow::Result<(Vec<Run>, Option<rollout::R
     // The fake provider stands for the cloud and the kubelet registering
     // its Node: a client of its own, so that its writes are not counted
     // as the controller's.
-    let mut controller = berth::machine::spawn(
+    let mut controller = berth::wiring::manager::spawn(
         controller.clone(),
         Registry::default().with(Arc::new(FakeProvider::new(admin.clone()))),
-        berth::machine::Settings {
+        berth::wiring::manager::Settings {
             namespace: Some(NS.into()),
             instance: "berth-bench".into(),
-            concurrency: berth::machine::DEFAULT_CONCURRENCY,
-            max_concurrent_drains: berth::machine::DEFAULT_MAX_CONCURRENT_DRAINS,
+            ..Default::default()
         },
         Arc::clone(&metrics),
     );

@@ -12,7 +12,7 @@ use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use kube::runtime::events::EventType;
 use tokio::time::Instant;
 
-use super::batch::pod_ref;
+use super::refs::pod_ref;
 use super::run::Run;
 use crate::drain::evict::{self, Evicted};
 use crate::drain::pdb::{PdbVerdict, findings_for};
@@ -61,7 +61,7 @@ impl Run {
             if !forcing && self.expired() && (!self.last_try() || refusals > 0) {
                 return Eviction::Expired;
             }
-            let mut pdb_changes = self.deps.pdb_changes.clone();
+            let mut pdb_changes = self.deps.caches.pdb_changes.clone();
             pdb_changes.borrow_and_update();
             let answer = if forcing {
                 evict::delete(&self.deps.client, &pod, None).await

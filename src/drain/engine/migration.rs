@@ -26,8 +26,8 @@ use kube::runtime::events::EventType;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use super::batch::{pod_ref_key, pv_ref};
 use super::eviction::Eviction;
+use super::refs::{pod_ref_key, pv_ref};
 use super::run::Run;
 use crate::api::VolumeMove;
 use crate::drain::class::{VolumeClass, allows_data_loss};
@@ -96,6 +96,7 @@ impl Run {
             .iter()
             .filter_map(|pv| {
                 self.deps
+                    .caches
                     .pvs
                     .get(&kube::runtime::reflector::ObjectRef::new(pv))
             })
@@ -274,7 +275,7 @@ impl<'a> Migration<'a> {
                     .is_none_or(|p| allows_data_loss(p.metadata.annotations.as_ref()))
         };
         let mut machine = run.data_loss_allowed.clone();
-        let mut pods = run.deps.pod_changes.clone();
+        let mut pods = run.deps.caches.pod_changes.clone();
         let until = run.deadline();
         let allowed = loop {
             machine.borrow_and_update();
@@ -589,7 +590,7 @@ impl<'a> Migration<'a> {
                 Err(pending)
             }
         };
-        let mut pods = run.deps.pod_changes.clone();
+        let mut pods = run.deps.caches.pod_changes.clone();
         let mut tracker_open = !keep.is_empty();
         // The scheduler may say at once that the replacement cannot be
         // placed: no need to sit out the timeout to know.

@@ -66,18 +66,14 @@ mod eviction;
 mod migration;
 mod pass;
 mod progress;
+mod refs;
 mod rules;
 mod run;
 
-use k8s_openapi::api::core::v1::{
-    Node, ObjectReference, PersistentVolume, PersistentVolumeClaim, Pod,
-};
-use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
+use k8s_openapi::api::core::v1::ObjectReference;
 use kube::Client;
-use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::reflector::ObjectRef;
 use std::sync::Arc;
-use tokio::sync::watch;
 
 pub use self::batch::evicted_note;
 pub use self::drainer::Drainer;
@@ -86,7 +82,7 @@ pub(crate) use self::progress::Progress;
 use super::deadline::Deadline;
 use crate::api::Machine;
 use crate::api::settings::ResolvedSettings;
-use crate::cache::Indexes;
+use crate::cache::Caches;
 use crate::telemetry::Metrics;
 use crate::telemetry::events::EventSink;
 use crate::volumes::Tracker;
@@ -94,20 +90,8 @@ use crate::volumes::Tracker;
 /// What the engine reads and writes through.
 pub(crate) struct Deps {
     pub(crate) client: Client,
-    pub(crate) pods: Store<Pod>,
-    pub(crate) pvcs: Store<PersistentVolumeClaim>,
-    pub(crate) pvs: Store<PersistentVolume>,
-    pub(crate) pdbs: Store<PodDisruptionBudget>,
-    pub(crate) attachments: Store<VolumeAttachment>,
-    pub(crate) nodes: Store<Node>,
-    /// Which CSI drivers attach (the volume classes).
-    pub(crate) csi_drivers: Store<CSIDriver>,
-    pub(crate) indexes: Indexes,
+    pub(crate) caches: Caches,
     pub(crate) tracker: Tracker,
-    /// Bumped after every pod event, once the pod store has applied it.
-    pub(crate) pod_changes: watch::Receiver<u64>,
-    /// Bumped after every PodDisruptionBudget event.
-    pub(crate) pdb_changes: watch::Receiver<u64>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) events: EventSink,
 }

@@ -21,12 +21,14 @@ use kube::runtime::reflector::ObjectRef;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::batch::{Batch, pv_ref};
+use super::batch::Batch;
 use super::eviction::Eviction;
 use super::progress::write_status;
+use super::refs::pv_ref;
 use super::run::Run;
 use super::{Deps, Job, Outcome, Progress};
 use crate::api::Machine;
+use crate::controller::AbortOnDrop;
 use crate::drain::class::VolumeClass;
 use crate::drain::evict::{self, Evicted};
 use crate::drain::pdb::PdbVerdict;
@@ -123,16 +125,6 @@ pub(super) async fn run(
 
 /// Longest wait for a finished drain's last `status.drain` write.
 const FINAL_WRITE_BOUND: Duration = Duration::from_secs(10);
-
-/// Aborts its task when dropped, on every path out of the scope that holds
-/// it (a drain task aborted drops its future, and so this).
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
 
 /// How long after its grace period a pod evicted in a pass is waited for
 /// there, before the next pass takes it as a pod being deleted.
@@ -566,7 +558,7 @@ impl Run {
         // ReadWriteMany volume can be attached elsewhere all along).
         let needed: Vec<(String, NamespacedName)> = names
             .iter()
-            .filter_map(|n| self.deps.pvs.get(&ObjectRef::new(n)))
+            .filter_map(|n| self.deps.caches.pvs.get(&ObjectRef::new(n)))
             .filter_map(|pv| {
                 let claim = pv.spec.as_ref()?.claim_ref.as_ref()?;
                 let key = (claim.namespace.clone()?, claim.name.clone()?);
@@ -608,7 +600,7 @@ impl Run {
                 Err(pending)
             }
         };
-        let mut pods = self.deps.pod_changes.clone();
+        let mut pods = self.deps.caches.pod_changes.clone();
         let mut tracker_open = true;
         let outcome = loop {
             pods.borrow_and_update();

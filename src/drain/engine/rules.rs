@@ -8,7 +8,7 @@ use futures::future::join_all;
 use kube::runtime::events::EventType;
 use tokio::time::Instant;
 
-use super::batch::{pod_ref, pod_ref_key};
+use super::refs::{pod_ref, pod_ref_key};
 use super::run::Run;
 use crate::drain::evict::{self, Evicted};
 use crate::drain::plan::{DrainPlan, PlannedPod};

@@ -18,8 +18,8 @@ use kube::runtime::reflector::ObjectRef;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::batch::{pod_ref_key, pv_ref};
 use super::progress::Flushed;
+use super::refs::{pod_ref_key, pv_ref};
 use super::{Deps, Job, Progress};
 use crate::api::VolumeMove;
 use crate::cache::{claim_key, claim_names};
@@ -319,9 +319,10 @@ impl Run {
     /// What classifying this Node's volumes needs: its Node object, the
     /// CSIDrivers, and the Machine's permission to lose node-local data.
     pub(super) fn volume_context(&self) -> VolumeContext {
-        let node = self.deps.nodes.get(&ObjectRef::new(&self.job.node));
+        let node = self.deps.caches.nodes.get(&ObjectRef::new(&self.job.node));
         let drivers: Vec<CSIDriver> = self
             .deps
+            .caches
             .csi_drivers
             .state()
             .iter()
@@ -361,9 +362,10 @@ impl Run {
         let new = replacements(claim, users.iter().map(|p| &**p), evicted_uid, users_before);
         let vas: Vec<VolumeAttachment> = self
             .deps
+            .caches
             .indexes
             .attachments_by_pv
-            .get(&self.deps.attachments, pv)
+            .get(&self.deps.caches.attachments, pv)
             .iter()
             .map(|va| (**va).clone())
             .collect();
@@ -371,6 +373,7 @@ impl Run {
             inline_unique_name(pv)
         } else {
             self.deps
+                .caches
                 .pvs
                 .get(&ObjectRef::new(pv))
                 .and_then(|p| unique_name_of(&p))
@@ -378,6 +381,7 @@ impl Run {
         let listed_on = |node: &str| {
             unique.as_deref().is_some_and(|name| {
                 self.deps
+                    .caches
                     .nodes
                     .get(&ObjectRef::new(node))
                     .is_some_and(|n| listed_on(&n, name))
@@ -388,9 +392,10 @@ impl Run {
 
     fn claim_users(&self, claim: &NamespacedName) -> Vec<Arc<Pod>> {
         self.deps
+            .caches
             .indexes
             .pods_by_claim
-            .get(&self.deps.pods, &claim_key(&claim.0, &claim.1))
+            .get(&self.deps.caches.pods, &claim_key(&claim.0, &claim.1))
     }
 
     /// The plan's volumes still detaching (see
@@ -416,9 +421,10 @@ impl Run {
     fn pods_on_node(&self) -> Vec<Pod> {
         let pods = self
             .deps
+            .caches
             .indexes
             .pods_by_node
-            .get(&self.deps.pods, &self.job.node);
+            .get(&self.deps.caches.pods, &self.job.node);
         let seen = self
             .seen_first
             .get_or_init(|| pods.iter().filter_map(|p| p.metadata.uid.clone()).collect());
@@ -465,6 +471,7 @@ impl Run {
     /// cordoned by an earlier release) the deletion request.
     fn cordoned_at(&self) -> Timestamp {
         self.deps
+            .caches
             .nodes
             .get(&ObjectRef::new(&self.job.node))
             .and_then(|n| crate::api::cordoned_at(&n))
@@ -474,9 +481,10 @@ impl Run {
     /// Copies of the VolumeAttachments to this Node.
     fn attachments_on_node(&self) -> Vec<VolumeAttachment> {
         self.deps
+            .caches
             .indexes
             .attachments_by_node
-            .get(&self.deps.attachments, &self.job.node)
+            .get(&self.deps.caches.attachments, &self.job.node)
             .into_iter()
             .map(|va| (*va).clone())
             .collect()
@@ -494,7 +502,12 @@ impl Run {
         for pod in pods {
             let ns = pod.metadata.namespace.as_deref().unwrap_or_default();
             for claim in claim_names(pod) {
-                if let Some(pvc) = self.deps.pvcs.get(&ObjectRef::new(&claim).within(ns)) {
+                if let Some(pvc) = self
+                    .deps
+                    .caches
+                    .pvcs
+                    .get(&ObjectRef::new(&claim).within(ns))
+                {
                     pvcs.insert(claim_key(ns, &claim), (*pvc).clone());
                 }
             }
@@ -506,7 +519,7 @@ impl Run {
             .collect();
         let pvs = names
             .into_iter()
-            .filter_map(|n| self.deps.pvs.get(&ObjectRef::new(n)))
+            .filter_map(|n| self.deps.caches.pvs.get(&ObjectRef::new(n)))
             .map(|pv| (*pv).clone())
             .collect();
         (pvcs.into_values().collect(), pvs)
@@ -519,6 +532,7 @@ impl Run {
             .filter_map(|p| p.metadata.namespace.as_deref())
             .collect();
         self.deps
+            .caches
             .pdbs
             .state_filter(|pdb| {
                 pdb.metadata
@@ -534,8 +548,8 @@ impl Run {
     /// Copies of the VolumeAttachments to this Node and of those of `pvs`
     /// anywhere.
     fn attachments_of(&self, pvs: &[PersistentVolume]) -> Vec<VolumeAttachment> {
-        let ix = &self.deps.indexes;
-        let store = &self.deps.attachments;
+        let ix = &self.deps.caches.indexes;
+        let store = &self.deps.caches.attachments;
         let mut vas: BTreeMap<String, VolumeAttachment> = BTreeMap::new();
         let on_node = ix.attachments_by_node.get(store, &self.job.node);
         let of_pvs = pvs
@@ -570,7 +584,11 @@ impl Run {
 
     /// The pod `key` from the cache, if it is still the one with `uid`.
     pub(super) fn pod(&self, key: &NamespacedName, uid: Option<&str>) -> Option<Arc<Pod>> {
-        let pod = self.deps.pods.get(&ObjectRef::new(&key.1).within(&key.0))?;
+        let pod = self
+            .deps
+            .caches
+            .pods
+            .get(&ObjectRef::new(&key.1).within(&key.0))?;
         (uid.is_none() || pod.metadata.uid.as_deref() == uid).then_some(pod)
     }
 
@@ -779,9 +797,10 @@ impl Run {
     ) -> Option<(NamespacedName, String)> {
         let users = self
             .deps
+            .caches
             .indexes
             .pods_by_claim
-            .get(&self.deps.pods, &claim_key(&claim.0, &claim.1));
+            .get(&self.deps.caches.pods, &claim_key(&claim.0, &claim.1));
         unschedulable_replacement(claim, users.iter().map(|p| &**p), evicted_uid)
     }
 
@@ -852,7 +871,7 @@ impl Run {
     fn claims_of(&self, m: &VolumeMove) -> Vec<NamespacedName> {
         m.volumes
             .iter()
-            .filter_map(|pv| self.deps.pvs.get(&ObjectRef::new(pv)))
+            .filter_map(|pv| self.deps.caches.pvs.get(&ObjectRef::new(pv)))
             .filter_map(|pv| {
                 let c = pv.spec.as_ref()?.claim_ref.as_ref()?;
                 Some((c.namespace.clone()?, c.name.clone()?))
@@ -956,7 +975,7 @@ impl Run {
     /// Waits until `done` holds over the pod cache, checked after every pod
     /// event, or `until`. Returns whether it held.
     pub(super) async fn wait_pods_until(&self, until: Instant, done: impl Fn() -> bool) -> bool {
-        let mut changes = self.deps.pod_changes.clone();
+        let mut changes = self.deps.caches.pod_changes.clone();
         loop {
             changes.borrow_and_update();
             if done() {

@@ -1,7 +1,7 @@
 //! Per-object exponential backoff for a controller's failed reconciles,
-//! reset by a successful one: the Machine and MachineSet controllers share
-//! it, so that both back off the same way (0.5 s doubling to 5 min, with
-//! jitter).
+//! reset by a successful one: the Machine, MachineSet and MachineDeployment
+//! controllers share it, so that all back off the same way (0.5 s doubling
+//! to 5 min, with jitter).
 
 use std::collections::HashMap;
 use std::sync::Mutex;

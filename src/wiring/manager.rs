@@ -1,0 +1,257 @@
+//! The controller manager: one set of watches and caches
+//! ([`watches`](super::watches)), and on them the Machine, MachineSet and
+//! MachineDeployment controllers, the drain engine and orphan collection.
+//!
+//! Everything here runs on the leader only, in one task that
+//! `crate::wiring::process` aborts when leadership is lost: the controllers
+//! stop where they are (every step resumes), and no watch, drain or
+//! orphan round outlives them.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{FutureExt, StreamExt};
+use kube::Client;
+use kube::runtime::events::{Recorder, Reporter};
+
+use super::watches::{Watches, watches};
+use crate::controller::AbortOnDrop;
+use crate::drain::engine::{Deps as DrainDeps, Drainer};
+use crate::providers::Registry;
+use crate::telemetry::Metrics;
+use crate::telemetry::events::EventSink;
+
+/// How the controllers run.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Watch Machines, MachineSets and MachineDeployments in this namespace
+    /// only (all namespaces when `None`).
+    pub namespace: Option<String>,
+    /// Name reported on Events (`reportingInstance`).
+    pub instance: String,
+    /// Machines reconciled at the same time.
+    pub concurrency: u16,
+    /// Old Machines being deleted by MachineDeployment rollouts at once,
+    /// across every deployment.
+    pub max_concurrent_drains: usize,
+    /// Orphan collection (none by default).
+    pub orphans: crate::orphans::Settings,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            namespace: None,
+            instance: "berth".into(),
+            concurrency: DEFAULT_CONCURRENCY,
+            max_concurrent_drains: DEFAULT_MAX_CONCURRENT_DRAINS,
+            orphans: crate::orphans::Settings::default(),
+        }
+    }
+}
+
+/// The cap on rollout drains across deployments unless told otherwise
+/// (`berth run --max-concurrent-drains`, whose default is the same).
+pub const DEFAULT_MAX_CONCURRENT_DRAINS: usize = 10;
+
+/// Machines reconciled at the same time unless told otherwise. A reconcile
+/// is short (the drain runs beside it, not in it) and its requests go
+/// through the client's rate limit, so this bounds only how many Machines
+/// wait for a turn: with 20 Machines deleted together and 8 turns, the last
+/// ones' drains started up to 4.6 s late in the scale benchmark.
+pub const DEFAULT_CONCURRENCY: u16 = 32;
+
+/// The API clients the controllers use.
+#[derive(Clone)]
+pub struct Clients {
+    /// Watches, Machine and Node writes, evictions.
+    pub api: Client,
+    /// Events only. A client of its own (its own rate limit) keeps a burst
+    /// of Events from queueing evictions behind it: with 20 drains starting
+    /// at once the benchmark saw evictions wait 6-12 s behind Events in a
+    /// shared limiter. client-go throttles Events apart from other requests
+    /// for the same reason.
+    pub events: Client,
+}
+
+impl From<Client> for Clients {
+    /// One client for everything (tests, the demo, the benchmark).
+    fn from(client: Client) -> Self {
+        Self {
+            api: client.clone(),
+            events: client,
+        }
+    }
+}
+
+/// Runs the controllers until `shutdown` resolves, then lets reconciles in
+/// flight finish (orphan collection stops at once). `ready` is called once
+/// every cache has synced. Provider calls, reconciles, drains and Machine
+/// phases are recorded in `metrics`.
+pub async fn run(
+    clients: impl Into<Clients>,
+    providers: Registry,
+    settings: Settings,
+    metrics: Arc<Metrics>,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+    ready: impl FnOnce() + Send + 'static,
+) {
+    let Clients {
+        api: client,
+        events: events_client,
+    } = clients.into();
+    let Watches {
+        caches,
+        tracker,
+        machine: machine_feeds,
+        sets,
+        set_wakes,
+        deployment_wakes,
+        background,
+    } = watches(&client, settings.namespace.as_deref(), &metrics);
+    let background = AbortOnDrop(tokio::spawn(background.for_each(|_| async {})));
+
+    let providers = providers.instrumented(&metrics);
+    let (events, _publisher) = EventSink::new(
+        Recorder::new(
+            events_client,
+            Reporter {
+                controller: "berth".into(),
+                instance: Some(settings.instance.clone()),
+            },
+        ),
+        Arc::clone(&metrics),
+        crate::telemetry::events::QUEUE,
+    );
+    let (drainer, drains_done) = Drainer::new(DrainDeps {
+        client: client.clone(),
+        caches: caches.clone(),
+        tracker,
+        metrics: Arc::clone(&metrics),
+        events: events.clone(),
+    });
+
+    // One shutdown for every controller.
+    let shutdown = shutdown.shared();
+    let machines = crate::machine::run(
+        Arc::new(crate::machine::Context::new(
+            client.clone(),
+            providers.clone(),
+            events.clone(),
+            caches.clone(),
+            Arc::clone(&metrics),
+            drainer,
+        )),
+        machine_feeds,
+        drains_done,
+        settings.concurrency,
+        shutdown.clone(),
+    );
+    let machinesets = crate::machineset::run(
+        client.clone(),
+        caches.clone(),
+        sets,
+        events.clone(),
+        set_wakes,
+        shutdown.clone(),
+    );
+    let machinedeployments = crate::machinedeployment::run(
+        client,
+        settings.namespace,
+        caches.clone(),
+        events.clone(),
+        settings.max_concurrent_drains,
+        Arc::clone(&metrics),
+        deployment_wakes,
+        shutdown.clone(),
+    );
+    // Orphan collection acts only for a leader that is not stopping: it
+    // ends at the shutdown, before the reconciles in flight do. A delete
+    // cut short is asked again by the next leader.
+    let orphans = {
+        let shared = crate::orphans::Shared {
+            caches: caches.clone(),
+            providers,
+            events,
+        };
+        let round = crate::orphans::run(settings.orphans, shared, Arc::clone(&metrics));
+        let shutdown = shutdown.clone();
+        async move {
+            tokio::select! {
+                _ = round => {},
+                _ = shutdown => {},
+            }
+        }
+    };
+    let readiness = {
+        let mut synced = caches.synced.clone();
+        async move {
+            if synced.wait_for(|s| *s).await.is_ok() {
+                tracing::info!("caches synced; reconciling Machines");
+                ready();
+            }
+        }
+    };
+    let controllers = async {
+        tokio::join!(machines, machinesets, machinedeployments);
+    };
+    let beside = async {
+        tokio::join!(orphans, readiness);
+        std::future::pending::<()>().await;
+    };
+    tokio::select! {
+        _ = controllers => {},
+        _ = beside => {},
+    }
+    drop(background);
+}
+
+/// Controllers started by [`spawn`]: stop them with [`Spawned::stop`].
+pub struct Spawned {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+    /// Resolves once every cache has synced.
+    pub ready: tokio::sync::oneshot::Receiver<()>,
+}
+
+impl Spawned {
+    /// Graceful shutdown, waiting at most `grace` for reconciles in flight.
+    pub async fn stop(mut self, grace: Duration) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if tokio::time::timeout(grace, &mut self.task).await.is_err() {
+            self.task.abort();
+        }
+    }
+}
+
+/// [`run`] on its own task, for the processes that embed the controllers
+/// (the development kit's demo and benchmark, tests).
+pub fn spawn(
+    clients: impl Into<Clients>,
+    providers: Registry,
+    settings: Settings,
+    metrics: Arc<Metrics>,
+) -> Spawned {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (ready_tx, ready) = tokio::sync::oneshot::channel::<()>();
+    let clients: Clients = clients.into();
+    let task = tokio::spawn(run(
+        clients,
+        providers,
+        settings,
+        metrics,
+        async move {
+            let _ = stopped.await;
+        },
+        move || {
+            let _ = ready_tx.send(());
+        },
+    ));
+    Spawned {
+        stop: Some(stop),
+        task,
+        ready,
+    }
+}

@@ -1,0 +1,340 @@
+//! The watches: one per kind the controllers read, each feeding its cache
+//! ([`Caches`]), the indexes over it, the volume tracker, and the wake
+//! streams that reach the controllers.
+//!
+//! A watch's stream is driven by the controller it wakes (kube's
+//! `Controller` polls it), so every event reaches the store, the indexes and
+//! the tracker before any reconcile it wakes; the watches that wake nothing
+//! (PodDisruptionBudgets, claims, PersistentVolumes, CSIDrivers) run on a
+//! task of their own. Pods and Nodes are trimmed as they arrive
+//! (`crate::cache::trim`), so the caches hold what decisions read.
+
+use futures::stream::BoxStream;
+use futures::{FutureExt, StreamExt};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::storage::v1::VolumeAttachment;
+use kube::api::Api;
+use kube::runtime::reflector;
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, Resource, ResourceExt};
+use serde::de::DeserializeOwned;
+
+use crate::api::{Machine, MachineDeployment, MachineSet, controlling_set};
+use crate::cache::machines::MachinesByNode;
+use crate::cache::wakes::{NodeChanges, WakeStream, Wakes};
+use crate::cache::{Caches, Index, Indexes, trim};
+use crate::machine::Feeds;
+use crate::telemetry::Metrics;
+use crate::volumes::Tracker;
+
+/// What the watches feed: the caches, the volume tracker, and the streams
+/// each controller is woken by.
+pub(crate) struct Watches {
+    pub(crate) caches: Caches,
+    pub(crate) tracker: Tracker,
+    /// The Machine controller's.
+    pub(crate) machine: Feeds,
+    /// The MachineSet watch, which fills `caches.sets`.
+    pub(crate) sets: BoxStream<'static, Result<MachineSet, watcher::Error>>,
+    /// The sets to reconcile because one of their Machines (or its Node)
+    /// changed.
+    pub(crate) set_wakes: WakeStream<MachineSet>,
+    /// The deployments to reconcile because one of their sets or Machines
+    /// changed.
+    pub(crate) deployment_wakes: WakeStream<MachineDeployment>,
+    /// The watches that wake nothing, and the sync signal.
+    pub(crate) background: BoxStream<'static, ()>,
+}
+
+/// An API of every namespace, or of `namespace` only.
+fn api<K>(client: &Client, namespace: Option<&str>) -> Api<K>
+where
+    K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
+{
+    match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
+
+/// A watch of every `K` whose store fills on its own task (nothing is
+/// woken by it).
+fn quiet<K>(
+    writer: reflector::store::Writer<K>,
+    api: Api<K>,
+    trim: fn(&mut K),
+) -> impl futures::Stream<Item = ()> + Send + 'static
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync,
+    K: 'static,
+{
+    reflector::reflector(
+        writer,
+        watcher(api, watcher::Config::default()).modify(trim),
+    )
+    .default_backoff()
+    .map(|_| ())
+}
+
+/// A boxed stream of one kind's objects, as a controller is woken by.
+type Objects<K> = BoxStream<'static, Result<K, watcher::Error>>;
+
+/// Starts nothing: builds every watch for `client` (Machines and
+/// MachineSets in `namespace` only, if given), to be driven by the
+/// controllers and by [`Watches::background`].
+pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metrics) -> Watches {
+    let (sets, sets_w) = reflector::store::<MachineSet>();
+    let (wakes, set_wakes, deployment_wakes) = Wakes::new(sets.clone());
+    let (machines, machines_w) = reflector::store();
+    let (nodes, nodes_w) = reflector::store();
+    let (attachments, vas_w) = reflector::store();
+    let (pods, pods_w) = reflector::store();
+    let (classes, classes_w) = reflector::store();
+    let (pdbs, pdbs_w) = reflector::store();
+    let (pvcs, pvcs_w) = reflector::store();
+    let (pvs, pvs_w) = reflector::store();
+    // CSIDrivers say which drivers attach: the drain's volume classes. A
+    // drain planned before they are listed would take every attach-free
+    // CSI volume for an attachable one, so the sync waits for them too.
+    let (csi_drivers, csi_drivers_w) = reflector::store();
+    let (pod_changes_tx, pod_changes) = tokio::sync::watch::channel(0u64);
+    let (pdb_changes_tx, pdb_changes) = tokio::sync::watch::channel(0u64);
+    let (listed_tx, machines_listed) = tokio::sync::watch::channel(false);
+    let (synced_tx, synced) = tokio::sync::watch::channel(false);
+    let caches = Caches {
+        machines,
+        classes,
+        sets,
+        nodes,
+        pods,
+        attachments,
+        pvcs,
+        pvs,
+        pdbs,
+        csi_drivers,
+        indexes: Indexes::default(),
+        machines_by_node: MachinesByNode::default(),
+        machines_by_set: Index::new(controlling_set),
+        pod_changes,
+        pdb_changes,
+        machines_listed,
+        synced,
+    };
+    // Nodes and VolumeAttachments also feed the volume tracker, with the raw
+    // watch events (re-lists included) once the store has applied them.
+    let tracker = Tracker::new(
+        caches.attachments.clone(),
+        caches.indexes.attachments_by_pv.clone(),
+        caches.nodes.clone(),
+        crate::volumes::DEFAULT_CHANNEL_CAPACITY,
+        Some(metrics),
+    );
+    let machine = Feeds {
+        machines: machine_watch(
+            machines_w,
+            api(client, namespace),
+            &caches,
+            &wakes,
+            listed_tx,
+        ),
+        classes: woken_by(classes_w, Api::all(client.clone()), trim::metadata).boxed(),
+        nodes: node_watch(nodes_w, Api::all(client.clone()), &caches, &tracker, &wakes),
+        pods: pod_watch(pods_w, Api::all(client.clone()), &caches, pod_changes_tx),
+        attachments: attachment_watch(vas_w, Api::all(client.clone()), &caches, &tracker),
+    };
+    let sets = {
+        let wakes = wakes.clone();
+        reflector::reflector(
+            sets_w,
+            watcher(api(client, namespace), watcher::Config::default()),
+        )
+        .inspect(move |ev| {
+            if let Ok(ev) = ev {
+                wakes.set_event(ev);
+            }
+        })
+        .applied_objects()
+        .boxed()
+    };
+    let background = futures::stream::select_all([
+        quiet(pdbs_w, Api::all(client.clone()), trim::metadata)
+            .inspect(move |_| pdb_changes_tx.send_modify(|n| *n = n.wrapping_add(1)))
+            .boxed(),
+        quiet(pvcs_w, Api::all(client.clone()), trim::metadata).boxed(),
+        quiet(pvs_w, Api::all(client.clone()), trim::metadata).boxed(),
+        quiet(csi_drivers_w, Api::all(client.clone()), trim::csi_driver).boxed(),
+        sync(caches.clone(), synced_tx).into_stream().boxed(),
+    ])
+    .boxed();
+    Watches {
+        caches,
+        tracker,
+        machine,
+        sets,
+        set_wakes,
+        deployment_wakes,
+        background,
+    }
+}
+
+/// A watch whose objects wake a controller, trimmed as they arrive.
+fn woken_by<K>(
+    writer: reflector::store::Writer<K>,
+    api: Api<K>,
+    trim: fn(&mut K),
+) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send + 'static
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync,
+    K: 'static,
+{
+    reflector::reflector(
+        writer,
+        watcher(api, watcher::Config::default()).modify(trim),
+    )
+    .default_backoff()
+    .touched_objects()
+}
+
+/// The Machine watch, as `Controller::new` runs it, plus the indexes of
+/// Machines by Node and by MachineSet that it feeds and the sets it wakes.
+fn machine_watch(
+    writer: reflector::store::Writer<Machine>,
+    api: Api<Machine>,
+    caches: &Caches,
+    wakes: &Wakes,
+    listed: tokio::sync::watch::Sender<bool>,
+) -> Objects<Machine> {
+    let (by_node, by_set, wakes) = (
+        caches.machines_by_node.clone(),
+        caches.machines_by_set.clone(),
+        wakes.clone(),
+    );
+    reflector::reflector(writer, watcher(api, watcher::Config::default()))
+        .inspect(move |ev| {
+            if let Ok(ev) = ev {
+                by_node.observe(ev);
+                by_set.observe(ev);
+                wakes.machine_event(ev);
+                // The reflector has swapped the whole list into the store.
+                if matches!(ev, watcher::Event::InitDone) {
+                    listed.send_if_modified(|l| !std::mem::replace(l, true));
+                }
+            }
+        })
+        .applied_objects()
+        .boxed()
+}
+
+/// The Node watch: every event feeds the index by providerID and the
+/// volume tracker; only those that can change a decision wake a Machine,
+/// and the sets of its Machines (a Node that turns Ready or NotReady
+/// changes its set's counts).
+fn node_watch(
+    writer: reflector::store::Writer<Node>,
+    api: Api<Node>,
+    caches: &Caches,
+    tracker: &Tracker,
+    wakes: &Wakes,
+) -> Objects<Node> {
+    let (tracker, index) = (tracker.clone(), caches.indexes.clone());
+    let (by_node, machines, wakes) = (
+        caches.machines_by_node.clone(),
+        caches.machines.clone(),
+        wakes.clone(),
+    );
+    reflector::reflector(
+        writer,
+        watcher(api, watcher::Config::default()).modify(trim::node),
+    )
+    .inspect(move |ev| {
+        if let Ok(ev) = ev {
+            index.observe_node(ev);
+            tracker.observe_node_event(ev);
+        }
+    })
+    .default_backoff()
+    .filter({
+        let mut changes = NodeChanges::default();
+        move |ev| futures::future::ready(ev.as_ref().map_or(true, |ev| changes.wakes(ev)))
+    })
+    .touched_objects()
+    .inspect(move |node| {
+        if let Ok(node) = node {
+            let provider_id = node.spec.as_ref().and_then(|s| s.provider_id.as_deref());
+            for r in by_node.of_node(&node.name_any(), provider_id) {
+                if let Some(m) = machines.get(&r) {
+                    wakes.machine(&m);
+                }
+            }
+        }
+    })
+    .boxed()
+}
+
+/// The VolumeAttachment watch, which feeds the index by PV and Node and
+/// the volume tracker.
+fn attachment_watch(
+    writer: reflector::store::Writer<VolumeAttachment>,
+    api: Api<VolumeAttachment>,
+    caches: &Caches,
+    tracker: &Tracker,
+) -> Objects<VolumeAttachment> {
+    let (tracker, index) = (tracker.clone(), caches.indexes.clone());
+    reflector::reflector(
+        writer,
+        watcher(api, watcher::Config::default()).modify(trim::metadata),
+    )
+    .inspect(move |ev| {
+        if let Ok(ev) = ev {
+            index.observe_attachment(ev);
+            tracker.observe_attachment_event(ev);
+        }
+    })
+    .default_backoff()
+    .touched_objects()
+    .boxed()
+}
+
+/// The pod watch: it feeds the indexes by Node and by claim, and bumps
+/// `changes`, which the drain's waits watch (a waiter re-reads the store
+/// after each bump, so none is missed).
+fn pod_watch(
+    writer: reflector::store::Writer<Pod>,
+    api: Api<Pod>,
+    caches: &Caches,
+    changes: tokio::sync::watch::Sender<u64>,
+) -> Objects<Pod> {
+    let index = caches.indexes.clone();
+    reflector::reflector(
+        writer,
+        watcher(api, watcher::Config::default()).modify(trim::pod),
+    )
+    .inspect(move |ev| {
+        if let Ok(ev) = ev {
+            index.observe_pod(ev);
+        }
+        changes.send_modify(|n| *n = n.wrapping_add(1));
+    })
+    .default_backoff()
+    .touched_objects()
+    .boxed()
+}
+
+/// Says `synced` once every cache but the Machines' has its first
+/// complete list (the Machine store is not awaited: see
+/// `Caches::machines_listed`).
+async fn sync(c: Caches, synced: tokio::sync::watch::Sender<bool>) {
+    let _ = tokio::join!(
+        c.classes.wait_until_ready(),
+        c.nodes.wait_until_ready(),
+        c.pods.wait_until_ready(),
+        c.attachments.wait_until_ready(),
+        c.pvcs.wait_until_ready(),
+        c.pvs.wait_until_ready(),
+        c.pdbs.wait_until_ready(),
+        c.csi_drivers.wait_until_ready(),
+    );
+    let _ = synced.send(true);
+    // Keeps the sender, so that `synced` never reads as closed.
+    std::future::pending::<()>().await;
+}

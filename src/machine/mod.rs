@@ -12,11 +12,19 @@
 //!
 //! `decide` chooses the next step from facts, `record` what a step records,
 //! `status` folds that into the status, `write` writes it without undoing a
-//! newer write, and `reconcile` observes, acts and records.
+//! newer write. `reconcile` is the entry: `creation` and `deletion` observe,
+//! act and record (through `recorder`), each step in a function of its
+//! own; `node` holds every write to a Node.
 
+mod creation;
 pub(crate) mod decide;
+mod deletion;
+mod error;
+mod lookup;
+pub(crate) mod node;
 mod reconcile;
 pub(crate) mod record;
+mod recorder;
 pub(crate) mod status;
 pub mod write;
 
@@ -41,7 +49,7 @@ use crate::providers::Registry;
 use crate::telemetry::Metrics;
 use crate::telemetry::events::EventSink;
 
-use reconcile::Error;
+use error::Error;
 
 pub(crate) struct Context {
     pub(crate) client: Client,

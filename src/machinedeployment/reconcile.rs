@@ -7,7 +7,6 @@ use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Node, Taint};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
@@ -21,7 +20,7 @@ use crate::api::conditions::READY;
 use crate::api::machinedeployment::conditions::PROGRESSING;
 use crate::api::{
     Machine, MachineDeployment, MachineSet, MachineSetSpec, MachineTemplate, REVISION_ANNOTATION,
-    ROLLOUT_TAINT_KEY, SUPERSEDED_ANNOTATION, TEMPLATE_HASH_LABEL,
+    SUPERSEDED_ANNOTATION, TEMPLATE_HASH_LABEL,
 };
 use crate::machine::status::condition;
 use crate::machineset::decide::{selector_string, selects};
@@ -550,37 +549,7 @@ async fn taint_old_nodes(new: &[Member], old: &[Member], ctx: &Context) {
         let Some(node) = node_of(machine, &ctx.caches) else {
             continue;
         };
-        let mut taints: Vec<Taint> = node
-            .spec
-            .as_ref()
-            .and_then(|s| s.taints.clone())
-            .unwrap_or_default();
-        let has = taints.iter().any(|t| t.key == ROLLOUT_TAINT_KEY);
-        if has == tainted {
-            continue;
-        }
-        if tainted {
-            taints.push(Taint {
-                key: ROLLOUT_TAINT_KEY.into(),
-                value: Some("old".into()),
-                effect: "PreferNoSchedule".into(),
-                ..Taint::default()
-            });
-        } else {
-            taints.retain(|t| t.key != ROLLOUT_TAINT_KEY);
-        }
-        let patch = serde_json::json!({
-            "metadata": {"resourceVersion": node.resource_version()},
-            "spec": {"taints": taints},
-        });
-        if let Err(e) = Api::<Node>::all(ctx.client.clone())
-            .patch(
-                &node.name_any(),
-                &PatchParams::default(),
-                &Patch::Merge(patch),
-            )
-            .await
-        {
+        if let Err(e) = crate::machine::node::rollout_taint(&ctx.client, &node, tainted).await {
             tracing::debug!(node = %node.name_any(), error = %e, "rollout taint not written; next event retries");
         }
     }

@@ -1,0 +1,816 @@
+//! The deletion of a Machine, in the shape of Karpenter's termination:
+//! [`observe`] gathers once every fact a step needs (the caches, the
+//! drain's progress, what the Machine's conditions say), `decide` chooses
+//! the [`DeletionStep`], and one function per step acts and records it.
+//! Every step is idempotent: a reconcile cut short anywhere takes it again.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType};
+use kube::runtime::reflector::ObjectRef;
+use kube::{Resource, ResourceExt};
+
+use super::Context;
+use super::decide::{self, DeletionFacts, DeletionStep, NodeFacts, next_deletion_step};
+use super::error::{Error, Step, at};
+use super::lookup::{Resolved, find_node, node_from_api, resolve_machine};
+use super::node;
+use super::record::{
+    DeletionOutcome, DrainView, OUT_OF_SERVICE_TAINT, StepRecord, Unresolved, VOLUMES_LEFT_REASONS,
+    deletion_record, settings_message, volumes_left_message, with_settings_condition,
+};
+use super::recorder::{Next, Recorded, Write, announce, elapsed_since, record, truncate};
+use super::status::condition;
+use crate::api::conditions::{DRAIN_SETTINGS, VM_REQUESTED, VOLUMES_DETACHED};
+use crate::api::settings::{ResolvedSettings, resolve};
+use crate::api::{FORCE_DELETION_LABEL, Machine, PRE_DRAIN_HOOK_PREFIX, PRE_TERMINATE_HOOK_PREFIX};
+use crate::api::{VolumeMove, cordoned_at};
+use crate::drain::deadline::{Deadline, released};
+use crate::drain::engine::{Job, Outcome, Progress, RESTART_ENDED_AFTER, RETRY_FAILED_AFTER};
+use crate::drain::evict::Evicted;
+use crate::drain::select::{Arrivals, came_back};
+use crate::providers::ProviderError;
+
+/// Steps of a deletion taken in one reconcile at most: marking the Machine
+/// Terminating, cordoning its Node, starting the drain.
+const STEPS_PER_RECONCILE: usize = 3;
+
+/// What one deletion step left to do.
+enum Stepped {
+    /// Stop here.
+    Stop(Next),
+    /// The step wrote what the next one reads: go on from these copies
+    /// rather than wait for the watches to bring them back.
+    Advanced {
+        machine: Option<Box<Machine>>,
+        node: Option<Arc<Node>>,
+    },
+}
+
+impl From<Next> for Stepped {
+    fn from(next: Next) -> Self {
+        Stepped::Stop(next)
+    }
+}
+
+/// The deletion, one step after another. The first steps (marking the
+/// Machine Terminating, cordoning its Node) are each followed at once by
+/// the next, on the objects the API server answered with: with many
+/// Machines deleted together, a wait for each write's watch event and a
+/// turn in the work queue between steps would delay every drain's first
+/// eviction by seconds.
+pub(super) async fn cleanup(m: &Machine, ctx: &Context) -> Result<Next, Error> {
+    let mut machine = Cow::Borrowed(m);
+    let mut node = None;
+    for _ in 0..STEPS_PER_RECONCILE {
+        match cleanup_step(&machine, node.take(), ctx).await? {
+            Stepped::Stop(next) => return Ok(next),
+            Stepped::Advanced {
+                machine: written,
+                node: n,
+            } => {
+                if let Some(w) = written {
+                    machine = Cow::Owned(*w);
+                }
+                node = n;
+            }
+        }
+    }
+    // The writes above wake this Machine again.
+    Ok(Next::Wait(Action::await_change()))
+}
+
+/// Takes the next deletion step. `known_node` is a fresher copy of the
+/// Machine's Node than the cache's, when a previous step wrote it.
+async fn cleanup_step(
+    m: &Machine,
+    known_node: Option<Arc<Node>>,
+    ctx: &Context,
+) -> Result<Stepped, Error> {
+    let o = observe(m, known_node, ctx).await?;
+    let step = next_deletion_step(&o.facts);
+    // What the drain found about node-local volumes outlives its step.
+    let as_decided = match &o.progress {
+        Some(p) => deletion_record(&step, &DeletionOutcome::AsDecided)
+            .node_local(&p.node_local_lost, p.local_held.as_deref()),
+        None => deletion_record(&step, &DeletionOutcome::AsDecided),
+    };
+    match &step {
+        DeletionStep::MarkTerminating => mark_terminating(ctx, m, &as_decided, o.node).await,
+        DeletionStep::WaitPreDrainHooks(_) | DeletionStep::WaitPreTerminateHooks(_) => {
+            Ok(await_change(ctx, m, &as_decided).await?.into())
+        }
+        DeletionStep::Cordon { .. } => cordon(ctx, m, &as_decided, o.node).await,
+        DeletionStep::ForceDeletePods { pods, .. } => {
+            force_delete_pods(ctx, m, pods, &as_decided).await
+        }
+        DeletionStep::Drain { node, pods } => {
+            Ok(await_drain(ctx, m, &o, &step, node, !pods.is_empty())
+                .await?
+                .into())
+        }
+        DeletionStep::WaitVolumesDetached { .. } => {
+            Ok(await_volume_detachment(ctx, m, &o, &as_decided)
+                .await?
+                .into())
+        }
+        DeletionStep::DeleteVmAndNode { .. } => {
+            Ok(await_instance_termination(ctx, m, o, &step).await?.into())
+        }
+    }
+}
+
+/// Every fact a deletion step reads, gathered once per step.
+struct Observed {
+    /// The Machine's class, driver and settings, or why they cannot be had.
+    resolved: Result<Resolved, Unresolved>,
+    /// The drain settings that apply (the Machine's own over the defaults
+    /// when its class cannot be resolved: they are never silently dropped).
+    settings: ResolvedSettings,
+    /// The Machine's Node, if it exists.
+    node: Option<Arc<Node>>,
+    /// Its name, when the Node object is gone while the VM may still run:
+    /// the name still finds the pods and attachments (by spec.nodeName).
+    node_gone: Option<String>,
+    /// From the deletion request on.
+    deadline: Option<Deadline>,
+    /// The volumes attached to the Node, as an operator knows them: the PV,
+    /// or the attachment of an inline volume.
+    volumes: Vec<String>,
+    /// The Machine's `VolumesDetached` condition, read once.
+    detach: DetachState,
+    /// The drain's progress, if it ran or runs.
+    progress: Option<Progress>,
+    facts: DeletionFacts,
+}
+
+/// What the `VolumesDetached` condition says.
+#[derive(Debug, Clone, Copy, Default)]
+struct DetachState {
+    /// How long the volumes have been waited for (the condition is False).
+    waited: Option<Duration>,
+    /// Since when they have been, if ever.
+    since: Option<Timestamp>,
+    /// The volumes left attached as the VM goes were reported already.
+    left_reported: bool,
+    /// They were left to be released by the out-of-service taint.
+    releasing: bool,
+}
+
+impl DetachState {
+    fn of(m: &Machine) -> Self {
+        let Some(c) = condition(m.status.as_ref(), VOLUMES_DETACHED) else {
+            return Self::default();
+        };
+        let waiting = c.status == "False";
+        Self {
+            waited: waiting.then(|| elapsed_since(Some(&c.last_transition_time))),
+            since: Some(c.last_transition_time.0),
+            left_reported: waiting && VOLUMES_LEFT_REASONS.contains(&c.reason.as_str()),
+            releasing: c.reason == VOLUMES_LEFT_REASONS[1],
+        }
+    }
+}
+
+async fn observe(
+    m: &Machine,
+    known_node: Option<Arc<Node>>,
+    ctx: &Context,
+) -> Result<Observed, Error> {
+    let resolved = resolve_machine(m, ctx);
+    let settings = match &resolved {
+        Ok(r) => r.settings.clone(),
+        Err(_) => resolve(m.spec.drain.as_ref(), None, None, None).unwrap_or_default(),
+    };
+    let now = Timestamp::now();
+    let node = match known_node.or_else(|| find_node(m, ctx)) {
+        Some(n) => Some(n),
+        // Deleting needs certainty: a Node missing from the cache is asked
+        // for once more before the deletion acts as if it were gone.
+        None => node_from_api(m, ctx).await?,
+    };
+    let node_facts = node.as_deref().map(|n| decide::node_facts(n, now));
+    let node_gone = node_gone(m, ctx, &resolved, node_facts.as_ref()).await;
+    let node_name = node_facts
+        .as_ref()
+        .map(|n| n.name.clone())
+        .or_else(|| node_gone.clone());
+    let deadline = m
+        .metadata
+        .deletion_timestamp
+        .as_ref()
+        .map(|t| Deadline::new(t.0, settings.drain_timeout));
+    let (pods_to_drain, pods_on_node) = match &node_name {
+        Some(n) => pods_that_hold(m, ctx, n, node.as_deref(), deadline, now),
+        None => (vec![], vec![]),
+    };
+    let (attachments, volumes) = attached(ctx, node_name.as_deref());
+    let detach = DetachState::of(m);
+    let annotations = m.annotations();
+    let facts = DeletionFacts {
+        phase: m.status.as_ref().and_then(|s| s.phase),
+        force: m
+            .labels()
+            .get(FORCE_DELETION_LABEL)
+            .is_some_and(|v| v == "true"),
+        pre_drain_hooks: decide::hooks(annotations.keys(), PRE_DRAIN_HOOK_PREFIX),
+        pre_terminate_hooks: decide::hooks(annotations.keys(), PRE_TERMINATE_HOOK_PREFIX),
+        node: node_facts,
+        node_gone: node_gone.clone(),
+        pods_to_drain,
+        pods_on_node,
+        drain_pending: !ctx.drainer.finished(&ObjectRef::from_obj(m)),
+        volume_attachments: attachments,
+        volume_detach_timed_out: detach
+            .waited
+            .is_some_and(|w| w >= settings.volume_detach_timeout),
+    };
+    Ok(Observed {
+        progress: ctx.drainer.progress(&ObjectRef::from_obj(m)),
+        resolved,
+        settings,
+        node,
+        node_gone,
+        deadline,
+        volumes,
+        detach,
+        facts,
+    })
+}
+
+/// The name of the Machine's Node when the Node object is gone while its
+/// VM may still run. A Node object gone *with* its VM has nothing left to
+/// drain: berth deleted both and was stopped, or its last status write
+/// conflicted, before it let the Machine go. The provider is asked once,
+/// before a drain starts: the pods still bound to that name are the pod
+/// garbage collector's, and evicting them would only disturb their
+/// replacements.
+async fn node_gone(
+    m: &Machine,
+    ctx: &Context,
+    resolved: &Result<Resolved, Unresolved>,
+    node: Option<&NodeFacts>,
+) -> Option<String> {
+    let vm_requested =
+        m.spec.provider_id.is_some() || condition(m.status.as_ref(), VM_REQUESTED).is_some();
+    if node.is_some() || !vm_requested {
+        return None;
+    }
+    let name = m.status.as_ref()?.node_ref.as_ref()?.name.clone();
+    if !ctx.drainer.knows(&ObjectRef::from_obj(m))
+        && let Ok(r) = resolved
+        && matches!(
+            r.provider.get(&r.request).await,
+            Err(ProviderError::NotFound(_))
+        )
+    {
+        return None;
+    }
+    Some(name)
+}
+
+/// The pods on Node `node_name` that hold the Machine: those the drain
+/// must move, and those the force-deletion label deletes (`namespace/name`).
+fn pods_that_hold(
+    m: &Machine,
+    ctx: &Context,
+    node_name: &str,
+    node: Option<&Node>,
+    deadline: Option<Deadline>,
+    now: Timestamp,
+) -> (Vec<String>, Vec<String>) {
+    // A pod being deleted that cannot go (a finalizer) no longer holds the
+    // Machine from the deadline plus its grace period on. Nor does a pod
+    // that came back after the cordon: it ends with the VM (the drain
+    // reports it). The drain judges those created within the clock skew of
+    // the cordon; the reconciler counts only those surely after it, and
+    // those the drain judged.
+    let cordoned = node.and_then(cordoned_at).or(deadline.map(|d| d.started));
+    let machine = ObjectRef::from_obj(m);
+    let pods: Vec<Arc<Pod>> = ctx
+        .caches
+        .indexes
+        .pods_by_node
+        .get(&ctx.caches.pods, node_name)
+        .into_iter()
+        .filter(|p| !deadline.is_some_and(|d| released(p, &d, now)))
+        .filter(|p| {
+            let arrivals = cordoned.map(|cordoned_at| Arrivals {
+                cordoned_at,
+                known: None,
+            });
+            arrivals.is_none_or(|a| came_back(p, None, &a).is_none())
+                && !ctx.drainer.returned(&machine, p)
+        })
+        .collect();
+    // What the force-deletion label deletes: neither the mirror of a
+    // static pod nor a DaemonSet's pod (its controller would only recreate
+    // it; it ends with the VM), nor a pod force-deleted already (a
+    // finalizer holds it: deleting it again would be a request loop).
+    let on_node = pods
+        .iter()
+        .filter(|p| {
+            !matches!(
+                decide::drain_skip_reason(p),
+                Some("mirror pod" | "DaemonSet pod")
+            )
+        })
+        .filter(|p| p.metadata.deletion_grace_period_seconds != Some(0))
+        .map(|p| key(p))
+        .collect();
+    let to_drain = pods
+        .iter()
+        .filter(|p| decide::drain_skip_reason(p).is_none())
+        .map(|p| key(p))
+        .collect();
+    (to_drain, on_node)
+}
+
+fn key(p: &Pod) -> String {
+    format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any())
+}
+
+/// The VolumeAttachments to Node `node_name`, and the same as an operator
+/// knows them: the PV, or the attachment of an inline volume.
+fn attached(ctx: &Context, node_name: Option<&str>) -> (Vec<String>, Vec<String>) {
+    let Some(n) = node_name else {
+        return (vec![], vec![]);
+    };
+    ctx.caches
+        .indexes
+        .attachments_by_node
+        .get(&ctx.caches.attachments, n)
+        .iter()
+        .map(|va| {
+            let volume = va
+                .spec
+                .source
+                .persistent_volume_name
+                .clone()
+                .unwrap_or_else(|| format!("VolumeAttachment {}", va.name_any()));
+            (va.name_any(), volume)
+        })
+        .unzip()
+}
+
+/// Records the step and waits for a change (a hook removed, say).
+async fn await_change(ctx: &Context, m: &Machine, rec: &StepRecord) -> Result<Next, Error> {
+    Ok(record(ctx, m, rec, Write::IfChanged)
+        .await?
+        .then(Action::await_change()))
+}
+
+async fn mark_terminating(
+    ctx: &Context,
+    m: &Machine,
+    rec: &StepRecord,
+    node: Option<Arc<Node>>,
+) -> Result<Stepped, Error> {
+    Ok(match record(ctx, m, rec, Write::IfChanged).await? {
+        Recorded::Written(w) => Stepped::Advanced {
+            machine: Some(w),
+            node,
+        },
+        Recorded::Unchanged => Next::Wait(Action::await_change()).into(),
+        Recorded::Stale => Next::Stale.into(),
+    })
+}
+
+async fn cordon(
+    ctx: &Context,
+    m: &Machine,
+    rec: &StepRecord,
+    node: Option<Arc<Node>>,
+) -> Result<Stepped, Error> {
+    let cordoned = match node {
+        Some(n) => Some(Arc::new(
+            node::cordon(&ctx.client, &n)
+                .await
+                .map_err(at(Step::Cordon))?,
+        )),
+        None => None,
+    };
+    Ok(
+        match (record(ctx, m, rec, Write::IfChanged).await?, cordoned) {
+            (Recorded::Stale, _) => Next::Stale.into(),
+            (Recorded::Written(w), Some(n)) => Stepped::Advanced {
+                machine: Some(w),
+                node: Some(n),
+            },
+            (Recorded::Unchanged, Some(n)) => Stepped::Advanced {
+                machine: None,
+                node: Some(n),
+            },
+            (_, None) => Next::Wait(Action::await_change()).into(),
+        },
+    )
+}
+
+/// Deletes `pods` with no grace period (the force-deletion label). Each
+/// delete is pinned to the UID the cache shows: a pod that took the same
+/// name elsewhere is never touched.
+async fn force_delete_pods(
+    ctx: &Context,
+    m: &Machine,
+    pods: &[String],
+    rec: &StepRecord,
+) -> Result<Stepped, Error> {
+    ctx.drainer.forget(&ObjectRef::from_obj(m));
+    for p in pods {
+        let Some((ns, name)) = p.split_once('/') else {
+            continue;
+        };
+        let Some(pod) = ctx.caches.pods.get(&ObjectRef::new(name).within(ns)) else {
+            continue;
+        };
+        match crate::drain::evict::delete(&ctx.client, &pod, Some(0)).await {
+            Evicted::Accepted | Evicted::Gone => {}
+            Evicted::Refused { message }
+            | Evicted::Throttled { message, .. }
+            | Evicted::MultipleBudgets { message } => {
+                tracing::warn!(pod = %p, %message, "force delete refused");
+            }
+            Evicted::Failed(e) => return Err(at(Step::PodDelete)(e)),
+        }
+    }
+    Ok(await_change(ctx, m, rec).await?.into())
+}
+
+/// Starts the drain (or resumes it, or reads its progress) and records
+/// where it is. The engine's progress writes and its end wake the Machine;
+/// a failed drain is retried after a pause.
+async fn await_drain(
+    ctx: &Context,
+    m: &Machine,
+    o: &Observed,
+    step: &DeletionStep,
+    node: &str,
+    pods_left: bool,
+) -> Result<Next, Error> {
+    let Some(deadline) = o.deadline else {
+        return Ok(Next::Wait(Action::await_change()));
+    };
+    let job = Job {
+        machine: ObjectRef::from_obj(m),
+        machine_ref: m.object_ref(&()),
+        node: node.to_string(),
+        settings: o.settings.clone(),
+        deadline,
+        moves: recorded_moves(m),
+        data_loss_allowed: crate::drain::class::allows_data_loss(m.metadata.annotations.as_ref()),
+    };
+    if let Some(gone) = &o.node_gone
+        && !ctx.drainer.knows(&ObjectRef::from_obj(m))
+    {
+        warn(
+            ctx,
+            m,
+            "NodeGone",
+            format!(
+                "the Node object {gone} is gone while its VM may still run: draining its pods by spec.nodeName; the VM is deleted after"
+            ),
+        );
+    }
+    let progress = ctx.drainer.ensure(job, pods_left);
+    let rec = deletion_record(step, &DeletionOutcome::Drain(drain_view(&progress))).node_local(
+        progress.node_local_lost.as_slice(),
+        progress.local_held.as_deref(),
+    );
+    let was_false =
+        condition(m.status.as_ref(), DRAIN_SETTINGS).is_some_and(|c| c.status == "False");
+    let unresolved = o.resolved.as_ref().err();
+    let rec = with_settings_condition(rec, unresolved, was_false, &describe(&o.settings));
+    if let Some(why) = unresolved
+        && !was_false
+    {
+        warn(
+            ctx,
+            m,
+            "DrainSettingsFromMachine",
+            settings_message(why, &describe(&o.settings)),
+        );
+    }
+    let action = match progress.outcome {
+        Some(Outcome::Failed { .. }) => Action::requeue(RETRY_FAILED_AFTER),
+        Some(_) if pods_left => Action::requeue(RESTART_ENDED_AFTER),
+        _ => Action::await_change(),
+    };
+    Ok(record(ctx, m, &rec, Write::IfChanged).await?.then(action))
+}
+
+/// The volume moves in flight that `status.drain` records.
+fn recorded_moves(m: &Machine) -> Vec<VolumeMove> {
+    m.status
+        .as_ref()
+        .and_then(|s| s.drain.as_ref())
+        .map(|d| d.moves.clone())
+        .unwrap_or_default()
+}
+
+/// Waits for the Node's volumes to detach: VolumeAttachment events wake
+/// the Machine, and this is the detach deadline.
+async fn await_volume_detachment(
+    ctx: &Context,
+    m: &Machine,
+    o: &Observed,
+    rec: &StepRecord,
+) -> Result<Next, Error> {
+    let waited = o.detach.waited.unwrap_or_default();
+    let action = Action::requeue(
+        o.settings.volume_detach_timeout.saturating_sub(waited) + Duration::from_millis(100),
+    );
+    Ok(record(ctx, m, rec, Write::IfChanged).await?.then(action))
+}
+
+/// Publishes a Warning Event about the Machine, in the background (an
+/// Event never holds up a step).
+fn warn(ctx: &Context, m: &Machine, reason: &str, note: String) {
+    ctx.events.publish(
+        Event {
+            type_: EventType::Warning,
+            reason: reason.into(),
+            note: Some(truncate(&note, 1000)),
+            action: "Drain".into(),
+            secondary: None,
+        },
+        m.object_ref(&()),
+    );
+}
+
+/// The drain settings an operator checks first, in words.
+fn describe(s: &ResolvedSettings) -> String {
+    format!(
+        "timeout {}, forceAfterDeadline {}, volumeDetachTimeout {}, volumeReattachTimeout {}",
+        humantime::format_duration(s.drain_timeout),
+        s.force_after_deadline,
+        humantime::format_duration(s.volume_detach_timeout),
+        humantime::format_duration(s.volume_reattach_timeout)
+    )
+}
+
+/// How the `Drain` step reports the engine's progress.
+fn drain_view(p: &Progress) -> DrainView<'_> {
+    match &p.outcome {
+        Some(Outcome::Failed { message }) => DrainView::Failed(message),
+        Some(Outcome::Drained | Outcome::Forced { .. }) => DrainView::Ended,
+        None => match &p.blocked_by {
+            Some(b) if p.held => DrainView::Held(b),
+            Some(b) => DrainView::Blocked(b),
+            None => DrainView::Running,
+        },
+    }
+}
+
+/// How long berth waits, once the VM is gone and its Node tainted out of
+/// service, for the attach-detach controller to release the volumes left
+/// before it deletes the Node anyway: that controller's own force-detach
+/// wait (`maxWaitForUnmountDuration`, 6 minutes), beyond which waiting
+/// gains nothing.
+const RELEASE_BOUND: Duration = Duration::from_secs(360);
+
+/// A step that may go on (`None`) or stop the deletion here.
+type Then = Option<Next>;
+
+/// Deletes the VM, then the Node, then lets the Machine go. The VM is
+/// never forgotten: a class that cannot be resolved keeps the finalizer.
+async fn await_instance_termination(
+    ctx: &Context,
+    m: &Machine,
+    o: Observed,
+    step: &DeletionStep,
+) -> Result<Next, Error> {
+    let mut m = Cow::Borrowed(m);
+    let had_node = m
+        .status
+        .as_ref()
+        .and_then(|s| s.node_ref.as_ref())
+        .is_some();
+    if o.node.is_none() && !had_node && !o.facts.force {
+        let rec = deletion_record(step, &DeletionOutcome::DrainSkipped);
+        if let Some(next) = rerecord(ctx, &mut m, &rec).await? {
+            return Ok(next);
+        }
+    }
+    let vm_requested =
+        m.spec.provider_id.is_some() || condition(m.status.as_ref(), VM_REQUESTED).is_some();
+    let r = match &o.resolved {
+        Ok(r) => r,
+        Err(_) if !vm_requested => {
+            let rec = deletion_record(step, &DeletionOutcome::NoVm);
+            return Ok(match record(ctx, &m, &rec, Write::IfChanged).await? {
+                Recorded::Stale => Next::Stale,
+                _ => Next::Finished,
+            });
+        }
+        Err(why) => {
+            let rec = deletion_record(step, &DeletionOutcome::Unresolved(why));
+            // Keep the finalizer: never forget a VM. A fixed class wakes us.
+            return await_change(ctx, &m, &rec).await;
+        }
+    };
+    if let Some(next) = report_volumes_left(ctx, &mut m, &o, step).await? {
+        return Ok(next);
+    }
+    // Read again: the records above may have changed the condition.
+    let detach = DetachState::of(&m);
+    if let Some(next) = delete_vm(ctx, &m, r, step).await? {
+        return Ok(next);
+    }
+    if let Some(n) = &o.node
+        && let Some(next) = release_and_delete_node(ctx, &m, &o.volumes, detach, n, step).await?
+    {
+        return Ok(next);
+    }
+    // The VM and the Node are gone: the Machine goes, even if this last
+    // record meets a newer Machine (a conflict): retrying would only find a
+    // Machine whose Node and VM are gone.
+    let rec = deletion_record(step, &DeletionOutcome::AsDecided);
+    if let Recorded::Stale = record(ctx, &m, &rec, Write::IfChanged).await? {
+        // Not written, but taken: said all the same.
+        announce(ctx, &m, &rec.report);
+    }
+    Ok(Next::Finished)
+}
+
+/// Records `rec` and goes on from the Machine as written; stops on a
+/// refused write.
+async fn rerecord(
+    ctx: &Context,
+    m: &mut Cow<'_, Machine>,
+    rec: &StepRecord,
+) -> Result<Then, Error> {
+    match record(ctx, m, rec, Write::IfChanged).await? {
+        Recorded::Stale => return Ok(Some(Next::Stale)),
+        Recorded::Written(w) => *m = Cow::Owned(*w),
+        Recorded::Unchanged => {}
+    }
+    Ok(None)
+}
+
+/// The volumes still attached as the VM goes, and why: said once, before
+/// it goes (a condition, a Warning, the metric).
+async fn report_volumes_left(
+    ctx: &Context,
+    m: &mut Cow<'_, Machine>,
+    o: &Observed,
+    step: &DeletionStep,
+) -> Result<Then, Error> {
+    if o.volumes.is_empty() || DetachState::of(m).left_reported {
+        return Ok(None);
+    }
+    let why = if o.facts.force {
+        "the deletion is forced".to_string()
+    } else {
+        format!(
+            "not detached within volumeDetachTimeout, {}",
+            humantime::format_duration(o.settings.volume_detach_timeout)
+        )
+    };
+    let outcome = DeletionOutcome::VolumesLeft {
+        volumes: &o.volumes,
+        why: &why,
+        node_exists: o.node.is_some(),
+    };
+    if let Some(next) = rerecord(ctx, m, &deletion_record(step, &outcome)).await? {
+        return Ok(Some(next));
+    }
+    ctx.metrics
+        .volumes_left_attached
+        .inc_by(o.volumes.len() as u64);
+    let node_name = o.node.as_ref().map(|n| n.name_any());
+    warn(
+        ctx,
+        m,
+        "VolumesLeftAttached",
+        volumes_left_message(
+            node_name.as_deref().unwrap_or("(gone)"),
+            &o.volumes,
+            &why,
+            o.node.is_some(),
+        ),
+    );
+    Ok(None)
+}
+
+/// Asks the provider to delete the VM; goes on once it is gone.
+async fn delete_vm(
+    ctx: &Context,
+    m: &Machine,
+    r: &Resolved,
+    step: &DeletionStep,
+) -> Result<Then, Error> {
+    if let Some(after) = ctx.provider_retry_in(m) {
+        return Ok(Some(Next::ProviderRetry(after)));
+    }
+    let provider = r.provider.name();
+    let (rec, after) = match r.provider.delete(&r.request).await {
+        Ok(()) | Err(ProviderError::NotFound(_)) => {
+            ctx.provider_answered(m);
+            return Ok(None);
+        }
+        Err(ProviderError::InProgress { what, retry_after }) => (
+            deletion_record(step, &DeletionOutcome::VmDeleteInProgress(&what)),
+            retry_after,
+        ),
+        Err(
+            e @ (ProviderError::Permanent(_)
+            | ProviderError::InvalidSpec(_)
+            | ProviderError::Unauthorized(_)),
+        ) => {
+            let error = e.to_string();
+            let outcome = DeletionOutcome::VmDeleteRefused {
+                provider,
+                error: &error,
+            };
+            (deletion_record(step, &outcome), Duration::from_secs(600))
+        }
+        Err(e) => {
+            return Err(Error::Provider {
+                step: Step::ProviderDelete,
+                provider: provider.into(),
+                source: e,
+            });
+        }
+    };
+    ctx.provider_retry_after(m, after);
+    Ok(Some(
+        record(ctx, m, &rec, Write::IfChanged)
+            .await?
+            .then(Action::requeue(after)),
+    ))
+}
+
+/// The VM is gone (the provider said so): its Node is declared out of
+/// service, so that the volumes left on it are released at once, waited
+/// for up to [`RELEASE_BOUND`], and the Node deleted.
+async fn release_and_delete_node(
+    ctx: &Context,
+    m: &Machine,
+    volumes: &[String],
+    detach: DetachState,
+    n: &Node,
+    step: &DeletionStep,
+) -> Result<Then, Error> {
+    let name = n.name_any();
+    if !volumes.is_empty() {
+        // A taint put by someone else without a time counts from when the
+        // volumes were first waited for.
+        let waited_since = detach.since.unwrap_or_else(Timestamp::now);
+        let since = node::out_of_service(&ctx.client, n, waited_since)
+            .await
+            .map_err(at(Step::OutOfService))?;
+        let until = since + RELEASE_BOUND;
+        let now = Timestamp::now();
+        if now < until {
+            // VolumeAttachment events wake this Machine; this is the bound.
+            let wait = Duration::try_from(until.duration_since(now)).unwrap_or_default();
+            let until = until.to_string();
+            let outcome = DeletionOutcome::ReleasingVolumes {
+                volumes,
+                until: &until,
+            };
+            return Ok(Some(
+                record(ctx, m, &deletion_record(step, &outcome), Write::IfChanged)
+                    .await?
+                    .then(Action::requeue(wait + Duration::from_millis(100))),
+            ));
+        }
+        warn(
+            ctx,
+            m,
+            "VolumesNotReleased",
+            format!(
+                "{} still attached to Node {name} {} after it was tainted {OUT_OF_SERVICE_TAINT}: deleting the Node; the attach-detach controller detaches them when it sees it gone",
+                volumes.join(", "),
+                humantime::format_duration(RELEASE_BOUND)
+            ),
+        );
+    } else if detach.releasing {
+        ctx.events.publish(
+            Event {
+                type_: EventType::Normal,
+                reason: "VolumesReleased".into(),
+                note: Some(format!(
+                    "the volumes left on Node {name} were released after it was tainted {OUT_OF_SERVICE_TAINT}"
+                )),
+                action: "Delete".into(),
+                secondary: None,
+            },
+            m.object_ref(&()),
+        );
+    }
+    match Api::<Node>::all(ctx.client.clone())
+        .delete(&name, &DeleteParams::default())
+        .await
+    {
+        Ok(_) => Ok(None),
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(None),
+        Err(e) => Err(at(Step::NodeDelete)(e)),
+    }
+}

@@ -194,7 +194,7 @@ pub fn pod_claims(pod: &Pod) -> Vec<String> {
 /// The claims a pod's volumes name, in its namespace: a
 /// `persistentVolumeClaim` volume's claim, a generic ephemeral volume's
 /// claim (`<pod>-<volume>`), and the name an inline volume of a kind that
-/// attaches goes by instead ([`inline::inline_claim_name`]).
+/// attaches goes by instead ([`super::inline::inline_claim_name`]).
 pub fn claim_names(pod: &Pod) -> Vec<String> {
     let name = pod.metadata.name.as_deref().unwrap_or_default();
     pod.spec

@@ -1,5 +1,5 @@
 //! The controller's caches: one store per kind the controllers read
-//! ([`Caches`]), the secondary indexes over them ([`Index`]), and the wake
+//! (`Caches`), the secondary indexes over them ([`Index`]), and the wake
 //! plumbing between controllers (`wakes`). `crate::wiring::watches` fills
 //! them from one watch per kind; the Machine, MachineSet and
 //! MachineDeployment controllers, the drain and orphan collection only

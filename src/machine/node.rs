@@ -71,13 +71,7 @@ pub(crate) async fn out_of_service(
         effect: "NoExecute".into(),
         time_added: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(now)),
     });
-    patch(
-        client,
-        node,
-        serde_json::json!({"taints": taints}),
-        serde_json::json!({}),
-    )
-    .await?;
+    patch_taints(client, node, taints).await?;
     tracing::info!(node = %node.name_any(), "VM gone: Node tainted out of service");
     Ok(now)
 }
@@ -104,14 +98,24 @@ pub(crate) async fn rollout_taint(
     } else {
         taints.retain(|t| t.key != ROLLOUT_TAINT_KEY);
     }
+    patch_taints(client, node, taints).await?;
+    Ok(true)
+}
+
+/// Sets `node`'s taints to `taints`, on the condition that the Node is still
+/// the version read.
+async fn patch_taints(
+    client: &Client,
+    node: &Node,
+    taints: Vec<Taint>,
+) -> Result<Node, kube::Error> {
     patch(
         client,
         node,
         serde_json::json!({"taints": taints}),
         serde_json::json!({}),
     )
-    .await?;
-    Ok(true)
+    .await
 }
 
 /// Merges `spec` and `annotations` into `node`, on the condition that the

@@ -1,5 +1,5 @@
 //! The controller manager: one set of watches and caches
-//! ([`watches`](super::watches)), and on them the Machine, MachineSet and
+//! (`crate::wiring::watches`), and on them the Machine, MachineSet and
 //! MachineDeployment controllers, the drain engine and orphan collection.
 //!
 //! Everything here runs on the leader only, in one task that

@@ -68,12 +68,7 @@ where
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync,
     K: 'static,
 {
-    reflector::reflector(
-        writer,
-        watcher(api, watcher::Config::default()).modify(trim),
-    )
-    .default_backoff()
-    .map(|_| ())
+    observed(writer, api, trim, |_| {}).map(|_| ())
 }
 
 /// A boxed stream of one kind's objects, as a controller is woken by.
@@ -187,12 +182,27 @@ where
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync,
     K: 'static,
 {
+    observed(writer, api, trim, |_| {}).touched_objects()
+}
+
+/// A watch, trimmed as it arrives, whose every answer `observe` sees once
+/// the store has applied it.
+fn observed<K>(
+    writer: reflector::store::Writer<K>,
+    api: Api<K>,
+    trim: fn(&mut K),
+    observe: impl FnMut(&Result<watcher::Event<K>, watcher::Error>) + Send + 'static,
+) -> impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync,
+    K: 'static,
+{
     reflector::reflector(
         writer,
         watcher(api, watcher::Config::default()).modify(trim),
     )
+    .inspect(observe)
     .default_backoff()
-    .touched_objects()
 }
 
 /// The Machine watch, as `Controller::new` runs it, plus the indexes of
@@ -242,17 +252,12 @@ fn node_watch(
         caches.machines.clone(),
         wakes.clone(),
     );
-    reflector::reflector(
-        writer,
-        watcher(api, watcher::Config::default()).modify(trim::node),
-    )
-    .inspect(move |ev| {
+    observed(writer, api, trim::node, move |ev| {
         if let Ok(ev) = ev {
             index.observe_node(ev);
             tracker.observe_node_event(ev);
         }
     })
-    .default_backoff()
     .filter({
         let mut changes = NodeChanges::default();
         move |ev| futures::future::ready(ev.as_ref().map_or(true, |ev| changes.wakes(ev)))
@@ -280,17 +285,12 @@ fn attachment_watch(
     tracker: &Tracker,
 ) -> Objects<VolumeAttachment> {
     let (tracker, index) = (tracker.clone(), caches.indexes.clone());
-    reflector::reflector(
-        writer,
-        watcher(api, watcher::Config::default()).modify(trim::metadata),
-    )
-    .inspect(move |ev| {
+    observed(writer, api, trim::metadata, move |ev| {
         if let Ok(ev) = ev {
             index.observe_attachment(ev);
             tracker.observe_attachment_event(ev);
         }
     })
-    .default_backoff()
     .touched_objects()
     .boxed()
 }
@@ -305,17 +305,12 @@ fn pod_watch(
     changes: tokio::sync::watch::Sender<u64>,
 ) -> Objects<Pod> {
     let index = caches.indexes.clone();
-    reflector::reflector(
-        writer,
-        watcher(api, watcher::Config::default()).modify(trim::pod),
-    )
-    .inspect(move |ev| {
+    observed(writer, api, trim::pod, move |ev| {
         if let Ok(ev) = ev {
             index.observe_pod(ev);
         }
         changes.send_modify(|n| *n = n.wrapping_add(1));
     })
-    .default_backoff()
     .touched_objects()
     .boxed()
 }

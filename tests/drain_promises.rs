@@ -1243,21 +1243,32 @@ async fn no_drain_is_planned_before_the_csi_drivers_are_known() {
     let all = berth_devkit::bench::audit::parse(
         &std::fs::read_to_string(bed.dir().join("audit.log")).expect("the audit log"),
     );
-    let refused: Vec<_> = all
+    let lists: Vec<_> = all
         .iter()
-        .filter(|r| r.user == user && r.resource == "csidrivers" && r.code == 403)
+        .filter(|r| r.user == user && r.resource == "csidrivers" && r.verb == "list")
         .collect();
+    // The grant takes effect when the API server's authorizer has seen it,
+    // a moment after it was written: the first list it answers.
+    let known = lists
+        .iter()
+        .find(|r| r.code == 200)
+        .map(|r| r.received)
+        .expect("the CSIDrivers listed once granted");
     assert!(
-        !refused.is_empty() && refused.iter().all(|r| r.received < granted),
-        "the CSIDrivers refused before the grant, and only then: {refused:?}"
+        known > granted
+            && lists.iter().any(|r| r.code == 403)
+            && lists
+                .iter()
+                .all(|r| (r.code == 403) == (r.received < known)),
+        "the CSIDrivers refused before the grant took effect, and only then: {lists:?}"
     );
     let sent: Vec<_> = audit::requests_of(bed, ns, &user)
         .into_iter()
         .filter(|r| r.resource == "pods" && r.subresource.as_deref() == Some("eviction"))
         .collect();
     assert!(
-        !sent.is_empty() && sent.iter().all(|r| r.received > granted),
-        "evictions only after the grant ({granted}): {sent:?}"
+        !sent.is_empty() && sent.iter().all(|r| r.received > known),
+        "evictions only after the CSIDrivers were listed ({known}): {sent:?}"
     );
     audit::assert_no_request_loop_of(bed, "late_csidrivers", ns, &user);
     berth.terminate().await;

@@ -7,8 +7,8 @@ use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::EventType;
 use tokio::time::Instant;
 
+use super::node_drain::NodeDrain;
 use super::refs::ref_key;
-use super::run::Run;
 
 /// Evictions of pods without volumes accepted within this long of one
 /// another share one Event. A pod per Event put 200 Events into the API
@@ -73,7 +73,7 @@ pub fn evicted_note(names: &[String]) -> String {
     )
 }
 
-impl Run {
+impl NodeDrain {
     /// One Event for pods evicted together: the pod's own `Evicted` Event
     /// when there is one, else one that names them all.
     pub(super) fn announce_evicted(&self, mut batch: Vec<ObjectReference>) {

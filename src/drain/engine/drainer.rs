@@ -10,8 +10,8 @@ use kube::runtime::reflector::ObjectRef;
 use tokio::sync::{mpsc, watch};
 use tracing::Instrument;
 
+use super::node_drain::Memory;
 use super::pass::run;
-use super::run::Memory;
 use super::{Deps, Job, Outcome, Progress};
 use crate::api::Machine;
 

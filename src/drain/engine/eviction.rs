@@ -12,8 +12,8 @@ use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use kube::runtime::events::EventType;
 use tokio::time::Instant;
 
+use super::node_drain::NodeDrain;
 use super::refs::pod_ref;
-use super::run::Run;
 use crate::drain::evict::{self, Evicted};
 use crate::drain::pdb::{PdbVerdict, findings_for};
 use crate::drain::plan::PlannedPod;
@@ -37,7 +37,7 @@ pub(super) enum Eviction {
     Expired,
 }
 
-impl Run {
+impl NodeDrain {
     /// Evicts one pod, retrying refusals, and says what became of it. The
     /// caller announces an accepted eviction (refusals are announced here).
     ///
@@ -48,7 +48,7 @@ impl Run {
     /// drain's last try) and a refusal ends it.
     pub(super) async fn evict(&self, planned: &PlannedPod) -> Eviction {
         let key = fmt_key(&planned.pod);
-        let Some(pod) = self.pod(&planned.pod, planned.uid.as_deref()) else {
+        let Some(pod) = self.view().pod(&planned.pod, planned.uid.as_deref()) else {
             return Eviction::Gone;
         };
         let force_at = self.force_at(planned.grace);
@@ -148,7 +148,11 @@ impl Run {
                 _ = tokio::time::sleep_until(until.min(stop)) => {}
                 _ = pdb_changes.changed() => {}
             }
-            if self.pod(&planned.pod, planned.uid.as_deref()).is_none() {
+            if self
+                .view()
+                .pod(&planned.pod, planned.uid.as_deref())
+                .is_none()
+            {
                 return Eviction::Gone;
             }
         }
@@ -160,7 +164,7 @@ impl Run {
     /// once, naming the budget). Stuck, it is retried at the backoff's
     /// ceiling.
     fn refused(&self, pod: &Pod, key: &str, refusals: u32, message: &str) -> bool {
-        let pdbs = self.pdbs_for(std::slice::from_ref(pod));
+        let pdbs = self.view().pdbs_for(std::slice::from_ref(pod));
         let findings = findings_for(pod, &pdbs);
         let misconfigured = findings
             .iter()
@@ -208,7 +212,7 @@ impl Run {
         self.deps
             .metrics
             .record_eviction(EvictionResult::MisconfiguredPdb);
-        let pdbs = self.pdbs_for(std::slice::from_ref(pod));
+        let pdbs = self.view().pdbs_for(std::slice::from_ref(pod));
         let names: Vec<String> = findings_for(pod, &pdbs)
             .iter()
             .map(|f| crate::drain::select::fmt_key(&f.pdb))

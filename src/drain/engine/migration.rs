@@ -27,15 +27,15 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::eviction::Eviction;
+use super::node_drain::NodeDrain;
+use super::reattach::{Awaited, Reattach};
 use super::refs::{pod_ref_key, pv_ref};
-use super::run::Run;
 use crate::api::VolumeMove;
 use crate::drain::class::{VolumeClass, allows_data_loss};
 use crate::drain::plan::{DrainPlan, PlannedPod, PlannedVolume};
 use crate::drain::resume::resumed_pod;
 use crate::drain::select::fmt_key;
-use crate::drain::volume::Moved;
-use crate::volumes::{Interest, Registration, Signal, WaitError};
+use crate::volumes::{Interest, Registration};
 
 /// How long a drain waits, after a controlled stateful pod's volumes have
 /// detached, for its controller to create the pod that will use them again
@@ -45,7 +45,7 @@ const REPLACEMENT_WAIT: Duration = Duration::from_secs(30);
 
 /// One stateful pod being moved.
 struct Migration<'a> {
-    run: &'a Run,
+    run: &'a NodeDrain,
     /// The plan the pod was moved by (what must be gone before its volumes
     /// detach); none for a move resumed after a restart.
     plan: Option<&'a DrainPlan>,
@@ -62,7 +62,7 @@ struct Migration<'a> {
     users_before: BTreeMap<String, BTreeSet<String>>,
 }
 
-impl Run {
+impl NodeDrain {
     /// Moves one stateful pod of `plan`: evict → gone → detached →
     /// replacement → attached elsewhere. Says whether its volumes left this
     /// Node (the pod went and they detached); if not, no other stateful pod
@@ -83,7 +83,7 @@ impl Run {
     }
 }
 
-impl Run {
+impl NodeDrain {
     /// Resumes move `m`, which an earlier run recorded and whose pod is
     /// gone, by the rules of a first run (see
     /// [`resumed_pod`](crate::drain::resume::resumed_pod)): its attachable
@@ -94,12 +94,7 @@ impl Run {
         let pvs: Vec<_> = m
             .volumes
             .iter()
-            .filter_map(|pv| {
-                self.deps
-                    .caches
-                    .pvs
-                    .get(&kube::runtime::reflector::ObjectRef::new(pv))
-            })
+            .filter_map(|pv| self.view().pv(pv))
             .map(|pv| (*pv).clone())
             .collect();
         let planned = resumed_pod(m, &pvs, &self.volume_context(), &self.job.settings);
@@ -129,7 +124,7 @@ impl<'a> Migration<'a> {
     /// a move resumed after a restart (`since`: when it began), those that
     /// did before it began.
     fn register(
-        run: &'a Run,
+        run: &'a NodeDrain,
         plan: Option<&'a DrainPlan>,
         pod: &'a PlannedPod,
         since: Option<k8s_openapi::jiff::Timestamp>,
@@ -147,7 +142,7 @@ impl<'a> Migration<'a> {
             .iter()
             .filter(|v| v.wait.waits_for_reattach())
             .map(|v| {
-                let users = run.users_elsewhere(&v.volume.claim, since);
+                let users = run.view().users_elsewhere(&v.volume.claim, since);
                 (v.volume.pv.clone(), users)
             })
             .collect();
@@ -221,7 +216,7 @@ impl<'a> Migration<'a> {
         }
         // A move held for an unplaceable replacement stays recorded: it
         // goes on, by these same steps, once the replacement is placed
-        // (`Run::resume`), in this run or the next.
+        // (`NodeDrain::resume`), in this run or the next.
         if !held {
             run.end_move(&key);
         }
@@ -271,6 +266,7 @@ impl<'a> Migration<'a> {
         let permitted = || {
             *run.data_loss_allowed.borrow()
                 || run
+                    .view()
                     .pod(&self.pod.pod, uid)
                     .is_none_or(|p| allows_data_loss(p.metadata.annotations.as_ref()))
         };
@@ -444,7 +440,7 @@ impl<'a> Migration<'a> {
         let all_gone = || {
             first
                 .iter()
-                .all(|(k, uid)| run.pod(k, uid.as_deref()).is_none())
+                .all(|(k, uid)| run.view().pod(k, uid.as_deref()).is_none())
         };
         if all_gone() {
             return;
@@ -471,7 +467,7 @@ impl<'a> Migration<'a> {
             .collect();
         let none = BTreeSet::new();
         let before = |v: &PlannedVolume| self.users_before.get(&v.volume.pv).unwrap_or(&none);
-        let missing = |v: &&PlannedVolume| !run.replaced(&v.volume.claim, &uid, before(v));
+        let missing = |v: &&PlannedVolume| !run.view().replaced(&v.volume.claim, &uid, before(v));
         let replacement_wait = REPLACEMENT_WAIT.min(run.job.settings.volume_reattach_timeout);
         if let Some(controller) = &planned.controller
             && reattach.iter().any(missing)
@@ -551,20 +547,11 @@ impl<'a> Migration<'a> {
     }
 
     /// Waits, within the reattach timeout, for the `expected` volumes to
-    /// have moved with the pod that now uses their claims: an attachable
-    /// volume attached on the Node where that pod runs, an attach-free one
-    /// with that pod Running and Ready on another Node. Woken by the
-    /// tracker (VolumeAttachment and Node events) and by pod events; a
-    /// warning when not in time. True when the move is held instead: the
-    /// scheduler cannot place the replacement (see `unplaceable`).
+    /// have moved with the pod that replaces this one (see
+    /// [`reattach`](super::reattach)). True when the move is held instead:
+    /// the scheduler cannot place the replacement (see `unplaceable`).
     async fn moved(&mut self, expected: &[&PlannedVolume], left_at: std::time::Instant) -> bool {
         let run = self.run;
-        let keep: BTreeSet<&str> = expected
-            .iter()
-            .filter(|v| v.class == VolumeClass::Attachable)
-            .map(|v| v.volume.pv.as_str())
-            .collect();
-        self.reg.retain_volumes(|pv| keep.contains(pv));
         let waiting = format!(
             "{} to move with the pod that replaces {}",
             Self::named(expected),
@@ -574,93 +561,21 @@ impl<'a> Migration<'a> {
         let until = run.bounded(run.job.settings.volume_reattach_timeout);
         let uid = self.pod.uid.clone().unwrap_or_default();
         let none = BTreeSet::new();
-        let check = || -> Result<Vec<(&PlannedVolume, Moved)>, Vec<String>> {
-            let mut moved = Vec::new();
-            let mut pending = Vec::new();
-            for v in expected {
-                let before = self.users_before.get(&v.volume.pv).unwrap_or(&none);
-                match run.volume_moved(&v.volume.pv, &v.volume.claim, v.class, &uid, before) {
-                    Ok(m) => moved.push((*v, m)),
-                    Err(why) => pending.push(why),
-                }
-            }
-            if pending.is_empty() {
-                Ok(moved)
-            } else {
-                Err(pending)
-            }
-        };
-        let mut pods = run.deps.caches.pod_changes.clone();
-        let mut tracker_open = !keep.is_empty();
-        // The scheduler may say at once that the replacement cannot be
-        // placed: no need to sit out the timeout to know.
-        let claims: Vec<_> = expected.iter().map(|v| v.volume.claim.clone()).collect();
-        let unplaceable = || {
-            claims
-                .iter()
-                .find_map(|c| run.unschedulable_replacement(c, &uid))
-        };
-        let outcome = loop {
-            pods.borrow_and_update();
-            if let Ok(moved) = check() {
-                break Ok(moved);
-            }
-            if let Some((pod, message)) = unplaceable() {
-                return self.unplaceable(&fmt_key(&pod), &message);
-            }
-            tokio::select! {
-                signal = self.reg.next_signal(), if tracker_open => {
-                    if signal == Signal::Closed {
-                        tracker_open = false;
-                    }
-                }
-                r = pods.changed() => if r.is_err() { break check() },
-                () = tokio::time::sleep_until(until) => break check(),
-            }
-        };
-        match outcome {
-            Ok(moved) => {
-                let took = left_at.elapsed().as_secs_f64();
-                run.deps.metrics.volume_reattach_wait.observe(took);
-                for (v, m) in moved {
-                    let (reason, how) = match v.class {
-                        VolumeClass::AttachFree => (
-                            "VolumeMoved",
-                            format!(
-                                "moved with pod {}, Running and Ready on Node {} (nothing to detach or attach)",
-                                fmt_key(&m.pod),
-                                m.node
-                            ),
-                        ),
-                        _ => (
-                            "VolumeAttached",
-                            format!(
-                                "attached on Node {}, where pod {} runs",
-                                m.node,
-                                fmt_key(&m.pod)
-                            ),
-                        ),
-                    };
-                    run.event(
-                        EventType::Normal,
-                        reason,
-                        format!(
-                            "{} PV {} {how}, {took:.1}s after it left Node {}",
-                            v.class, v.volume.pv, run.job.node
-                        ),
-                        pv_ref(&v.volume.pv),
-                    );
-                }
-            }
-            Err(waiting_for) => {
-                let first = expected.first().map(|v| v.volume.pv.as_str());
-                run.warn_volume(
-                    "VolumeReattachTimeout",
-                    &WaitError::Timeout { waiting_for },
-                    first,
-                );
-            }
+        let volumes: Vec<Awaited> = expected
+            .iter()
+            .map(|v| Awaited {
+                pv: &v.volume.pv,
+                claim: &v.volume.claim,
+                class: v.class,
+                users_before: self.users_before.get(&v.volume.pv).unwrap_or(&none),
+            })
+            .collect();
+        match run
+            .await_reattach(&mut self.reg, &volumes, &uid, true, left_at, until)
+            .await
+        {
+            Reattach::Ended => false,
+            Reattach::Unplaceable(pod, message) => self.unplaceable(&fmt_key(&pod), &message),
         }
-        false
     }
 }

@@ -53,22 +53,26 @@
 //! | --- | --- |
 //! | `drainer` | the registry of running drains, one task per Machine |
 //! | `progress` | the drain's progress and its writer to `status.drain` |
-//! | `run` | one drain's state, its reads of the caches and its pod waits |
+//! | `node_drain` | one drain's state (`NodeDrain`): what it did and judged, its move records, its pod waits |
 //! | `pass` | a drain from its first pass to its outcome, and the deadline |
 //! | `eviction` | one pod's eviction, retried while a budget refuses it |
 //! | `migration` | one stateful pod's move, step by step |
+//! | `reattach` | the one wait for volumes to move with the pod that now uses them |
 //! | `batch` | Events for pods evicted together |
+//! | `view` | the engine's read-only queries of the caches, for one Node |
 //! | `rules` | the drain rules and order groups: one group a pass, pods waited on to complete |
 
 mod batch;
 mod drainer;
 mod eviction;
 mod migration;
+mod node_drain;
 mod pass;
 mod progress;
+mod reattach;
 mod refs;
 mod rules;
-mod run;
+mod view;
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::Client;

@@ -23,9 +23,10 @@ use tokio::time::Instant;
 
 use super::batch::Batch;
 use super::eviction::Eviction;
+use super::node_drain::NodeDrain;
 use super::progress::write_status;
+use super::reattach::Awaited;
 use super::refs::pv_ref;
-use super::run::Run;
 use super::{Deps, Job, Outcome, Progress};
 use crate::api::Machine;
 use crate::controller::AbortOnDrop;
@@ -34,9 +35,8 @@ use crate::drain::evict::{self, Evicted};
 use crate::drain::pdb::PdbVerdict;
 use crate::drain::plan::{DetachingVolume, DrainPlan};
 use crate::drain::select::{NamespacedName, fmt_key};
-use crate::drain::volume::Moved;
 use crate::telemetry::{EvictionResult, GaugeHold};
-use crate::volumes::{Interest, Signal, WaitError};
+use crate::volumes::Interest;
 
 pub(super) async fn run(
     deps: Arc<Deps>,
@@ -44,7 +44,7 @@ pub(super) async fn run(
     progress: watch::Sender<Progress>,
     written: watch::Sender<Option<Machine>>,
     data_loss_allowed: watch::Receiver<bool>,
-    memory: Arc<std::sync::Mutex<super::run::Memory>>,
+    memory: Arc<std::sync::Mutex<super::node_drain::Memory>>,
     wake: tokio::sync::mpsc::UnboundedSender<ObjectRef<Machine>>,
 ) {
     let (steps_written, flushed) = watch::channel(super::progress::Flushed::default());
@@ -63,7 +63,7 @@ pub(super) async fn run(
     )));
     let in_progress = GaugeHold::new(&deps.metrics.drains_in_progress);
     let started = std::time::Instant::now();
-    let r = Run::new(
+    let r = NodeDrain::new(
         Arc::clone(&deps),
         job,
         progress,
@@ -138,10 +138,10 @@ enum Pass {
     Again,
 }
 
-impl Run {
+impl NodeDrain {
     /// Passes until nothing is left. Before the deadline a pass honours
     /// every PodDisruptionBudget. After it, with `forceAfterDeadline`, the
-    /// passes go on with budgets bypassed (see [`Run::evict`]) and volumes
+    /// passes go on with budgets bypassed (see [`NodeDrain::evict`]) and volumes
     /// still honoured, until a pass moves nothing; without it, one last
     /// pass tries each pod once more and the drain fails with what is left.
     async fn passes(&self) -> Outcome {
@@ -232,28 +232,19 @@ impl Run {
             .collect()
     }
 
+    /// One pass, in named stages: count what is left (done when nothing
+    /// is); wait for a workload of an earlier group held for its
+    /// replacement; enter the lowest order group with a pod left; delete
+    /// the finished pods; then evict and move the group's pods
+    /// ([`NodeDrain::evict_and_move`]).
     async fn pass(&self) -> Pass {
         let full = self.plan();
         let leftover = self.not_abandoned(&full.detaching);
-        let holding = full
-            .terminating
-            .iter()
-            .filter(|t| !self.released(t))
-            .count();
-        let remaining = full.stateless.len()
-            + full.stateful.len()
-            + full.waiting.len()
-            + holding
-            + full.to_delete.len();
-        self.update(|p| {
-            p.pods_remaining = u32::try_from(remaining).unwrap_or(u32::MAX);
-            p.pods_total = p.pods_total.max(p.pods_evicted + p.pods_remaining);
-        });
         // A move an earlier run recorded whose pod is gone is resumed
         // (its volumes waited for) even when nothing else is left: a
         // restart during the last pod's reattach wait must not end the
         // drain with the move still recorded.
-        if remaining == 0 && leftover.is_empty() && !self.any_resumable() {
+        if self.count_left(&full) == 0 && leftover.is_empty() && !self.any_resumable() {
             self.release_held();
             return Pass::Done;
         }
@@ -262,23 +253,7 @@ impl Run {
         // and any after the default one, evicts nothing before the volumes
         // of the pods that left are off the Node (`gated`).
         let group = full.current_group(|t| !self.released(t));
-        // A workload held back because the scheduler cannot place its last
-        // evicted pod's replacement holds every later group too: its volume
-        // is attached nowhere, and the pods of later groups (CSI
-        // controllers, DNS) may be what it needs to move.
-        if let (Some(g), Some(h)) = (group, self.held_order())
-            && h < g
-        {
-            self.update(|p| {
-                p.waiting_for = Some(format!(
-                    "a replacement of order group {h} to be placed before order group {g} starts"
-                ));
-            });
-            self.wait_pods_until(self.deadline(), || self.any_placed())
-                .await;
-            // Placed (or the deadline): its volumes attach where the
-            // replacement runs before the next group starts.
-            self.resume_placed().await;
+        if self.held_before(group).await {
             return Pass::Again;
         }
         let gated = group.is_some_and(|g| self.enter_group(&full, g));
@@ -296,142 +271,80 @@ impl Run {
             detaching = leftover.len(),
             "drain pass"
         );
-
         self.delete_finished(&plan).await;
+        self.evict_and_move(&plan, leftover, gated).await;
+        // After the deadline a pass that moved nothing ends the drain: an
+        // order group whose last pods went (waited for, not evicted, in
+        // this pass) is progress, the next group is due.
+        if self.expired()
+            && group.is_some()
+            && self.plan().current_group(|t| !self.released(t)) != group
+        {
+            self.step(|_| {});
+        }
+        Pass::Again
+    }
 
-        // The futures are collected first: a lazy `map` closure inside a
-        // spawned future trips the compiler's higher-ranked lifetime check.
-        let evictions: Vec<_> = plan
-            .stateless
-            .iter()
-            .map(|p| async move { (p, self.evict(p).await) })
-            .collect();
-        // A stateful pod whose volumes did not leave the Node stops the
-        // chain for this pass: the next pass waits for them first.
-        // A pod of a workload whose last replacement the scheduler cannot
-        // place is held back (`held`); other workloads go on.
-        let halted = AtomicBool::new(false);
-        let held = AtomicBool::new(false);
-        let migrations: Vec<_> = plan
-            .stateful
-            .iter()
-            .map(|p| {
-                let (halted, held) = (&halted, &held);
-                let plan = &plan;
-                async move {
-                    if halted.load(Ordering::Acquire) {
-                        return;
-                    }
-                    if self.workload_held(p.controller.as_deref()) {
-                        held.store(true, Ordering::Release);
-                        return;
-                    }
-                    if !self.migrate(plan, p).await {
-                        halted.store(true, Ordering::Release);
-                    }
-                }
-            })
-            .collect();
-        let terminating: Vec<_> = plan
+    /// The pods `plan` still has to remove, in the progress: how many.
+    fn count_left(&self, plan: &DrainPlan) -> usize {
+        let holding = plan
             .terminating
             .iter()
-            .filter(|t| t.pvs.is_empty() && !self.released(t))
-            .map(|t| self.wait_terminating(t))
-            .collect();
-        // The bound is on eviction requests in flight; waiting for the
-        // evicted pods to go costs nothing but a watch receiver each, so
-        // every evicted pod is waited for at once. Evictions accepted
-        // together are announced in one Event (see `batch`).
-        let stateless = async {
-            let mut results = futures::stream::iter(evictions)
-                .buffer_unordered(self.job.settings.max_concurrent_evictions.max(1) as usize);
-            let mut batch = Batch::default();
-            let mut leaving = Vec::new();
-            loop {
-                let due = batch.due();
-                tokio::select! {
-                    next = results.next() => match next {
-                        Some((p, Eviction::Accepted(pod))) => {
-                            batch.push(pod, Instant::now());
-                            leaving.push(p);
-                        }
-                        Some((p, Eviction::Gone | Eviction::Forced)) => leaving.push(p),
-                        Some((_, Eviction::Expired)) => {}
-                        None => break,
-                    },
-                    _ = tokio::time::sleep_until(due.unwrap_or_else(Instant::now)), if due.is_some() => {
-                        self.announce_evicted(batch.take());
-                    }
-                }
-            }
-            self.announce_evicted(batch.take());
-            let gone: Vec<_> = leaving
-                .into_iter()
-                .map(|p| {
-                    // Until its grace period is over and a little more: one
-                    // still there then is left to the next pass, which
-                    // names what holds it (`wait_terminating`).
-                    let until = self.bounded(p.grace.saturating_add(LEFT_TO_NEXT_PASS));
-                    self.wait_gone(&p.pod, p.uid.as_deref(), until)
-                })
-                .collect();
-            futures::future::join_all(gone).await;
+            .filter(|t| !self.released(t))
+            .count();
+        let remaining = plan.stateless.len()
+            + plan.stateful.len()
+            + plan.waiting.len()
+            + holding
+            + plan.to_delete.len();
+        self.update(|p| {
+            p.pods_remaining = u32::try_from(remaining).unwrap_or(u32::MAX);
+            p.pods_total = p.pods_total.max(p.pods_evicted + p.pods_remaining);
+        });
+        remaining
+    }
+
+    /// A workload held back because the scheduler cannot place its last
+    /// evicted pod's replacement holds every later group too: its volume
+    /// is attached nowhere, and the pods of later groups (CSI controllers,
+    /// DNS) may be what it needs to move. Waits for it to be placed (or
+    /// the deadline), then for its volumes to attach there; true when it
+    /// held `group`.
+    async fn held_before(&self, group: Option<i32>) -> bool {
+        let (Some(g), Some(h)) = (group, self.held_order()) else {
+            return false;
         };
-        // Before the first stateful eviction (and, when gated, before any
-        // eviction): the volumes of pods that left.
-        let volumes_off = async {
-            // Stateful pods that were already terminating (evicted before a
-            // restart, or by someone else) come first: their volumes must be
-            // gone from this Node before the next stateful eviction.
-            let going: Vec<_> = plan.terminating_with_volumes().collect();
-            for t in going.iter().filter(|t| !self.released(t)) {
-                self.update(|p| {
-                    p.current_pod = Some(fmt_key(&t.pod));
-                    p.waiting_for = Some(format!("pod {} to terminate", fmt_key(&t.pod)));
-                });
-                self.wait_terminating(t).await;
-            }
-            let leftover = if going.is_empty() {
-                leftover
-            } else {
-                self.detaching()
-            };
-            // Moves in flight that a previous run recorded (the controller
-            // restarted after an eviction, a pod gone or a detach): each
-            // goes on by the rules of a first run, from its pod gone on, and
-            // ends before the next stateful eviction.
-            let resumed = self.resumed_moves();
-            let mut recorded: BTreeSet<String> = resumed
+        if h >= g {
+            return false;
+        }
+        self.update(|p| {
+            p.waiting_for = Some(format!(
+                "a replacement of order group {h} to be placed before order group {g} starts"
+            ));
+        });
+        self.wait_pods_until(self.deadline(), || self.any_placed())
+            .await;
+        self.resume_placed().await;
+        true
+    }
+
+    /// The group's evictions and moves, at once: the pods without volumes
+    /// evicted ([`NodeDrain::evict_stateless`]); the volumes of pods that
+    /// left waited for ([`NodeDrain::volumes_off`]), then the stateful
+    /// pods moved in order ([`NodeDrain::move_stateful`]); the pods
+    /// already terminating waited for; and the pods a drain rule says to
+    /// wait on, once the evictions are done. When `gated`, nothing is
+    /// evicted before the volumes are off.
+    async fn evict_and_move(&self, plan: &DrainPlan, leftover: Vec<DetachingVolume>, gated: bool) {
+        let terminating = futures::future::join_all(
+            plan.terminating
                 .iter()
-                .flat_map(|m| m.volumes.iter().cloned())
-                .collect();
-            recorded.extend(self.held_volumes());
-            futures::future::join_all(resumed.iter().map(|m| self.resume(m))).await;
-            // And the workloads held back whose replacement is now placed:
-            // the same steps, so its volumes attach there before their next
-            // pod goes.
-            self.resume_placed().await;
-            let leftover: Vec<_> = leftover
-                .into_iter()
-                .filter(|v| !recorded.contains(&v.pv))
-                .collect();
-            if !leftover.is_empty() {
-                self.wait_detaching(&leftover).await;
-            }
-        };
-        let chain = async {
-            futures::stream::iter(migrations)
-                .buffered(self.job.settings.max_parallel_volume_migrations.max(1) as usize)
-                .collect::<Vec<()>>()
-                .await;
-            if held.load(Ordering::Acquire) {
-                // Only held-back pods are left of some workload: wait, on pod
-                // events, for a replacement to be placed (or the deadline).
-                self.wait_pods_until(self.deadline(), || self.any_placed())
-                    .await;
-            }
-        };
-        let terminating = futures::future::join_all(terminating);
+                .filter(|t| t.pvs.is_empty() && !self.released(t))
+                .map(|t| self.wait_terminating(t)),
+        );
+        let stateless = self.evict_stateless(plan);
+        let volumes_off = self.volumes_off(plan, leftover);
+        let chain = self.move_stateful(plan);
         // The pods waited on to complete are named once the group's
         // evictions are done: `status.drain` then says what the drain waits
         // for.
@@ -458,21 +371,141 @@ impl Run {
             };
             tokio::join!(evictions, terminating);
         }
-        // After the deadline a pass that moved nothing ends the drain: an
-        // order group whose last pods went (waited for, not evicted, in
-        // this pass) is progress, the next group is due.
-        if self.expired()
-            && group.is_some()
-            && self.plan().current_group(|t| !self.released(t)) != group
-        {
-            self.step(|_| {});
+    }
+
+    /// Evicts the pods without volumes, at most `maxConcurrentEvictions`
+    /// requests in flight, and waits for them to go. Waiting costs nothing
+    /// but a watch receiver each, so every evicted pod is waited for at
+    /// once. Evictions accepted together are announced in one Event (see
+    /// `batch`).
+    async fn evict_stateless(&self, plan: &DrainPlan) {
+        // The futures are collected first: a lazy `map` closure inside a
+        // spawned future trips the compiler's higher-ranked lifetime check.
+        let evictions: Vec<_> = plan
+            .stateless
+            .iter()
+            .map(|p| async move { (p, self.evict(p).await) })
+            .collect();
+        let mut results = futures::stream::iter(evictions)
+            .buffer_unordered(self.job.settings.max_concurrent_evictions.max(1) as usize);
+        let mut batch = Batch::default();
+        let mut leaving = Vec::new();
+        loop {
+            let due = batch.due();
+            tokio::select! {
+                next = results.next() => match next {
+                    Some((p, Eviction::Accepted(pod))) => {
+                        batch.push(pod, Instant::now());
+                        leaving.push(p);
+                    }
+                    Some((p, Eviction::Gone | Eviction::Forced)) => leaving.push(p),
+                    Some((_, Eviction::Expired)) => {}
+                    None => break,
+                },
+                _ = tokio::time::sleep_until(due.unwrap_or_else(Instant::now)), if due.is_some() => {
+                    self.announce_evicted(batch.take());
+                }
+            }
         }
-        Pass::Again
+        self.announce_evicted(batch.take());
+        let gone: Vec<_> = leaving
+            .into_iter()
+            .map(|p| {
+                // Until its grace period is over and a little more: one
+                // still there then is left to the next pass, which names
+                // what holds it (`wait_terminating`).
+                let until = self.bounded(p.grace.saturating_add(LEFT_TO_NEXT_PASS));
+                self.wait_gone(&p.pod, p.uid.as_deref(), until)
+            })
+            .collect();
+        futures::future::join_all(gone).await;
+    }
+
+    /// Before the first stateful eviction (and, when gated, before any
+    /// eviction): the volumes of pods that left are off this Node. Stateful
+    /// pods already terminating (evicted before a restart, or by someone
+    /// else) first; then the moves an earlier run recorded, and the held
+    /// workloads whose replacement is now placed, each by the rules of a
+    /// first run; then the volumes still detaching.
+    async fn volumes_off(&self, plan: &DrainPlan, leftover: Vec<DetachingVolume>) {
+        let going: Vec<_> = plan.terminating_with_volumes().collect();
+        for t in going.iter().filter(|t| !self.released(t)) {
+            self.update(|p| {
+                p.current_pod = Some(fmt_key(&t.pod));
+                p.waiting_for = Some(format!("pod {} to terminate", fmt_key(&t.pod)));
+            });
+            self.wait_terminating(t).await;
+        }
+        let leftover = if going.is_empty() {
+            leftover
+        } else {
+            self.detaching()
+        };
+        // Moves in flight that a previous run recorded (the controller
+        // restarted after an eviction, a pod gone or a detach): each goes
+        // on from its pod gone on, and ends before the next stateful
+        // eviction.
+        let resumed = self.resumed_moves();
+        let mut recorded: BTreeSet<String> = resumed
+            .iter()
+            .flat_map(|m| m.volumes.iter().cloned())
+            .collect();
+        recorded.extend(self.held_volumes());
+        futures::future::join_all(resumed.iter().map(|m| self.resume(m))).await;
+        // Its volumes attach where the replacement runs before the
+        // workload's next pod goes.
+        self.resume_placed().await;
+        let leftover: Vec<_> = leftover
+            .into_iter()
+            .filter(|v| !recorded.contains(&v.pv))
+            .collect();
+        if !leftover.is_empty() {
+            self.wait_detaching(&leftover).await;
+        }
+    }
+
+    /// Moves the group's stateful pods in the plan's order, at most
+    /// `maxParallelVolumeMigrations` at a time. A pod whose volumes did not
+    /// leave the Node stops the chain for this pass: the next pass waits
+    /// for them first. A pod of a workload whose last replacement the
+    /// scheduler cannot place is held back; other workloads go on, and when
+    /// only held-back pods are left, the chain waits (on pod events) for a
+    /// replacement to be placed, or the deadline.
+    async fn move_stateful(&self, plan: &DrainPlan) {
+        let halted = AtomicBool::new(false);
+        let held = AtomicBool::new(false);
+        let migrations: Vec<_> = plan
+            .stateful
+            .iter()
+            .map(|p| {
+                let (halted, held) = (&halted, &held);
+                async move {
+                    if halted.load(Ordering::Acquire) {
+                        return;
+                    }
+                    if self.workload_held(p.controller.as_deref()) {
+                        held.store(true, Ordering::Release);
+                        return;
+                    }
+                    if !self.migrate(plan, p).await {
+                        halted.store(true, Ordering::Release);
+                    }
+                }
+            })
+            .collect();
+        futures::stream::iter(migrations)
+            .buffered(self.job.settings.max_parallel_volume_migrations.max(1) as usize)
+            .collect::<Vec<()>>()
+            .await;
+        if held.load(Ordering::Acquire) {
+            self.wait_pods_until(self.deadline(), || self.any_placed())
+                .await;
+        }
     }
 
     /// Resumes the moves held for a replacement the scheduler could not
     /// place, now placed (or past the deadline), by the rules of a first
-    /// run ([`Run::resume`]): the volumes attach where the replacement
+    /// run ([`NodeDrain::resume`]): the volumes attach where the replacement
     /// runs, a ReadWriteMany peer that used them elsewhere before the move
     /// is not taken for it.
     async fn resume_placed(&self) {
@@ -486,7 +519,7 @@ impl Run {
     /// Deletes the pods that finished (Succeeded or Failed).
     async fn delete_finished(&self, plan: &DrainPlan) {
         for p in &plan.to_delete {
-            let Some(pod) = self.pod(&p.pod, p.uid.as_deref()) else {
+            let Some(pod) = self.view().pod(&p.pod, p.uid.as_deref()) else {
                 continue;
             };
             match evict::delete(&self.deps.client, &pod, None).await {
@@ -552,97 +585,42 @@ impl Run {
         if self.expired() {
             return;
         }
-        // Each volume whose claim a pod still needs, with that claim: it
-        // has moved once attached on the Node where the pod that now uses
-        // the claim runs (attached on some other Node is not enough: a
-        // ReadWriteMany volume can be attached elsewhere all along).
-        let needed: Vec<(String, NamespacedName)> = names
+        // Each volume whose claim a pod still needs, with that claim.
+        let view = self.view();
+        let needed: Vec<(&str, NamespacedName)> = names
             .iter()
-            .filter_map(|n| self.deps.caches.pvs.get(&ObjectRef::new(n)))
-            .filter_map(|pv| {
-                let claim = pv.spec.as_ref()?.claim_ref.as_ref()?;
-                let key = (claim.namespace.clone()?, claim.name.clone()?);
-                let name = pv.metadata.name.clone()?;
-                self.replacement_expected(&key, "").then_some((name, key))
-            })
+            .filter_map(|pv| Some((*pv, view.claim_of(pv)?)))
+            .filter(|(_, claim)| view.replacement_expected(claim, ""))
             .collect();
         if needed.is_empty() {
             return;
         }
-        let keep: BTreeSet<&str> = needed.iter().map(|(pv, _)| pv.as_str()).collect();
-        reg.retain_volumes(|pv| keep.contains(pv));
         self.update(|p| {
             p.waiting_for = Some(format!(
                 "volumes {} to attach where the pods that now use their claims run",
                 needed
                     .iter()
-                    .map(|(pv, _)| pv.as_str())
+                    .map(|(pv, _)| *pv)
                     .collect::<Vec<_>>()
                     .join(", ")
             ));
         });
         let detached_at = std::time::Instant::now();
         let until = self.bounded(self.job.settings.volume_reattach_timeout);
-        let none = BTreeSet::new();
         // The pods gone are not known by UID here (they left before this
         // run): every pod that uses the claim on another Node counts.
-        let check = || -> Result<Vec<(&str, Moved)>, Vec<String>> {
-            let (mut moved, mut pending) = (Vec::new(), Vec::new());
-            for (pv, claim) in &needed {
-                match self.volume_moved(pv, claim, VolumeClass::Attachable, "", &none) {
-                    Ok(m) => moved.push((pv.as_str(), m)),
-                    Err(why) => pending.push(why),
-                }
-            }
-            if pending.is_empty() {
-                Ok(moved)
-            } else {
-                Err(pending)
-            }
-        };
-        let mut pods = self.deps.caches.pod_changes.clone();
-        let mut tracker_open = true;
-        let outcome = loop {
-            pods.borrow_and_update();
-            if let Ok(moved) = check() {
-                break Ok(moved);
-            }
-            tokio::select! {
-                signal = reg.next_signal(), if tracker_open => {
-                    if signal == Signal::Closed {
-                        tracker_open = false;
-                    }
-                }
-                r = pods.changed() => if r.is_err() { break check() },
-                () = tokio::time::sleep_until(until) => break check(),
-            }
-        };
-        match outcome {
-            Ok(moved) => {
-                self.deps
-                    .metrics
-                    .volume_reattach_wait
-                    .observe(detached_at.elapsed().as_secs_f64());
-                for (pv, m) in moved {
-                    self.event(
-                        EventType::Normal,
-                        "VolumeAttached",
-                        format!(
-                            "attachable PV {pv} attached on Node {}, where pod {} runs (moved from {})",
-                            m.node,
-                            fmt_key(&m.pod),
-                            self.job.node
-                        ),
-                        pv_ref(pv),
-                    );
-                }
-            }
-            Err(waiting_for) => self.warn_volume(
-                "VolumeReattachTimeout",
-                &WaitError::Timeout { waiting_for },
-                needed.first().map(|(pv, _)| pv.as_str()),
-            ),
-        }
+        let none = BTreeSet::new();
+        let volumes: Vec<Awaited> = needed
+            .iter()
+            .map(|(pv, claim)| Awaited {
+                pv,
+                claim,
+                class: VolumeClass::Attachable,
+                users_before: &none,
+            })
+            .collect();
+        self.await_reattach(&mut reg, &volumes, "", false, detached_at, until)
+            .await;
     }
 
     /// The deadline passed without `forceAfterDeadline`: one last pass

@@ -8,15 +8,15 @@ use futures::future::join_all;
 use kube::runtime::events::EventType;
 use tokio::time::Instant;
 
+use super::node_drain::NodeDrain;
 use super::refs::{pod_ref, pod_ref_key};
-use super::run::Run;
 use crate::drain::evict::{self, Evicted};
 use crate::drain::plan::{DrainPlan, PlannedPod};
 use crate::drain::rules::{DRAIN_ANNOTATION, enter_group};
 use crate::drain::select::{PodClass, finished, fmt_key};
 use crate::telemetry::EvictionResult;
 
-impl Run {
+impl NodeDrain {
     /// Says once per pod what its drain rule makes of it: skipped (a
     /// Normal Event), or an annotation not understood (a Warning, the
     /// default used).
@@ -133,11 +133,12 @@ impl Run {
         });
     }
 
-    /// One pod of [`Run::wait_completed`].
+    /// One pod of [`NodeDrain::wait_completed`].
     async fn wait_one_completed(&self, p: &PlannedPod) {
         let uid = p.uid.as_deref();
         let done = || {
-            self.pod(&p.pod, uid)
+            self.view()
+                .pod(&p.pod, uid)
                 .is_none_or(|pod| finished(&pod) || pod.metadata.deletion_timestamp.is_some())
         };
         let force_at = self.force_at(p.grace);
@@ -148,7 +149,7 @@ impl Run {
         if force_at.is_none_or(|at| Instant::now() < at) {
             return;
         }
-        let Some(pod) = self.pod(&p.pod, uid) else {
+        let Some(pod) = self.view().pod(&p.pod, uid) else {
             return;
         };
         let key = fmt_key(&p.pod);

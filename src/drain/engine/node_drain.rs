@@ -9,9 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim, Pod};
-use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::ObjectRef;
@@ -20,10 +18,10 @@ use tokio::time::Instant;
 
 use super::progress::Flushed;
 use super::refs::{pod_ref_key, pv_ref};
+use super::view::{View, pvs_of};
 use super::{Deps, Job, Progress};
 use crate::api::VolumeMove;
-use crate::cache::{claim_key, claim_names};
-use crate::drain::class::{VolumeClass, VolumeContext};
+use crate::drain::class::VolumeContext;
 use crate::drain::evict::{self, Evicted};
 use crate::drain::plan::{
     DetachingVolume, DrainPlan, PlannedPod, TerminatingPod, controller_of, detaching_volumes, plan,
@@ -32,12 +30,8 @@ use crate::drain::plan::{
 use crate::drain::select::{
     Arrivals, NamespacedName, came_back, fmt_key, held_by_finalizers, pod_key,
 };
-use crate::drain::volume::{
-    Moved, inline_unique_name, is_inline, replacement_expected, replacements,
-    unschedulable_replacement, users_elsewhere, users_elsewhere_before, volume_moved,
-};
 use crate::telemetry::EvictionResult;
-use crate::volumes::{WaitError, listed_on, unique_name_of};
+use crate::volumes::WaitError;
 
 /// What one Machine's drains said and judged, kept by the
 /// [`Drainer`](super::Drainer) across the runs of its drain (a failed drain
@@ -57,7 +51,7 @@ pub(crate) struct Memory {
 const FLUSH_BOUND: Duration = Duration::from_secs(5);
 
 /// One drain, from its first pass to its outcome.
-pub(super) struct Run {
+pub(super) struct NodeDrain {
     pub(super) deps: Arc<Deps>,
     pub(super) job: Job,
     pub(super) progress: watch::Sender<Progress>,
@@ -96,7 +90,7 @@ pub(super) struct Run {
     wake: tokio::sync::mpsc::UnboundedSender<ObjectRef<crate::api::Machine>>,
 }
 
-impl Run {
+impl NodeDrain {
     pub(super) fn new(
         deps: Arc<Deps>,
         job: Job,
@@ -197,7 +191,7 @@ impl Run {
             return;
         }
         let key = fmt_key(&t.pod);
-        if let Some(pod) = self.pod(&t.pod, uid)
+        if let Some(pod) = self.view().pod(&t.pod, uid)
             && let Some(finalizers) = held_by_finalizers(&pod, Timestamp::now())
         {
             let first = self.first_report(t.uid.clone().unwrap_or_else(|| key.clone()));
@@ -230,7 +224,7 @@ impl Run {
             if self.wait_gone(&t.pod, uid, self.deadline()).await {
                 return;
             }
-            if let Some(pod) = self.pod(&t.pod, uid)
+            if let Some(pod) = self.view().pod(&t.pod, uid)
                 && held_by_finalizers(&pod, Timestamp::now()).is_none()
             {
                 self.force_gone(&t.pod, &pod).await;
@@ -275,7 +269,7 @@ impl Run {
     /// The bound of a wait that keeps data safe (a pod gone, its volumes
     /// detached): with `forceAfterDeadline` the step's own bound, never cut
     /// at the deadline, since budgets are what the deadline gives up, not
-    /// volumes; without it, as [`Run::bounded`].
+    /// volumes; without it, as [`NodeDrain::bounded`].
     pub(super) fn volume_bound(&self, step: Duration) -> Instant {
         if self.job.settings.force_after_deadline {
             return self.now_instant_of(step);
@@ -297,13 +291,25 @@ impl Run {
         self.job.deadline.expired(Timestamp::now())
     }
 
+    /// The caches, read for this drain's Node.
+    pub(super) fn view(&self) -> View<'_> {
+        View::new(&self.deps.caches, &self.job.node)
+    }
+
+    /// What classifying this Node's volumes needs (see
+    /// [`View::volume_context`]), with the Machine's permission to lose
+    /// node-local data as the reconciler last saw it.
+    pub(super) fn volume_context(&self) -> VolumeContext {
+        self.view().volume_context(*self.data_loss_allowed.borrow())
+    }
+
     /// The plan of this Node from the caches as they are now.
     pub(super) fn plan(&self) -> DrainPlan {
         let pods = self.pods_on_node();
-        let attached = pvs_of(&self.attachments_on_node());
-        let (pvcs, pvs) = self.volume_objects(&pods, &attached);
-        let pdbs = self.pdbs_for(&pods);
-        let vas = self.attachments_of(&pvs);
+        let attached = pvs_of(&self.view().attachments_on_node());
+        let (pvcs, pvs) = self.view().volume_objects(&pods, &attached);
+        let pdbs = self.view().pdbs_for(&pods);
+        let vas = self.view().attachments_of(&pvs);
         plan(
             &self.job.node,
             &pods,
@@ -316,95 +322,13 @@ impl Run {
         )
     }
 
-    /// What classifying this Node's volumes needs: its Node object, the
-    /// CSIDrivers, and the Machine's permission to lose node-local data.
-    pub(super) fn volume_context(&self) -> VolumeContext {
-        let node = self.deps.caches.nodes.get(&ObjectRef::new(&self.job.node));
-        let drivers: Vec<CSIDriver> = self
-            .deps
-            .caches
-            .csi_drivers
-            .state()
-            .iter()
-            .map(|d| (**d).clone())
-            .collect();
-        VolumeContext::new(&self.job.node, node.as_deref(), &drivers)
-            .allowing_data_loss(*self.data_loss_allowed.borrow())
-    }
-
-    /// The pods that use `claim` on other Nodes now (see
-    /// [`users_elsewhere`]), or, for a move that began at `since` (resumed
-    /// after a restart), those created before it began.
-    pub(super) fn users_elsewhere(
-        &self,
-        claim: &NamespacedName,
-        since: Option<Timestamp>,
-    ) -> BTreeSet<String> {
-        let users = self.claim_users(claim);
-        let pods = users.iter().map(|p| &**p);
-        match since {
-            Some(t) => users_elsewhere_before(claim, pods, &self.job.node, t),
-            None => users_elsewhere(claim, pods, &self.job.node),
-        }
-    }
-
-    /// Whether the volume of `claim` has moved with the pod that replaced
-    /// `evicted_uid` (see [`volume_moved`]).
-    pub(super) fn volume_moved(
-        &self,
-        pv: &str,
-        claim: &NamespacedName,
-        class: VolumeClass,
-        evicted_uid: &str,
-        users_before: &BTreeSet<String>,
-    ) -> Result<Moved, String> {
-        let users = self.claim_users(claim);
-        let new = replacements(claim, users.iter().map(|p| &**p), evicted_uid, users_before);
-        let vas: Vec<VolumeAttachment> = self
-            .deps
-            .caches
-            .indexes
-            .attachments_by_pv
-            .get(&self.deps.caches.attachments, pv)
-            .iter()
-            .map(|va| (**va).clone())
-            .collect();
-        let unique = if is_inline(pv) {
-            inline_unique_name(pv)
-        } else {
-            self.deps
-                .caches
-                .pvs
-                .get(&ObjectRef::new(pv))
-                .and_then(|p| unique_name_of(&p))
-        };
-        let listed_on = |node: &str| {
-            unique.as_deref().is_some_and(|name| {
-                self.deps
-                    .caches
-                    .nodes
-                    .get(&ObjectRef::new(node))
-                    .is_some_and(|n| listed_on(&n, name))
-            })
-        };
-        volume_moved(pv, class, &self.job.node, &new, &vas, &listed_on)
-    }
-
-    fn claim_users(&self, claim: &NamespacedName) -> Vec<Arc<Pod>> {
-        self.deps
-            .caches
-            .indexes
-            .pods_by_claim
-            .get(&self.deps.caches.pods, &claim_key(&claim.0, &claim.1))
-    }
-
     /// The plan's volumes still detaching (see
     /// [`detaching_volumes`]), from the caches as they are now, less those
     /// already given up on.
     pub(super) fn detaching(&self) -> Vec<DetachingVolume> {
         let pods = self.pods_on_node();
-        let vas = self.attachments_on_node();
-        let (pvcs, pvs) = self.volume_objects(&pods, &pvs_of(&vas));
+        let vas = self.view().attachments_on_node();
+        let (pvcs, pvs) = self.view().volume_objects(&pods, &pvs_of(&vas));
         let detaching = detaching_volumes(&self.job.node, &pods, &pvcs, &pvs, &vas);
         self.not_abandoned(&detaching)
     }
@@ -419,12 +343,7 @@ impl Run {
     /// after the cordon ([`came_back`]): each of those is reported once,
     /// and left to end with the VM.
     fn pods_on_node(&self) -> Vec<Pod> {
-        let pods = self
-            .deps
-            .caches
-            .indexes
-            .pods_by_node
-            .get(&self.deps.caches.pods, &self.job.node);
+        let pods = self.view().pods_on_node();
         let seen = self
             .seen_first
             .get_or_init(|| pods.iter().filter_map(|p| p.metadata.uid.clone()).collect());
@@ -470,126 +389,9 @@ impl Run {
     /// When the Node was cordoned: its annotation, or without one (a Node
     /// cordoned by an earlier release) the deletion request.
     fn cordoned_at(&self) -> Timestamp {
-        self.deps
-            .caches
-            .nodes
-            .get(&ObjectRef::new(&self.job.node))
-            .and_then(|n| crate::api::cordoned_at(&n))
+        self.view()
+            .cordoned_at()
             .unwrap_or(self.job.deadline.started)
-    }
-
-    /// Copies of the VolumeAttachments to this Node.
-    fn attachments_on_node(&self) -> Vec<VolumeAttachment> {
-        self.deps
-            .caches
-            .indexes
-            .attachments_by_node
-            .get(&self.deps.caches.attachments, &self.job.node)
-            .into_iter()
-            .map(|va| (*va).clone())
-            .collect()
-    }
-
-    /// Copies of the claims `pods` name and of the volumes bound to them,
-    /// plus the volumes named in `more_pvs`: the part of the PVC and PV
-    /// caches a plan of these pods reads.
-    fn volume_objects(
-        &self,
-        pods: &[Pod],
-        more_pvs: &[String],
-    ) -> (Vec<PersistentVolumeClaim>, Vec<PersistentVolume>) {
-        let mut pvcs: BTreeMap<String, PersistentVolumeClaim> = BTreeMap::new();
-        for pod in pods {
-            let ns = pod.metadata.namespace.as_deref().unwrap_or_default();
-            for claim in claim_names(pod) {
-                if let Some(pvc) = self
-                    .deps
-                    .caches
-                    .pvcs
-                    .get(&ObjectRef::new(&claim).within(ns))
-                {
-                    pvcs.insert(claim_key(ns, &claim), (*pvc).clone());
-                }
-            }
-        }
-        let names: BTreeSet<&str> = pvcs
-            .values()
-            .filter_map(|c| c.spec.as_ref()?.volume_name.as_deref())
-            .chain(more_pvs.iter().map(String::as_str))
-            .collect();
-        let pvs = names
-            .into_iter()
-            .filter_map(|n| self.deps.caches.pvs.get(&ObjectRef::new(n)))
-            .map(|pv| (*pv).clone())
-            .collect();
-        (pvcs.into_values().collect(), pvs)
-    }
-
-    /// Copies of the PodDisruptionBudgets in the namespaces of `pods`.
-    pub(super) fn pdbs_for(&self, pods: &[Pod]) -> Vec<PodDisruptionBudget> {
-        let namespaces: BTreeSet<&str> = pods
-            .iter()
-            .filter_map(|p| p.metadata.namespace.as_deref())
-            .collect();
-        self.deps
-            .caches
-            .pdbs
-            .state_filter(|pdb| {
-                pdb.metadata
-                    .namespace
-                    .as_deref()
-                    .is_some_and(|ns| namespaces.contains(ns))
-            })
-            .iter()
-            .map(|pdb| (**pdb).clone())
-            .collect()
-    }
-
-    /// Copies of the VolumeAttachments to this Node and of those of `pvs`
-    /// anywhere.
-    fn attachments_of(&self, pvs: &[PersistentVolume]) -> Vec<VolumeAttachment> {
-        let ix = &self.deps.caches.indexes;
-        let store = &self.deps.caches.attachments;
-        let mut vas: BTreeMap<String, VolumeAttachment> = BTreeMap::new();
-        let on_node = ix.attachments_by_node.get(store, &self.job.node);
-        let of_pvs = pvs
-            .iter()
-            .filter_map(|pv| pv.metadata.name.as_deref())
-            .flat_map(|n| ix.attachments_by_pv.get(store, n));
-        for va in on_node.into_iter().chain(of_pvs) {
-            vas.entry(va.metadata.name.clone().unwrap_or_default())
-                .or_insert_with(|| (*va).clone());
-        }
-        vas.into_values().collect()
-    }
-
-    /// Whether a pod other than `evicted_uid` still needs `claim` (see
-    /// [`replacement_expected`]), read from the claim index.
-    pub(super) fn replacement_expected(&self, claim: &NamespacedName, evicted_uid: &str) -> bool {
-        let users = self.claim_users(claim);
-        replacement_expected(claim, users.iter().map(|p| &**p), evicted_uid)
-    }
-
-    /// Whether a pod other than `evicted_uid` and `users_before` uses
-    /// `claim` (see [`replacements`]).
-    pub(super) fn replaced(
-        &self,
-        claim: &NamespacedName,
-        evicted_uid: &str,
-        users_before: &BTreeSet<String>,
-    ) -> bool {
-        let users = self.claim_users(claim);
-        !replacements(claim, users.iter().map(|p| &**p), evicted_uid, users_before).is_empty()
-    }
-
-    /// The pod `key` from the cache, if it is still the one with `uid`.
-    pub(super) fn pod(&self, key: &NamespacedName, uid: Option<&str>) -> Option<Arc<Pod>> {
-        let pod = self
-            .deps
-            .caches
-            .pods
-            .get(&ObjectRef::new(&key.1).within(&key.0))?;
-        (uid.is_none() || pod.metadata.uid.as_deref() == uid).then_some(pod)
     }
 
     pub(super) fn update(&self, f: impl FnOnce(&mut Progress)) {
@@ -699,7 +501,7 @@ impl Run {
                 continue;
             };
             let key = (ns.to_string(), name.to_string());
-            match self.pod(&key, m.uid.as_deref()) {
+            match self.view().pod(&key, m.uid.as_deref()) {
                 None => resumed.push(m),
                 Some(p) if p.metadata.deletion_timestamp.is_none() => self.end_move(&m.pod),
                 Some(_) => {}
@@ -709,12 +511,13 @@ impl Run {
     }
 
     /// Whether a recorded move's pod is gone, so that
-    /// [`Run::resumed_moves`] would resume it.
+    /// [`NodeDrain::resumed_moves`] would resume it.
     pub(super) fn any_resumable(&self) -> bool {
         let p = self.progress.borrow();
         p.moves.values().filter(|m| !self.is_held(&m.pod)).any(|m| {
             m.pod.split_once('/').is_some_and(|(ns, name)| {
-                self.pod(&(ns.to_string(), name.to_string()), m.uid.as_deref())
+                self.view()
+                    .pod(&(ns.to_string(), name.to_string()), m.uid.as_deref())
                     .is_none()
             })
         })
@@ -732,7 +535,7 @@ impl Run {
                 continue;
             };
             let key = (ns.to_string(), name.to_string());
-            let state = match self.pod(&key, m.uid.as_deref()) {
+            let state = match self.view().pod(&key, m.uid.as_deref()) {
                 None => "gone",
                 Some(p) if p.metadata.deletion_timestamp.is_some() => "terminating",
                 Some(_) => continue,
@@ -751,7 +554,7 @@ impl Run {
     }
 
     /// Whether the move of pod `key` is held for its unplaceable
-    /// replacement (see [`Run::hold_workload`]): it is resumed once the
+    /// replacement (see [`NodeDrain::hold_workload`]): it is resumed once the
     /// replacement is placed, not before.
     fn is_held(&self, key: &str) -> bool {
         self.stuck
@@ -787,27 +590,10 @@ impl Run {
         }
     }
 
-    /// The replacement of the pod evicted as `evicted_uid`, among the users
-    /// of `claim`, if the scheduler cannot place it: its key and the
-    /// scheduler's message.
-    pub(super) fn unschedulable_replacement(
-        &self,
-        claim: &NamespacedName,
-        evicted_uid: &str,
-    ) -> Option<(NamespacedName, String)> {
-        let users = self
-            .deps
-            .caches
-            .indexes
-            .pods_by_claim
-            .get(&self.deps.caches.pods, &claim_key(&claim.0, &claim.1));
-        unschedulable_replacement(claim, users.iter().map(|p| &**p), evicted_uid)
-    }
-
     /// Holds back the other pods of `controller` until the replacement of
     /// the pod `moved` left is placed.
     /// The move was of a pod of order group `order`: no later group starts
-    /// while it is held (see [`Run::held_order`]).
+    /// while it is held (see [`NodeDrain::held_order`]).
     pub(super) fn hold_workload(&self, controller: &str, moved: VolumeMove, order: i32) {
         if let Ok(mut s) = self.stuck.lock() {
             s.insert(controller.to_string(), (moved, order));
@@ -864,18 +650,14 @@ impl Run {
         let uid = m.uid.as_deref().unwrap_or("");
         self.claims_of(m)
             .iter()
-            .any(|c| self.unschedulable_replacement(c, uid).is_some())
+            .any(|c| self.view().unschedulable_replacement(c, uid).is_some())
     }
 
     /// The claims of the PVs of a move, from their `claimRef`.
     fn claims_of(&self, m: &VolumeMove) -> Vec<NamespacedName> {
         m.volumes
             .iter()
-            .filter_map(|pv| self.deps.caches.pvs.get(&ObjectRef::new(pv)))
-            .filter_map(|pv| {
-                let c = pv.spec.as_ref()?.claim_ref.as_ref()?;
-                Some((c.namespace.clone()?, c.name.clone()?))
-            })
+            .filter_map(|pv| self.view().claim_of(pv))
             .collect()
     }
 
@@ -968,7 +750,7 @@ impl Run {
         uid: Option<&str>,
         until: Instant,
     ) -> bool {
-        self.wait_pods_until(until, || self.pod(key, uid).is_none())
+        self.wait_pods_until(until, || self.view().pod(key, uid).is_none())
             .await
     }
 
@@ -987,11 +769,4 @@ impl Run {
             }
         }
     }
-}
-
-/// The PVs these VolumeAttachments attach.
-fn pvs_of(vas: &[VolumeAttachment]) -> Vec<String> {
-    vas.iter()
-        .filter_map(|va| va.spec.source.persistent_volume_name.clone())
-        .collect()
 }

@@ -1,0 +1,158 @@
+//! The wait for volumes to move with the pod that now uses their claims:
+//! an attachable volume attached on the Node where that pod runs (attached
+//! on some other Node is not enough: a ReadWriteMany volume can be attached
+//! elsewhere all along), an attach-free one with that pod Running and Ready
+//! on another Node.
+//!
+//! One wait for every path that needs it, so that each applies the same
+//! rules: a stateful pod moved in this run, a move resumed after a restart
+//! or held for its replacement ([`Migration`](super::migration)), and the
+//! volumes of pods that left before this run ([`NodeDrain::wait_detaching`]).
+//! Woken by the tracker (VolumeAttachment and Node events) and by pod
+//! events; bounded by the reattach timeout; a Warning when not in time.
+
+use std::collections::BTreeSet;
+
+use kube::runtime::events::EventType;
+use tokio::time::Instant;
+
+use super::node_drain::NodeDrain;
+use super::refs::pv_ref;
+use crate::drain::class::VolumeClass;
+use crate::drain::select::{NamespacedName, fmt_key};
+use crate::drain::volume::Moved;
+use crate::volumes::{Registration, Signal, WaitError};
+
+/// One volume waited for to move.
+pub(super) struct Awaited<'v> {
+    pub(super) pv: &'v str,
+    /// The claim it moves with.
+    pub(super) claim: &'v NamespacedName,
+    pub(super) class: VolumeClass,
+    /// The pods that used the claim on other Nodes before the move began:
+    /// none of them is the replacement.
+    pub(super) users_before: &'v BTreeSet<String>,
+}
+
+/// How a reattach wait ended, once announced.
+pub(super) enum Reattach {
+    /// Every volume moved, or the wait timed out (warned).
+    Ended,
+    /// The scheduler says the replacement (this pod) cannot be placed,
+    /// with its message: nothing was announced, the caller holds the move.
+    Unplaceable(NamespacedName, String),
+}
+
+impl NodeDrain {
+    /// Waits, until `until`, for every volume of `volumes` to have moved
+    /// with the pod that replaced `evicted_uid` (`""`: any pod that uses
+    /// the claim on another Node and is not a user from before). `reg`
+    /// carries the tracker's events for the attachable ones. With
+    /// `watch_scheduler`, ends at once when the scheduler says a
+    /// replacement cannot be placed. `left_at`: when the volumes left this
+    /// Node, for the metric and the Events.
+    pub(super) async fn await_reattach(
+        &self,
+        reg: &mut Registration,
+        volumes: &[Awaited<'_>],
+        evicted_uid: &str,
+        watch_scheduler: bool,
+        left_at: std::time::Instant,
+        until: Instant,
+    ) -> Reattach {
+        let attachable: BTreeSet<&str> = volumes
+            .iter()
+            .filter(|v| v.class == VolumeClass::Attachable)
+            .map(|v| v.pv)
+            .collect();
+        reg.retain_volumes(|pv| attachable.contains(pv));
+        let check = || -> Result<Vec<(&Awaited, Moved)>, Vec<String>> {
+            let (mut moved, mut pending) = (Vec::new(), Vec::new());
+            for v in volumes {
+                match self
+                    .view()
+                    .volume_moved(v.pv, v.claim, v.class, evicted_uid, v.users_before)
+                {
+                    Ok(m) => moved.push((v, m)),
+                    Err(why) => pending.push(why),
+                }
+            }
+            if pending.is_empty() {
+                Ok(moved)
+            } else {
+                Err(pending)
+            }
+        };
+        let unplaceable = || {
+            volumes
+                .iter()
+                .find_map(|v| self.view().unschedulable_replacement(v.claim, evicted_uid))
+        };
+        let mut pods = self.deps.caches.pod_changes.clone();
+        let mut tracker_open = !attachable.is_empty();
+        let outcome = loop {
+            pods.borrow_and_update();
+            if let Ok(moved) = check() {
+                break Ok(moved);
+            }
+            // The scheduler may say at once that the replacement cannot be
+            // placed: no need to sit out the timeout to know.
+            if watch_scheduler && let Some((pod, message)) = unplaceable() {
+                return Reattach::Unplaceable(pod, message);
+            }
+            tokio::select! {
+                signal = reg.next_signal(), if tracker_open => {
+                    if signal == Signal::Closed {
+                        tracker_open = false;
+                    }
+                }
+                r = pods.changed() => if r.is_err() { break check() },
+                () = tokio::time::sleep_until(until) => break check(),
+            }
+        };
+        match outcome {
+            Ok(moved) => self.announce_moved(&moved, left_at),
+            Err(waiting_for) => self.warn_volume(
+                "VolumeReattachTimeout",
+                &WaitError::Timeout { waiting_for },
+                volumes.first().map(|v| v.pv),
+            ),
+        }
+        Reattach::Ended
+    }
+
+    /// Each volume moved, in the metric and an Event of its own.
+    fn announce_moved(&self, moved: &[(&Awaited, Moved)], left_at: std::time::Instant) {
+        let took = left_at.elapsed().as_secs_f64();
+        self.deps.metrics.volume_reattach_wait.observe(took);
+        for (v, m) in moved {
+            let (reason, how) = match v.class {
+                VolumeClass::AttachFree => (
+                    "VolumeMoved",
+                    format!(
+                        "moved with pod {}, Running and Ready on Node {} (nothing to detach or attach)",
+                        fmt_key(&m.pod),
+                        m.node
+                    ),
+                ),
+                _ => (
+                    "VolumeAttached",
+                    format!(
+                        "attached on Node {}, where pod {} runs",
+                        m.node,
+                        fmt_key(&m.pod)
+                    ),
+                ),
+            };
+            self.event(
+                EventType::Normal,
+                reason,
+                format!(
+                    "{} PV {} {how}, {took:.1}s after it left Node {}",
+                    v.class, v.pv, self.job.node
+                ),
+                pv_ref(v.pv),
+            );
+        }
+    }
+}

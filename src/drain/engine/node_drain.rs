@@ -1,7 +1,9 @@
-//! One drain's state, what it reads from the caches, and its waits on pods.
+//! One drain's state: what it has done and judged (pods evicted, forced,
+//! come back; volumes given up on; workloads held), its move records in
+//! `status.drain.moves`, and its waits on pods.
 //!
-//! Every read copies the few objects a decision needs out of the informer
-//! stores (through the indexes) and hands them to a pure function of the
+//! What it reads of the cluster comes through the read-only
+//! [`View`](super::view::View); the orders come from the pure
 //! [`plan`](crate::drain::plan); nothing here decides an order.
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -5,7 +5,7 @@ use std::fmt::Debug;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::TryStreamExt;
+use futures::StreamExt;
 use kube::Resource;
 use kube::api::Api;
 use kube::runtime::{WatchStreamExt, reflector, watcher};
@@ -15,7 +15,7 @@ use serde::de::DeserializeOwned;
 pub enum WaitError {
     #[error("timed out after {timeout:?} waiting for {what}")]
     Timeout { what: String, timeout: Duration },
-    #[error("watch failed while waiting for {what}: {source}")]
+    #[error("timed out waiting for {what}, the watch failing: {source}")]
     Watch {
         what: String,
         #[source]
@@ -41,34 +41,35 @@ where
         writer,
         watcher(api, watcher::Config::default()).default_backoff(),
     );
-    let watch = async {
-        futures::pin_mut!(stream);
-        let mut synced = false;
-        while let Some(event) = stream.try_next().await.map_err(|source| WaitError::Watch {
-            what: what.to_string(),
-            source,
-        })? {
-            synced |= matches!(event, watcher::Event::InitDone);
-            if synced {
-                let state = reader.state();
-                if done(&state) {
-                    return Ok(state);
+    futures::pin_mut!(stream);
+    // A watch error is retried by the watcher, with backoff, until the
+    // timeout: the API server answers 429 "storage is (re)initializing"
+    // while its watch cache starts again, and a connection can drop. The
+    // last error is what a timeout reports.
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut last_error = None;
+    let mut synced = false;
+    loop {
+        match tokio::time::timeout_at(deadline, stream.next()).await {
+            Ok(Some(Ok(event))) => {
+                synced |= matches!(event, watcher::Event::InitDone);
+                if synced {
+                    let state = reader.state();
+                    if done(&state) {
+                        return Ok(state);
+                    }
                 }
             }
+            Ok(Some(Err(e))) => last_error = Some(e),
+            Ok(None) | Err(_) => {
+                let what = what.to_string();
+                return Err(match last_error {
+                    Some(source) => WaitError::Watch { what, source },
+                    None => WaitError::Timeout { what, timeout },
+                });
+            }
         }
-        Err(WaitError::Timeout {
-            what: what.to_string(),
-            timeout,
-        })
-    };
-    tokio::time::timeout(timeout, watch)
-        .await
-        .unwrap_or_else(|_| {
-            Err(WaitError::Timeout {
-                what: what.to_string(),
-                timeout,
-            })
-        })
+    }
 }
 
 /// Waits for the first object of `api` for which `matches` holds.

@@ -1,9 +1,14 @@
 //! What the Machine, MachineSet and MachineDeployment controllers share:
-//! the per-object backoff of failed reconciles.
+//! the per-object backoff of failed reconciles, the error policy and the
+//! loop that drives a controller (`skeleton`), and the compare-and-swap
+//! status write (`status`).
 
 pub(crate) mod backoff;
+pub(crate) mod skeleton;
+pub mod status;
 
 pub(crate) use backoff::Backoffs;
+pub(crate) use skeleton::Reconciler;
 
 /// A spawned task that is aborted when this is dropped, on every path out
 /// of the scope that holds it (an aborted task drops its future, and so

@@ -12,7 +12,6 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams};
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 
@@ -531,15 +530,12 @@ async fn await_volume_detachment(
 /// Publishes a Warning Event about the Machine, in the background (an
 /// Event never holds up a step).
 fn warn(ctx: &Context, m: &Machine, reason: &str, note: String) {
-    ctx.events.publish(
-        Event {
-            type_: EventType::Warning,
-            reason: reason.into(),
-            note: Some(truncate(&note, 1000)),
-            action: "Drain".into(),
-            secondary: None,
-        },
+    ctx.events.warning(
         m.object_ref(&()),
+        "Drain",
+        reason,
+        truncate(&note, 1000),
+        None,
     );
 }
 
@@ -792,18 +788,9 @@ async fn release_and_delete_node(
             ),
         );
     } else if detach.releasing {
-        ctx.events.publish(
-            Event {
-                type_: EventType::Normal,
-                reason: "VolumesReleased".into(),
-                note: Some(format!(
+        ctx.events.normal(m.object_ref(&()), "Delete", "VolumesReleased", format!(
                     "the volumes left on Node {name} were released after it was tainted {OUT_OF_SERVICE_TAINT}"
-                )),
-                action: "Delete".into(),
-                secondary: None,
-            },
-            m.object_ref(&()),
-        );
+                ), None);
     }
     match Api::<Node>::all(ctx.client.clone())
         .delete(&name, &DeleteParams::default())

@@ -32,11 +32,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::StreamExt;
 use futures::stream::BoxStream;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
-use kube::runtime::controller::{Action, Controller};
+use kube::runtime::controller::Controller;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
@@ -184,40 +183,42 @@ pub(crate) async fn run(
     let readiness = AbortOnDrop(tokio::spawn(readiness));
 
     let metrics = Arc::clone(&ctx.metrics);
-    controller
-        .graceful_shutdown_on(shutdown)
-        .run(reconcile::reconcile, error_policy, Arc::clone(&ctx))
-        .for_each(|result| {
-            match result {
-                Ok((obj, _)) => tracing::debug!(machine = %obj, "reconciled"),
-                Err(e) => tracing::debug!(error = %e, "reconcile failed"),
-            }
-            // Every reconcile may have moved a phase: recount from the cache.
-            let gauges = status::Gauges::count(caches.machines.state().iter().map(|m| &**m));
-            gauges.publish(&metrics);
-            futures::future::ready(())
-        })
-        .await;
+    crate::controller::skeleton::run(
+        controller,
+        reconcile::reconcile,
+        Arc::clone(&ctx),
+        shutdown,
+        // Every reconcile may have moved a phase: recount from the cache.
+        || status::Gauges::count(caches.machines.state().iter().map(|m| &**m)).publish(&metrics),
+    )
+    .await;
     drop(readiness);
     // Drains stop at a resumable point: the next leader re-plans from the
     // cluster's state.
     ctx.drainer.stop_all();
 }
 
-fn error_policy(machine: Arc<Machine>, error: &Error, ctx: Arc<Context>) -> Action {
-    let delay = ctx.backoff.next(&machine);
-    if matches!(error, Error::Provider { .. }) {
-        ctx.provider_retry_after(&machine, delay);
+impl crate::controller::Reconciler for Context {
+    type Object = Machine;
+    type Error = Error;
+    const KIND: &'static str = "Machine";
+
+    fn backoff(&self) -> &crate::controller::Backoffs<Machine> {
+        &self.backoff
     }
-    tracing::warn!(
-        machine = %machine.name_any(),
-        namespace = machine.namespace().unwrap_or_default(),
-        error = %error,
-        kind = error.metric_label(),
-        retry_in = ?delay,
-        "reconcile failed"
-    );
-    Action::requeue(delay)
+
+    /// A provider that failed is not asked again for this Machine before
+    /// the retry: the reconcile's own status write would otherwise wake it
+    /// at once.
+    fn failed(&self, machine: &Machine, error: &Error, delay: Duration) {
+        if matches!(error, Error::Provider { .. }) {
+            self.provider_retry_after(machine, delay);
+        }
+    }
+
+    fn class(error: &Error) -> &'static str {
+        error.metric_label()
+    }
 }
 
 impl Context {

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event, EventType};
+use kube::runtime::events::EventType;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 
@@ -118,16 +118,16 @@ pub(super) fn announce(ctx: &Context, m: &Machine, report: &Report) {
         "{}",
         report.description
     );
-    let ev = Event {
-        type_,
-        reason: report.step.to_string(),
-        note: Some(truncate(&report.description, 1000)),
-        action: report.op.to_string(),
-        secondary: None,
-    };
     // An Event is best effort and published in the background: it must
     // neither stop nor slow the lifecycle.
-    ctx.events.publish(ev, m.object_ref(&()));
+    ctx.events.event(
+        type_,
+        m.object_ref(&()),
+        report.op,
+        report.step,
+        truncate(&report.description, 1000),
+        None,
+    );
 }
 
 /// `current` with `rec` applied.

@@ -1,91 +1,52 @@
-//! The reconciler's status write: a compare-and-swap on the Machine's
-//! `resourceVersion`.
+//! The Machine's status has two writers; this is their protocol.
 //!
-//! The status the reconciler records is computed whole from the copy of the
-//! Machine it read (conditions keep their transition times, the last
-//! operation is replaced only when the report changes, the conditions array
-//! is written whole). Written blindly, a status computed from an older copy
-//! would undo a newer write. With the copy's `resourceVersion` in the patch,
-//! the API server refuses such a write with 409 Conflict instead; the
-//! reconciler then comes back on the newer copy, which its watch brings.
-//!
-//! `status.drain` is never written here: the drain engine owns it, and
-//! writes it up to once a second while a drain runs. A conflict caused by
-//! that field alone does not make the copy stale for this write (it leaves
-//! the field alone), so the write is made again on the newer version instead
-//! of being refused: otherwise nearly every drain's start, which the engine
-//! writes as the reconciler records it, would cost a refused write and a
-//! second reconcile.
-
-use std::borrow::Cow;
+//! - **The drain engine owns `status.drain`.** One task per running drain
+//!   (`crate::drain::engine`'s progress writer) writes the whole field by
+//!   server-side apply under its own field manager, `berth-drain`: a field
+//!   it leaves out is removed, and no other writer's copy of the Machine
+//!   can undo its progress or its move records. It writes up to once a
+//!   second, a completed step of a volume move at once, and a move's record
+//!   before that move's eviction. The task lives exactly as long as its
+//!   drain, so a drain stopped from outside (restarted, leadership lost)
+//!   makes no stale final write.
+//! - **The reconciler owns the rest of the status** (phase, conditions,
+//!   last operation, node reference), written here: a merge patch with a
+//!   compare-and-swap on the `resourceVersion` of the copy it computed the
+//!   status from ([`crate::controller::status`], the discipline of every
+//!   controller of berth). `status.drain` is never part of it.
+//! - **A conflict caused by `status.drain` alone** does not make the
+//!   reconciler's copy stale: the newer version is asked first of the
+//!   engine (the Machine its last write returned, the usual cause) and
+//!   read from the API server only when that copy does not do; when it
+//!   differs from the copy in nothing but `status.drain`, the write is made
+//!   on it. Otherwise nearly every drain's start, which the engine writes
+//!   as the reconciler records it, would cost a refused write and a second
+//!   reconcile. Any other change refuses the write, and the reconciler
+//!   comes back on the newer copy.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::Api;
 use kube::{Client, ResourceExt};
-use serde::Serialize;
 
 use crate::api::{Machine, MachineSpec, MachineStatus};
 
-/// Writes tried when every conflict comes from `status.drain` alone.
-const ATTEMPTS: usize = 3;
+/// What a status write of a Machine came to.
+pub type StatusWrite = crate::controller::status::StatusWrite<Machine>;
 
-/// What a status write came to.
-#[derive(Debug)]
-pub enum StatusWrite {
-    /// Written (or already so): the Machine as the API server now has it.
-    Written(Box<Machine>),
-    /// Refused: the Machine changed since the copy the status was computed
-    /// from.
-    Conflict,
-}
-
-/// The merge patch: the copy's resourceVersion as a precondition, and the
-/// status.
-#[derive(Debug, Serialize)]
-struct StatusPatch<'a> {
-    metadata: Precondition<'a>,
-    status: MachineStatus,
-}
-
-impl<'a> StatusPatch<'a> {
-    /// The patch of `status` without `status.drain` (absent from a merge
-    /// patch, it is left as it is).
-    fn new(resource_version: &'a str, status: &MachineStatus) -> Self {
-        Self {
-            metadata: Precondition { resource_version },
-            status: MachineStatus {
-                drain: None,
-                ..status.clone()
-            },
-        }
-    }
-}
-
-#[derive(Debug, Serialize)]
-#[serde(rename_all = "camelCase")]
-struct Precondition<'a> {
-    resource_version: &'a str,
-}
-
-/// Writes `status` on Machine `read` as a merge patch of the status
-/// subresource, on condition that the Machine is still at the
-/// `resourceVersion` of `read` (the copy `status` was computed from).
-/// `status.drain` is left out whatever it holds.
+/// Writes `status` on Machine `read` by the reconciler's side of the
+/// protocol above: on condition that the Machine is still at the
+/// `resourceVersion` of `read` (the copy `status` was computed from), or at
+/// a newer one that differs only in `status.drain` (asked first of
+/// `known`). `status.drain` is left out whatever it holds.
 ///
-/// On a conflict, the newer version to try is first asked of `known` (the
-/// drain engine keeps the Machine its last `status.drain` write returned,
-/// which is the usual cause of the conflict), and read from the API server
-/// only when that copy does not do.
+/// A write that changes nothing still checks the precondition:
+/// [`StatusWrite::Written`] then proves that `read` is current, which the
+/// reconciler relies on before it asks a provider for a VM.
 ///
-/// A write that changes nothing still checks the precondition, without
-/// bumping the resourceVersion: [`StatusWrite::Written`] then proves that
-/// `read` is current, which the reconciler relies on before it asks a
-/// provider for a VM. (A newer version that differs from `read` in
-/// `status.drain` only counts as `read`: the write is made on it.)
-///
-/// Public for the integration test that shows a stale copy cannot
-/// overwrite a newer status.
+/// Public for the integration test that shows, against the API server,
+/// that a stale copy cannot overwrite a newer status and that the engine's
+/// writes do not refuse the reconciler's.
 pub async fn write_status(
     client: Client,
     read: &Machine,
@@ -93,33 +54,19 @@ pub async fn write_status(
     known: impl Fn() -> Option<Machine>,
 ) -> Result<StatusWrite, kube::Error> {
     let api: Api<Machine> = Api::namespaced(client, &read.namespace().unwrap_or_default());
-    let name = read.name_any();
-    let mut base = Cow::Borrowed(read);
-    for _ in 0..ATTEMPTS {
-        // A copy without a resourceVersion cannot prove it is current.
-        let Some(resource_version) = base.metadata.resource_version.as_deref() else {
-            return Ok(StatusWrite::Conflict);
-        };
-        let patch = StatusPatch::new(resource_version, status);
-        match api
-            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-        {
-            Ok(m) => return Ok(StatusWrite::Written(Box::new(m))),
-            Err(kube::Error::Api(e)) if e.code == 409 => {}
-            Err(e) => return Err(e),
-        }
-        let tried = base.metadata.resource_version.clone();
-        let newer = match known().filter(|k| k.metadata.resource_version != tried) {
-            Some(k) if same_but_drain(read, &k) => Some(k),
-            _ => api.get_opt(&name).await?,
-        };
-        match newer {
-            Some(newer) if same_but_drain(read, &newer) => base = Cow::Owned(newer),
-            _ => return Ok(StatusWrite::Conflict),
-        }
+    crate::controller::status::write_status(&api, read, &without_drain(status), known, |newer| {
+        same_but_drain(read, newer)
+    })
+    .await
+}
+
+/// `status` without `status.drain` (absent from a merge patch, it is left
+/// as it is).
+fn without_drain(status: &MachineStatus) -> MachineStatus {
+    MachineStatus {
+        drain: None,
+        ..status.clone()
     }
-    Ok(StatusWrite::Conflict)
 }
 
 /// Whether `a` and `b` differ in nothing but `status.drain` (and the
@@ -131,11 +78,11 @@ fn same_but_drain(a: &Machine, b: &Machine) -> bool {
             managed_fields: None,
             ..m.metadata.clone()
         };
-        let status = MachineStatus {
-            drain: None,
-            ..m.status.clone().unwrap_or_default()
-        };
-        (meta, &m.spec, status)
+        (
+            meta,
+            &m.spec,
+            without_drain(&m.status.clone().unwrap_or_default()),
+        )
     }
     key(a) == key(b)
 }
@@ -194,19 +141,13 @@ mod tests {
     }
 
     #[test]
-    fn the_patch_carries_the_precondition_and_never_the_drain() {
+    fn the_drain_is_never_written() {
         let status = MachineStatus {
             phase: Some(MachinePhase::Terminating),
             drain: Some(DrainStatus::default()),
             ..Default::default()
         };
-        let body = serde_json::to_value(StatusPatch::new("42", &status)).expect("serializes");
-        assert_eq!(
-            body,
-            serde_json::json!({
-                "metadata": {"resourceVersion": "42"},
-                "status": {"phase": "Terminating"}
-            })
-        );
+        let body = serde_json::to_value(without_drain(&status)).expect("serializes");
+        assert_eq!(body, serde_json::json!({"phase": "Terminating"}));
     }
 }

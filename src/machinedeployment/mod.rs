@@ -25,19 +25,17 @@ mod reconcile;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use futures::{Stream, StreamExt};
+use futures::Stream;
+use kube::Client;
 use kube::api::Api;
-use kube::runtime::controller::{Action, Controller};
+use kube::runtime::controller::Controller;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
-use kube::{Client, ResourceExt};
 
 use crate::api::{MachineDeployment, MachineSet};
 use crate::cache::Caches;
 use crate::telemetry::Metrics;
 use crate::telemetry::events::EventSink;
-
-use reconcile::Error;
 
 /// What the controller needs besides the caches.
 pub(crate) struct Context {
@@ -124,22 +122,21 @@ pub(crate) async fn run(
     tracing::info!(drain_cap, "reconciling MachineDeployments");
     let controller = Controller::new(api, watcher::Config::default());
     let deployments = controller.store();
-    controller
-        .reconcile_on(wakes)
-        .graceful_shutdown_on(shutdown)
-        .run(reconcile::reconcile, error_policy, ctx)
-        .for_each(|result| {
-            let stalled = deployments.state().iter().filter(|d| stalled(d)).count();
-            metrics
-                .machinedeployments_stalled
-                .set(i64::try_from(stalled).unwrap_or(i64::MAX));
-            match result {
-                Ok((md, _)) => tracing::debug!(machinedeployment = %md, "reconciled"),
-                Err(e) => tracing::debug!(error = %e, "MachineDeployment reconcile failed"),
-            }
-            futures::future::ready(())
-        })
-        .await;
+    let controller = controller.reconcile_on(wakes);
+    let count_stalled = || {
+        let stalled = deployments.state().iter().filter(|d| stalled(d)).count();
+        metrics
+            .machinedeployments_stalled
+            .set(i64::try_from(stalled).unwrap_or(i64::MAX));
+    };
+    crate::controller::skeleton::run(
+        controller,
+        reconcile::reconcile,
+        ctx,
+        shutdown,
+        count_stalled,
+    )
+    .await;
 }
 
 /// Its Progressing condition is False.
@@ -149,16 +146,14 @@ fn stalled(md: &MachineDeployment) -> bool {
     })
 }
 
-fn error_policy(md: Arc<MachineDeployment>, error: &Error, ctx: Arc<Context>) -> Action {
-    let delay = ctx.backoff.next(&md);
-    tracing::warn!(
-        machinedeployment = %md.name_any(),
-        namespace = md.namespace().unwrap_or_default(),
-        error = %error,
-        retry_in = ?delay,
-        "MachineDeployment reconcile failed"
-    );
-    Action::requeue(delay)
+impl crate::controller::Reconciler for Context {
+    type Object = MachineDeployment;
+    type Error = reconcile::Error;
+    const KIND: &'static str = "MachineDeployment";
+
+    fn backoff(&self) -> &crate::controller::Backoffs<MachineDeployment> {
+        &self.backoff
+    }
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event, EventType};
+use kube::runtime::events::EventType;
 use kube::{Resource, ResourceExt};
 
 use super::Context;
@@ -22,6 +22,7 @@ use crate::api::{
     Machine, MachineDeployment, MachineSet, MachineSetSpec, MachineTemplate, REVISION_ANNOTATION,
     SUPERSEDED_ANNOTATION, TEMPLATE_HASH_LABEL,
 };
+use crate::controller::status::{StatusWrite, write_status};
 use crate::machine::status::condition;
 use crate::machineset::decide::{selector_string, selects};
 use crate::machineset::order::{self, Candidate};
@@ -257,15 +258,20 @@ pub(crate) async fn reconcile(
     let current = md.status.clone().unwrap_or_default();
     let (status, next_change) = decide::next_status(&current, &observed, now);
     if status != current {
-        announce(&ctx, &md, &current, &status);
-        Api::<MachineDeployment>::namespaced(ctx.client.clone(), &ns)
-            .patch_status(
-                &md.name_any(),
-                &PatchParams::default(),
-                &Patch::Merge(serde_json::json!({ "status": status })),
-            )
+        // Compare-and-swap (see `crate::controller::status`): refused, the
+        // watch brings the newer copy and the deployment is reconciled
+        // again on it; announced only once written.
+        let api = Api::<MachineDeployment>::namespaced(ctx.client.clone(), &ns);
+        match write_status(&api, &md, &status, || None, |_| false)
             .await
-            .map_err(Error::Status)?;
+            .map_err(Error::Status)?
+        {
+            StatusWrite::Written(_) => announce(&ctx, &md, &current, &status),
+            StatusWrite::Conflict => {
+                tracing::debug!(machinedeployment = %md.name_any(), namespace = ns, "status write refused: the deployment changed since it was read");
+                return Ok(Action::await_change());
+            }
+        }
     }
     ctx.backoff.reset(&md);
     // Only the progress deadline is a timer; every other change arrives as
@@ -515,21 +521,18 @@ async fn scale_old(
         for c in &goes[i] {
             ctx.metrics.rollout_machines_replaced.inc();
             let machine = m.machines.iter().find(|x| x.name_any() == c.name);
-            ctx.events.publish(
-                Event {
-                    type_: EventType::Normal,
-                    reason: "ScaledOldMachineSet".into(),
-                    note: Some(format!(
-                        "scaled old MachineSet {} from {} to {keep} so that Machine {} goes: {}",
-                        m.name(),
-                        m.counts.replicas,
-                        c.name,
-                        c.reason
-                    )),
-                    action: "ScaleMachineSet".into(),
-                    secondary: machine.map(|x| x.object_ref(&())),
-                },
+            ctx.events.normal(
                 md.object_ref(&()),
+                "ScaleMachineSet",
+                "ScaledOldMachineSet",
+                format!(
+                    "scaled old MachineSet {} from {} to {keep} so that Machine {} goes: {}",
+                    m.name(),
+                    m.counts.replicas,
+                    c.name,
+                    c.reason
+                ),
+                machine.map(|x| x.object_ref(&())),
             );
             tracing::info!(machinedeployment = %md.name_any(), machineset = %m.name(), machine = %c.name, why = c.why.as_str(), "old Machine goes for the rollout: {}", c.reason);
         }
@@ -630,20 +633,13 @@ fn announce(
         // A deployment made complete from the start: nothing rolled.
         return;
     }
-    ctx.events.publish(
-        Event {
-            type_: if warning {
-                EventType::Warning
-            } else {
-                EventType::Normal
-            },
-            reason: now,
-            note: Some(message),
-            action: "Rollout".into(),
-            secondary: None,
-        },
-        md.object_ref(&()),
-    );
+    let type_ = if warning {
+        EventType::Warning
+    } else {
+        EventType::Normal
+    };
+    ctx.events
+        .event(type_, md.object_ref(&()), "Rollout", &now, message, None);
 }
 
 fn publish(
@@ -655,14 +651,11 @@ fn publish(
     set: Option<&MachineSet>,
 ) {
     tracing::info!(machinedeployment = %md.name_any(), namespace = md.namespace().unwrap_or_default(), reason, "{note}");
-    ctx.events.publish(
-        Event {
-            type_: EventType::Normal,
-            reason: reason.into(),
-            note: Some(note.into()),
-            action: action.into(),
-            secondary: set.map(|s| s.object_ref(&())),
-        },
+    ctx.events.normal(
         md.object_ref(&()),
+        action,
+        reason,
+        note,
+        set.map(|s| s.object_ref(&())),
     );
 }

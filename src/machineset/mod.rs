@@ -24,17 +24,15 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::{Stream, StreamExt};
-use kube::runtime::controller::{Action, Controller};
+use futures::Stream;
+use kube::Client;
+use kube::runtime::controller::Controller;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
-use kube::{Client, ResourceExt};
 
 use crate::api::MachineSet;
 use crate::cache::Caches;
 use crate::telemetry::events::EventSink;
-
-use reconcile::Error;
 
 /// Creates and deletes asked for and not yet seen in the Machine cache, per
 /// set UID. While a set has some, it does not scale again: the cache would
@@ -119,30 +117,18 @@ pub(crate) async fn run(
         backoff: Default::default(),
     });
     tracing::info!("reconciling MachineSets");
-    Controller::for_stream(sets, store)
-        .reconcile_on(wakes)
-        .graceful_shutdown_on(shutdown)
-        .run(reconcile::reconcile, error_policy, ctx)
-        .for_each(|result| {
-            match result {
-                Ok((set, _)) => tracing::debug!(machineset = %set, "reconciled"),
-                Err(e) => tracing::debug!(error = %e, "MachineSet reconcile failed"),
-            }
-            futures::future::ready(())
-        })
-        .await;
+    let controller = Controller::for_stream(sets, store).reconcile_on(wakes);
+    crate::controller::skeleton::run(controller, reconcile::reconcile, ctx, shutdown, || {}).await;
 }
 
-fn error_policy(set: Arc<MachineSet>, error: &Error, ctx: Arc<Context>) -> Action {
-    let delay = ctx.backoff.next(&set);
-    tracing::warn!(
-        machineset = %set.name_any(),
-        namespace = set.namespace().unwrap_or_default(),
-        error = %error,
-        retry_in = ?delay,
-        "MachineSet reconcile failed"
-    );
-    Action::requeue(delay)
+impl crate::controller::Reconciler for Context {
+    type Object = MachineSet;
+    type Error = reconcile::Error;
+    const KIND: &'static str = "MachineSet";
+
+    fn backoff(&self) -> &crate::controller::Backoffs<MachineSet> {
+        &self.backoff
+    }
 }
 
 impl Context {

@@ -9,9 +9,8 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, PostParams, Preconditions};
 use kube::runtime::controller::Action;
-use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 
@@ -19,7 +18,8 @@ use super::decide::{self, Failure, MachineFacts, Observed, Scale};
 use super::order::{self, Candidate, Health};
 use super::{Caches, Context, EXPECTATION_TTL};
 use crate::api::conditions::{NODE_HEALTHY, READY};
-use crate::api::{Machine, MachinePhase, MachineSet, SUPERSEDED_ANNOTATION};
+use crate::api::{Machine, MachinePhase, MachineSet, MachineSetStatus, SUPERSEDED_ANNOTATION};
+use crate::controller::status::{StatusWrite, write_status};
 use crate::drain::pdb::{PdbVerdict, findings_for};
 use crate::drain::select::{PodClass, classify};
 use crate::machine::decide::{node_ready, node_takes_pods};
@@ -108,15 +108,8 @@ pub(crate) async fn reconcile(set: Arc<MachineSet>, ctx: Arc<Context>) -> Result
         },
         now,
     );
-    if status != current {
-        Api::<MachineSet>::namespaced(ctx.client.clone(), &ns)
-            .patch_status(
-                &set.name_any(),
-                &PatchParams::default(),
-                &Patch::Merge(serde_json::json!({ "status": status })),
-            )
-            .await
-            .map_err(Error::Status)?;
+    if status != current && !wrote_status(&ctx, &set, &ns, &status).await? {
+        return Ok(Action::await_change());
     }
     ctx.reset_backoff(&set);
     // Timers only: a Machine becoming available after minReadySeconds, and
@@ -130,6 +123,26 @@ pub(crate) async fn reconcile(set: Arc<MachineSet>, ctx: Arc<Context>) -> Result
     .flatten()
     .min();
     Ok(after.map_or_else(Action::await_change, Action::requeue))
+}
+
+/// Writes `status` on `set`, computed from that copy, unless the set
+/// changed since (compare-and-swap, see [`crate::controller::status`]).
+/// False when refused: the watch brings the newer copy, and the set is
+/// reconciled again on it.
+async fn wrote_status(
+    ctx: &Context,
+    set: &MachineSet,
+    ns: &str,
+    status: &MachineSetStatus,
+) -> Result<bool, Error> {
+    let api = Api::<MachineSet>::namespaced(ctx.client.clone(), ns);
+    let w = write_status(&api, set, status, || None, |_| false)
+        .await
+        .map_err(Error::Status)?;
+    if matches!(w, StatusWrite::Conflict) {
+        tracing::debug!(machineset = %set.name_any(), namespace = ns, "status write refused: the set changed since it was read");
+    }
+    Ok(matches!(w, StatusWrite::Written(_)))
 }
 
 /// Creates `n` Machines from the template; the failure to report, if one
@@ -166,33 +179,27 @@ async fn create(
                 let machine = created.name_any();
                 ctx.expectations.expect(uid, Some(machine.clone()), None);
                 tracing::info!(machineset = %name, namespace = ns, %machine, "created Machine");
-                ctx.events.publish(
-                    Event {
-                        type_: EventType::Normal,
-                        reason: "ScaledUp".into(),
-                        note: Some(format!(
-                            "created Machine {machine} ({} of {} replicas)",
-                            active + i + 1,
-                            set.spec.replicas
-                        )),
-                        action: "CreateMachine".into(),
-                        secondary: Some(created.object_ref(&())),
-                    },
+                ctx.events.normal(
                     set.object_ref(&()),
+                    "CreateMachine",
+                    "ScaledUp",
+                    format!(
+                        "created Machine {machine} ({} of {} replicas)",
+                        active + i + 1,
+                        set.spec.replicas
+                    ),
+                    Some(created.object_ref(&())),
                 );
             }
             Err(e) => {
                 let message = format!("creating a Machine from the template: {e}");
                 tracing::warn!(machineset = %name, namespace = ns, error = %e, "could not create a Machine");
-                ctx.events.publish(
-                    Event {
-                        type_: EventType::Warning,
-                        reason: "CreateFailed".into(),
-                        note: Some(message.clone()),
-                        action: "CreateMachine".into(),
-                        secondary: None,
-                    },
+                ctx.events.warning(
                     set.object_ref(&()),
+                    "CreateMachine",
+                    "CreateFailed",
+                    message.clone(),
+                    None,
                 );
                 return Some(Failure {
                     reason: "CreateFailed",
@@ -247,29 +254,23 @@ async fn scale_down(
             c.name, c.reason
         );
         tracing::info!(machineset = %set.name_any(), namespace = ns, machine = %c.name, why = c.why.as_str(), %now, "{note}");
-        ctx.events.publish(
-            Event {
-                type_: EventType::Normal,
-                reason: "ScaledDown".into(),
-                note: Some(note),
-                action: "DeleteMachine".into(),
-                secondary: Some(m.object_ref(&())),
-            },
+        ctx.events.normal(
             set.object_ref(&()),
+            "DeleteMachine",
+            "ScaledDown",
+            note,
+            Some(m.object_ref(&())),
         );
-        ctx.events.publish(
-            Event {
-                type_: EventType::Normal,
-                reason: "DeletedByMachineSet".into(),
-                note: Some(format!(
-                    "MachineSet {} scaled from {from} to {to} and chose this Machine: {}",
-                    set.name_any(),
-                    c.reason
-                )),
-                action: "DeleteMachine".into(),
-                secondary: Some(set.object_ref(&())),
-            },
+        ctx.events.normal(
             m.object_ref(&()),
+            "DeleteMachine",
+            "DeletedByMachineSet",
+            format!(
+                "MachineSet {} scaled from {from} to {to} and chose this Machine: {}",
+                set.name_any(),
+                c.reason
+            ),
+            Some(set.object_ref(&())),
         );
     }
     Ok(())

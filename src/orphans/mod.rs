@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::jiff::Timestamp;
-use kube::runtime::events::{Event, EventType};
+use kube::runtime::events::EventType;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 
@@ -391,15 +391,13 @@ impl Collector {
             uid: Some(r.tag.uid.clone()),
             ..Default::default()
         };
-        self.shared.events.publish(
-            Event {
-                type_,
-                reason: reason.into(),
-                note: Some(note),
-                action: "CollectOrphanVm".into(),
-                secondary: Some(earlier),
-            },
+        self.shared.events.event(
+            type_,
             machine.object_ref(&()),
+            "CollectOrphanVm",
+            reason,
+            note,
+            Some(earlier),
         );
     }
 }

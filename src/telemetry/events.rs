@@ -21,7 +21,7 @@
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::ObjectReference;
-use kube::runtime::events::{Event, Recorder};
+use kube::runtime::events::{Event, EventType, Recorder};
 use tokio::sync::mpsc;
 
 use super::Metrics;
@@ -59,8 +59,71 @@ impl EventSink {
         (Self { tx, metrics }, publisher)
     }
 
+    /// A Normal Event about `regarding`: what `action` did (`reason`, in
+    /// CamelCase, and a note for people), and the object it did it to or
+    /// with, if another (`related`). Never waits.
+    pub fn normal(
+        &self,
+        regarding: ObjectReference,
+        action: &str,
+        reason: &str,
+        note: impl Into<String>,
+        related: Option<ObjectReference>,
+    ) {
+        self.event(
+            EventType::Normal,
+            regarding,
+            action,
+            reason,
+            note.into(),
+            related,
+        );
+    }
+
+    /// A Warning Event: as [`EventSink::normal`], for what an operator
+    /// should look at.
+    pub fn warning(
+        &self,
+        regarding: ObjectReference,
+        action: &str,
+        reason: &str,
+        note: impl Into<String>,
+        related: Option<ObjectReference>,
+    ) {
+        self.event(
+            EventType::Warning,
+            regarding,
+            action,
+            reason,
+            note.into(),
+            related,
+        );
+    }
+
+    /// An Event of `type_`, for a caller that decides it (a step that
+    /// failed or not); otherwise [`EventSink::normal`] or
+    /// [`EventSink::warning`].
+    pub fn event(
+        &self,
+        type_: EventType,
+        regarding: ObjectReference,
+        action: &str,
+        reason: &str,
+        note: String,
+        related: Option<ObjectReference>,
+    ) {
+        let ev = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(note),
+            action: action.into(),
+            secondary: related,
+        };
+        self.queue(ev, regarding);
+    }
+
     /// Queues `ev` about `regarding`; never waits.
-    pub fn publish(&self, mut ev: Event, regarding: ObjectReference) {
+    fn queue(&self, mut ev: Event, regarding: ObjectReference) {
         // The API server refuses a note longer than this (the whole Event
         // would be lost): a long one is cut, and says so.
         if let Some(note) = ev.note.as_mut() {
@@ -94,8 +157,6 @@ fn cut_note(note: &mut String) {
 
 #[cfg(test)]
 mod tests {
-    use kube::runtime::events::EventType;
-
     use super::*;
 
     fn event(reason: &str) -> Event {
@@ -118,7 +179,7 @@ mod tests {
             metrics: Arc::clone(&metrics),
         };
         for reason in ["A", "B", "C", "D"] {
-            sink.publish(event(reason), ObjectReference::default());
+            sink.queue(event(reason), ObjectReference::default());
         }
         assert_eq!(metrics.events_dropped.get(), 2);
     }

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::jiff::Timestamp;
-use kube::runtime::events::{Event, EventType};
+use kube::runtime::events::EventType;
 use kube::runtime::reflector::ObjectRef;
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -713,14 +713,14 @@ impl NodeDrain {
         note: String,
         related: Option<ObjectReference>,
     ) {
-        let ev = Event {
+        self.deps.events.event(
             type_,
-            reason: reason.into(),
-            note: Some(note),
-            action: "Drain".into(),
-            secondary: related,
-        };
-        self.deps.events.publish(ev, self.job.machine_ref.clone());
+            self.job.machine_ref.clone(),
+            "Drain",
+            reason,
+            note,
+            related,
+        );
     }
 
     /// Gives up waiting for these volumes to detach in this drain.

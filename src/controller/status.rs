@@ -58,7 +58,7 @@ struct Precondition<'a> {
 /// On a conflict, a newer copy is first asked of `known` (a copy the caller
 /// already holds, e.g. what another writer's last write returned), then
 /// read from the API server; when `may_write_over` says the writer may
-/// write over it, the write is made again on it, up to [`ATTEMPTS`] times.
+/// write over it, the write is made again on it, up to three times.
 ///
 /// A write that changes nothing still checks the precondition without
 /// bumping the `resourceVersion`: [`StatusWrite::Written`] then proves that

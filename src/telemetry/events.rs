@@ -9,14 +9,11 @@
 //! `berth_events_dropped_total`, as client-go's broadcaster drops rather
 //! than blocks.
 //!
-//! Awaiting each Event in line, as berth first did, put 20 concurrent
-//! drains' Events (one per eviction) in one rate-limited line, and every
-//! Machine's next step waited its turn in it: in the scale benchmark the
-//! slowest drain's first eviction came 5.6 s after its Machine's deletion
-//! (2.0 to 4.6 s in the three runs with the queue, where the reconciler's
-//! concurrency is what is left). The price is that an Event's time is when
-//! it was published, up to the queue's lag after what it records; the
-//! drain's own end is in `status.drain.finishedAt`.
+//! Awaiting each Event in line would put the Events of many concurrent
+//! drains (one per eviction) in one rate-limited line, and every Machine's
+//! next step would wait its turn in it. The price of the queue is that an
+//! Event's time is when it was published, up to the queue's lag after what
+//! it records; the drain's own end is in `status.drain.finishedAt`.
 
 use std::sync::Arc;
 

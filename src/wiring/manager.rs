@@ -57,8 +57,8 @@ pub const DEFAULT_MAX_CONCURRENT_DRAINS: usize = 10;
 /// Machines reconciled at the same time unless told otherwise. A reconcile
 /// is short (the drain runs beside it, not in it) and its requests go
 /// through the client's rate limit, so this bounds only how many Machines
-/// wait for a turn: with 20 Machines deleted together and 8 turns, the last
-/// ones' drains started up to 4.6 s late in the scale benchmark.
+/// wait for a turn: too few turns, and the last of many Machines deleted
+/// together start their drains late.
 pub const DEFAULT_CONCURRENCY: u16 = 32;
 
 /// The API clients the controllers use.
@@ -67,10 +67,9 @@ pub struct Clients {
     /// Watches, Machine and Node writes, evictions.
     pub api: Client,
     /// Events only. A client of its own (its own rate limit) keeps a burst
-    /// of Events from queueing evictions behind it: with 20 drains starting
-    /// at once the benchmark saw evictions wait 6-12 s behind Events in a
-    /// shared limiter. client-go throttles Events apart from other requests
-    /// for the same reason.
+    /// of Events, when many drains start at once, from queueing evictions
+    /// behind it in a shared limiter. client-go throttles Events apart from
+    /// other requests for the same reason.
     pub events: Client,
 }
 

@@ -11,9 +11,9 @@ use super::node_drain::NodeDrain;
 use super::refs::ref_key;
 
 /// Evictions of pods without volumes accepted within this long of one
-/// another share one Event. A pod per Event put 200 Events into the API
-/// server's busiest second when 20 drains started together in the scale
-/// benchmark, and gives a Machine with 100 pods 100 one-line Events; the
+/// another share one Event. A pod per Event puts hundreds of Events into
+/// the API server's busiest second when many drains start together, and
+/// gives a Machine with 100 pods 100 one-line Events; the
 /// log still names each pod, and an eviction refused by a
 /// PodDisruptionBudget still gets an Event of its own.
 const EVICTED_BATCH: Duration = Duration::from_secs(1);

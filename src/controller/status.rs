@@ -53,7 +53,8 @@ struct Precondition<'a> {
 
 /// Writes `status` on `read` (the copy it was computed from) as a merge
 /// patch of the status subresource, on condition that the object is still
-/// at `read`'s `resourceVersion`.
+/// at `read`'s `resourceVersion`, for a writer that shares the status with
+/// another.
 ///
 /// On a conflict, a newer copy is first asked of `known` (a copy the caller
 /// already holds, e.g. what another writer's last write returned), then
@@ -63,12 +64,42 @@ struct Precondition<'a> {
 /// A write that changes nothing still checks the precondition without
 /// bumping the `resourceVersion`: [`StatusWrite::Written`] then proves that
 /// `read` is current.
-pub async fn write_status<K, S>(
+pub async fn write_status_over<K, S>(
     api: &Api<K>,
     read: &K,
     status: &S,
     known: impl Fn() -> Option<K>,
     may_write_over: impl Fn(&K) -> bool,
+) -> Result<StatusWrite<K>, kube::Error>
+where
+    K: Resource + Clone + DeserializeOwned + std::fmt::Debug,
+    S: Serialize + std::fmt::Debug,
+{
+    write(api, read, status, known, may_write_over, true).await
+}
+
+/// Writes `status` on `read` as [`write_status_over`] does, for a writer
+/// that is the status's only one: a conflict is the answer (the watch
+/// brings the newer copy), with no read of the object.
+pub async fn write_status<K, S>(
+    api: &Api<K>,
+    read: &K,
+    status: &S,
+) -> Result<StatusWrite<K>, kube::Error>
+where
+    K: Resource + Clone + DeserializeOwned + std::fmt::Debug,
+    S: Serialize + std::fmt::Debug,
+{
+    write(api, read, status, || None, |_| false, false).await
+}
+
+async fn write<K, S>(
+    api: &Api<K>,
+    read: &K,
+    status: &S,
+    known: impl Fn() -> Option<K>,
+    may_write_over: impl Fn(&K) -> bool,
+    over_others: bool,
 ) -> Result<StatusWrite<K>, kube::Error>
 where
     K: Resource + Clone + DeserializeOwned + std::fmt::Debug,
@@ -91,6 +122,10 @@ where
             Ok(written) => return Ok(StatusWrite::Written(Box::new(written))),
             Err(kube::Error::Api(e)) if e.code == 409 => {}
             Err(e) => return Err(e),
+        }
+        // A writer that may write over nothing has its answer: no read.
+        if !over_others {
+            return Ok(StatusWrite::Conflict);
         }
         let tried = base.meta().resource_version.clone();
         let newer = match known().filter(|k| k.meta().resource_version != tried) {

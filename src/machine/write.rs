@@ -54,9 +54,13 @@ pub async fn write_status(
     known: impl Fn() -> Option<Machine>,
 ) -> Result<StatusWrite, kube::Error> {
     let api: Api<Machine> = Api::namespaced(client, &read.namespace().unwrap_or_default());
-    crate::controller::status::write_status(&api, read, &without_drain(status), known, |newer| {
-        same_but_drain(read, newer)
-    })
+    crate::controller::status::write_status_over(
+        &api,
+        read,
+        &without_drain(status),
+        known,
+        |newer| same_but_drain(read, newer),
+    )
     .await
 }
 

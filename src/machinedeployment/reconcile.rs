@@ -262,7 +262,7 @@ pub(crate) async fn reconcile(
         // watch brings the newer copy and the deployment is reconciled
         // again on it; announced only once written.
         let api = Api::<MachineDeployment>::namespaced(ctx.client.clone(), &ns);
-        match write_status(&api, &md, &status, || None, |_| false)
+        match write_status(&api, &md, &status)
             .await
             .map_err(Error::Status)?
         {

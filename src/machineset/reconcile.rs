@@ -136,7 +136,7 @@ async fn wrote_status(
     status: &MachineSetStatus,
 ) -> Result<bool, Error> {
     let api = Api::<MachineSet>::namespaced(ctx.client.clone(), ns);
-    let w = write_status(&api, set, status, || None, |_| false)
+    let w = write_status(&api, set, status)
         .await
         .map_err(Error::Status)?;
     if matches!(w, StatusWrite::Conflict) {

@@ -350,6 +350,11 @@ pub struct VolumeMove {
     /// resumed move waits for the replacement as a first run does.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub controller: Option<String>,
+    /// Its workload (`Kind/name`, in the pod's namespace), whose move
+    /// budget the move counts against across every drain: a new leader
+    /// rebuilds the move ledger from these records.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workload: Option<String>,
     /// When the move began, just before the eviction: a pod that used one
     /// of its claims on another Node before then (a ReadWriteMany peer) is
     /// not its replacement.

@@ -5,6 +5,7 @@ pub mod class;
 pub mod deadline;
 pub mod engine;
 pub mod evict;
+pub mod ledger;
 pub mod live;
 pub mod pdb;
 pub mod plan;
@@ -13,6 +14,7 @@ pub mod resume;
 pub mod rules;
 pub mod select;
 pub mod volume;
+pub mod workload;
 
 #[cfg(test)]
 pub(crate) mod fixtures;

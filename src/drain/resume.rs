@@ -133,6 +133,7 @@ mod tests {
             uid: Some("u-0".into()),
             volumes: vec!["block".into(), "shared".into(), "loose".into()],
             controller: Some("StatefulSet/pg".into()),
+            workload: Some("StatefulSet/pg".into()),
             since: None,
         };
         let pvs = [

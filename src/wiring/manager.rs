@@ -128,6 +128,7 @@ pub async fn run(
         tracker,
         metrics: Arc::clone(&metrics),
         events: events.clone(),
+        permits: Default::default(),
     });
 
     // One shutdown for every controller.

@@ -82,6 +82,12 @@ impl Drainer {
                 return p;
             }
         }
+        // Before the first drain of this process asks for a permit: the
+        // moves in flight every Machine recorded (a restart, a new leader).
+        let machines = self.deps.caches.machines.state();
+        self.deps
+            .permits
+            .rebuild_once(machines.iter().map(|m| &**m));
         let memory = running
             .get(&job.machine)
             .map_or_else(Arc::default, |r| Arc::clone(&r.memory));
@@ -189,6 +195,13 @@ impl Drainer {
         {
             r.task.abort();
         }
+        // Its moves end with it.
+        let key = format!(
+            "{}/{}",
+            machine.namespace.as_deref().unwrap_or_default(),
+            machine.name
+        );
+        self.deps.permits.release_machine(&key, &[]);
     }
 
     /// Stops every drain (shutdown or lost leadership). Every step resumes

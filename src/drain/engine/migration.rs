@@ -540,6 +540,7 @@ impl<'a> Migration<'a> {
                 .map(|v| v.volume.pv.clone())
                 .collect(),
             controller: self.pod.controller.clone(),
+            workload: None,
             since: None,
         });
         run.hold_workload(c, moved, self.pod.order);

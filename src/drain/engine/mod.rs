@@ -57,17 +57,21 @@
 //! | `pass` | a drain from its first pass to its outcome, and the deadline |
 //! | `eviction` | one pod's eviction, retried while a budget refuses it |
 //! | `migration` | one stateful pod's move, step by step |
+//! | `budget` | a drain's use of the ledger: each pod's workload and budget, its asks |
+//! | `permits` | the move ledger shared by every drain: a workload's budget across Machines |
 //! | `reattach` | the one wait for volumes to move with the pod that now uses them |
 //! | `batch` | Events for pods evicted together |
 //! | `view` | the engine's read-only queries of the caches, for one Node |
 //! | `rules` | the drain rules and order groups: one group a pass, pods waited on to complete |
 
 mod batch;
+mod budget;
 mod drainer;
 mod eviction;
 mod migration;
 mod node_drain;
 mod pass;
+mod permits;
 mod progress;
 mod reattach;
 mod refs;
@@ -98,6 +102,8 @@ pub(crate) struct Deps {
     pub(crate) tracker: Tracker,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) events: EventSink,
+    /// The move ledger every drain of this process asks.
+    pub(crate) permits: permits::Permits,
 }
 
 /// How a drain ended.

@@ -18,6 +18,7 @@ use kube::runtime::reflector::ObjectRef;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::permits::{workload_name, workload_of_record};
 use super::progress::Flushed;
 use super::refs::{pod_ref_key, pv_ref};
 use super::view::{View, pvs_of};
@@ -432,6 +433,7 @@ impl NodeDrain {
                     uid: uid.map(String::from),
                     volumes: pvs.to_vec(),
                     controller: pod.controller.clone(),
+                    workload: Some(workload_name(&self.workload_of(pod).0)),
                     since: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
                         Timestamp::now(),
                     )),
@@ -484,9 +486,18 @@ impl NodeDrain {
     /// The move of pod `key`'s volumes is over (moved, given up, or never
     /// started).
     pub(super) fn end_move(&self, key: &str) {
+        let mut ended = None;
         self.update(|p| {
-            p.moves.remove(key);
+            ended = p.moves.remove(key);
         });
+        if let Some(m) = ended
+            && let Some((ns, _)) = m.pod.split_once('/')
+            && let Some(w) = workload_of_record(ns, &m)
+        {
+            self.deps
+                .permits
+                .end(&w, m.uid.as_deref().unwrap_or(&m.pod));
+        }
     }
 
     /// The recorded moves whose pod is gone: the volumes of each are

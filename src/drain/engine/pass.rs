@@ -72,8 +72,13 @@ pub(super) async fn run(
         memory,
         wake,
     );
+    // Permits an earlier run of this Machine's drain was granted and did
+    // not record (it stopped in between) are free; those it recorded are
+    // its moves in flight, resumed below.
+    r.release_unrecorded_permits();
     r.announce_resumed();
     let outcome = r.passes().await;
+    r.release_unrecorded_permits();
     drop(in_progress);
     deps.metrics
         .record_drain(outcome.label(), started.elapsed());
@@ -474,11 +479,16 @@ impl NodeDrain {
     async fn move_stateful(&self, plan: &DrainPlan) {
         let halted = AtomicBool::new(false);
         let held = AtomicBool::new(false);
+        // Subscribed before any ask: a permit freed between an ask and the
+        // wait below is not missed.
+        let mut freed = self.deps.permits.freed();
+        freed.borrow_and_update();
+        let waiting: std::sync::Mutex<Vec<(String, String)>> = Default::default();
         let migrations: Vec<_> = plan
             .stateful
             .iter()
             .map(|p| {
-                let (halted, held) = (&halted, &held);
+                let (halted, held, waiting) = (&halted, &held, &waiting);
                 async move {
                     if halted.load(Ordering::Acquire) {
                         return;
@@ -487,19 +497,47 @@ impl NodeDrain {
                         held.store(true, Ordering::Release);
                         return;
                     }
-                    if !self.migrate(plan, p).await {
+                    // The workload's budget across every drain: a pod that
+                    // must wait for it is left to a later pass, and the
+                    // chain goes on with other workloads.
+                    if let Some(why) = self.permit(p) {
+                        if let Ok(mut w) = waiting.lock() {
+                            w.push((p.uid.clone().unwrap_or_else(|| fmt_key(&p.pod)), why));
+                        }
+                        return;
+                    }
+                    let moved = self.migrate(plan, p).await;
+                    self.end_unrecorded_permit(p);
+                    if !moved {
                         halted.store(true, Ordering::Release);
                     }
                 }
             })
             .collect();
+        // Started in the plan's order; unordered, so that a move that ends
+        // (or a pod that waits for its workload's permit) frees its place
+        // at once rather than behind a longer move started before it.
         futures::stream::iter(migrations)
-            .buffered(self.job.settings.max_parallel_volume_migrations.max(1) as usize)
+            .buffer_unordered(self.job.settings.max_parallel_volume_migrations.max(1) as usize)
             .collect::<Vec<()>>()
             .await;
         if held.load(Ordering::Acquire) {
             self.wait_pods_until(self.deadline(), || self.any_placed())
                 .await;
+        }
+        let waiting = waiting.into_inner().unwrap_or_default();
+        // This Machine waits in the ledger's line for these pods only.
+        let uids: Vec<String> = waiting.iter().map(|(uid, _)| uid.clone()).collect();
+        self.deps.permits.keep_waiting(&self.machine_key(), &uids);
+        if !waiting.is_empty() && !halted.load(Ordering::Acquire) {
+            let why: Vec<&str> = waiting.iter().map(|(_, why)| why.as_str()).collect();
+            self.update(|p| p.waiting_for = Some(why.join("; ")));
+            // Until a move of this process ends or an ask is withdrawn
+            // (then the next pass asks again), or the deadline.
+            tokio::select! {
+                _ = freed.changed() => {}
+                () = tokio::time::sleep_until(self.deadline()) => {}
+            }
         }
     }
 

@@ -1,0 +1,122 @@
+//! How one drain uses the move [ledger](super::permits): the workload and
+//! budget of each pod it moves, its asks for permits, and the permits it
+//! gives back when a move never began or the drain ends.
+
+use kube::runtime::events::EventType;
+
+use super::node_drain::NodeDrain;
+use super::refs::pod_ref_key;
+use crate::drain::ledger::{Answer, Ask, Budget, Permit, Workload, budget_of};
+use crate::drain::plan::PlannedPod;
+use crate::drain::select::fmt_key;
+
+impl NodeDrain {
+    /// Ends the permit of `p` unless its move is recorded (a move that
+    /// never began: not allowed, not evicted, or nothing to wait for).
+    pub(super) fn end_unrecorded_permit(&self, p: &PlannedPod) {
+        let key = fmt_key(&p.pod);
+        if !self.progress.borrow().moves.contains_key(&key) {
+            let (workload, _) = self.workload_of(p);
+            self.deps
+                .permits
+                .end(&workload, p.uid.as_deref().unwrap_or(&key));
+        }
+    }
+
+    /// Ends the permits of this Machine that its move records do not hold.
+    pub(super) fn release_unrecorded_permits(&self) {
+        let keep: Vec<String> = self
+            .progress
+            .borrow()
+            .moves
+            .values()
+            .map(|m| m.uid.clone().unwrap_or_else(|| m.pod.clone()))
+            .collect();
+        self.deps
+            .permits
+            .release_machine(&self.machine_key(), &keep);
+    }
+
+    /// This drain's Machine as the ledger names it, `namespace/name`.
+    pub(super) fn machine_key(&self) -> String {
+        format!(
+            "{}/{}",
+            self.job.machine.namespace.as_deref().unwrap_or_default(),
+            self.job.machine.name
+        )
+    }
+
+    /// The workload of `p` and its move budget: the default for a pod
+    /// whose volumes move, over what its annotations (its template's) ask,
+    /// each one berth cannot read warned about once.
+    pub(super) fn workload_of(&self, p: &PlannedPod) -> (Workload, Budget) {
+        let pod = self.view().pod(&p.pod, p.uid.as_deref());
+        let workload = match &pod {
+            Some(pod) => crate::drain::workload::workload_of(pod, |_| None),
+            None => match p.controller.as_deref().and_then(|c| c.split_once('/')) {
+                Some((kind, name)) => Workload::new(kind, &p.pod.0, name),
+                None => Workload::new("Pod", &p.pod.0, &p.pod.1),
+            },
+        };
+        let annotations = pod.as_ref().and_then(|p| p.metadata.annotations.as_ref());
+        let (budget, bad) = budget_of(annotations, !p.volumes.is_empty());
+        for b in bad {
+            if self.first_report(format!("budget/{workload}/{}", b.key)) {
+                self.event(
+                    EventType::Warning,
+                    "InvalidMoveBudget",
+                    format!("{workload}: {b}; the default holds"),
+                    Some(pod_ref_key(&p.pod)),
+                );
+            }
+        }
+        (workload, budget)
+    }
+
+    /// Asks the move ledger for a permit to move `p` now. `None`: it may
+    /// (granted, or beyond the budget past the deadline, which is warned);
+    /// otherwise what it waits for, which `status.drain` says.
+    pub(super) fn permit(&self, p: &PlannedPod) -> Option<String> {
+        let (workload, budget) = self.workload_of(p);
+        let key = fmt_key(&p.pod);
+        let ask = Ask {
+            workload: workload.clone(),
+            pod: key.clone(),
+            uid: p.uid.clone().unwrap_or_else(|| key.clone()),
+            machine: self.machine_key(),
+            priority: p.priority,
+            requested: self.job.deadline.started,
+            past_deadline: self.expired(),
+        };
+        let others = |moving: &[Permit]| {
+            moving
+                .iter()
+                .map(|m| format!("{} (from Machine {})", m.pod, m.machine))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        match self.deps.permits.ask(&ask, &budget) {
+            Answer::Granted(_) => None,
+            Answer::Bypassed { moving, .. } => {
+                self.event(
+                    EventType::Warning,
+                    "MoveBudgetBypassed",
+                    format!(
+                        "drain deadline passed: pod {key} of {workload} moves beyond its budget of {} while {} move",
+                        budget.max_moving.unwrap_or(0),
+                        others(&moving)
+                    ),
+                    Some(pod_ref_key(&p.pod)),
+                );
+                None
+            }
+            Answer::Wait { moving, ahead } => {
+                let mut why = format!("pod {key} waits: {workload} is moving {}", others(&moving));
+                if !ahead.is_empty() {
+                    why.push_str(&format!(", and {} go first", ahead.join(", ")));
+                }
+                Some(why)
+            }
+        }
+    }
+}

@@ -1,0 +1,619 @@
+//! The move ledger's decisions: which pod of a workload may begin to move,
+//! across every drain of the cluster.
+//!
+//! A drain protects a workload inside its own Node; the ledger protects it
+//! across all of them, as Nomad's drainer keeps each job's migrations
+//! within `max_parallel` across every draining node. Every eviction or
+//! forced deletion asks for a permit for the pod's [`Workload`]; a permit
+//! is held for the whole move (evicted, gone, volumes detached, attached
+//! where the replacement runs, the replacement healthy) and counts against
+//! the workload's [`Budget`]. Asks of one workload that cannot all go are
+//! answered in one order: higher pod priority first, then the Machine whose
+//! deletion was requested first, then the Machine's and the pod's names. A
+//! drain past its deadline is granted a permit beyond the budget (the VM
+//! must go in time), counted like any other, and named.
+//!
+//! Everything here is pure: the engine keeps one [`Ledger`] per controller
+//! process, asks it, and wakes the drains that wait when a move ends. After
+//! a restart or a change of leader the ledger is
+//! [rebuilt](Ledger::rebuild) from the moves every Machine recorded in
+//! `status.drain.moves` before any drain acts.
+
+use std::cmp::Reverse;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use k8s_openapi::jiff::Timestamp;
+
+/// The most pods of the workload moving at once, across every Machine: a
+/// whole number from 1 (`unbounded` lifts the limit).
+pub const MAX_MOVING_ANNOTATION: &str = "berth.dev/max-moving";
+/// How long a replacement must have been Ready before its move ends (a
+/// duration, e.g. `30s`), as Nomad's `min_healthy_time`.
+pub const MIN_HEALTHY_ANNOTATION: &str = "berth.dev/min-healthy-time";
+/// How long after its volumes moved a replacement may take to become
+/// healthy before the move ends anyway, with a Warning that names it, as
+/// Nomad's `healthy_deadline`.
+pub const HEALTHY_DEADLINE_ANNOTATION: &str = "berth.dev/healthy-deadline";
+
+/// The object operators think in that a pod belongs to: its controller
+/// followed up (a ReplicaSet's Deployment), or the pod itself when it has
+/// no controller.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Workload {
+    pub kind: String,
+    pub namespace: String,
+    pub name: String,
+}
+
+impl Workload {
+    pub fn new(kind: &str, namespace: &str, name: &str) -> Self {
+        Self {
+            kind: kind.to_string(),
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+        }
+    }
+}
+
+impl fmt::Display for Workload {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}/{}", self.kind, self.namespace, self.name)
+    }
+}
+
+/// How many of a workload's pods may move at once, and when a move of one
+/// ends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Budget {
+    /// `None`: unbounded (PodDisruptionBudgets alone govern).
+    pub max_moving: Option<u32>,
+    /// How long the replacement must have been Ready.
+    pub min_healthy: Duration,
+    /// How long the replacement may take to become healthy once its
+    /// volumes moved; `None`: the reattach timeout bounds it.
+    pub healthy_deadline: Option<Duration>,
+}
+
+impl Budget {
+    /// The default: one move at a time for a workload whose pods have
+    /// volumes that move, unbounded for one without.
+    pub fn default_for(moves_volumes: bool) -> Self {
+        Self {
+            max_moving: moves_volumes.then_some(1),
+            min_healthy: Duration::ZERO,
+            healthy_deadline: None,
+        }
+    }
+}
+
+/// An annotation berth cannot read: the default holds, and a Warning says
+/// so.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BadAnnotation {
+    pub key: &'static str,
+    pub value: String,
+    pub why: String,
+}
+
+impl fmt::Display for BadAnnotation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}={:?}: {}", self.key, self.value, self.why)
+    }
+}
+
+/// The budget a workload's annotations (or its pod template's) ask for,
+/// over the default, and what could not be read.
+pub fn budget_of(
+    annotations: Option<&BTreeMap<String, String>>,
+    moves_volumes: bool,
+) -> (Budget, Vec<BadAnnotation>) {
+    let mut budget = Budget::default_for(moves_volumes);
+    let mut bad = Vec::new();
+    let Some(a) = annotations else {
+        return (budget, bad);
+    };
+    let mut refuse = |key: &'static str, value: &str, why: String| {
+        bad.push(BadAnnotation {
+            key,
+            value: value.to_string(),
+            why,
+        });
+    };
+    if let Some(v) = a.get(MAX_MOVING_ANNOTATION) {
+        match v.trim() {
+            "unbounded" => budget.max_moving = None,
+            n => match n.parse::<u32>() {
+                Ok(n) if n >= 1 => budget.max_moving = Some(n),
+                _ => refuse(
+                    MAX_MOVING_ANNOTATION,
+                    v,
+                    "not a whole number from 1, nor \"unbounded\"".into(),
+                ),
+            },
+        }
+    }
+    if let Some(v) = a.get(MIN_HEALTHY_ANNOTATION) {
+        match humantime::parse_duration(v.trim()) {
+            Ok(d) => budget.min_healthy = d,
+            Err(e) => refuse(MIN_HEALTHY_ANNOTATION, v, format!("not a duration: {e}")),
+        }
+    }
+    if let Some(v) = a.get(HEALTHY_DEADLINE_ANNOTATION) {
+        match humantime::parse_duration(v.trim()) {
+            Ok(d) if !d.is_zero() => budget.healthy_deadline = Some(d),
+            Ok(_) => refuse(HEALTHY_DEADLINE_ANNOTATION, v, "zero".into()),
+            Err(e) => refuse(
+                HEALTHY_DEADLINE_ANNOTATION,
+                v,
+                format!("not a duration: {e}"),
+            ),
+        }
+    }
+    (budget, bad)
+}
+
+/// A move the ledger counts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Permit {
+    /// The pod's `namespace/name`.
+    pub pod: String,
+    pub uid: String,
+    /// The Machine whose drain moves it, `namespace/name`.
+    pub machine: String,
+    /// When the move began.
+    pub since: Timestamp,
+    /// Granted beyond the budget, to a drain past its deadline.
+    pub past_budget: bool,
+}
+
+/// A drain's ask for a permit to move one pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ask {
+    pub workload: Workload,
+    /// The pod's `namespace/name`.
+    pub pod: String,
+    pub uid: String,
+    /// The Machine whose drain asks, `namespace/name`.
+    pub machine: String,
+    /// The pod's priority (`spec.priority`).
+    pub priority: i32,
+    /// When the Machine's deletion was requested.
+    pub requested: Timestamp,
+    /// The drain is past its deadline: the VM must go in time.
+    pub past_deadline: bool,
+}
+
+impl Ask {
+    /// The order of asks for one workload: higher priority first, then the
+    /// Machine whose deletion was requested first, then names.
+    fn order(&self) -> (Reverse<i32>, Timestamp, &str, &str) {
+        (
+            Reverse(self.priority),
+            self.requested,
+            &self.machine,
+            &self.pod,
+        )
+    }
+}
+
+/// The ledger's answer to an ask.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    /// The pod may move (or already does: the same permit).
+    Granted(Permit),
+    /// The drain is past its deadline and the budget is spent: the pod may
+    /// move, counted beyond the budget; `moving` are the moves it joins.
+    Bypassed { permit: Permit, moving: Vec<Permit> },
+    /// Not now: `moving` hold the workload's budget, and `ahead` (pods, by
+    /// `namespace/name`) come first when a permit frees. The ask is kept
+    /// until it is granted or withdrawn.
+    Wait {
+        moving: Vec<Permit>,
+        ahead: Vec<String>,
+    },
+}
+
+/// Every move in flight and every ask waiting, by workload.
+#[derive(Debug, Default, Clone)]
+pub struct Ledger {
+    /// By workload, then by pod UID.
+    moving: BTreeMap<Workload, BTreeMap<String, Permit>>,
+    /// By workload, then by pod UID.
+    waiting: BTreeMap<Workload, BTreeMap<String, Ask>>,
+}
+
+impl Ledger {
+    /// The ledger of the moves recorded in the Machines' status (each with
+    /// its workload), as a new leader finds them.
+    pub fn rebuild(records: impl IntoIterator<Item = (Workload, Permit)>) -> Self {
+        let mut ledger = Self::default();
+        for (workload, permit) in records {
+            ledger
+                .moving
+                .entry(workload)
+                .or_default()
+                .insert(permit.uid.clone(), permit);
+        }
+        ledger
+    }
+
+    /// Answers `ask` under `budget`, at `now`. A pod that already holds a
+    /// permit gets it again; otherwise it is granted when a permit of the
+    /// budget is free and no ask better ordered waits for it.
+    pub fn ask(&mut self, ask: &Ask, budget: &Budget, now: Timestamp) -> Answer {
+        if let Some(p) = self.moving.get(&ask.workload).and_then(|m| m.get(&ask.uid)) {
+            return Answer::Granted(p.clone());
+        }
+        let moving = self.moving_of(&ask.workload);
+        let free = budget
+            .max_moving
+            .map_or(usize::MAX, |n| (n as usize).saturating_sub(moving.len()));
+        let ahead: Vec<&Ask> = self
+            .waiting
+            .get(&ask.workload)
+            .into_iter()
+            .flat_map(|w| w.values())
+            .filter(|w| w.uid != ask.uid && w.order() < ask.order())
+            .collect();
+        let grant = |past_budget: bool| Permit {
+            pod: ask.pod.clone(),
+            uid: ask.uid.clone(),
+            machine: ask.machine.clone(),
+            since: now,
+            past_budget,
+        };
+        let answer = if ahead.len() < free {
+            Answer::Granted(grant(false))
+        } else if ask.past_deadline {
+            Answer::Bypassed {
+                permit: grant(true),
+                moving,
+            }
+        } else {
+            let mut ahead: Vec<&Ask> = ahead;
+            ahead.sort_by(|a, b| a.order().cmp(&b.order()));
+            let ahead = ahead.iter().map(|a| a.pod.clone()).collect();
+            self.waiting
+                .entry(ask.workload.clone())
+                .or_default()
+                .insert(ask.uid.clone(), ask.clone());
+            return Answer::Wait { moving, ahead };
+        };
+        let permit = match &answer {
+            Answer::Granted(p) | Answer::Bypassed { permit: p, .. } => p.clone(),
+            Answer::Wait { .. } => unreachable!("returned above"),
+        };
+        self.withdraw(&ask.workload, &ask.uid);
+        self.moving
+            .entry(ask.workload.clone())
+            .or_default()
+            .insert(ask.uid.clone(), permit);
+        answer
+    }
+
+    /// The pod `uid` no longer asks (its drain stopped, or it went another
+    /// way).
+    pub fn withdraw(&mut self, workload: &Workload, uid: &str) {
+        if let Some(w) = self.waiting.get_mut(workload) {
+            w.remove(uid);
+            if w.is_empty() {
+                self.waiting.remove(workload);
+            }
+        }
+    }
+
+    /// The move of pod `uid` ended; true when it was counted.
+    pub fn end(&mut self, workload: &Workload, uid: &str) -> bool {
+        let Some(m) = self.moving.get_mut(workload) else {
+            return false;
+        };
+        let ended = m.remove(uid).is_some();
+        if m.is_empty() {
+            self.moving.remove(workload);
+        }
+        ended
+    }
+
+    /// Keeps of `machine`'s waiting asks only those of the pods `uids`:
+    /// those its drain asked for again in its last pass (a pod gone, or
+    /// moved another way, no longer holds the line).
+    /// How many were withdrawn.
+    pub fn keep_waiting(&mut self, machine: &str, uids: &[String]) -> usize {
+        let mut withdrawn = 0;
+        self.waiting.retain(|_, w| {
+            let before = w.len();
+            w.retain(|uid, a| a.machine != machine || uids.contains(uid));
+            withdrawn += before - w.len();
+            !w.is_empty()
+        });
+        withdrawn
+    }
+
+    /// Ends the moves of `machine` but those of the pods `keep` (by UID):
+    /// what its drain no longer records (a drain that ended, or stopped
+    /// between a grant and its record), and withdraws its waiting asks. How
+    /// many moves ended.
+    pub fn release_machine(&mut self, machine: &str, keep: &[String]) -> usize {
+        self.keep_waiting(machine, &[]);
+        let mut ended = 0;
+        self.moving.retain(|_, m| {
+            let before = m.len();
+            m.retain(|uid, p| p.machine != machine || keep.contains(uid));
+            ended += before - m.len();
+            !m.is_empty()
+        });
+        ended
+    }
+
+    /// The moves of `workload` in flight, oldest first.
+    pub fn moving_of(&self, workload: &Workload) -> Vec<Permit> {
+        let mut moving: Vec<Permit> = self
+            .moving
+            .get(workload)
+            .into_iter()
+            .flat_map(|m| m.values().cloned())
+            .collect();
+        moving.sort_by(|a, b| (a.since, &a.pod).cmp(&(b.since, &b.pod)));
+        moving
+    }
+
+    /// Every move in flight, by workload.
+    pub fn moves(&self) -> impl Iterator<Item = (&Workload, &Permit)> {
+        self.moving
+            .iter()
+            .flat_map(|(w, m)| m.values().map(move |p| (w, p)))
+    }
+
+    /// How many asks wait, for the metrics.
+    pub fn waiting(&self) -> usize {
+        self.waiting.values().map(BTreeMap::len).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn db() -> Workload {
+        Workload::new("StatefulSet", "ns", "db")
+    }
+
+    fn t(s: i64) -> Timestamp {
+        Timestamp::from_second(1_700_000_000 + s).expect("time")
+    }
+
+    fn ask(pod: &str, machine: &str, requested: i64) -> Ask {
+        Ask {
+            workload: db(),
+            pod: format!("ns/{pod}"),
+            uid: format!("uid-{pod}"),
+            machine: format!("ns/{machine}"),
+            priority: 0,
+            requested: t(requested),
+            past_deadline: false,
+        }
+    }
+
+    fn granted(a: &Answer) -> bool {
+        matches!(a, Answer::Granted(_))
+    }
+
+    #[test]
+    fn one_replica_of_a_workload_moves_at_a_time_across_machines() {
+        let mut l = Ledger::default();
+        let one = Budget::default_for(true);
+        assert!(granted(&l.ask(&ask("db-0", "a", 0), &one, t(1))));
+        let b = l.ask(&ask("db-1", "b", 0), &one, t(2));
+        let Answer::Wait { moving, ahead } = b else {
+            panic!("db-1 must wait: {b:?}")
+        };
+        assert_eq!(moving.len(), 1);
+        assert_eq!(moving[0].pod, "ns/db-0");
+        assert_eq!(moving[0].machine, "ns/a");
+        assert!(ahead.is_empty());
+        // Asked again (a retried pass): still the one permit, still waiting.
+        assert!(granted(&l.ask(&ask("db-0", "a", 0), &one, t(3))));
+        assert!(!granted(&l.ask(&ask("db-1", "b", 0), &one, t(3))));
+        assert!(l.end(&db(), "uid-db-0"));
+        assert!(granted(&l.ask(&ask("db-1", "b", 0), &one, t(4))));
+        assert_eq!(l.waiting(), 0);
+    }
+
+    #[test]
+    fn other_workloads_and_workloads_without_volumes_are_not_held() {
+        let mut l = Ledger::default();
+        let one = Budget::default_for(true);
+        assert!(granted(&l.ask(&ask("db-0", "a", 0), &one, t(1))));
+        let mut other = ask("cache-0", "a", 0);
+        other.workload = Workload::new("StatefulSet", "ns", "cache");
+        assert!(granted(&l.ask(&other, &one, t(1))));
+        let unbounded = Budget::default_for(false);
+        let mut web = ask("web-1", "a", 0);
+        web.workload = Workload::new("Deployment", "ns", "web");
+        for i in 0..5 {
+            web.uid = format!("web-{i}");
+            assert!(granted(&l.ask(&web, &unbounded, t(1))));
+        }
+    }
+
+    #[test]
+    fn a_budget_of_two_lets_two_go() {
+        let mut l = Ledger::default();
+        let two = Budget {
+            max_moving: Some(2),
+            ..Budget::default_for(true)
+        };
+        assert!(granted(&l.ask(&ask("db-0", "a", 0), &two, t(1))));
+        assert!(granted(&l.ask(&ask("db-1", "b", 0), &two, t(1))));
+        assert!(!granted(&l.ask(&ask("db-2", "c", 0), &two, t(1))));
+    }
+
+    #[test]
+    fn a_freed_permit_goes_by_priority_then_deletion_order_then_name() {
+        let one = Budget::default_for(true);
+        let mut l = Ledger::default();
+        assert!(granted(&l.ask(&ask("db-0", "a", 0), &one, t(1))));
+        // b's Machine was deleted after c's; d's pod has a higher priority.
+        let b = ask("db-1", "b", 20);
+        let c = ask("db-2", "c", 10);
+        let mut d = ask("db-3", "d", 30);
+        d.priority = 100;
+        for x in [&b, &c, &d] {
+            assert!(!granted(&l.ask(x, &one, t(2))));
+        }
+        l.end(&db(), "uid-db-0");
+        // The first to ask again after the end is not the first in line.
+        let Answer::Wait { ahead, .. } = l.ask(&b, &one, t(3)) else {
+            panic!("b is behind d and c")
+        };
+        assert_eq!(ahead, vec!["ns/db-3".to_string(), "ns/db-2".to_string()]);
+        assert!(!granted(&l.ask(&c, &one, t(3))), "c is behind d");
+        assert!(granted(&l.ask(&d, &one, t(3))));
+        l.end(&db(), "uid-db-3");
+        assert!(granted(&l.ask(&c, &one, t(4))));
+        l.end(&db(), "uid-db-2");
+        assert!(granted(&l.ask(&b, &one, t(5))));
+    }
+
+    #[test]
+    fn a_withdrawn_ask_no_longer_holds_the_line() {
+        let one = Budget::default_for(true);
+        let mut l = Ledger::default();
+        assert!(granted(&l.ask(&ask("db-0", "a", 0), &one, t(1))));
+        let first = ask("db-1", "b", 0);
+        let second = ask("db-2", "c", 5);
+        assert!(!granted(&l.ask(&first, &one, t(2))));
+        assert!(!granted(&l.ask(&second, &one, t(2))));
+        l.end(&db(), "uid-db-0");
+        l.withdraw(&db(), "uid-db-1");
+        assert!(granted(&l.ask(&second, &one, t(3))));
+    }
+
+    #[test]
+    fn a_drain_that_no_longer_asks_for_a_pod_takes_it_out_of_the_line() {
+        let one = Budget::default_for(true);
+        let mut l = Ledger::default();
+        assert!(granted(&l.ask(&ask("db-0", "a", 0), &one, t(1))));
+        let first = ask("db-1", "b", 0);
+        let later = ask("db-2", "c", 5);
+        assert!(!granted(&l.ask(&first, &one, t(2))));
+        assert!(!granted(&l.ask(&later, &one, t(2))));
+        l.end(&db(), "uid-db-0");
+        // b's drain asked again for db-1 alone: nothing changes.
+        assert_eq!(l.keep_waiting("ns/b", &["uid-db-1".to_string()]), 0);
+        assert!(!granted(&l.ask(&later, &one, t(3))), "db-1 is first");
+        // Its next pass no longer asks for db-1 (gone another way).
+        assert_eq!(l.keep_waiting("ns/b", &[]), 1);
+        assert!(granted(&l.ask(&later, &one, t(4))));
+    }
+
+    #[test]
+    fn a_machine_releases_what_its_drain_no_longer_records() {
+        let one = Budget::default_for(true);
+        let mut l = Ledger::default();
+        assert!(granted(&l.ask(&ask("db-0", "a", 0), &one, t(1))));
+        let mut cache = ask("cache-0", "a", 0);
+        cache.workload = Workload::new("StatefulSet", "ns", "cache");
+        assert!(granted(&l.ask(&cache, &one, t(1))));
+        assert_eq!(l.release_machine("ns/a", &["uid-db-0".to_string()]), 1);
+        assert_eq!(l.release_machine("ns/b", &[]), 0);
+        assert!(!granted(&l.ask(&ask("db-1", "b", 0), &one, t(2))));
+        assert_eq!(l.release_machine("ns/a", &[]), 1);
+        assert!(granted(&l.ask(&ask("db-1", "b", 0), &one, t(3))));
+    }
+
+    #[test]
+    fn past_its_deadline_a_drain_moves_beyond_the_budget_and_is_counted() {
+        let one = Budget::default_for(true);
+        let mut l = Ledger::default();
+        assert!(granted(&l.ask(&ask("db-0", "a", 0), &one, t(1))));
+        let mut late = ask("db-1", "b", 0);
+        late.past_deadline = true;
+        let Answer::Bypassed { permit, moving } = l.ask(&late, &one, t(2)) else {
+            panic!("bypassed")
+        };
+        assert!(permit.past_budget);
+        assert_eq!(moving.len(), 1);
+        // Counted: a third replica waits for both.
+        let Answer::Wait { moving, .. } = l.ask(&ask("db-2", "c", 0), &one, t(3)) else {
+            panic!("waits")
+        };
+        assert_eq!(moving.len(), 2);
+        l.end(&db(), "uid-db-0");
+        assert!(!granted(&l.ask(&ask("db-2", "c", 0), &one, t(4))));
+        l.end(&db(), "uid-db-1");
+        assert!(granted(&l.ask(&ask("db-2", "c", 0), &one, t(5))));
+    }
+
+    #[test]
+    fn a_rebuilt_ledger_holds_what_the_machines_recorded() {
+        let one = Budget::default_for(true);
+        let permit = Permit {
+            pod: "ns/db-0".into(),
+            uid: "uid-db-0".into(),
+            machine: "ns/a".into(),
+            since: t(0),
+            past_budget: false,
+        };
+        let mut l = Ledger::rebuild([(db(), permit.clone())]);
+        assert_eq!(l.moves().count(), 1);
+        assert!(!granted(&l.ask(&ask("db-1", "b", 0), &one, t(1))));
+        // The recorded move resumes under its own permit.
+        assert_eq!(
+            l.ask(&ask("db-0", "a", 0), &one, t(2)),
+            Answer::Granted(permit)
+        );
+    }
+
+    #[test]
+    fn budgets_come_from_annotations_and_a_bad_value_keeps_the_default() {
+        let a = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let (b, bad) = budget_of(None, true);
+        assert_eq!(b, Budget::default_for(true));
+        assert!(bad.is_empty());
+        assert_eq!(budget_of(None, false).0.max_moving, None);
+        let (b, bad) = budget_of(
+            Some(&a(&[
+                (MAX_MOVING_ANNOTATION, "2"),
+                (MIN_HEALTHY_ANNOTATION, "10s"),
+                (HEALTHY_DEADLINE_ANNOTATION, "3m"),
+            ])),
+            true,
+        );
+        assert!(bad.is_empty(), "{bad:?}");
+        assert_eq!(b.max_moving, Some(2));
+        assert_eq!(b.min_healthy, Duration::from_secs(10));
+        assert_eq!(b.healthy_deadline, Some(Duration::from_secs(180)));
+        assert_eq!(
+            budget_of(Some(&a(&[(MAX_MOVING_ANNOTATION, "unbounded")])), true)
+                .0
+                .max_moving,
+            None
+        );
+        let (b, bad) = budget_of(
+            Some(&a(&[
+                (MAX_MOVING_ANNOTATION, "0"),
+                (MIN_HEALTHY_ANNOTATION, "soon"),
+                (HEALTHY_DEADLINE_ANNOTATION, "0s"),
+            ])),
+            true,
+        );
+        assert_eq!(b, Budget::default_for(true));
+        let keys: Vec<_> = bad.iter().map(|b| b.key).collect();
+        assert_eq!(
+            keys,
+            vec![
+                MAX_MOVING_ANNOTATION,
+                MIN_HEALTHY_ANNOTATION,
+                HEALTHY_DEADLINE_ANNOTATION
+            ]
+        );
+    }
+}

@@ -1,0 +1,281 @@
+//! The move ledger, end to end on the real control plane: a workload's
+//! move budget holds across every drain. The truth of each assertion is
+//! what the cluster did: the API server's audit log of evictions and a
+//! watch of VolumeAttachments (`support::oracle`).
+
+mod support;
+
+use std::time::Duration;
+
+use berth::api::Machine;
+use berth_devkit::testbed::fixtures::{csi_pv, stateful_set};
+use berth_devkit::testbed::{TestBed, wait};
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::storage::v1::VolumeAttachment;
+use kube::Client;
+use kube::api::{Api, DeleteParams};
+use support::LONG;
+use support::audit::assert_no_request_loop;
+use support::oracle::{self, Watches, accepted_evictions_of, evictions};
+use support::pool::{
+    POOL, create, delayed_bed, delayed_client, gone, json, pool_class, running_machine,
+    start_delayed,
+};
+
+const ATTACH_DELAY: Duration = Duration::from_millis(1000);
+const DETACH_DELAY: Duration = Duration::from_millis(1000);
+
+async fn bed() -> &'static TestBed {
+    delayed_bed(ATTACH_DELAY, DETACH_DELAY).await
+}
+
+/// A case's namespace and pool class (drain settings `drain`), and the
+/// controller running for it.
+async fn case(ns: &str, drain: serde_json::Value) -> (Client, support::Running) {
+    let client = delayed_client(ATTACH_DELAY, DETACH_DELAY).await;
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, drain).await;
+    let ctl = start_delayed(ATTACH_DELAY, DETACH_DELAY, ns, ns).await;
+    (client, ctl)
+}
+
+/// StatefulSet `name` of `replicas` pods kept to pool `ns`, each with a
+/// pre-bound CSI PV `<ns>-<name>-<i>`; with `spread`, no two of its pods
+/// on one Node.
+async fn stateful(client: &Client, ns: &str, name: &str, replicas: i32, spread: bool) {
+    for i in 0..replicas {
+        let pv = format!("{ns}-{name}-{i}");
+        create(
+            Api::all(client.clone()),
+            csi_pv(&pv, &format!("vol-{pv}"), ns, &format!("data-{name}-{i}")),
+        )
+        .await;
+    }
+    let mut sts: StatefulSet = stateful_set(name, replicas, 1);
+    if let Some(s) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        s.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
+        if spread {
+            s.affinity = Some(json(serde_json::json!({"podAntiAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": [{
+                    "labelSelector": {"matchLabels": {"app": name}},
+                    "topologyKey": "kubernetes.io/hostname"
+                }]
+            }})));
+        }
+    }
+    create(Api::namespaced(client.clone(), ns), sts).await;
+}
+
+/// Waits until `n` volumes are attached in namespace `ns`'s PVs.
+async fn attached(client: &Client, ns: &str, n: usize) {
+    wait::until(
+        Api::<VolumeAttachment>::all(client.clone()),
+        LONG,
+        &format!("{n} volumes of {ns} attached"),
+        |all| {
+            all.iter()
+                .filter(|va| {
+                    va.spec
+                        .source
+                        .persistent_volume_name
+                        .as_deref()
+                        .is_some_and(|pv| pv.starts_with(ns))
+                        && va.status.as_ref().is_some_and(|s| s.attached)
+                })
+                .count()
+                == n
+        },
+    )
+    .await
+    .expect("the volumes attach");
+}
+
+async fn delete_machine(client: &Client, ns: &str, name: &str) {
+    Api::<Machine>::namespaced(client.clone(), ns)
+        .delete(name, &DeleteParams::default())
+        .await
+        .expect("delete the Machine");
+}
+
+/// Two Machines deleted at once, each running one replica of a
+/// two-replica StatefulSet without a PodDisruptionBudget: the second
+/// replica is evicted only after the first one's volume is attached where
+/// its replacement runs (by the audit log and the VolumeAttachments),
+/// never both at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_machines_deleted_at_once_move_one_replica_at_a_time() {
+    let ns = "ledger-two";
+    let (client, ctl) = case(ns, serde_json::json!({"timeout": "5m"})).await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    let node_b = running_machine(&client, ns, "b", ns).await;
+    stateful(&client, ns, "db", 2, true).await;
+    attached(&client, ns, 2).await;
+    // Where the replacements go.
+    running_machine(&client, ns, "c", ns).await;
+    running_machine(&client, ns, "d", ns).await;
+    let watches = Watches::start(&client, ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    delete_machine(&client, ns, "b").await;
+    gone(&client, ns, "a", Duration::from_secs(120)).await;
+    gone(&client, ns, "b", Duration::from_secs(120)).await;
+
+    let all = evictions(bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let db0 = accepted_evictions_of(&all, "db-0");
+    let db1 = accepted_evictions_of(&all, "db-1");
+    assert_eq!((db0.len(), db1.len()), (1, 1), "each evicted once: {log}");
+    // Which went first is the ledger's order; the other waited for it.
+    let pv = |i: usize| format!("{ns}-db-{i}");
+    let on = |i: usize| node_of(&watches, &pv(i), &node_a, &node_b);
+    let (first, second, first_pv, first_node) = if db0[0].received < db1[0].received {
+        (db0[0], db1[0], pv(0), on(0))
+    } else {
+        (db1[0], db0[0], pv(1), on(1))
+    };
+    let moved = watches
+        .attached_elsewhere(bed().await, &first_pv, &first_node)
+        .await
+        .unwrap_or_else(|| panic!("{first_pv} attached elsewhere: {log}"));
+    assert!(
+        second.received > moved,
+        "the second replica ({:?}) is evicted after the first one's volume attached where its replacement runs ({moved}), not with it ({}): {log}",
+        second.name,
+        first.received
+    );
+    assert_no_request_loop(bed().await, "ledger_two", ns);
+    ctl.stop().await;
+}
+
+/// The Node a PV was first seen attached to, of `a` and `b`.
+fn node_of(watches: &Watches, pv: &str, a: &str, b: &str) -> String {
+    if watches.detached_from(pv, a).is_some() {
+        a.to_string()
+    } else {
+        b.to_string()
+    }
+}
+
+/// `maxParallelVolumeMigrations: 2` on a Node with two replicas of one
+/// StatefulSet and one pod of another: the independent pod moves beside
+/// the first replica, and the second replica only after the first one's
+/// volume is attached where its replacement runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parallel_moves_overlap_across_workloads_never_within_one() {
+    let ns = "ledger-parallel";
+    let (client, ctl) = case(
+        ns,
+        serde_json::json!({"timeout": "5m", "maxParallelVolumeMigrations": 2}),
+    )
+    .await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    stateful(&client, ns, "db", 2, false).await;
+    stateful(&client, ns, "solo", 1, false).await;
+    attached(&client, ns, 3).await;
+    running_machine(&client, ns, "b", ns).await;
+    let watches = Watches::start(&client, ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    gone(&client, ns, "a", Duration::from_secs(120)).await;
+
+    let all = evictions(bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let db0 = accepted_evictions_of(&all, "db-0");
+    let db1 = accepted_evictions_of(&all, "db-1");
+    let solo = accepted_evictions_of(&all, "solo-0");
+    assert_eq!(
+        (db0.len(), db1.len(), solo.len()),
+        (1, 1, 1),
+        "each evicted once: {log}"
+    );
+    let (first, second, first_pv) = if db0[0].received < db1[0].received {
+        (db0[0], db1[0], format!("{ns}-db-0"))
+    } else {
+        (db1[0], db0[0], format!("{ns}-db-1"))
+    };
+    let moved = watches
+        .attached_elsewhere(bed().await, &first_pv, &node_a)
+        .await
+        .unwrap_or_else(|| panic!("{first_pv} attached elsewhere: {log}"));
+    assert!(
+        second.received > moved,
+        "the second replica is evicted only after the first one's volume moved ({moved}): {log}"
+    );
+    assert!(
+        solo[0].received < moved,
+        "the independent pod moves beside the first replica ({} evicted at {}), not behind it: {log}",
+        first.received,
+        solo[0].received
+    );
+    assert_no_request_loop(bed().await, "ledger_parallel", ns);
+    ctl.stop().await;
+}
+
+/// A permit outlives the process. Machine `a`'s move of db-0 is held (its
+/// replacement has no Node to go to) while Machine `b` waits to move db-1;
+/// `berth run` is killed (SIGKILL) and started again, and only then do
+/// Nodes for the replacements come. The new process rebuilds the ledger
+/// from `a`'s record before any drain acts: db-1 is evicted once, after
+/// db-0's volume is attached where its replacement runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_survives_a_killed_controller() {
+    use support::process::Berth;
+    let ns = "ledger-restart";
+    let client = delayed_client(ATTACH_DELAY, DETACH_DELAY).await;
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
+    let flags = ["--namespace", ns, "--leader-elect=false"];
+    let kubeconfig = &support::audit::controller(bed().await).await.kubeconfig;
+    let berth = Berth::spawn(kubeconfig, &flags);
+    running_machine(&client, ns, "a", ns).await;
+    running_machine(&client, ns, "b", ns).await;
+    stateful(&client, ns, "db", 2, true).await;
+    attached(&client, ns, 2).await;
+    let watches = Watches::start(&client, ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    delete_machine(&client, ns, "b").await;
+    // One replica was evicted and its replacement cannot be placed: its
+    // move holds the workload's permit.
+    let first = oracle::requests_once(bed().await, ns, |rs| {
+        !accepted_evictions_of(rs, "db-*").is_empty()
+    })
+    .await;
+    let evicted: Vec<_> = accepted_evictions_of(&first, "db-*")
+        .iter()
+        .filter_map(|r| r.name.clone())
+        .collect();
+    assert_eq!(
+        evicted.len(),
+        1,
+        "one replica moves: {}",
+        oracle::log_of(&first)
+    );
+    berth.kill().await;
+    let berth = Berth::spawn(kubeconfig, &flags);
+    let node_c = running_machine(&client, ns, "c", ns).await;
+    running_machine(&client, ns, "d", ns).await;
+    gone(&client, ns, "a", Duration::from_secs(120)).await;
+    gone(&client, ns, "b", Duration::from_secs(120)).await;
+
+    let all = evictions(bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let (held, other) = if evicted[0] == "db-0" {
+        ("db-0", "db-1")
+    } else {
+        ("db-1", "db-0")
+    };
+    assert_eq!(accepted_evictions_of(&all, held).len(), 1, "{log}");
+    let later = accepted_evictions_of(&all, other);
+    assert_eq!(later.len(), 1, "{other} evicted once: {log}");
+    let on_c = watches
+        .attached_on(bed().await, &format!("{ns}-{held}"), &node_c)
+        .await
+        .unwrap_or_else(|| panic!("{held}'s volume attached on C: {log}"));
+    assert!(
+        later[0].received > on_c,
+        "{other} evicted only after {held}'s volume attached where its replacement runs, across the restart: {log}"
+    );
+    assert_no_request_loop(bed().await, "ledger_restart", ns);
+    berth.terminate().await;
+}

@@ -43,6 +43,18 @@ async fn case(ns: &str, drain: serde_json::Value) -> (Client, support::Running) 
 /// pre-bound CSI PV `<ns>-<name>-<i>`; with `spread`, no two of its pods
 /// on one Node.
 async fn stateful(client: &Client, ns: &str, name: &str, replicas: i32, spread: bool) {
+    stateful_with(client, ns, name, replicas, spread, |_| {}).await;
+}
+
+/// As [`stateful`], `template` adjusting its pod template.
+async fn stateful_with(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    replicas: i32,
+    spread: bool,
+    template: impl FnOnce(&mut k8s_openapi::api::core::v1::PodTemplateSpec),
+) {
     for i in 0..replicas {
         let pv = format!("{ns}-{name}-{i}");
         create(
@@ -62,6 +74,9 @@ async fn stateful(client: &Client, ns: &str, name: &str, replicas: i32, spread: 
                 }]
             }})));
         }
+    }
+    if let Some(spec) = sts.spec.as_mut() {
+        template(&mut spec.template);
     }
     create(Api::namespaced(client.clone(), ns), sts).await;
 }
@@ -278,4 +293,59 @@ async fn a_permit_survives_a_killed_controller() {
     );
     assert_no_request_loop(bed().await, "ledger_restart", ns);
     berth.terminate().await;
+}
+
+/// `berth.dev/min-healthy-time: 5s` on a StatefulSet's pod template: the
+/// next replica is evicted only once the first one's replacement has been
+/// Ready that long (by the audit log and a watch of the pods; the Ready
+/// condition's time has whole seconds, hence a second's tolerance).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_minimum_healthy_time_holds_the_next_move() {
+    let ns = "ledger-healthy";
+    let (client, ctl) = case(ns, serde_json::json!({"timeout": "5m"})).await;
+    running_machine(&client, ns, "a", ns).await;
+    stateful_with(&client, ns, "db", 2, false, |t| {
+        t.metadata.get_or_insert_default().annotations = Some(
+            [(
+                berth::drain::ledger::MIN_HEALTHY_ANNOTATION.to_string(),
+                "5s".to_string(),
+            )]
+            .into(),
+        );
+    })
+    .await;
+    attached(&client, ns, 2).await;
+    running_machine(&client, ns, "b", ns).await;
+    let watches = Watches::start(&client, ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    gone(&client, ns, "a", Duration::from_secs(120)).await;
+
+    let all = evictions(bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let db0 = accepted_evictions_of(&all, "db-0");
+    let db1 = accepted_evictions_of(&all, "db-1");
+    assert_eq!((db0.len(), db1.len()), (1, 1), "each evicted once: {log}");
+    let (first, second) = if db0[0].received < db1[0].received {
+        ("db-0", db1[0])
+    } else {
+        ("db-1", db0[0])
+    };
+    // The replacement: the pod of that name Ready after the first eviction.
+    let evicted_at = db0[0].received.min(db1[0].received);
+    let ready = watches
+        .seen()
+        .into_iter()
+        .find_map(|(t, s)| match s {
+            oracle::Seen::PodReady { name, .. } if name == first && t > evicted_at => Some(t),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("{first}'s replacement Ready: {log}"));
+    let held = second.received.duration_since(ready);
+    assert!(
+        held >= k8s_openapi::jiff::SignedDuration::from_secs(4),
+        "the next replica went {held} after {first}'s replacement was Ready, not 5 s: {log}"
+    );
+    assert_no_request_loop(bed().await, "ledger_healthy", ns);
+    ctl.stop().await;
 }

@@ -24,7 +24,8 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
-use k8s_openapi::jiff::Timestamp;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
 /// The most pods of the workload moving at once, across every Machine: a
 /// whole number from 1 (`unbounded` lifts the limit).
@@ -152,6 +153,50 @@ pub fn budget_of(
         }
     }
     (budget, bad)
+}
+
+/// Since when `pod` has been Ready (its Ready condition's last
+/// transition), if it is.
+pub fn ready_since(pod: &Pod) -> Option<Timestamp> {
+    let c = pod
+        .status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "Ready")?;
+    if c.status != "True" {
+        return None;
+    }
+    Some(
+        c.last_transition_time
+            .as_ref()
+            .map_or(Timestamp::UNIX_EPOCH, |t| t.0),
+    )
+}
+
+/// Whether replacements Ready since `ready` (`None`: not Ready) are
+/// healthy at `now` for a move to end: each Ready for `min_healthy`.
+/// `Err(Some(t))`: not yet, all will be at `t` if they stay Ready;
+/// `Err(None)`: one is not Ready.
+pub fn healthy(
+    ready: &[Option<Timestamp>],
+    min_healthy: Duration,
+    now: Timestamp,
+) -> Result<(), Option<Timestamp>> {
+    let min = SignedDuration::try_from(min_healthy).unwrap_or(SignedDuration::MAX);
+    let mut latest = None;
+    for since in ready {
+        let Some(since) = since else {
+            return Err(None);
+        };
+        let at = since.checked_add(min).unwrap_or(Timestamp::MAX);
+        latest = latest.max(Some(at));
+    }
+    match latest {
+        Some(at) if at > now => Err(Some(at)),
+        _ => Ok(()),
+    }
 }
 
 /// A move the ledger counts.
@@ -565,6 +610,28 @@ mod tests {
             l.ask(&ask("db-0", "a", 0), &one, t(2)),
             Answer::Granted(permit)
         );
+    }
+
+    #[test]
+    fn a_move_ends_once_every_replacement_has_been_ready_long_enough() {
+        let ten = Duration::from_secs(10);
+        assert_eq!(healthy(&[Some(t(0)), Some(t(5))], ten, t(20)), Ok(()));
+        assert_eq!(
+            healthy(&[Some(t(0)), Some(t(5))], ten, t(12)),
+            Err(Some(t(15)))
+        );
+        assert_eq!(healthy(&[Some(t(0)), None], ten, t(100)), Err(None));
+        assert_eq!(healthy(&[Some(t(3))], Duration::ZERO, t(3)), Ok(()));
+        let mut pod = Pod::default();
+        assert_eq!(ready_since(&pod), None);
+        pod.status = Some(
+            serde_json::from_value(serde_json::json!({
+                "conditions": [{"type": "Ready", "status": "True",
+                    "lastTransitionTime": "2023-11-14T22:13:20Z"}]
+            }))
+            .expect("status"),
+        );
+        assert_eq!(ready_since(&pod), Some(t(0)));
     }
 
     #[test]

@@ -58,7 +58,17 @@ impl NodeDrain {
                 None => Workload::new("Pod", &p.pod.0, &p.pod.1),
             },
         };
-        let annotations = pod.as_ref().and_then(|p| p.metadata.annotations.as_ref());
+        // The budget is on the pod template: the pod's, or once it is gone
+        // its replacement's (a pod that uses one of its claims now).
+        let template = pod.or_else(|| {
+            p.volumes
+                .iter()
+                .flat_map(|v| self.view().claim_users(&v.volume.claim))
+                .find(|u| u.metadata.uid != p.uid)
+        });
+        let annotations = template
+            .as_ref()
+            .and_then(|p| p.metadata.annotations.as_ref());
         let (budget, bad) = budget_of(annotations, !p.volumes.is_empty());
         for b in bad {
             if self.first_report(format!("budget/{workload}/{}", b.key)) {

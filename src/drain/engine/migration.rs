@@ -575,7 +575,19 @@ impl<'a> Migration<'a> {
             .await_reattach(&mut self.reg, &volumes, &uid, true, left_at, until)
             .await
         {
-            Reattach::Ended => false,
+            Reattach::Moved(pods) => {
+                // The replacements healthy: Ready (for the workload's
+                // minimum healthy time), within its healthy deadline or
+                // else what is left of the reattach timeout.
+                let (_, budget) = run.workload_of(self.pod);
+                let until = match budget.healthy_deadline {
+                    Some(d) => run.bounded(d),
+                    None => until,
+                };
+                run.await_healthy(&pods, budget.min_healthy, until).await;
+                false
+            }
+            Reattach::TimedOut => false,
             Reattach::Unplaceable(pod, message) => self.unplaceable(&fmt_key(&pod), &message),
         }
     }

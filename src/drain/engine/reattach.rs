@@ -13,12 +13,14 @@
 
 use std::collections::BTreeSet;
 
+use k8s_openapi::jiff::Timestamp;
 use kube::runtime::events::EventType;
 use tokio::time::Instant;
 
 use super::node_drain::NodeDrain;
-use super::refs::pv_ref;
+use super::refs::{pod_ref_key, pv_ref};
 use crate::drain::class::VolumeClass;
+use crate::drain::ledger::{healthy, ready_since};
 use crate::drain::select::{NamespacedName, fmt_key};
 use crate::drain::volume::Moved;
 use crate::volumes::{Registration, Signal, WaitError};
@@ -36,8 +38,10 @@ pub(super) struct Awaited<'v> {
 
 /// How a reattach wait ended, once announced.
 pub(super) enum Reattach {
-    /// Every volume moved, or the wait timed out (warned).
-    Ended,
+    /// Every volume moved: the pods that now use them.
+    Moved(Vec<NamespacedName>),
+    /// The wait timed out (warned).
+    TimedOut,
     /// The scheduler says the replacement (this pod) cannot be placed,
     /// with its message: nothing was announced, the caller holds the move.
     Unplaceable(NamespacedName, String),
@@ -111,14 +115,84 @@ impl NodeDrain {
             }
         };
         match outcome {
-            Ok(moved) => self.announce_moved(&moved, left_at),
-            Err(waiting_for) => self.warn_volume(
-                "VolumeReattachTimeout",
-                &WaitError::Timeout { waiting_for },
-                volumes.first().map(|v| v.pv),
-            ),
+            Ok(moved) => {
+                self.announce_moved(&moved, left_at);
+                let mut pods: Vec<NamespacedName> = moved.into_iter().map(|(_, m)| m.pod).collect();
+                pods.sort();
+                pods.dedup();
+                Reattach::Moved(pods)
+            }
+            Err(waiting_for) => {
+                self.warn_volume(
+                    "VolumeReattachTimeout",
+                    &WaitError::Timeout { waiting_for },
+                    volumes.first().map(|v| v.pv),
+                );
+                Reattach::TimedOut
+            }
         }
-        Reattach::Ended
+    }
+
+    /// Waits, until `until`, for the replacements `pods` to have been
+    /// Ready for `min_healthy` (at once when they are Ready and it is
+    /// zero): a replica whose volume is attached but whose database has not
+    /// started is still down. Woken by pod events, and by a timer for the
+    /// moment they will have been Ready long enough. A Warning naming them
+    /// when not in time; the move ends either way.
+    pub(super) async fn await_healthy(
+        &self,
+        pods: &[NamespacedName],
+        min_healthy: std::time::Duration,
+        until: Instant,
+    ) {
+        let names = pods.iter().map(fmt_key).collect::<Vec<_>>().join(", ");
+        let mut changes = self.deps.caches.pod_changes.clone();
+        let mut announced = false;
+        loop {
+            changes.borrow_and_update();
+            let ready: Vec<_> = pods
+                .iter()
+                .map(|p| self.view().pod(p, None).and_then(|p| ready_since(&p)))
+                .collect();
+            let now = Timestamp::now();
+            let due = match healthy(&ready, min_healthy, now) {
+                Ok(()) => return,
+                Err(due) => due,
+            };
+            if !announced {
+                announced = true;
+                let waiting = if min_healthy.is_zero() {
+                    format!("replacement {names} to be Ready")
+                } else {
+                    format!(
+                        "replacement {names} to be Ready for {}",
+                        humantime::format_duration(min_healthy)
+                    )
+                };
+                self.update(|p| p.waiting_for = Some(waiting));
+            }
+            // When they will have been Ready long enough, if they stay so.
+            let wake = due
+                .and_then(|t| std::time::Duration::try_from(t.duration_since(now)).ok())
+                .map_or(until, |d| (Instant::now() + d).min(until));
+            tokio::select! {
+                r = changes.changed() => if r.is_err() { return },
+                () = tokio::time::sleep_until(wake) => {
+                    if wake >= until {
+                        self.event(
+                            EventType::Warning,
+                            "ReplacementNotHealthy",
+                            format!(
+                                "replacement {names} not Ready{} in time: its move ends, and the next pod of its workload may go",
+                                if min_healthy.is_zero() { String::new() } else { format!(" for {}", humantime::format_duration(min_healthy)) }
+                            ),
+                            pods.first().map(pod_ref_key),
+                        );
+                        return;
+                    }
+                }
+            }
+        }
     }
 
     /// Each volume moved, in the metric and an Event of its own.

@@ -34,7 +34,7 @@ use berth_devkit::testbed::{Options, TestBed, wait};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret, ServiceAccount};
+use k8s_openapi::api::core::v1::{Pod, Secret, ServiceAccount};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, PostParams};
@@ -48,7 +48,6 @@ const RELEASE: &str = "berth";
 const RELEASE_NS: &str = "berth-system";
 /// The chart's object names for release `berth` (fullname = release name).
 const SERVICE_ACCOUNT: &str = "berth";
-const POOL: &str = "testbed.berth.dev/pool";
 const RECOMMENDED_LABELS: [&str; 6] = [
     "app.kubernetes.io/name",
     "app.kubernetes.io/instance",
@@ -1318,22 +1317,6 @@ fn json_obj<T: serde::de::DeserializeOwned>(v: Value) -> T {
     serde_json::from_value(v).expect("valid object")
 }
 
-/// Reasons of berth's Events about a deleted Machine, with their notes,
-/// once its last one (`DeleteVmAndNode`, just before the finalizer goes)
-/// is in.
-async fn events(client: &Client, ns: &str, machine: &str) -> Vec<(String, String)> {
-    support::events_until(client, ns, machine, &["DeleteVmAndNode"])
-        .await
-        .iter()
-        .map(|e| {
-            (
-                e.reason.clone().unwrap_or_default(),
-                e.note.clone().unwrap_or_default(),
-            )
-        })
-        .collect()
-}
-
 fn on_node_running(p: &Pod, node: &str) -> bool {
     p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)
         && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
@@ -1448,7 +1431,11 @@ async fn the_chart_installs_and_its_service_account_drains_a_machine_then_upgrad
     Api::<berth::api::MachineClass>::all(client.clone())
         .create(
             &PostParams::default(),
-            &class(ns, "fake", json!({"nodeLabels": {POOL: ns}})),
+            &class(
+                ns,
+                "fake",
+                json!({"nodeLabels": {berth_devkit::testbed::fixtures::POOL_LABEL: ns}}),
+            ),
         )
         .await
         .expect("class");
@@ -1510,7 +1497,13 @@ async fn the_chart_installs_and_its_service_account_drains_a_machine_then_upgrad
         .expect("pv");
     let mut sts = stateful_set("db", 1, 1);
     if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
-        spec.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
+        spec.node_selector = Some(
+            [(
+                berth_devkit::testbed::fixtures::POOL_LABEL.to_string(),
+                ns.to_string(),
+            )]
+            .into(),
+        );
     }
     Api::namespaced(client.clone(), ns)
         .create(&PostParams::default(), &sts)
@@ -1527,7 +1520,7 @@ async fn the_chart_installs_and_its_service_account_drains_a_machine_then_upgrad
                     "template": {
                         "metadata": {"labels": {"app": "web"}},
                         "spec": {
-                            "nodeSelector": {POOL: ns},
+                            "nodeSelector": {berth_devkit::testbed::fixtures::POOL_LABEL: ns},
                             "terminationGracePeriodSeconds": 1,
                             "containers": [{"name": "main", "image": "registry.invalid/web:1"}]
                         }
@@ -1571,7 +1564,8 @@ async fn the_chart_installs_and_its_service_account_drains_a_machine_then_upgrad
         .await
         .expect("the deletion completes under the chart's RBAC");
     eprintln!("deletion of a took {:?}", t.elapsed());
-    let evs = events(&client, ns, "a").await;
+    let evs: Vec<(String, String)> =
+        support::reason_notes(&support::events_until(&client, ns, "a", &["DeleteVmAndNode"]).await);
     let log = evs
         .iter()
         .map(|(r, n)| format!("{r}: {n}"))
@@ -1588,22 +1582,7 @@ async fn the_chart_installs_and_its_service_account_drains_a_machine_then_upgrad
             "{reason} {needle}:\n{log}"
         );
     }
-    assert!(
-        Api::<Node>::all(client.clone())
-            .get_opt(&node_a)
-            .await
-            .expect("get node")
-            .is_none(),
-        "A's Node is deleted"
-    );
-    assert!(
-        Api::<ConfigMap>::namespaced(client.clone(), ns)
-            .get_opt("fake-vm-a")
-            .await
-            .expect("get vm")
-            .is_none(),
-        "A's VM is deleted"
-    );
+    support::assert_vm_and_node_gone(&client, ns, "a", &node_a).await;
     wait::until(pods, LONG, "db-0 and web running on B", |ps| {
         ps.iter()
             .any(|p| p.name_any() == "db-0" && on_node_running(p, &node_b))

@@ -306,20 +306,7 @@ async fn a_node_is_drained_in_volume_aware_order() {
         pods.get_opt("job").await.expect("get").is_none(),
         "job deleted"
     );
-    assert!(
-        Api::<Node>::all(client.clone())
-            .get_opt(&node_a)
-            .await
-            .expect("get node")
-            .is_none()
-    );
-    assert!(
-        Api::<ConfigMap>::namespaced(client.clone(), ns)
-            .get_opt("fake-vm-a")
-            .await
-            .expect("get vm")
-            .is_none()
-    );
+    support::assert_vm_and_node_gone(&client, ns, "a", &node_a).await;
     let on_b: BTreeMap<String, String> = vas
         .list(&Default::default())
         .await
@@ -1761,16 +1748,8 @@ async fn a_volume_left_attached_at_vm_deletion_is_named_and_released_out_of_serv
     wait::for_none(machines, LONG, "a gone", |m| m.name_any() == "a")
         .await
         .expect("the Machine goes");
-    let evs: Vec<_> = support::events_until(&client, ns, "a", &["VolumesReleased"])
-        .await
-        .iter()
-        .map(|e| {
-            (
-                e.reason.clone().unwrap_or_default(),
-                e.note.clone().unwrap_or_default(),
-            )
-        })
-        .collect();
+    let evs: Vec<_> =
+        support::reason_notes(&support::events_until(&client, ns, "a", &["VolumesReleased"]).await);
     let left: Vec<_> = evs
         .iter()
         .filter(|(r, _)| r == "VolumesLeftAttached")

@@ -8,36 +8,21 @@ mod support;
 use std::time::Duration;
 
 use berth::api::Machine;
-use berth_devkit::testbed::fixtures::{csi_pv, stateful_set};
-use berth_devkit::testbed::{TestBed, wait};
-use k8s_openapi::api::apps::v1::StatefulSet;
+use berth_devkit::testbed::wait;
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::Client;
 use kube::api::{Api, DeleteParams};
 use support::LONG;
 use support::audit::assert_no_request_loop;
-use support::oracle::{self, Watches, accepted_evictions_of, evictions};
-use support::pool::{
-    POOL, create, delayed_bed, delayed_client, gone, json, pool_class, running_machine,
-    start_delayed,
-};
+use support::oracle::{self, Watches, accepted_evictions_of, evicted_once, evictions, in_order};
+use support::pool::{Bed, gone, json, running_machine};
 
 const ATTACH_DELAY: Duration = Duration::from_millis(1000);
 const DETACH_DELAY: Duration = Duration::from_millis(1000);
-
-async fn bed() -> &'static TestBed {
-    delayed_bed(ATTACH_DELAY, DETACH_DELAY).await
-}
-
-/// A case's namespace and pool class (drain settings `drain`), and the
-/// controller running for it.
-async fn case(ns: &str, drain: serde_json::Value) -> (Client, support::Running) {
-    let client = delayed_client(ATTACH_DELAY, DETACH_DELAY).await;
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, drain).await;
-    let ctl = start_delayed(ATTACH_DELAY, DETACH_DELAY, ns, ns).await;
-    (client, ctl)
-}
+const BED: Bed = Bed {
+    attach: ATTACH_DELAY,
+    detach: DETACH_DELAY,
+};
 
 /// StatefulSet `name` of `replicas` pods kept to pool `ns`, each with a
 /// pre-bound CSI PV `<ns>-<name>-<i>`; with `spread`, no two of its pods
@@ -55,18 +40,11 @@ async fn stateful_with(
     spread: bool,
     template: impl FnOnce(&mut k8s_openapi::api::core::v1::PodTemplateSpec),
 ) {
-    for i in 0..replicas {
-        let pv = format!("{ns}-{name}-{i}");
-        create(
-            Api::all(client.clone()),
-            csi_pv(&pv, &format!("vol-{pv}"), ns, &format!("data-{name}-{i}")),
-        )
-        .await;
-    }
-    let mut sts: StatefulSet = stateful_set(name, replicas, 1);
-    if let Some(s) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
-        s.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
-        if spread {
+    support::pool::stateful(client, ns, name, replicas, |sts| {
+        let Some(spec) = sts.spec.as_mut() else {
+            return;
+        };
+        if spread && let Some(s) = spec.template.spec.as_mut() {
             s.affinity = Some(json(serde_json::json!({"podAntiAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": [{
                     "labelSelector": {"matchLabels": {"app": name}},
@@ -74,11 +52,9 @@ async fn stateful_with(
                 }]
             }})));
         }
-    }
-    if let Some(spec) = sts.spec.as_mut() {
         template(&mut spec.template);
-    }
-    create(Api::namespaced(client.clone(), ns), sts).await;
+    })
+    .await;
 }
 
 /// Waits until `n` volumes are attached in namespace `ns`'s PVs.
@@ -120,7 +96,8 @@ async fn delete_machine(client: &Client, ns: &str, name: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_machines_deleted_at_once_move_one_replica_at_a_time() {
     let ns = "ledger-two";
-    let (client, ctl) = case(ns, serde_json::json!({"timeout": "5m"})).await;
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = BED.start(ns).await;
     let node_a = running_machine(&client, ns, "a", ns).await;
     let node_b = running_machine(&client, ns, "b", ns).await;
     stateful(&client, ns, "db", 2, true).await;
@@ -135,21 +112,14 @@ async fn two_machines_deleted_at_once_move_one_replica_at_a_time() {
     gone(&client, ns, "a", Duration::from_secs(120)).await;
     gone(&client, ns, "b", Duration::from_secs(120)).await;
 
-    let all = evictions(bed().await, ns);
+    let all = evictions(BED.bed().await, ns);
     let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
-    let db0 = accepted_evictions_of(&all, "db-0");
-    let db1 = accepted_evictions_of(&all, "db-1");
-    assert_eq!((db0.len(), db1.len()), (1, 1), "each evicted once: {log}");
     // Which went first is the ledger's order; the other waited for it.
-    let pv = |i: usize| format!("{ns}-db-{i}");
-    let on = |i: usize| node_of(&watches, &pv(i), &node_a, &node_b);
-    let (first, second, first_pv, first_node) = if db0[0].received < db1[0].received {
-        (db0[0], db1[0], pv(0), on(0))
-    } else {
-        (db1[0], db0[0], pv(1), on(1))
-    };
+    let ((name, first), (_, second)) = in_order(&all, ("db-0", "db-1"), &log);
+    let first_pv = format!("{ns}-{name}");
+    let first_node = node_of(&watches, &first_pv, &node_a, &node_b);
     let moved = watches
-        .attached_elsewhere(bed().await, &first_pv, &first_node)
+        .attached_elsewhere(BED.bed().await, &first_pv, &first_node)
         .await
         .unwrap_or_else(|| panic!("{first_pv} attached elsewhere: {log}"));
     assert!(
@@ -158,7 +128,7 @@ async fn two_machines_deleted_at_once_move_one_replica_at_a_time() {
         second.name,
         first.received
     );
-    assert_no_request_loop(bed().await, "ledger_two", ns);
+    assert_no_request_loop(BED.bed().await, "ledger_two", ns);
     ctl.stop().await;
 }
 
@@ -178,11 +148,13 @@ fn node_of(watches: &Watches, pv: &str, a: &str, b: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parallel_moves_overlap_across_workloads_never_within_one() {
     let ns = "ledger-parallel";
-    let (client, ctl) = case(
-        ns,
-        serde_json::json!({"timeout": "5m", "maxParallelVolumeMigrations": 2}),
-    )
-    .await;
+    let client = BED
+        .case(
+            ns,
+            serde_json::json!({"timeout": "5m", "maxParallelVolumeMigrations": 2}),
+        )
+        .await;
+    let ctl = BED.start(ns).await;
     let node_a = running_machine(&client, ns, "a", ns).await;
     stateful(&client, ns, "db", 2, false).await;
     stateful(&client, ns, "solo", 1, false).await;
@@ -193,23 +165,13 @@ async fn parallel_moves_overlap_across_workloads_never_within_one() {
     delete_machine(&client, ns, "a").await;
     gone(&client, ns, "a", Duration::from_secs(120)).await;
 
-    let all = evictions(bed().await, ns);
+    let all = evictions(BED.bed().await, ns);
     let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
-    let db0 = accepted_evictions_of(&all, "db-0");
-    let db1 = accepted_evictions_of(&all, "db-1");
-    let solo = accepted_evictions_of(&all, "solo-0");
-    assert_eq!(
-        (db0.len(), db1.len(), solo.len()),
-        (1, 1, 1),
-        "each evicted once: {log}"
-    );
-    let (first, second, first_pv) = if db0[0].received < db1[0].received {
-        (db0[0], db1[0], format!("{ns}-db-0"))
-    } else {
-        (db1[0], db0[0], format!("{ns}-db-1"))
-    };
+    let solo = [evicted_once(&all, "solo-0", &log)];
+    let ((name, first), (_, second)) = in_order(&all, ("db-0", "db-1"), &log);
+    let first_pv = format!("{ns}-{name}");
     let moved = watches
-        .attached_elsewhere(bed().await, &first_pv, &node_a)
+        .attached_elsewhere(BED.bed().await, &first_pv, &node_a)
         .await
         .unwrap_or_else(|| panic!("{first_pv} attached elsewhere: {log}"));
     assert!(
@@ -222,7 +184,7 @@ async fn parallel_moves_overlap_across_workloads_never_within_one() {
         first.received,
         solo[0].received
     );
-    assert_no_request_loop(bed().await, "ledger_parallel", ns);
+    assert_no_request_loop(BED.bed().await, "ledger_parallel", ns);
     ctl.stop().await;
 }
 
@@ -236,11 +198,9 @@ async fn parallel_moves_overlap_across_workloads_never_within_one() {
 async fn a_permit_survives_a_killed_controller() {
     use support::process::Berth;
     let ns = "ledger-restart";
-    let client = delayed_client(ATTACH_DELAY, DETACH_DELAY).await;
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
+    let client = BED.case(ns, serde_json::json!({"timeout": "10m"})).await;
     let flags = ["--namespace", ns, "--leader-elect=false"];
-    let kubeconfig = &support::audit::controller(bed().await).await.kubeconfig;
+    let kubeconfig = &support::audit::controller(BED.bed().await).await.kubeconfig;
     let berth = Berth::spawn(kubeconfig, &flags);
     running_machine(&client, ns, "a", ns).await;
     running_machine(&client, ns, "b", ns).await;
@@ -252,7 +212,7 @@ async fn a_permit_survives_a_killed_controller() {
     delete_machine(&client, ns, "b").await;
     // One replica was evicted and its replacement cannot be placed: its
     // move holds the workload's permit.
-    let first = oracle::requests_once(bed().await, ns, |rs| {
+    let first = oracle::requests_once(BED.bed().await, ns, |rs| {
         !accepted_evictions_of(rs, "db-*").is_empty()
     })
     .await;
@@ -273,25 +233,24 @@ async fn a_permit_survives_a_killed_controller() {
     gone(&client, ns, "a", Duration::from_secs(120)).await;
     gone(&client, ns, "b", Duration::from_secs(120)).await;
 
-    let all = evictions(bed().await, ns);
+    let all = evictions(BED.bed().await, ns);
     let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
     let (held, other) = if evicted[0] == "db-0" {
         ("db-0", "db-1")
     } else {
         ("db-1", "db-0")
     };
-    assert_eq!(accepted_evictions_of(&all, held).len(), 1, "{log}");
-    let later = accepted_evictions_of(&all, other);
-    assert_eq!(later.len(), 1, "{other} evicted once: {log}");
+    evicted_once(&all, held, &log);
+    let later = [evicted_once(&all, other, &log)];
     let on_c = watches
-        .attached_on(bed().await, &format!("{ns}-{held}"), &node_c)
+        .attached_on(BED.bed().await, &format!("{ns}-{held}"), &node_c)
         .await
         .unwrap_or_else(|| panic!("{held}'s volume attached on C: {log}"));
     assert!(
         later[0].received > on_c,
         "{other} evicted only after {held}'s volume attached where its replacement runs, across the restart: {log}"
     );
-    assert_no_request_loop(bed().await, "ledger_restart", ns);
+    assert_no_request_loop(BED.bed().await, "ledger_restart", ns);
     berth.terminate().await;
 }
 
@@ -302,7 +261,8 @@ async fn a_permit_survives_a_killed_controller() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_minimum_healthy_time_holds_the_next_move() {
     let ns = "ledger-healthy";
-    let (client, ctl) = case(ns, serde_json::json!({"timeout": "5m"})).await;
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = BED.start(ns).await;
     running_machine(&client, ns, "a", ns).await;
     stateful_with(&client, ns, "db", 2, false, |t| {
         t.metadata.get_or_insert_default().annotations = Some(
@@ -321,18 +281,11 @@ async fn a_minimum_healthy_time_holds_the_next_move() {
     delete_machine(&client, ns, "a").await;
     gone(&client, ns, "a", Duration::from_secs(120)).await;
 
-    let all = evictions(bed().await, ns);
+    let all = evictions(BED.bed().await, ns);
     let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
-    let db0 = accepted_evictions_of(&all, "db-0");
-    let db1 = accepted_evictions_of(&all, "db-1");
-    assert_eq!((db0.len(), db1.len()), (1, 1), "each evicted once: {log}");
-    let (first, second) = if db0[0].received < db1[0].received {
-        ("db-0", db1[0])
-    } else {
-        ("db-1", db0[0])
-    };
+    let ((first, evicted), (_, second)) = in_order(&all, ("db-0", "db-1"), &log);
     // The replacement: the pod of that name Ready after the first eviction.
-    let evicted_at = db0[0].received.min(db1[0].received);
+    let evicted_at = evicted.received;
     let ready = watches
         .seen()
         .into_iter()
@@ -346,6 +299,6 @@ async fn a_minimum_healthy_time_holds_the_next_move() {
         held >= k8s_openapi::jiff::SignedDuration::from_secs(4),
         "the next replica went {held} after {first}'s replacement was Ready, not 5 s: {log}"
     );
-    assert_no_request_loop(bed().await, "ledger_healthy", ns);
+    assert_no_request_loop(BED.bed().await, "ledger_healthy", ns);
     ctl.stop().await;
 }

@@ -21,21 +21,6 @@ async fn create_class(client: &Client, name: &str, provider: &str, spec: serde_j
         .expect("create class");
 }
 
-/// A deleted Machine's Events, once its last one (`DeleteVmAndNode`, just
-/// before the finalizer goes) is in.
-async fn events_for(client: &Client, ns: &str, name: &str) -> Vec<(String, String)> {
-    events_until(client, ns, name, &["DeleteVmAndNode"])
-        .await
-        .iter()
-        .map(|e| {
-            (
-                e.reason.clone().unwrap_or_default(),
-                e.type_.clone().unwrap_or_default(),
-            )
-        })
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machine_is_created_then_deleted_with_its_vm_and_node() {
     let client = client().await;
@@ -104,23 +89,9 @@ async fn a_machine_is_created_then_deleted_with_its_vm_and_node() {
     wait::for_none(machines.clone(), LONG, "m1 gone", |m| m.name_any() == "m1")
         .await
         .expect("the Machine goes away once its finalizer is removed");
-    assert!(
-        vms.get_opt("fake-vm-m1").await.expect("get").is_none(),
-        "VM deleted"
-    );
-    assert!(
-        Api::<Node>::all(client.clone())
-            .get_opt(&node_name)
-            .await
-            .expect("get")
-            .is_none(),
-        "Node deleted"
-    );
-    let reasons: Vec<String> = events_for(&client, ns, "m1")
-        .await
-        .into_iter()
-        .map(|(r, _)| r)
-        .collect();
+    assert_vm_and_node_gone(&client, ns, "m1", &node_name).await;
+    let reasons: Vec<String> =
+        reasons(&events_until(&client, ns, "m1", &["DeleteVmAndNode"]).await);
     for step in [
         "CreateVm",
         "Running",
@@ -575,27 +546,9 @@ async fn the_force_deletion_label_skips_hooks_and_drain_and_force_deletes_pods()
     )
     .await
     .expect("release the pod");
-    assert!(
-        Api::<Node>::all(client.clone())
-            .get_opt(&node_name)
-            .await
-            .expect("get node")
-            .is_none(),
-        "the Node is gone"
-    );
-    assert!(
-        Api::<ConfigMap>::namespaced(client.clone(), ns)
-            .get_opt("fake-vm-m4")
-            .await
-            .expect("get vm")
-            .is_none(),
-        "the VM is gone"
-    );
-    let reasons: Vec<String> = events_for(&client, ns, "m4")
-        .await
-        .into_iter()
-        .map(|(reason, _)| reason)
-        .collect();
+    support::assert_vm_and_node_gone(&client, ns, "m4", &node_name).await;
+    let reasons: Vec<String> =
+        reasons(&events_until(&client, ns, "m4", &["DeleteVmAndNode"]).await);
     assert!(
         !reasons
             .iter()

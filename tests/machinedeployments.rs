@@ -7,6 +7,8 @@
 
 mod support;
 
+use berth_devkit::testbed::fixtures::{machine_deployment, rolling};
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
@@ -19,7 +21,6 @@ use berth_devkit::testbed::timeline::{Pace, Seen, Timeline, log_of};
 use berth_devkit::testbed::{TestBed, wait};
 use k8s_openapi::api::autoscaling::v1::Scale;
 use k8s_openapi::api::core::v1::{Node, Pod, Taint};
-use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -29,7 +30,7 @@ use support::pool::{
     mark_for_scale_down, pod_running, pool_class, start_delayed, stateful_in_pool,
 };
 use support::process::Berth;
-use support::{LONG, phase};
+use support::{LONG, condition, events_of, notes, phase};
 
 const ATTACH: Duration = Duration::from_millis(500);
 const DETACH: Duration = Duration::from_millis(500);
@@ -48,40 +49,6 @@ async fn client() -> Client {
 /// audited identity.
 async fn start(ns: &str) -> support::Running {
     start_delayed(ATTACH, DETACH, ns, ns).await
-}
-
-/// A MachineDeployment `name` of `replicas` Machines of class `class`,
-/// selected by `md: <name>`, with `strategy` (`null` for the default).
-fn deployment(
-    name: &str,
-    replicas: i32,
-    class: &str,
-    strategy: serde_json::Value,
-) -> MachineDeployment {
-    let mut spec = serde_json::json!({
-        "replicas": replicas,
-        "selector": {"matchLabels": {"md": name}},
-        "template": {
-            "metadata": {"labels": {"md": name}},
-            "spec": {"classRef": {"name": class}}
-        }
-    });
-    if !strategy.is_null() {
-        spec["strategy"] = strategy;
-    }
-    json(serde_json::json!({
-        "apiVersion": "berth.dev/v1alpha1",
-        "kind": "MachineDeployment",
-        "metadata": {"name": name},
-        "spec": spec
-    }))
-}
-
-fn rolling(surge: serde_json::Value, unavailable: serde_json::Value) -> serde_json::Value {
-    serde_json::json!({
-        "type": "RollingUpdate",
-        "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable}
-    })
 }
 
 fn deployments(client: &Client, ns: &str) -> Api<MachineDeployment> {
@@ -111,14 +78,6 @@ async fn class_in_pool(client: &Client, name: &str, pool: &str, more: serde_json
 
 fn progressing(d: &MachineDeployment) -> Option<&Condition> {
     condition(d, "Progressing")
-}
-
-fn condition<'a>(d: &'a MachineDeployment, type_: &str) -> Option<&'a Condition> {
-    d.status
-        .as_ref()?
-        .conditions
-        .iter()
-        .find(|c| c.type_ == type_)
 }
 
 /// Waits until the deployment's status describes its current generation
@@ -206,42 +165,6 @@ fn nodes_of(ns: &str, machines: &[Machine]) -> BTreeSet<String> {
         .collect()
 }
 
-/// Berth's Events of `reason` about `regarding` in `ns`, once there are
-/// `n`, oldest first.
-async fn events_of(
-    client: &Client,
-    ns: &str,
-    regarding: &str,
-    reason: &str,
-    n: usize,
-) -> Vec<Event> {
-    let about = |e: &Event| {
-        e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(regarding)
-            && e.reason.as_deref() == Some(reason)
-    };
-    let all = wait::until(
-        Api::<Event>::namespaced(client.clone(), ns),
-        LONG,
-        &format!("{n} {reason} Events about {regarding}"),
-        |evs| evs.iter().filter(|e| about(e)).count() >= n,
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    let mut out: Vec<Event> = all
-        .iter()
-        .filter(|e| about(e))
-        .map(|e| (**e).clone())
-        .collect();
-    out.sort_by_key(|e| e.event_time.as_ref().map(|t| t.0));
-    out
-}
-
-fn notes(evs: &[Event]) -> Vec<String> {
-    evs.iter()
-        .map(|e| e.note.clone().unwrap_or_default())
-        .collect()
-}
-
 /// Waits until each of the pods `names` runs on one of `nodes`.
 async fn pods_running_on(client: &Client, ns: &str, names: &[String], nodes: &BTreeSet<String>) {
     wait::until(
@@ -319,7 +242,10 @@ async fn pool_of_two(
     strategy: serde_json::Value,
 ) -> (String, Vec<Machine>, Timeline) {
     deployments(client, ns)
-        .create(&PostParams::default(), &deployment("pool", 2, ns, strategy))
+        .create(
+            &PostParams::default(),
+            &machine_deployment("pool", ns, 2, "md", strategy),
+        )
         .await
         .expect("create the MachineDeployment");
     let d = rollout_is(client, ns, "pool", "RolloutComplete", 2).await;
@@ -381,7 +307,7 @@ async fn the_apiserver_refuses_an_invalid_strategy() {
         let err = api
             .create(
                 &PostParams::default(),
-                &deployment(name, 1, "c", strategy.clone()),
+                &machine_deployment(name, "c", 1, "md", strategy.clone()),
             )
             .await
             .expect_err(&format!("{name} ({strategy}) is refused"));
@@ -391,7 +317,7 @@ async fn the_apiserver_refuses_an_invalid_strategy() {
     let quarter = api
         .create(
             &PostParams::default(),
-            &deployment("quarter", 4, "c", rolling("25%".into(), 1.into())),
+            &machine_deployment("quarter", "c", 4, "md", rolling("25%".into(), 1.into())),
         )
         .await
         .expect("25% is taken");
@@ -404,10 +330,11 @@ async fn the_apiserver_refuses_an_invalid_strategy() {
     assert_eq!(serde_json::to_value(&r.max_surge).ok(), Some("25%".into()));
     api.create(
         &PostParams::default(),
-        &deployment(
+        &machine_deployment(
             "on-delete-ok",
-            1,
             "c",
+            1,
+            "md",
             serde_json::json!({"type": "OnDelete"}),
         ),
     )
@@ -439,7 +366,7 @@ async fn a_rolling_update_moves_each_stateful_pod_once_at_the_pace_of_its_strate
     deployments(&client, ns)
         .create(
             &PostParams::default(),
-            &deployment("pool", 4, ns, rolling(1.into(), 0.into())),
+            &machine_deployment("pool", ns, 4, "md", rolling(1.into(), 0.into())),
         )
         .await
         .expect("create the MachineDeployment");
@@ -566,7 +493,7 @@ async fn a_paused_rollout_finishes_its_drain_then_starts_nothing_until_resumed()
     deployments(&client, ns)
         .create(
             &PostParams::default(),
-            &deployment("pool", 3, ns, serde_json::Value::Null),
+            &machine_deployment("pool", ns, 3, "md", serde_json::Value::Null),
         )
         .await
         .expect("create the MachineDeployment");
@@ -894,7 +821,7 @@ async fn a_rollout_resumes_after_berth_is_killed_and_moves_each_stateful_pod_onc
     deployments(&client, ns)
         .create(
             &PostParams::default(),
-            &deployment("pool", 3, ns, serde_json::Value::Null),
+            &machine_deployment("pool", ns, 3, "md", serde_json::Value::Null),
         )
         .await
         .expect("create the MachineDeployment");
@@ -984,7 +911,7 @@ async fn a_machinedeployment_scales_through_its_scale_subresource() {
     let api = deployments(&client, ns);
     api.create(
         &PostParams::default(),
-        &deployment("pool", 1, ns, serde_json::Value::Null),
+        &machine_deployment("pool", ns, 1, "md", serde_json::Value::Null),
     )
     .await
     .expect("create the MachineDeployment");

@@ -10,13 +10,10 @@ use std::time::{Duration, Instant};
 use berth::api::{Machine, MachineDeployment, MachineSet};
 use berth_devkit::testbed::{TestBed, wait};
 use k8s_openapi::api::autoscaling::v1::Scale;
-use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use support::audit::{assert_no_request_loop, controller_client};
-use support::pool::{
-    assert_scale_down_reasons, delayed_bed, json, mark_for_scale_down, pool_class,
-};
+use support::pool::{assert_scale_down_reasons, delayed_bed, mark_for_scale_down, pool_class};
 use support::{LONG, phase, start_controller};
 
 async fn bed() -> &'static TestBed {
@@ -35,19 +32,13 @@ async fn start(ns: &str) -> support::Running {
 /// A MachineSet `name` of `replicas` Machines of class `class`, labelled
 /// `set: <name>`.
 fn machine_set(name: &str, class: &str, replicas: i32) -> MachineSet {
-    json(serde_json::json!({
-        "apiVersion": "berth.dev/v1alpha1",
-        "kind": "MachineSet",
-        "metadata": {"name": name},
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": {"set": name}},
-            "template": {
-                "metadata": {"labels": {"set": name}, "annotations": {"team": "storage"}},
-                "spec": {"classRef": {"name": class}}
-            }
-        }
-    }))
+    let mut s = berth_devkit::testbed::fixtures::machine_set(name, class, replicas);
+    s.spec
+        .template
+        .metadata
+        .annotations
+        .insert("team".into(), "storage".into());
+    s
 }
 
 /// Waits until the set's Machines that are not being deleted are `n`, all
@@ -101,41 +92,6 @@ async fn status_is(client: &Client, ns: &str, set: &str, replicas: i32, ready: i
     (*s).clone()
 }
 
-fn condition(s: &MachineSet, type_: &str) -> (String, String) {
-    let c = s
-        .status
-        .as_ref()
-        .and_then(|st| st.conditions.iter().find(|c| c.type_ == type_))
-        .unwrap_or_else(|| panic!("{type_} condition"));
-    (c.status.clone(), c.reason.clone())
-}
-
-/// Berth's Events of `reason` about `regarding` in `ns`, once there are `n`.
-async fn events_of(
-    client: &Client,
-    ns: &str,
-    regarding: &str,
-    reason: &str,
-    n: usize,
-) -> Vec<String> {
-    let about = |e: &Event| {
-        e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(regarding)
-            && e.reason.as_deref() == Some(reason)
-    };
-    wait::until(
-        Api::<Event>::namespaced(client.clone(), ns),
-        LONG,
-        &format!("{n} {reason} Events about {regarding}"),
-        |evs| evs.iter().filter(|e| about(e)).count() >= n,
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"))
-    .iter()
-    .filter(|e| about(e))
-    .map(|e| e.note.clone().unwrap_or_default())
-    .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machineset_scales_up_and_down_deleting_the_cheapest_machines_first() {
     let client = client().await;
@@ -152,7 +108,7 @@ async fn a_machineset_scales_up_and_down_deleting_the_cheapest_machines_first() 
         .expect("create the MachineSet");
     let s = status_is(&client, ns, "pool", 0, 0).await;
     assert_eq!(
-        condition(&s, "Ready"),
+        status_reason(&s, "Ready"),
         ("True".into(), "AllReplicasReady".into())
     );
     sets.patch_scale(
@@ -177,16 +133,16 @@ async fn a_machineset_scales_up_and_down_deleting_the_cheapest_machines_first() 
     assert_eq!(st.available_replicas, 3);
     assert_eq!(st.selector.as_deref(), Some("set=pool"));
     assert_eq!(
-        condition(&s, "Ready"),
+        status_reason(&s, "Ready"),
         ("True".into(), "AllReplicasReady".into())
     );
-    assert_eq!(condition(&s, "ReplicaFailure").0, "False");
+    assert_eq!(status_reason(&s, "ReplicaFailure").0, "False");
     let scale: Scale = sets.get_scale("pool").await.expect("the scale subresource");
     assert_eq!(scale.spec.and_then(|s| s.replicas), Some(3));
     let scale_status = scale.status.expect("scale status");
     assert_eq!(scale_status.replicas, 3);
     assert_eq!(scale_status.selector.as_deref(), Some("set=pool"));
-    let created = events_of(&client, ns, "pool", "ScaledUp", 3).await;
+    let created = support::notes(&support::events_of(&client, ns, "pool", "ScaledUp", 3).await);
     assert!(
         created.iter().any(|n| n.contains("(3 of 3 replicas)")),
         "{created:?}"
@@ -212,12 +168,14 @@ async fn a_machineset_scales_up_and_down_deleting_the_cheapest_machines_first() 
         stateful.name_any(),
         "the stateful Machine stays"
     );
-    let notes = events_of(&client, ns, "pool", "ScaledDown", 2).await;
+    let notes = support::notes(&support::events_of(&client, ns, "pool", "ScaledDown", 2).await);
     assert_scale_down_reasons(&notes, &machines);
     assert_eq!(notes.len(), 2, "never more than needed: {notes:?}");
     // And on each Machine chosen.
     for m in [marked, plain] {
-        let on_machine = events_of(&client, ns, &m.name_any(), "DeletedByMachineSet", 1).await;
+        let on_machine = support::notes(
+            &support::events_of(&client, ns, &m.name_any(), "DeletedByMachineSet", 1).await,
+        );
         assert!(
             on_machine[0].contains("scaled from 3 to 1"),
             "{on_machine:?}"
@@ -232,7 +190,7 @@ async fn a_machineset_scales_up_and_down_deleting_the_cheapest_machines_first() 
     eprintln!("scale-down 3 -> 1: {:?}", t.elapsed());
     let s = status_is(&client, ns, "pool", 1, 1).await;
     assert_eq!(
-        condition(&s, "Ready"),
+        status_reason(&s, "Ready"),
         ("True".into(), "AllReplicasReady".into())
     );
 
@@ -362,19 +320,13 @@ async fn a_machinedeployment_rolls_a_template_change_through_a_new_machineset() 
     pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
     let ctl = start(ns).await;
     let mds: Api<MachineDeployment> = Api::namespaced(client.clone(), ns);
-    let md: MachineDeployment = json(serde_json::json!({
-        "apiVersion": "berth.dev/v1alpha1",
-        "kind": "MachineDeployment",
-        "metadata": {"name": "pool"},
-        "spec": {
-            "replicas": 3,
-            "selector": {"matchLabels": {"pool": "a"}},
-            "template": {
-                "metadata": {"labels": {"pool": "a"}},
-                "spec": {"classRef": {"name": ns}}
-            }
-        }
-    }));
+    let md: MachineDeployment = berth_devkit::testbed::fixtures::machine_deployment(
+        "pool",
+        ns,
+        3,
+        "pool",
+        serde_json::Value::Null,
+    );
     mds.create(&PostParams::default(), &md)
         .await
         .expect("create the MachineDeployment");
@@ -421,14 +373,22 @@ async fn a_machinedeployment_rolls_a_template_change_through_a_new_machineset() 
         old_set.annotations().get("berth.dev/superseded-by"),
         Some(&format!("pool-{hash}"))
     );
-    let started = events_of(&client, ns, "pool", "RolloutStarted", 2).await;
+    let started =
+        support::notes(&support::events_of(&client, ns, "pool", "RolloutStarted", 2).await);
     assert!(
         started
             .iter()
             .any(|n| n.contains("3 old Machines to replace")),
         "{started:?}"
     );
-    let scaled = events_of(&client, ns, "pool", "ScaledOldMachineSet", 3).await;
+    let scaled =
+        support::notes(&support::events_of(&client, ns, "pool", "ScaledOldMachineSet", 3).await);
     assert_eq!(scaled.len(), 3, "one old Machine at a time: {scaled:?}");
     ctl.stop().await;
+}
+
+/// The status and reason of `s`'s condition `type_`.
+fn status_reason(s: &MachineSet, type_: &str) -> (String, String) {
+    let c = support::condition(s, type_).unwrap_or_else(|| panic!("{type_} condition"));
+    (c.status.clone(), c.reason.clone())
 }

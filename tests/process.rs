@@ -4,6 +4,8 @@
 
 mod support;
 
+use berth_devkit::testbed::fixtures::machine;
+
 use berth::api::{Machine, MachineClass};
 use berth_devkit::testbed::{Options, TestBed, fixtures, wait};
 use k8s_openapi::api::coordination::v1::Lease;
@@ -23,23 +25,9 @@ fn init_logs() {
 }
 
 fn class(name: &str) -> MachineClass {
-    serde_json::from_value(serde_json::json!({
-        "apiVersion": "berth.dev/v1alpha1",
-        "kind": "MachineClass",
-        "metadata": {"name": name},
-        "spec": {"provider": "fake", "providerSpec": {}, "creationTimeout": "10m"}
-    }))
-    .expect("class")
-}
-
-fn machine(name: &str, class: &str) -> Machine {
-    serde_json::from_value(serde_json::json!({
-        "apiVersion": "berth.dev/v1alpha1",
-        "kind": "Machine",
-        "metadata": {"name": name},
-        "spec": {"classRef": {"name": class}}
-    }))
-    .expect("machine")
+    let mut c = fixtures::machine_class(name, "fake", serde_json::json!({}));
+    c.spec.creation_timeout = Some("10m".into());
+    c
 }
 
 /// The `reportingInstance` of every Event about Machine `name`, once there

@@ -68,13 +68,12 @@ async fn setup(ns: &str, nodes: &[&str]) -> Client {
     client
 }
 
-/// Tests share the control plane, so each keeps its pods on its own Nodes
-/// through a pool label and a matching nodeSelector.
-const POOL: &str = "testbed.berth.dev/pool";
-
 async fn create_node(client: &Client, name: &str, pool: &str) {
     let mut n = node(name);
-    n.labels_mut().insert(POOL.into(), pool.into());
+    n.labels_mut().insert(
+        berth_devkit::testbed::fixtures::POOL_LABEL.into(),
+        pool.into(),
+    );
     Api::<Node>::all(client.clone())
         .create(&PostParams::default(), &n)
         .await
@@ -119,7 +118,13 @@ async fn volume_follows_its_pod_to_another_node() {
         .expect("create PV");
     let mut sts = stateful_set("db", 1, 1);
     if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
-        spec.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
+        spec.node_selector = Some(
+            [(
+                berth_devkit::testbed::fixtures::POOL_LABEL.to_string(),
+                ns.to_string(),
+            )]
+            .into(),
+        );
     }
     Api::<StatefulSet>::namespaced(client.clone(), ns)
         .create(&PostParams::default(), &sts)
@@ -262,7 +267,7 @@ async fn a_pdb_at_its_limit_refuses_eviction_with_429() {
             "template": {
                 "metadata": {"labels": {"app": "web"}},
                 "spec": {
-                    "nodeSelector": {POOL: ns},
+                    "nodeSelector": {berth_devkit::testbed::fixtures::POOL_LABEL: ns},
                     "containers": [{"name": "main", "image": "registry.invalid/web:1"}]
                 }
             }
@@ -335,7 +340,7 @@ async fn a_pod_can_be_held_unready_or_kept_from_starting() {
         let pod: Pod = serde_json::from_value(serde_json::json!({
             "metadata": {"name": name, "annotations": {annotation: value}},
             "spec": {
-                "nodeSelector": {POOL: ns},
+                "nodeSelector": {berth_devkit::testbed::fixtures::POOL_LABEL: ns},
                 "containers": [{"name": "main", "image": "registry.invalid/app:1"}]
             }
         }))

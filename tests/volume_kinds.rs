@@ -22,38 +22,25 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use support::audit::assert_no_request_loop;
 use support::pool::{
-    HOOK, POOL, assert_contains, create, delayed_bed, delayed_client, delete_machine, events,
-    first, gone, json, log_of, plan_text, pool_class, running_held, running_pods, start_delayed,
+    Bed, HOOK, POOL, assert_contains, create, delete_machine, events, first, gone, json, log_of,
+    plan_text, pool_class, running_held, running_pods,
 };
 use support::{LONG, condition};
 
 const ATTACH_DELAY: Duration = Duration::from_secs(3);
 const DETACH_DELAY: Duration = Duration::from_secs(1);
+const BED: Bed = Bed {
+    attach: ATTACH_DELAY,
+    detach: DETACH_DELAY,
+};
 /// A driver whose CSIDriver says `attachRequired: false`: the
 /// attach-detach controller never makes a VolumeAttachment for it.
 const ATTACH_FREE_DRIVER: &str = "nfs.testbed.berth.dev";
 const ALLOW: &str = "berth.dev/allow-node-local-data-loss";
 
-async fn client() -> Client {
-    delayed_client(ATTACH_DELAY, DETACH_DELAY).await
-}
-
-/// A case's namespace and pool class (drain settings `drain`).
-async fn case(ns: &str, drain: serde_json::Value) -> Client {
-    let client = client().await;
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, drain).await;
-    client
-}
-
-/// The controller for the case in `ns`, as its own identity (audited).
-async fn start(ns: &str) -> support::Running {
-    start_delayed(ATTACH_DELAY, DETACH_DELAY, ns, ns).await
-}
-
 /// Ends the case in `ns`: no request loop (see `PEAK_10S_CEILING`).
 async fn calm(case: &str, ns: &str) {
-    let bed = delayed_bed(ATTACH_DELAY, DETACH_DELAY).await;
+    let bed = BED.bed().await;
     assert_no_request_loop(bed, case, ns);
 }
 
@@ -122,7 +109,7 @@ where
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attach_free_stateful_set_drains_without_waiting_for_a_timeout() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "kinds-free";
     support::namespace(&client, ns).await;
     create(
@@ -140,7 +127,7 @@ async fn an_attach_free_stateful_set_drains_without_waiting_for_a_timeout() {
         serde_json::json!({"volumeReattachTimeout": "5m"}),
     )
     .await;
-    let ctl = start(ns).await;
+    let ctl = BED.start(ns).await;
     let node_a = running_held(&client, ns, "a", ns, false).await;
     for i in 0..2 {
         let mut pv = csi_pv(
@@ -218,8 +205,10 @@ async fn an_attach_free_stateful_set_drains_without_waiting_for_a_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_volume_is_evicted_and_its_loss_named() {
     let ns = "kinds-evict";
-    let client = case(ns, serde_json::json!({"volumeReattachTimeout": "5m"})).await;
-    let ctl = start(ns).await;
+    let client = BED
+        .case(ns, serde_json::json!({"volumeReattachTimeout": "5m"}))
+        .await;
+    let ctl = BED.start(ns).await;
     let node = running_held(&client, ns, "a", ns, true).await;
     let pv = format!("{ns}-local");
     local_volume(&client, ns, &pv, "data", &node).await;
@@ -280,12 +269,13 @@ async fn a_local_volume_is_evicted_and_its_loss_named() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn block_holds_a_local_volume_until_an_operator_allows_it() {
     let ns = "kinds-block";
-    let client = case(
-        ns,
-        serde_json::json!({"nodeLocalVolumes": "Block", "timeout": "10m"}),
-    )
-    .await;
-    let ctl = start(ns).await;
+    let client = BED
+        .case(
+            ns,
+            serde_json::json!({"nodeLocalVolumes": "Block", "timeout": "10m"}),
+        )
+        .await;
+    let ctl = BED.start(ns).await;
     let node = running_held(&client, ns, "a", ns, false).await;
     for (p, claim) in [("x", "data-x"), ("y", "data-y")] {
         local_volume(&client, ns, &format!("{ns}-{p}"), claim, &node).await;
@@ -352,7 +342,7 @@ async fn block_holds_a_local_volume_until_an_operator_allows_it() {
     annotate(machines.clone(), "a").await;
     gone(&client, ns, "a", LONG).await;
     // By the audit log: each pod evicted once, only after it was allowed.
-    let bed = delayed_bed(ATTACH_DELAY, DETACH_DELAY).await;
+    let bed = BED.bed().await;
     let all = support::oracle::evictions(bed, ns);
     let truth = support::oracle::log_of(&all);
     for (p, allowed) in [("x", x_allowed), ("y", y_allowed)] {
@@ -386,7 +376,7 @@ async fn block_holds_a_local_volume_until_an_operator_allows_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_volume_has_moved_only_once_attached_where_the_replacement_runs() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "kinds-rwx";
     let peers = "kinds-rwx-peers";
     support::namespace(&client, ns).await;
@@ -397,7 +387,7 @@ async fn a_shared_volume_has_moved_only_once_attached_where_the_replacement_runs
     )
     .await;
     pool_class(&client, peers, serde_json::json!({})).await;
-    let ctl = start(ns).await;
+    let ctl = BED.start(ns).await;
     let node_a = running_held(&client, ns, "a", ns, false).await;
     let node_c = running_held(&client, ns, "c", peers, false).await;
     let pv = format!("{ns}-shared");
@@ -469,7 +459,7 @@ async fn a_shared_volume_has_moved_only_once_attached_where_the_replacement_runs
     // By the audit log and the watches: A's Node was deleted only after the
     // attacher wrote the volume attached on B, where the replacement runs
     // (C had it all along), and after the watch saw it detach from A.
-    let bed = delayed_bed(ATTACH_DELAY, DETACH_DELAY).await;
+    let bed = BED.bed().await;
     let all = support::oracle::requests_once(bed, ns, |rs| {
         rs.iter()
             .any(|r| r.verb == "delete" && r.resource == "nodes")
@@ -516,8 +506,8 @@ async fn a_shared_volume_has_moved_only_once_attached_where_the_replacement_runs
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_in_tree_volume_is_planned_under_its_migrated_csi_name() {
     let ns = "kinds-intree";
-    let client = case(ns, serde_json::json!({})).await;
-    let ctl = start(ns).await;
+    let client = BED.case(ns, serde_json::json!({})).await;
+    let ctl = BED.start(ns).await;
     let node = running_held(&client, ns, "a", ns, false).await;
     let pv = format!("{ns}-ebs");
     create(
@@ -611,8 +601,10 @@ fn watch_node_lists(client: &Client) -> (NodeLists, tokio::task::JoinHandle<()>)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_in_tree_iscsi_volume_moves_as_the_node_lists_it() {
     let ns = "kinds-iscsi";
-    let client = case(ns, serde_json::json!({"volumeReattachTimeout": "5m"})).await;
-    let ctl = start(ns).await;
+    let client = BED
+        .case(ns, serde_json::json!({"volumeReattachTimeout": "5m"}))
+        .await;
+    let ctl = BED.start(ns).await;
     let node_a = running_held(&client, ns, "a", ns, false).await;
     let unique =
         |i: usize| format!("kubernetes.io/iscsi/10.0.0.9:3260:iqn.2026-11.dev.berth:{ns}:{i}");
@@ -655,7 +647,7 @@ async fn an_in_tree_iscsi_volume_moves_as_the_node_lists_it() {
     gone(&client, ns, "a", Duration::from_secs(120)).await;
     watch.abort();
 
-    let bed = delayed_bed(ATTACH_DELAY, DETACH_DELAY).await;
+    let bed = BED.bed().await;
     let write = listing_write(bed, &lists, &node_b, &unique(0));
     let all = support::oracle::evictions(bed, ns);
     let log = support::oracle::log_of(&all);
@@ -723,8 +715,10 @@ fn listing_write(
 async fn an_inline_iscsi_volume_moves_as_a_claim_would() {
     use berth_devkit::testbed::fixtures::deployment;
     let ns = "kinds-inline";
-    let client = case(ns, serde_json::json!({"volumeReattachTimeout": "5m"})).await;
-    let ctl = start(ns).await;
+    let client = BED
+        .case(ns, serde_json::json!({"volumeReattachTimeout": "5m"}))
+        .await;
+    let ctl = BED.start(ns).await;
     let node_a = running_held(&client, ns, "a", ns, false).await;
     // One target each: the scheduler lets no two pods on a Node mount the
     // same IQN read-write.
@@ -760,7 +754,7 @@ async fn an_inline_iscsi_volume_moves_as_a_claim_would() {
     delete_machine(&client, ns, "a").await;
     gone(&client, ns, "a", Duration::from_secs(120)).await;
     watch.abort();
-    let bed = delayed_bed(ATTACH_DELAY, DETACH_DELAY).await;
+    let bed = BED.bed().await;
     let write = listing_write(bed, &lists, &node_b, &unique("a-legacy"));
     let all = support::oracle::evictions(bed, ns);
     let log = support::oracle::log_of(&all);

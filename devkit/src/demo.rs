@@ -31,7 +31,6 @@ use berth::providers::fake::FakeProvider;
 use berth::telemetry::{HttpState, Metrics};
 
 const NS: &str = "demo";
-const POOL: &str = "testbed.berth.dev/pool";
 const LONG: Duration = Duration::from_secs(120);
 
 /// How the demo runs.
@@ -157,12 +156,11 @@ async fn scenario(
     .await?;
     crate::testbed::create_or_keep(
         Api::<MachineClass>::all(client.clone()),
-        json(serde_json::json!({
-            "apiVersion": "berth.dev/v1alpha1", "kind": "MachineClass",
-            "metadata": {"name": "demo"},
-            "spec": {"provider": "fake", "providerSpec": {"nodeLabels": {POOL: NS}},
-                     "drain": {"timeout": "10m", "volumeDetachTimeout": "1m", "volumeReattachTimeout": "1m"}}
-        }))?,
+        fixtures::pool_class(
+            "demo",
+            NS,
+            serde_json::json!({"timeout": "10m", "volumeDetachTimeout": "1m", "volumeReattachTimeout": "1m"}),
+        ),
     )
     .await?;
     let machines: Api<Machine> = Api::namespaced(client.clone(), NS);
@@ -186,7 +184,7 @@ async fn scenario(
     }
     let mut sts = fixtures::stateful_set("db", i32::try_from(args.stateful).unwrap_or(3), 2);
     if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
-        spec.node_selector = Some([(POOL.to_string(), NS.to_string())].into());
+        spec.node_selector = Some([(fixtures::POOL_LABEL.to_string(), NS.to_string())].into());
         spec.priority_class_name = Some("demo-critical".into());
     }
     crate::testbed::create_or_keep(Api::namespaced(client.clone(), NS), sts).await?;
@@ -200,7 +198,7 @@ async fn scenario(
                 "template": {
                     "metadata": {"labels": {"app": "web"}},
                     "spec": {
-                        "nodeSelector": {POOL: NS},
+                        "nodeSelector": {fixtures::POOL_LABEL: NS},
                         "priorityClassName": "demo-normal",
                         "terminationGracePeriodSeconds": 1,
                         "containers": [{"name": "web", "image": "registry.invalid/web:1"}]
@@ -227,7 +225,7 @@ async fn scenario(
                 "template": {
                     "metadata": {"labels": {"app": "node-agent"}},
                     "spec": {
-                        "nodeSelector": {POOL: NS},
+                        "nodeSelector": {fixtures::POOL_LABEL: NS},
                         "containers": [{"name": "agent", "image": "registry.invalid/agent:1"}]
                     }
                 }
@@ -323,16 +321,13 @@ async fn rollout(client: &Client, clock: &Clock, stateful: u32) -> anyhow::Resul
     let mds: Api<MachineDeployment> = Api::namespaced(client.clone(), NS);
     crate::testbed::create_or_keep(
         mds.clone(),
-        json(serde_json::json!({
-            "apiVersion": "berth.dev/v1alpha1", "kind": "MachineDeployment",
-            "metadata": {"name": "pool"},
-            "spec": {
-                "replicas": 3,
-                "selector": {"matchLabels": {"pool": "demo"}},
-                "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-                "template": {"metadata": {"labels": {"pool": "demo"}}, "spec": {"classRef": {"name": "demo"}}}
-            }
-        }))?,
+        fixtures::machine_deployment(
+            "pool",
+            "demo",
+            3,
+            "pool",
+            fixtures::rolling(1.into(), 0.into()),
+        ),
     )
     .await?;
     let d = wait::for_one(mds.clone(), LONG, "the pool ready", |d| rolled_out(d, None)).await?;
@@ -584,14 +579,7 @@ async fn summary(client: &Client, log: &[(String, String)], took: Duration, metr
 
 async fn machine(client: &Client, clock: &Clock, name: &str) -> anyhow::Result<String> {
     let machines: Api<Machine> = Api::namespaced(client.clone(), NS);
-    crate::testbed::create_or_keep(
-        machines.clone(),
-        json(serde_json::json!({
-            "apiVersion": "berth.dev/v1alpha1", "kind": "Machine",
-            "metadata": {"name": name}, "spec": {"classRef": {"name": "demo"}}
-        }))?,
-    )
-    .await?;
+    crate::testbed::create_or_keep(machines.clone(), fixtures::machine(name, "demo")).await?;
     wait::for_one(machines, LONG, "Machine Running", |m| {
         m.name_any() == name
             && m.status.as_ref().and_then(|s| s.phase) == Some(berth::api::MachinePhase::Running)

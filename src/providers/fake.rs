@@ -114,6 +114,11 @@ impl FakeProvider {
     }
 
     /// The Node name the VM of a Machine registers.
+    /// The ConfigMap that plays Machine `machine`'s VM.
+    pub fn vm_name(machine: &str) -> String {
+        vm_name(machine)
+    }
+
     pub fn node_name(namespace: &str, name: &str) -> String {
         format!("{namespace}-{name}")
     }

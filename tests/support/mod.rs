@@ -10,44 +10,105 @@ pub mod process;
 use std::sync::Arc;
 use std::time::Duration;
 
-use berth::api::{Machine, MachineClass};
+use berth::api::{Machine, MachineClass, MachineDeployment, MachineSet};
 use berth::providers::Registry;
 use berth::providers::fake::FakeProvider;
 use berth_devkit::testbed::{Options, TestBed, fixtures, wait};
 use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
 use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
 use tokio::sync::OnceCell;
 
 pub const LONG: Duration = Duration::from_secs(60);
 
-/// A Machine's Events, oldest first, once one of them has one of the
-/// `last` reasons (a drain's `Drained`, a deletion's `DeleteVmAndNode`).
-/// The controller publishes Events from a queue, in order, after the step
-/// they record: a Machine can be gone before its last Events are in, and a
-/// fresh CI run once listed them 25 ms too early.
-pub async fn events_until(
+/// Berth's Events about `regarding` in `ns`, oldest first, once `ready`
+/// holds over them (`what` names the wait). The controller publishes
+/// Events from a queue, in order, after the step they record: a Machine
+/// can be gone before its last Events are in, so a test waits for the
+/// Event it needs rather than listing once.
+pub async fn events(
     client: &Client,
     ns: &str,
-    machine: &str,
-    last: &[&str],
-) -> Vec<Arc<Event>> {
-    let about = |e: &Event| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(machine);
+    regarding: &str,
+    what: &str,
+    ready: impl Fn(&[&Event]) -> bool,
+) -> Vec<Event> {
+    let about = |e: &Event| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(regarding);
     let all = wait::until(
         Api::<Event>::namespaced(client.clone(), ns),
         LONG,
-        &format!("{machine}: an Event {last:?}"),
+        &format!("{regarding}: {what}"),
         |evs| {
-            evs.iter()
-                .any(|e| about(e) && e.reason.as_deref().is_some_and(|r| last.contains(&r)))
+            ready(
+                &evs.iter()
+                    .map(|e| &**e)
+                    .filter(|e| about(e))
+                    .collect::<Vec<_>>(),
+            )
         },
     )
     .await
     .unwrap_or_else(|e| panic!("{e}"));
-    let mut out: Vec<Arc<Event>> = all.into_iter().filter(|e| about(e)).collect();
+    let mut out: Vec<Event> = all
+        .iter()
+        .filter(|e| about(e))
+        .map(|e| (**e).clone())
+        .collect();
     out.sort_by_key(|e| e.event_time.as_ref().map(|t| t.0));
     out
+}
+
+/// [`events`] about a Machine once one of them has one of the `last`
+/// reasons (a drain's `Drained`, a deletion's `DeleteVmAndNode`).
+pub async fn events_until(client: &Client, ns: &str, machine: &str, last: &[&str]) -> Vec<Event> {
+    events(client, ns, machine, &format!("an Event {last:?}"), |evs| {
+        evs.iter()
+            .any(|e| e.reason.as_deref().is_some_and(|r| last.contains(&r)))
+    })
+    .await
+}
+
+/// [`events`] of `reason` about `regarding`, once there are `n`.
+pub async fn events_of(
+    client: &Client,
+    ns: &str,
+    regarding: &str,
+    reason: &str,
+    n: usize,
+) -> Vec<Event> {
+    let of = |e: &Event| e.reason.as_deref() == Some(reason);
+    events(
+        client,
+        ns,
+        regarding,
+        &format!("{n} {reason} Events"),
+        |evs| evs.iter().filter(|e| of(e)).count() >= n,
+    )
+    .await
+    .into_iter()
+    .filter(|e| of(e))
+    .collect()
+}
+
+/// The notes of `evs`.
+pub fn notes(evs: &[Event]) -> Vec<String> {
+    evs.iter()
+        .map(|e| e.note.clone().unwrap_or_default())
+        .collect()
+}
+
+/// The reasons of `evs`, each with its note.
+pub fn reason_notes(evs: &[Event]) -> Vec<(String, String)> {
+    reasons(evs).into_iter().zip(notes(evs)).collect()
+}
+
+/// The reasons of `evs`.
+pub fn reasons(evs: &[Event]) -> Vec<String> {
+    evs.iter()
+        .map(|e| e.reason.clone().unwrap_or_default())
+        .collect()
 }
 
 /// One end-to-end control plane per test binary, with the CRDs installed.
@@ -140,24 +201,14 @@ pub async fn start_controller(client: &Client, ns: &str, instance: &str) -> Runn
     Running(spawned, metrics)
 }
 
-pub fn class(name: &str, provider: &str, provider_spec: serde_json::Value) -> MachineClass {
-    serde_json::from_value(serde_json::json!({
-        "apiVersion": "berth.dev/v1alpha1",
-        "kind": "MachineClass",
-        "metadata": {"name": name},
-        "spec": {"provider": provider, "providerSpec": provider_spec, "creationTimeout": "2m"}
-    }))
-    .expect("class")
-}
+pub use berth_devkit::testbed::fixtures::machine;
 
-pub fn machine(name: &str, class: &str) -> Machine {
-    serde_json::from_value(serde_json::json!({
-        "apiVersion": "berth.dev/v1alpha1",
-        "kind": "Machine",
-        "metadata": {"name": name},
-        "spec": {"classRef": {"name": class}}
-    }))
-    .expect("machine")
+/// A MachineClass of the tests: a Machine not Running within 2 minutes has
+/// failed.
+pub fn class(name: &str, provider: &str, provider_spec: serde_json::Value) -> MachineClass {
+    let mut c = fixtures::machine_class(name, provider, provider_spec);
+    c.spec.creation_timeout = Some("2m".into());
+    c
 }
 
 /// Waits for Machine `name` of `ns` to match `f`; returns it.
@@ -183,15 +234,54 @@ pub fn phase(m: &Machine) -> Option<&'static str> {
     m.status.as_ref().and_then(|s| s.phase).map(|p| p.as_str())
 }
 
-pub fn condition<'a>(
-    m: &'a Machine,
-    type_: &str,
-) -> Option<&'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition> {
-    m.status
-        .as_ref()?
-        .conditions
-        .iter()
-        .find(|c| c.type_ == type_)
+/// Asserts that Machine `machine`'s VM (the fake provider's) and its Node
+/// `node` are gone.
+pub async fn assert_vm_and_node_gone(client: &Client, ns: &str, machine: &str, node: &str) {
+    let vm = FakeProvider::vm_name(machine);
+    let vm_left = Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(client.clone(), ns)
+        .get_opt(&vm)
+        .await
+        .expect("get the VM");
+    assert!(vm_left.is_none(), "{machine}'s VM {vm} is gone");
+    let node_left = Api::<k8s_openapi::api::core::v1::Node>::all(client.clone())
+        .get_opt(node)
+        .await
+        .expect("get the Node");
+    assert!(node_left.is_none(), "{machine}'s Node {node} is gone");
+}
+
+/// One of berth's kinds, whose status has conditions.
+pub trait Conditioned {
+    fn conditions(&self) -> &[Condition];
+}
+
+impl Conditioned for Machine {
+    fn conditions(&self) -> &[Condition] {
+        self.status.as_ref().map_or(&[], |s| &s.conditions)
+    }
+}
+
+impl Conditioned for MachineSet {
+    fn conditions(&self) -> &[Condition] {
+        self.status.as_ref().map_or(&[], |s| &s.conditions)
+    }
+}
+
+impl<T: Conditioned> Conditioned for Arc<T> {
+    fn conditions(&self) -> &[Condition] {
+        (**self).conditions()
+    }
+}
+
+impl Conditioned for MachineDeployment {
+    fn conditions(&self) -> &[Condition] {
+        self.status.as_ref().map_or(&[], |s| &s.conditions)
+    }
+}
+
+/// The condition `type_` of `obj`, if it has one.
+pub fn condition<'a>(obj: &'a impl Conditioned, type_: &str) -> Option<&'a Condition> {
+    obj.conditions().iter().find(|c| c.type_ == type_)
 }
 
 pub fn last_step(m: &Machine) -> Option<(String, String)> {

@@ -51,6 +51,29 @@ pub fn accepted_evictions_of<'a>(all: &'a [Request], name: &str) -> Vec<&'a Requ
         .collect()
 }
 
+/// The one accepted eviction of `pod` (a name, or a prefix ending in `*`),
+/// asserting there is exactly one; `log` says what the cluster did.
+pub fn evicted_once<'a>(all: &'a [Request], pod: &str, log: &str) -> &'a Request {
+    let evicted = accepted_evictions_of(all, pod);
+    assert_eq!(evicted.len(), 1, "{pod} evicted once: {log}");
+    evicted[0]
+}
+
+/// Of `a` and `b`, each evicted once: the first evicted, then the other,
+/// each with its eviction.
+pub fn in_order<'n, 'r>(
+    all: &'r [Request],
+    (a, b): (&'n str, &'n str),
+    log: &str,
+) -> ((&'n str, &'r Request), (&'n str, &'r Request)) {
+    let (ea, eb) = (evicted_once(all, a, log), evicted_once(all, b, log));
+    if ea.received < eb.received {
+        ((a, ea), (b, eb))
+    } else {
+        ((b, eb), (a, ea))
+    }
+}
+
 fn matches_name(have: Option<&str>, want: &str) -> bool {
     match (have, want.strip_suffix('*')) {
         (Some(h), Some(prefix)) => h.starts_with(prefix),

@@ -13,10 +13,10 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use tokio::sync::OnceCell;
 
-use super::{LONG, class, machine, phase};
+use super::{LONG, machine, phase};
 
 /// The label a pool's Nodes carry (`testbed.berth.dev/pool: <pool>`).
-pub const POOL: &str = "testbed.berth.dev/pool";
+pub use berth_devkit::testbed::fixtures::POOL_LABEL as POOL;
 
 /// One control plane for the test file, with simulated CSI attach and
 /// detach taking `attach` and `detach` (the first call's values hold), and
@@ -41,6 +41,39 @@ pub async fn delayed_client(attach: Duration, detach: Duration) -> Client {
         .client()
         .await
         .expect("admin client")
+}
+
+/// A test file's bed, by the delays of its CSI attacher: the cases of a
+/// file share it (see [`delayed_bed`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Bed {
+    pub attach: Duration,
+    pub detach: Duration,
+}
+
+impl Bed {
+    pub async fn bed(self) -> &'static TestBed {
+        delayed_bed(self.attach, self.detach).await
+    }
+
+    /// An admin client of the bed.
+    pub async fn client(self) -> Client {
+        delayed_client(self.attach, self.detach).await
+    }
+
+    /// A case's namespace and pool class of the same name (drain settings
+    /// `drain`); an admin client.
+    pub async fn case(self, ns: &str, drain: serde_json::Value) -> Client {
+        let client = self.client().await;
+        super::namespace(&client, ns).await;
+        pool_class(&client, ns, drain).await;
+        client
+    }
+
+    /// The controller for the case in `ns`, as its own identity (audited).
+    pub async fn start(self, ns: &str) -> super::Running {
+        start_delayed(self.attach, self.detach, ns, ns).await
+    }
 }
 
 /// The controller for the case in `ns`, on the file's delayed bed, as its
@@ -76,12 +109,8 @@ where
 
 /// A pool of fake Machines: class `pool` whose Nodes carry the pool label.
 pub async fn pool_class(client: &Client, pool: &str, drain: serde_json::Value) {
-    let mut c = class(
-        pool,
-        "fake",
-        serde_json::json!({"nodeLabels": {POOL: pool}}),
-    );
-    c.spec.drain = Some(serde_json::from_value(drain).expect("drain settings"));
+    let mut c = berth_devkit::testbed::fixtures::pool_class(pool, pool, drain);
+    c.spec.creation_timeout = Some("2m".into());
     create(Api::all(client.clone()), c).await;
 }
 
@@ -309,6 +338,24 @@ pub async fn stateful_in_pool(
     replicas: i32,
     priority: Option<&str>,
 ) {
+    stateful(client, ns, name, replicas, |sts| {
+        if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+            spec.priority_class_name = priority.map(String::from);
+        }
+    })
+    .await;
+}
+
+/// A StatefulSet `name` of `replicas` pods kept to the Nodes of pool `ns`,
+/// each with a pre-bound CSI PV `<ns>-<name>-<i>`; `adjust` changes it
+/// before it is created.
+pub async fn stateful(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    replicas: i32,
+    adjust: impl FnOnce(&mut k8s_openapi::api::apps::v1::StatefulSet),
+) {
     for i in 0..replicas {
         let pv = format!("{ns}-{name}-{i}");
         create(
@@ -320,8 +367,8 @@ pub async fn stateful_in_pool(
     let mut sts = stateful_set(name, replicas, 1);
     if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
         spec.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
-        spec.priority_class_name = priority.map(String::from);
     }
+    adjust(&mut sts);
     create(Api::namespaced(client.clone(), ns), sts).await;
 }
 

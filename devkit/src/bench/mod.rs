@@ -33,8 +33,13 @@
 
 pub mod audit;
 pub mod compare;
+mod measure;
+mod peers;
 pub mod rollout;
 pub mod scale;
+mod stateful;
+mod stateless;
+mod workloads;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -51,6 +56,12 @@ use kube::{Client, ResourceExt};
 use serde::Serialize;
 
 use self::audit::Request;
+pub(crate) use self::measure::pod_gone;
+use self::measure::{cost_into, drained_event, gaps, steps};
+use self::peers::{stateful_kubectl, stateful_mcm};
+use self::stateful::stateful_berth;
+use self::stateless::stateless_berth;
+use self::workloads::{running_on, stateful_on};
 use crate::testbed::{Options, TestBed, fixtures, wait};
 use berth::api::{Machine, MachineClass};
 use berth::providers::Registry;
@@ -347,12 +358,7 @@ async fn controller_client(
 async fn pool_class(admin: &Client, pool: &str) -> anyhow::Result<()> {
     crate::testbed::create_or_keep(
         Api::<MachineClass>::all(admin.clone()),
-        serde_json::from_value(serde_json::json!({
-            "apiVersion": "berth.dev/v1alpha1", "kind": "MachineClass",
-            "metadata": {"name": pool},
-            "spec": {"provider": "fake", "providerSpec": {"nodeLabels": {fixtures::POOL_LABEL: pool}},
-                     "drain": {"timeout": "30m"}}
-        }))?,
+        fixtures::pool_class(pool, pool, serde_json::json!({"timeout": "30m"})),
     )
     .await?;
     Ok(())
@@ -360,10 +366,9 @@ async fn pool_class(admin: &Client, pool: &str) -> anyhow::Result<()> {
 
 /// A Machine of `class` in the bench namespace.
 fn machine_object(name: &str, class: &str) -> anyhow::Result<Machine> {
-    Ok(serde_json::from_value(serde_json::json!({
-        "apiVersion": "berth.dev/v1alpha1", "kind": "Machine",
-        "metadata": {"name": name, "namespace": NS}, "spec": {"classRef": {"name": class}}
-    }))?)
+    let mut m = fixtures::machine(name, class);
+    m.metadata.namespace = Some(NS.into());
+    Ok(m)
 }
 
 async fn machine(admin: &Client, name: &str, class: &str) -> anyhow::Result<String> {
@@ -375,67 +380,6 @@ async fn machine(admin: &Client, name: &str, class: &str) -> anyhow::Result<Stri
     })
     .await?;
     Ok(FakeProvider::node_name(NS, name))
-}
-
-/// A StatefulSet `name` of `n` pods with a CSI volume each, all running on
-/// `node` with their volumes attached there.
-async fn stateful_on(
-    admin: &Client,
-    name: &str,
-    n: u32,
-    grace: u32,
-    pool: &str,
-    node: &str,
-) -> anyhow::Result<()> {
-    for i in 0..n {
-        let pv = format!("{pool}-{name}-{i}");
-        crate::testbed::create_or_keep(
-            Api::all(admin.clone()),
-            fixtures::csi_pv(&pv, &format!("vol-{pv}"), NS, &format!("data-{name}-{i}")),
-        )
-        .await?;
-    }
-    crate::testbed::create_or_keep(
-        Api::namespaced(admin.clone(), NS),
-        fixtures::stateful_set_in_pool(name, i32::try_from(n)?, i64::from(grace), pool, None),
-    )
-    .await?;
-    running_on(admin, node, &format!("{name}-"), n).await?;
-    wait::until(
-        Api::<VolumeAttachment>::all(admin.clone()),
-        LONG,
-        "volumes attached",
-        |vas| {
-            vas.iter()
-                .filter(|va| {
-                    va.spec.node_name == node && va.status.as_ref().is_some_and(|s| s.attached)
-                })
-                .count()
-                >= n as usize
-        },
-    )
-    .await?;
-    Ok(())
-}
-
-async fn running_on(admin: &Client, node: &str, prefix: &str, n: u32) -> anyhow::Result<()> {
-    wait::until(
-        Api::<Pod>::namespaced(admin.clone(), NS),
-        LONG,
-        "pods running",
-        |ps| {
-            ps.iter()
-                .filter(|p| {
-                    p.name_any().starts_with(prefix)
-                        && p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)
-                        && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
-                })
-                .count()
-                >= n as usize
-        },
-    )
-    .await?;
-    Ok(())
 }
 
 /// VolumeAttachment names by PV, on `node`.
@@ -495,451 +439,12 @@ fn secs(from: Timestamp, to: Timestamp) -> f64 {
     to.duration_since(from).as_secs_f64()
 }
 
-/// The requests that completed each stateful pod's steps, read from the
-/// audit log: pod gone (kwok deleted it), volume detached (kwok released
-/// the old VolumeAttachment), volume attached (kwok marked the new one
-/// attached).
-struct Steps<'a> {
-    gone: Vec<&'a Request>,
-    detached: Vec<&'a Request>,
-    attached: Vec<&'a Request>,
-}
-
-impl Steps<'_> {
-    /// When the last volume was attached on the new Node.
-    fn end(&self) -> Option<Timestamp> {
-        self.attached.iter().map(|r| r.completed).max()
-    }
-}
-
-fn steps<'a>(
-    log: &'a [Request],
-    pods: &[String],
-    pvs: &[String],
-    old: &BTreeMap<String, String>,
-    new: &BTreeMap<String, String>,
-    start: Timestamp,
-) -> Steps<'a> {
-    let mut s = Steps {
-        gone: vec![],
-        detached: vec![],
-        attached: vec![],
-    };
-    for (pod, pv) in pods.iter().zip(pvs) {
-        s.gone.extend(pod_gone(log, pod, start));
-        s.detached.extend(
-            old.get(pv)
-                .and_then(|va| last_write_by(log, "kwok", "volumeattachments", va)),
-        );
-        // The attacher's first status write is the one that sets
-        // `attached: true`.
-        s.attached.extend(
-            new.get(pv)
-                .and_then(|va| first_write_by(log, "kwok", "volumeattachments", va, "status")),
-        );
-    }
-    s
-}
-
-/// kwok's deletion of `pod` after `start`: the pod is gone.
-fn pod_gone<'a>(log: &'a [Request], pod: &str, start: Timestamp) -> Option<&'a Request> {
-    log.iter()
-        .filter(|r| r.user_agent.contains("kwok") && r.verb == "delete" && r.resource == "pods")
-        .filter(|r| r.name.as_deref() == Some(pod) && r.completed > start)
-        .min_by_key(|r| r.completed)
-}
-
-fn gaps(log: &[Request], user: &str, steps: &[&Request]) -> Vec<f64> {
-    steps
-        .iter()
-        .filter_map(|step| audit::reaction_ms(log, user, step))
-        .collect()
-}
-
 /// The admin's `delete machines/<name>` in the audit log.
 fn deleted_at(log: &[Request], resource: &str, name: &str) -> Option<Timestamp> {
     log.iter()
         .filter(|r| r.verb == "delete" && r.resource == resource && r.name.as_deref() == Some(name))
         .map(|r| r.received)
         .min()
-}
-
-async fn stateful_berth(
-    admin: &Client,
-    args: &BenchArgs,
-    audit_log: &std::path::Path,
-    user: &str,
-) -> anyhow::Result<Run> {
-    let pool = "bench-stateful";
-    pool_class(admin, pool).await?;
-    let a = machine(admin, "stateful-a", pool).await?;
-    stateful_on(admin, "db", args.stateful, args.grace, pool, &a).await?;
-    let b = machine(admin, "stateful-b", pool).await?;
-    let old = attachments_on(admin, &a).await?;
-    let machines: Api<Machine> = Api::namespaced(admin.clone(), NS);
-    let t = Instant::now();
-    machines
-        .delete("stateful-a", &DeleteParams::default())
-        .await?;
-    wait::for_none(
-        machines,
-        Duration::from_secs(1800),
-        "stateful-a gone",
-        |m| m.name_any() == "stateful-a",
-    )
-    .await?;
-    eprintln!("berth stateful drain: {:.1}s", t.elapsed().as_secs_f64());
-    drained_event(admin, "stateful-a").await?;
-    let new = attachments_on(admin, &b).await?;
-    let log = read_audit(audit_log)?;
-    let start =
-        deleted_at(&log, "machines", "stateful-a").context("the delete is in the audit log")?;
-    let mut pods: Vec<String> = (0..args.stateful).map(|i| format!("db-{i}")).collect();
-    pods.sort();
-    let pvs: Vec<String> = pods.iter().map(|p| format!("{pool}-{p}")).collect();
-    let s = steps(&log, &pods, &pvs, &old, &new, start);
-    let end = s.end().context("no reattach observed")?;
-    let mut run = Run {
-        scenario: "stateful".into(),
-        drainer: compare::BERTH.into(),
-        pods: args.stateful,
-        wall_seconds: Some(secs(start, end)),
-        floor_seconds: f64::from(args.stateful)
-            * (f64::from(args.grace)
-                + args.detach_delay.as_secs_f64()
-                + args.attach_delay.as_secs_f64()),
-        ..Default::default()
-    };
-    for (step, moments) in [
-        ("pod_gone", &s.gone),
-        ("detached", &s.detached),
-        ("reattached", &s.attached),
-    ] {
-        run.gaps_ms
-            .insert(step.into(), Gaps::of(&gaps(&log, user, moments)));
-    }
-    cost_into(&mut run, &log, user, start, end, Some("stateful-a"));
-    Ok(run)
-}
-
-/// Waits for the `Drained` Event of `machine`: Events are published from a
-/// queue, so it may come a moment after the Machine went.
-async fn drained_event(admin: &Client, machine: &str) -> anyhow::Result<()> {
-    wait::for_one(
-        Api::<Event>::namespaced(admin.clone(), NS),
-        Duration::from_secs(60),
-        &format!("the Drained Event of {machine}"),
-        |e| {
-            e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(machine)
-                && e.reason.as_deref() == Some("Drained")
-        },
-    )
-    .await?;
-    Ok(())
-}
-
-/// The drain's requests from `start` to `end`, and with `events` the
-/// Events about that Machine published after `end` (from the controller's
-/// queue) but for the drain.
-fn cost_into(
-    run: &mut Run,
-    log: &[Request],
-    user: &str,
-    start: Timestamp,
-    end: Timestamp,
-    events: Option<&str>,
-) {
-    run.api_requests = audit::cost(log, user, start, end);
-    if let Some(machine) = events {
-        let prefix = format!("{machine}.");
-        for r in log
-            .iter()
-            .filter(|r| r.user == user && r.resource == "events" && r.is_write())
-            .filter(|r| r.received > end)
-            .filter(|r| r.name.as_deref().is_some_and(|n| n.starts_with(&prefix)))
-        {
-            *run.api_requests.entry(r.kind()).or_default() += 1;
-        }
-    }
-    let total: u32 = run.api_requests.values().sum();
-    run.api_requests_per_pod = f64::from(total) / f64::from(run.pods.max(1));
-    run.reads_during_drain = log
-        .iter()
-        .filter(|r| r.user == user && r.is_read() && r.received >= start && r.received <= end)
-        .count() as u32;
-}
-
-async fn stateless_berth(
-    admin: &Client,
-    args: &BenchArgs,
-    audit_log: &std::path::Path,
-    user: &str,
-) -> anyhow::Result<Run> {
-    let pool = "bench-stateless";
-    pool_class(admin, pool).await?;
-    let c = machine(admin, "stateless-a", pool).await?;
-    crate::testbed::create_or_keep(
-        Api::namespaced(admin.clone(), NS),
-        fixtures::deployment(
-            "web",
-            i32::try_from(args.stateless)?,
-            i64::from(args.grace),
-            pool,
-        ),
-    )
-    .await?;
-    running_on(admin, &c, "web-", args.stateless).await?;
-    machine(admin, "stateless-b", pool).await?;
-    let machines: Api<Machine> = Api::namespaced(admin.clone(), NS);
-    // The drain's end is its `status.drain.finishedAt`, seen by a watch
-    // from before the delete (the Machine is gone soon after).
-    let (listed_tx, listed) = tokio::sync::oneshot::channel();
-    let seen = tokio::spawn(scale::watch_ends(
-        machines.clone(),
-        ["stateless-a".to_string()].into(),
-        listed_tx,
-    ));
-    listed
-        .await
-        .context("the Machine watch ended before listing")?;
-    machines
-        .delete("stateless-a", &DeleteParams::default())
-        .await?;
-    let seen = tokio::time::timeout(LONG, seen)
-        .await
-        .context("stateless-a not gone in time")?
-        .context("the Machine watch failed")??;
-    drained_event(admin, "stateless-a").await?;
-    let log = read_audit(audit_log)?;
-    let start =
-        deleted_at(&log, "machines", "stateless-a").context("the delete is in the audit log")?;
-    let drained = *seen
-        .finished
-        .get("stateless-a")
-        .context("no status.drain.finishedAt seen")?;
-    let mut run = Run {
-        scenario: "stateless".into(),
-        drainer: compare::BERTH.into(),
-        pods: args.stateless,
-        wall_seconds: Some(secs(start, drained)),
-        floor_seconds: f64::from(args.grace),
-        ..Default::default()
-    };
-    cost_into(&mut run, &log, user, start, drained, Some("stateless-a"));
-    Ok(run)
-}
-
-/// Two bare kwok Nodes in `pool` and the stateful workload on the first.
-async fn peer_nodes(
-    admin: &Client,
-    pool: &str,
-    args: &BenchArgs,
-) -> anyhow::Result<(String, String)> {
-    let (a, b) = (format!("{pool}-a"), format!("{pool}-b"));
-    let nodes: Api<Node> = Api::all(admin.clone());
-    let mut na = fixtures::node(&a);
-    na.labels_mut()
-        .insert(fixtures::POOL_LABEL.into(), pool.into());
-    crate::testbed::create_or_keep(nodes.clone(), na).await?;
-    let sts = format!("{}-db", pool.trim_start_matches("bench-"));
-    stateful_on(admin, &sts, args.stateful, args.grace, pool, &a).await?;
-    let mut nb = fixtures::node(&b);
-    nb.labels_mut()
-        .insert(fixtures::POOL_LABEL.into(), pool.into());
-    crate::testbed::create_or_keep(nodes, nb).await?;
-    Ok((a, b))
-}
-
-async fn peer_run(
-    admin: &Client,
-    args: &BenchArgs,
-    audit_log: &std::path::Path,
-    pool: &str,
-    drainer: &str,
-    agent: &str,
-    command: std::process::Command,
-) -> anyhow::Result<Run> {
-    let (a, b) = peer_nodes(admin, pool, args).await?;
-    let old = attachments_on(admin, &a).await?;
-    let sts = format!("{}-db", pool.trim_start_matches("bench-"));
-    let mut command = command;
-    command.arg(&a);
-    let started = Timestamp::now();
-    let t = Instant::now();
-    // A peer gets ten minutes; one that hangs is killed and reported.
-    let mut command = tokio::process::Command::from(command);
-    command.kill_on_drop(true);
-    let out = match tokio::time::timeout(PEER_TIMEOUT, command.output()).await {
-        Ok(out) => out?,
-        Err(_) => {
-            anyhow::bail!(
-                "{drainer} did not finish within {}",
-                humantime::format_duration(PEER_TIMEOUT)
-            )
-        }
-    };
-    let exited = t.elapsed();
-    let mut run = Run {
-        scenario: "stateful".into(),
-        drainer: drainer.into(),
-        pods: args.stateful,
-        floor_seconds: f64::from(args.stateful)
-            * (f64::from(args.grace)
-                + args.detach_delay.as_secs_f64()
-                + args.attach_delay.as_secs_f64()),
-        ..Default::default()
-    };
-    if !out.status.success() {
-        run.note = Some(format!(
-            "exited {}: {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-                .chars()
-                .take(400)
-                .collect::<String>()
-        ));
-        return Ok(run);
-    }
-    // The peer returns when its pods are gone; the volumes settle later.
-    let pvs: Vec<String> = (0..args.stateful)
-        .map(|i| format!("{pool}-{sts}-{i}"))
-        .collect();
-    wait::until(
-        Api::<VolumeAttachment>::all(admin.clone()),
-        LONG,
-        "volumes on B",
-        |vas| {
-            pvs.iter().all(|pv| {
-                vas.iter().any(|va| {
-                    va.spec.node_name == b
-                        && va.spec.source.persistent_volume_name.as_deref() == Some(pv.as_str())
-                        && va.status.as_ref().is_some_and(|s| s.attached)
-                })
-            })
-        },
-    )
-    .await?;
-    let new = attachments_on(admin, &b).await?;
-    let log = read_audit(audit_log)?;
-    let mut pods: Vec<String> = (0..args.stateful).map(|i| format!("{sts}-{i}")).collect();
-    pods.sort();
-    let s = steps(&log, &pods, &pvs, &old, &new, started);
-    let end = s.end();
-    run.wall_seconds = end.map(|e| secs(started, e));
-    run.note = Some(format!(
-        "{drainer} returned after {:.1}s (pods gone); wall time is until the last volume attached on the new Node",
-        exited.as_secs_f64()
-    ));
-    let users: Vec<&str> = log
-        .iter()
-        .filter(|r| r.user_agent.contains(agent) && r.received >= started)
-        .map(|r| r.user.as_str())
-        .collect();
-    if let (Some(user), Some(end)) = (users.first(), end) {
-        let mut cost = BTreeMap::new();
-        for r in log.iter().filter(|r| {
-            r.user == *user
-                && r.user_agent.contains(agent)
-                && r.received >= started
-                && r.received <= end
-        }) {
-            *cost.entry(r.kind()).or_insert(0) += 1;
-        }
-        run.api_requests_per_pod =
-            f64::from(cost.values().sum::<u32>()) / f64::from(run.pods.max(1));
-        run.reads_during_drain = log
-            .iter()
-            .filter(|r| {
-                r.user == *user
-                    && r.user_agent.contains(agent)
-                    && r.is_read()
-                    && r.received >= started
-                    && r.received <= end
-            })
-            .count() as u32;
-        run.api_requests = cost;
-    }
-    Ok(run)
-}
-
-async fn stateful_kubectl(
-    admin: &Client,
-    bed: &TestBed,
-    args: &BenchArgs,
-    audit_log: &std::path::Path,
-) -> anyhow::Result<Run> {
-    let mut cmd = std::process::Command::new(crate::testbed::bin_dir()?.join("kubectl"));
-    cmd.arg("--kubeconfig").arg(bed.kubeconfig_path()).args([
-        "drain",
-        "--ignore-daemonsets",
-        "--delete-emptydir-data",
-        "--timeout=30m",
-    ]);
-    peer_run(
-        admin,
-        args,
-        audit_log,
-        "bench-kubectl",
-        "kubectl drain",
-        "kubectl",
-        cmd,
-    )
-    .await
-}
-
-async fn stateful_mcm(
-    admin: &Client,
-    bed: &TestBed,
-    args: &BenchArgs,
-    audit_log: &std::path::Path,
-) -> Run {
-    let script = crate::testbed::repo_root().join("hack/bench/build.sh");
-    let not_driven = |why: String| Run {
-        scenario: "stateful".into(),
-        drainer: "machine-controller-manager drain".into(),
-        pods: args.stateful,
-        note: Some(format!("not driven: {why}")),
-        ..Default::default()
-    };
-    if !script.exists() {
-        return not_driven("hack/bench/build.sh (the MCM driver) is not in this build".into());
-    }
-    let dir = match std::process::Command::new("bash")
-        .arg(&script)
-        .arg("--bin-dir")
-        .output()
-    {
-        Ok(o) if o.status.success() => PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()),
-        Ok(o) => {
-            return not_driven(format!(
-                "building the MCM driver failed: {}",
-                String::from_utf8_lossy(&o.stderr)
-                    .chars()
-                    .take(400)
-                    .collect::<String>()
-            ));
-        }
-        Err(e) => return not_driven(format!("cannot run {}: {e}", script.display())),
-    };
-    let mut cmd = std::process::Command::new(dir.join("mcm-drain"));
-    cmd.arg("--kubeconfig")
-        .arg(bed.kubeconfig_path())
-        .arg("--timeout=30m")
-        .arg("--node");
-    match peer_run(
-        admin,
-        args,
-        audit_log,
-        "bench-mcm",
-        "machine-controller-manager drain",
-        "mcm-drain",
-        cmd,
-    )
-    .await
-    {
-        Ok(run) => run,
-        Err(e) => not_driven(format!("{e:#}")),
-    }
 }
 
 fn hardware() -> String {

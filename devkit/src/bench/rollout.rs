@@ -195,18 +195,13 @@ pub(super) async fn run(
     let mds: Api<MachineDeployment> = Api::namespaced(admin.clone(), NS);
     crate::testbed::create_or_keep(
         mds.clone(),
-        serde_json::from_value(serde_json::json!({
-            "apiVersion": "berth.dev/v1alpha1", "kind": "MachineDeployment",
-            "metadata": {"name": MD},
-            "spec": {
-                "replicas": n,
-                "selector": {"matchLabels": {"rollout": MD}},
-                "strategy": {"type": "RollingUpdate", "rollingUpdate": {
-                    "maxSurge": args.max_surge, "maxUnavailable": args.max_unavailable}},
-                "template": {"metadata": {"labels": {"rollout": MD}},
-                             "spec": {"classRef": {"name": POOL}}}
-            }
-        }))?,
+        fixtures::machine_deployment(
+            MD,
+            POOL,
+            i32::try_from(n)?,
+            "rollout",
+            fixtures::rolling(args.max_surge.into(), args.max_unavailable.into()),
+        ),
     )
     .await?;
     let d = wait::for_one(mds.clone(), LONG, "the pool rolled out", |d| {

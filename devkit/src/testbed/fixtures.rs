@@ -210,3 +210,91 @@ pub fn deployment(name: &str, replicas: i32, grace_seconds: i64, pool: &str) -> 
         ..Default::default()
     }
 }
+
+/// The berth objects every test, the benchmark and the demo make, so that
+/// each is built one way. Each returns the object for the caller to adjust
+/// (a namespace, settings) before it is created.
+fn berth_object<T: serde::de::DeserializeOwned>(kind: &str, v: serde_json::Value) -> T {
+    let mut v = v;
+    v["apiVersion"] = "berth.dev/v1alpha1".into();
+    v["kind"] = kind.into();
+    serde_json::from_value(v).unwrap_or_else(|e| panic!("a valid {kind}: {e}"))
+}
+
+/// Machine `name` of MachineClass `class`.
+pub fn machine(name: &str, class: &str) -> berth::api::Machine {
+    berth_object(
+        "Machine",
+        serde_json::json!({"metadata": {"name": name}, "spec": {"classRef": {"name": class}}}),
+    )
+}
+
+/// MachineClass `name` of `provider`, with `provider_spec`.
+pub fn machine_class(
+    name: &str,
+    provider: &str,
+    provider_spec: serde_json::Value,
+) -> berth::api::MachineClass {
+    berth_object(
+        "MachineClass",
+        serde_json::json!({"metadata": {"name": name},
+            "spec": {"provider": provider, "providerSpec": provider_spec}}),
+    )
+}
+
+/// A `fake` MachineClass `name` whose Nodes join pool `pool` (the
+/// [`POOL_LABEL`] the fixtures' pods select), with drain settings `drain`.
+pub fn pool_class(name: &str, pool: &str, drain: serde_json::Value) -> berth::api::MachineClass {
+    let mut c = machine_class(
+        name,
+        "fake",
+        serde_json::json!({"nodeLabels": {POOL_LABEL: pool}}),
+    );
+    c.spec.drain = Some(serde_json::from_value(drain).expect("drain settings"));
+    c
+}
+
+/// MachineSet `name` of `replicas` Machines of class `class`, selected by
+/// the label `set: <name>`.
+pub fn machine_set(name: &str, class: &str, replicas: i32) -> berth::api::MachineSet {
+    berth_object(
+        "MachineSet",
+        serde_json::json!({"metadata": {"name": name}, "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"set": name}},
+            "template": {"metadata": {"labels": {"set": name}}, "spec": {"classRef": {"name": class}}}
+        }}),
+    )
+}
+
+/// MachineDeployment `name` of `replicas` Machines of class `class`,
+/// selected by the label `label: <name>`, rolled out by `strategy` (`null`:
+/// the default).
+pub fn machine_deployment(
+    name: &str,
+    class: &str,
+    replicas: i32,
+    label: &str,
+    strategy: serde_json::Value,
+) -> berth::api::MachineDeployment {
+    let mut spec = serde_json::json!({
+        "replicas": replicas,
+        "selector": {"matchLabels": {label: name}},
+        "template": {"metadata": {"labels": {label: name}}, "spec": {"classRef": {"name": class}}}
+    });
+    if !strategy.is_null() {
+        spec["strategy"] = strategy;
+    }
+    berth_object(
+        "MachineDeployment",
+        serde_json::json!({"metadata": {"name": name}, "spec": spec}),
+    )
+}
+
+/// A `RollingUpdate` strategy of `surge` and `unavailable`.
+pub fn rolling(surge: serde_json::Value, unavailable: serde_json::Value) -> serde_json::Value {
+    serde_json::json!({
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable}
+    })
+}

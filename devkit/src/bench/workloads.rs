@@ -1,0 +1,69 @@
+//! The workloads the scenarios drain, put on a Node and waited for.
+
+use super::*;
+
+/// A StatefulSet `name` of `n` pods with a CSI volume each, all running on
+/// `node` with their volumes attached there.
+pub(super) async fn stateful_on(
+    admin: &Client,
+    name: &str,
+    n: u32,
+    grace: u32,
+    pool: &str,
+    node: &str,
+) -> anyhow::Result<()> {
+    for i in 0..n {
+        let pv = format!("{pool}-{name}-{i}");
+        crate::testbed::create_or_keep(
+            Api::all(admin.clone()),
+            fixtures::csi_pv(&pv, &format!("vol-{pv}"), NS, &format!("data-{name}-{i}")),
+        )
+        .await?;
+    }
+    crate::testbed::create_or_keep(
+        Api::namespaced(admin.clone(), NS),
+        fixtures::stateful_set_in_pool(name, i32::try_from(n)?, i64::from(grace), pool, None),
+    )
+    .await?;
+    running_on(admin, node, &format!("{name}-"), n).await?;
+    wait::until(
+        Api::<VolumeAttachment>::all(admin.clone()),
+        LONG,
+        "volumes attached",
+        |vas| {
+            vas.iter()
+                .filter(|va| {
+                    va.spec.node_name == node && va.status.as_ref().is_some_and(|s| s.attached)
+                })
+                .count()
+                >= n as usize
+        },
+    )
+    .await?;
+    Ok(())
+}
+
+pub(super) async fn running_on(
+    admin: &Client,
+    node: &str,
+    prefix: &str,
+    n: u32,
+) -> anyhow::Result<()> {
+    wait::until(
+        Api::<Pod>::namespaced(admin.clone(), NS),
+        LONG,
+        "pods running",
+        |ps| {
+            ps.iter()
+                .filter(|p| {
+                    p.name_any().starts_with(prefix)
+                        && p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)
+                        && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+                })
+                .count()
+                >= n as usize
+        },
+    )
+    .await?;
+    Ok(())
+}

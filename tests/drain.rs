@@ -13,9 +13,9 @@ use std::time::Duration;
 
 use berth::api::Machine;
 use berth::providers::fake::FakeProvider;
-use berth_devkit::testbed::fixtures::{csi_pv, stateful_set};
+use berth_devkit::testbed::fixtures::csi_pv;
 use berth_devkit::testbed::stages::COMPLETE_AFTER_ANNOTATION;
-use berth_devkit::testbed::{TestBed, wait};
+use berth_devkit::testbed::wait;
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -23,11 +23,11 @@ use k8s_openapi::api::scheduling::v1::PriorityClass;
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
-use support::audit::{assert_no_request_loop, controller};
+use support::audit::controller;
 use support::oracle::{self, Watches, accepted_evictions_of, evictions};
 use support::pool::{
-    POOL, create, delayed_bed, delayed_client, events, first, json, log_of, on_node, pod_running,
-    pool_class, running_machine, start_delayed, stateful_in_pool,
+    Bed, POOL, create, events, first, json, log_of, on_node, pod_running, pool_class,
+    running_machine, stateful, stateful_in_pool,
 };
 use support::{LONG, machine, phase};
 
@@ -36,24 +36,10 @@ const DETACH_DELAY: Duration = Duration::from_millis(1500);
 
 /// One control plane for this file, with slow enough attach/detach that an
 /// overlap would show.
-async fn client() -> Client {
-    delayed_client(ATTACH_DELAY, DETACH_DELAY).await
-}
-
-async fn bed() -> &'static TestBed {
-    delayed_bed(ATTACH_DELAY, DETACH_DELAY).await
-}
-
-/// The controller for the case in `ns`, running as its own identity so the
-/// audit log shows its requests.
-async fn start(ns: &str, instance: &str) -> support::Running {
-    start_delayed(ATTACH_DELAY, DETACH_DELAY, ns, instance).await
-}
-
-/// Ends the case in `ns`: no request loop (see `PEAK_10S_CEILING`).
-async fn calm(case: &str, ns: &str) {
-    assert_no_request_loop(bed().await, case, ns);
-}
+const BED: Bed = Bed {
+    attach: ATTACH_DELAY,
+    detach: DETACH_DELAY,
+};
 
 async fn priority_classes(client: &Client) {
     for (name, value) in [("berth-e2e-high", 1000), ("berth-e2e-low", 100)] {
@@ -69,12 +55,12 @@ async fn priority_classes(client: &Client) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_is_drained_in_volume_aware_order() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "drain-main";
     support::namespace(&client, ns).await;
     priority_classes(&client).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = start(ns, "drain-main").await;
+    let ctl = BED.start_as(ns, "drain-main").await;
     let node_a = running_machine(&client, ns, "a", ns).await;
 
     // Stateful: `cache` (high priority) and `db` (3 replicas, low priority).
@@ -231,7 +217,7 @@ async fn a_node_is_drained_in_volume_aware_order() {
     // in the planned order, and each one's volume detached from A and
     // attached on B (the attacher's write received) before the next
     // eviction was received.
-    let all = evictions(bed().await, ns);
+    let all = evictions(BED.bed().await, ns);
     let truth = format!("{}\n{}", oracle::log_of(&all), watches.log());
     let received = |pod: &str| {
         let accepted = accepted_evictions_of(&all, pod);
@@ -249,7 +235,7 @@ async fn a_node_is_drained_in_volume_aware_order() {
             .detached_from(&pv, &node_a)
             .unwrap_or_else(|| panic!("{pv} detached from A: {truth}"));
         let attached = watches
-            .attached_on(bed().await, &pv, &node_b)
+            .attached_on(BED.bed().await, &pv, &node_b)
             .await
             .unwrap_or_else(|| panic!("{pv} attached on B: {truth}"));
         assert!(
@@ -319,7 +305,8 @@ async fn a_node_is_drained_in_volume_aware_order() {
         .collect();
     assert_eq!(on_b.len(), 4, "{on_b:?}");
     assert!(on_b.values().all(|n| *n == node_b), "{on_b:?}");
-    calm("a_node_is_drained_in_volume_aware_order", ns).await;
+    BED.calm("a_node_is_drained_in_volume_aware_order", ns)
+        .await;
     ctl.stop().await;
 }
 
@@ -363,7 +350,7 @@ async fn guarded_pod_with_grace(client: &Client, ns: &str, node: &str, grace: i6
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_passed_deadline_force_deletes_what_a_pdb_holds() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "drain-force";
     support::namespace(&client, ns).await;
     pool_class(
@@ -372,7 +359,7 @@ async fn a_passed_deadline_force_deletes_what_a_pdb_holds() {
         serde_json::json!({"timeout": "12s", "forceAfterDeadline": true}),
     )
     .await;
-    let ctl = start(ns, "drain-force").await;
+    let ctl = BED.start_as(ns, "drain-force").await;
     let node = running_machine(&client, ns, "f", ns).await;
     guarded_pod(&client, ns, &node).await;
 
@@ -408,7 +395,8 @@ async fn a_passed_deadline_force_deletes_what_a_pdb_holds() {
             .expect("get")
             .is_none()
     );
-    calm("a_passed_deadline_force_deletes_what_a_pdb_holds", ns).await;
+    BED.calm("a_passed_deadline_force_deletes_what_a_pdb_holds", ns)
+        .await;
     ctl.stop().await;
 }
 
@@ -417,7 +405,7 @@ async fn a_passed_deadline_force_deletes_what_a_pdb_holds() {
 /// it, and is gone by the deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_the_deadline_a_pod_is_deleted_with_its_whole_grace_period() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "drain-grace";
     support::namespace(&client, ns).await;
     pool_class(
@@ -426,7 +414,7 @@ async fn at_the_deadline_a_pod_is_deleted_with_its_whole_grace_period() {
         serde_json::json!({"timeout": "14s", "forceAfterDeadline": true}),
     )
     .await;
-    let ctl = start(ns, "drain-grace").await;
+    let ctl = BED.start_as(ns, "drain-grace").await;
     let node = running_machine(&client, ns, "g", ns).await;
     guarded_pod_with_grace(&client, ns, &node, 6).await;
 
@@ -485,7 +473,7 @@ async fn at_the_deadline_a_pod_is_deleted_with_its_whole_grace_period() {
         first(&evs, "ForcedAtDeadline", &format!("{ns}/guarded")).is_some(),
         "{evs:?}"
     );
-    calm(
+    BED.calm(
         "at_the_deadline_a_pod_is_deleted_with_its_whole_grace_period",
         ns,
     )
@@ -498,7 +486,7 @@ async fn at_the_deadline_a_pod_is_deleted_with_its_whole_grace_period() {
 /// volume of the one before has left the Node.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_the_deadline_stateful_pods_still_move_one_at_a_time() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "drain-after";
     support::namespace(&client, ns).await;
     pool_class(
@@ -507,7 +495,7 @@ async fn after_the_deadline_stateful_pods_still_move_one_at_a_time() {
         serde_json::json!({"timeout": "8s", "forceAfterDeadline": true}),
     )
     .await;
-    let ctl = start(ns, "drain-after").await;
+    let ctl = BED.start_as(ns, "drain-after").await;
     let node = running_machine(&client, ns, "s", ns).await;
     stateful_in_pool(&client, ns, "db", 2, None).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
@@ -563,7 +551,7 @@ async fn after_the_deadline_stateful_pods_still_move_one_at_a_time() {
     // each is deleted past the deadline; db-1's deletion was received only
     // once db-0's volume was seen detached from the Node, and db-1's own
     // volume was seen detached before the Node's deletion was received.
-    let all = oracle::requests_once(bed().await, ns, |rs| {
+    let all = oracle::requests_once(BED.bed().await, ns, |rs| {
         rs.iter()
             .any(|r| r.verb == "delete" && r.resource == "nodes")
     })
@@ -606,7 +594,7 @@ async fn after_the_deadline_stateful_pods_still_move_one_at_a_time() {
             "{pod} forced: {log}"
         );
     }
-    calm(
+    BED.calm(
         "after_the_deadline_stateful_pods_still_move_one_at_a_time",
         ns,
     )
@@ -621,7 +609,7 @@ async fn after_the_deadline_stateful_pods_still_move_one_at_a_time() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_held_by_a_finalizer_is_reported_once_and_lets_the_machine_go() {
     const FINALIZER: &str = "example.com/keep";
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "drain-held";
     support::namespace(&client, ns).await;
     pool_class(
@@ -630,7 +618,7 @@ async fn a_pod_held_by_a_finalizer_is_reported_once_and_lets_the_machine_go() {
         serde_json::json!({"timeout": "10s", "forceAfterDeadline": true}),
     )
     .await;
-    let ctl = start(ns, "drain-held").await;
+    let ctl = BED.start_as(ns, "drain-held").await;
     let node = running_machine(&client, ns, "h", ns).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     create(
@@ -721,12 +709,12 @@ async fn a_pod_held_by_a_finalizer_is_reported_once_and_lets_the_machine_go() {
         .await
         .expect("release the pod");
     }
-    let deletes = support::audit::requests(bed().await, ns)
+    let deletes = support::audit::requests(BED.bed().await, ns)
         .iter()
         .filter(|r| r.verb == "delete" && r.resource == "pods" && r.name.as_deref() == Some("done"))
         .count();
     assert_eq!(deletes, 1, "the finished pod is deleted once");
-    calm(
+    BED.calm(
         "a_pod_held_by_a_finalizer_is_reported_once_and_lets_the_machine_go",
         ns,
     )
@@ -736,7 +724,7 @@ async fn a_pod_held_by_a_finalizer_is_reported_once_and_lets_the_machine_go() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_forcing_a_passed_deadline_fails_the_drain_until_the_pdb_is_relaxed() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "drain-noforce";
     support::namespace(&client, ns).await;
     pool_class(
@@ -745,7 +733,7 @@ async fn without_forcing_a_passed_deadline_fails_the_drain_until_the_pdb_is_rela
         serde_json::json!({"timeout": "8s", "forceAfterDeadline": false}),
     )
     .await;
-    let ctl = start(ns, "drain-noforce").await;
+    let ctl = BED.start_as(ns, "drain-noforce").await;
     let node = running_machine(&client, ns, "n", ns).await;
     guarded_pod(&client, ns, &node).await;
 
@@ -795,7 +783,7 @@ async fn without_forcing_a_passed_deadline_fails_the_drain_until_the_pdb_is_rela
     })
     .await
     .expect("the retried drain completes");
-    calm(
+    BED.calm(
         "without_forcing_a_passed_deadline_fails_the_drain_until_the_pdb_is_relaxed",
         ns,
     )
@@ -805,7 +793,7 @@ async fn without_forcing_a_passed_deadline_fails_the_drain_until_the_pdb_is_rela
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_no_pod_needs_any_more_is_not_waited_for() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "drain-orphan";
     support::namespace(&client, ns).await;
     pool_class(
@@ -814,7 +802,7 @@ async fn a_claim_no_pod_needs_any_more_is_not_waited_for() {
         serde_json::json!({"volumeReattachTimeout": "5m"}),
     )
     .await;
-    let ctl = start(ns, "drain-orphan").await;
+    let ctl = BED.start_as(ns, "drain-orphan").await;
     let node = running_machine(&client, ns, "o", ns).await;
     let pv = format!("{ns}-pv");
     claim_and_volume(&client, ns, &pv).await;
@@ -865,7 +853,8 @@ async fn a_claim_no_pod_needs_any_more_is_not_waited_for() {
         "no reattach wait: {log}"
     );
     assert!(took < Duration::from_secs(45), "took {took:?}: {log}");
-    calm("a_claim_no_pod_needs_any_more_is_not_waited_for", ns).await;
+    BED.calm("a_claim_no_pod_needs_any_more_is_not_waited_for", ns)
+        .await;
     ctl.stop().await;
 }
 
@@ -946,7 +935,7 @@ async fn first_claim_user(client: &Client, ns: &str, old: &str) -> (String, Conf
 /// By the audit log: Node `old` was deleted only after the attacher wrote
 /// volume `pv` attached on Node `new`.
 async fn node_went_after_attach(ns: &str, pv: &str, old: &str, new: &str, watches: &Watches) {
-    let all = oracle::requests_once(bed().await, ns, |rs| {
+    let all = oracle::requests_once(BED.bed().await, ns, |rs| {
         rs.iter()
             .any(|r| r.verb == "delete" && r.resource == "nodes")
     })
@@ -958,7 +947,7 @@ async fn node_went_after_attach(ns: &str, pv: &str, old: &str, new: &str, watche
         .map(|r| r.received)
         .unwrap_or_else(|| panic!("the old Node deleted: {truth}"));
     let attached_new = watches
-        .attached_on(bed().await, pv, new)
+        .attached_on(BED.bed().await, pv, new)
         .await
         .unwrap_or_else(|| panic!("attached on the new Node: {truth}"));
     assert!(
@@ -969,11 +958,11 @@ async fn node_went_after_attach(ns: &str, pv: &str, old: &str, new: &str, watche
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_controlled_pod_whose_replacement_comes_late_is_still_waited_for() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "drain-late";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = start(ns, "drain-late").await;
+    let ctl = BED.start_as(ns, "drain-late").await;
     let old = running_machine(&client, ns, "old", ns).await;
     let new = running_machine(&client, ns, "new", ns).await;
     let (pv, owner) = first_claim_user(&client, ns, &old).await;
@@ -1012,7 +1001,7 @@ async fn a_controlled_pod_whose_replacement_comes_late_is_still_waited_for() {
     assert!(first(&evs, "NoReplacement", "").is_none(), "{log}");
     let attached = first(&evs, "VolumeAttached", &pv).expect("a VolumeAttached Event");
     assert!(attached.2.contains(&new), "{log}");
-    calm(
+    BED.calm(
         "a_controlled_pod_whose_replacement_comes_late_is_still_waited_for",
         ns,
     )
@@ -1029,12 +1018,12 @@ async fn a_controlled_pod_whose_replacement_comes_late_is_still_waited_for() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replacement_that_comes_late_after_a_restart_is_still_waited_for() {
     use support::process::Berth;
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "drain-late-restart";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
     let flags = ["--namespace", ns, "--leader-elect=false"];
-    let kubeconfig = &controller(bed().await).await.kubeconfig;
+    let kubeconfig = &controller(BED.bed().await).await.kubeconfig;
     let berth = Berth::spawn(kubeconfig, &flags);
     let old = running_machine(&client, ns, "old", ns).await;
     let new = running_machine(&client, ns, "new", ns).await;
@@ -1072,7 +1061,7 @@ async fn a_replacement_that_comes_late_after_a_restart_is_still_waited_for() {
         .expect("the resumed drain ends once the volume attached on the new Node");
 
     node_went_after_attach(ns, &pv, &old, &new, &watches).await;
-    calm(
+    BED.calm(
         "a_replacement_that_comes_late_after_a_restart_is_still_waited_for",
         ns,
     )
@@ -1082,11 +1071,11 @@ async fn a_replacement_that_comes_late_after_a_restart_is_still_waited_for() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_mid_drain_never_evicts_while_a_volume_is_detaching() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "drain-restart";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = start(ns, "restart-1").await;
+    let ctl = BED.start_as(ns, "restart-1").await;
     let node_a = running_machine(&client, ns, "a", ns).await;
     // Two replicas that take 6 s to stop: the first is still terminating
     // (its volume still attached) when the controller restarts.
@@ -1106,7 +1095,7 @@ async fn a_restart_mid_drain_never_evicts_while_a_volume_is_detaching() {
     .expect("the first eviction");
     // Restart while db-0 terminates and its volume is attached to A.
     ctl.stop().await;
-    let ctl = start(ns, "restart-2").await;
+    let ctl = BED.start_as(ns, "restart-2").await;
     wait::for_none(machines, Duration::from_secs(180), "a gone", |m| {
         m.name_any() == "a"
     })
@@ -1114,7 +1103,7 @@ async fn a_restart_mid_drain_never_evicts_while_a_volume_is_detaching() {
     .expect("the resumed drain completes");
 
     each_evicted_once_and_db_1_after_db_0_moved(&client, ns, &node_a, &watches).await;
-    calm(
+    BED.calm(
         "a_restart_mid_drain_never_evicts_while_a_volume_is_detaching",
         ns,
     )
@@ -1130,12 +1119,12 @@ async fn a_restart_mid_drain_never_evicts_while_a_volume_is_detaching() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_controller_resumes_a_volume_move_wherever_it_stopped() {
     use support::process::Berth;
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "drain-killed";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
     let flags = ["--namespace", ns, "--leader-elect=false"];
-    let kubeconfig = &controller(bed().await).await.kubeconfig;
+    let kubeconfig = &controller(BED.bed().await).await.kubeconfig;
     let mut berth = Berth::spawn(kubeconfig, &flags);
     let node_a = running_machine(&client, ns, "a", ns).await;
     // Two replicas that take 4 s to stop: time to kill the controller after
@@ -1199,7 +1188,7 @@ async fn a_killed_controller_resumes_a_volume_move_wherever_it_stopped() {
     .await
     .expect("the resumed drain completes");
     each_evicted_once_and_db_1_after_db_0_moved(&client, ns, &node_a, &watches).await;
-    calm(
+    BED.calm(
         "a_killed_controller_resumes_a_volume_move_wherever_it_stopped",
         ns,
     )
@@ -1211,19 +1200,12 @@ async fn a_killed_controller_resumes_a_volume_move_wherever_it_stopped() {
 /// the pool's Node `node`, their volumes attached; then a second Machine,
 /// `b`, for them to move to.
 async fn two_replicas_on(client: &Client, ns: &str, node: &str, grace: i64) {
-    for i in 0..2 {
-        let pv = format!("{ns}-db-{i}");
-        create(
-            Api::all(client.clone()),
-            csi_pv(&pv, &format!("vol-{pv}"), ns, &format!("data-db-{i}")),
-        )
-        .await;
-    }
-    let mut sts = stateful_set("db", 2, grace);
-    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
-        spec.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
-    }
-    create(Api::namespaced(client.clone(), ns), sts).await;
+    stateful(client, ns, "db", 2, |sts| {
+        if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+            spec.termination_grace_period_seconds = Some(grace);
+        }
+    })
+    .await;
     wait::until(
         Api::<VolumeAttachment>::all(client.clone()),
         LONG,
@@ -1254,7 +1236,7 @@ async fn each_evicted_once_and_db_1_after_db_0_moved(
     node_a: &str,
     watches: &Watches,
 ) {
-    let all = evictions(bed().await, ns);
+    let all = evictions(BED.bed().await, ns);
     let truth = format!("{}\n{}", oracle::log_of(&all), watches.log());
     let db0 = accepted_evictions_of(&all, "db-0");
     let db1 = accepted_evictions_of(&all, "db-1");
@@ -1270,7 +1252,7 @@ async fn each_evicted_once_and_db_1_after_db_0_moved(
         .detached_from(&pv0, node_a)
         .unwrap_or_else(|| panic!("db-0's volume detached from A: {truth}"));
     let attached = watches
-        .attached_elsewhere(bed().await, &pv0, node_a)
+        .attached_elsewhere(BED.bed().await, &pv0, node_a)
         .await
         .unwrap_or_else(|| panic!("db-0's volume attached elsewhere: {truth}"));
     assert!(
@@ -1299,7 +1281,7 @@ async fn each_evicted_once_and_db_1_after_db_0_moved(
 /// not held up by it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replacement_that_cannot_be_placed_holds_back_its_workload_only() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "drain-unplaced";
     support::namespace(&client, ns).await;
     pool_class(
@@ -1308,7 +1290,7 @@ async fn a_replacement_that_cannot_be_placed_holds_back_its_workload_only() {
         serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "5m"}),
     )
     .await;
-    let ctl = start(ns, "drain-unplaced").await;
+    let ctl = BED.start_as(ns, "drain-unplaced").await;
     let node_a = running_machine(&client, ns, "a", ns).await;
     stateful_in_pool(&client, ns, "db", 2, None).await;
     stateful_in_pool(&client, ns, "solo", 1, None).await;
@@ -1385,12 +1367,12 @@ async fn a_replacement_that_cannot_be_placed_holds_back_its_workload_only() {
     .expect("the drain completes once the replacements are placed");
     // By the audit log: db-1 evicted once, after the attacher wrote db-0's
     // volume attached on B, where its replacement runs.
-    let all = evictions(bed().await, ns);
+    let all = evictions(BED.bed().await, ns);
     let truth = format!("{}\n{}", oracle::log_of(&all), watches.log());
     let next = accepted_evictions_of(&all, "db-1");
     assert_eq!(next.len(), 1, "{truth}");
     let attached = watches
-        .attached_elsewhere(bed().await, &format!("{ns}-db-0"), &node_a)
+        .attached_elsewhere(BED.bed().await, &format!("{ns}-db-0"), &node_a)
         .await
         .unwrap_or_else(|| panic!("db-0's volume attached elsewhere: {truth}"));
     assert!(
@@ -1404,7 +1386,7 @@ async fn a_replacement_that_cannot_be_placed_holds_back_its_workload_only() {
         "{}",
         log_of(&evs)
     );
-    calm(
+    BED.calm(
         "a_replacement_that_cannot_be_placed_holds_back_its_workload_only",
         ns,
     )
@@ -1416,11 +1398,11 @@ async fn a_replacement_that_cannot_be_placed_holds_back_its_workload_only() {
 /// draining Node is reported once and not evicted again: no eviction loop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_scheduled_back_onto_the_draining_node_is_not_evicted_in_a_loop() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "drain-back";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = start(ns, "drain-back").await;
+    let ctl = BED.start_as(ns, "drain-back").await;
     let node = running_machine(&client, ns, "a", ns).await;
     create(
         Api::namespaced(client.clone(), ns),
@@ -1472,7 +1454,7 @@ async fn a_pod_scheduled_back_onto_the_draining_node_is_not_evicted_in_a_loop() 
     let returned: Vec<_> = evs.iter().filter(|(_, r, _)| r == "PodReturned").collect();
     assert_eq!(returned.len(), 1, "reported once: {log}");
     assert!(returned[0].2.contains("tolerates the cordon"), "{log}");
-    calm(
+    BED.calm(
         "a_pod_scheduled_back_onto_the_draining_node_is_not_evicted_in_a_loop",
         ns,
     )
@@ -1486,11 +1468,11 @@ async fn a_pod_scheduled_back_onto_the_draining_node_is_not_evicted_in_a_loop() 
 /// the drain uses instead of the class.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machine_whose_class_is_gone_keeps_its_own_drain_settings() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "drain-noclass";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = start(ns, "drain-noclass").await;
+    let ctl = BED.start_as(ns, "drain-noclass").await;
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     let mut m = machine("k", ns);
     m.spec.drain = Some(json(
@@ -1579,7 +1561,7 @@ async fn a_machine_whose_class_is_gone_keeps_its_own_drain_settings() {
     })
     .await
     .expect("the deletion completes");
-    calm(
+    BED.calm(
         "a_machine_whose_class_is_gone_keeps_its_own_drain_settings",
         ns,
     )
@@ -1592,11 +1574,11 @@ async fn a_machine_whose_class_is_gone_keeps_its_own_drain_settings() {
 /// and deletes the VM only after.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machine_whose_node_object_is_gone_is_still_drained_before_its_vm_goes() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "drain-nodegone";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = start(ns, "drain-nodegone").await;
+    let ctl = BED.start_as(ns, "drain-nodegone").await;
     let node = running_machine(&client, ns, "a", ns).await;
     app_running_on(&client, ns, &node).await;
 
@@ -1620,7 +1602,7 @@ async fn a_machine_whose_node_object_is_gone_is_still_drained_before_its_vm_goes
     let is_vm_delete = |r: &berth_devkit::bench::audit::Request| {
         r.verb == "delete" && r.resource == "configmaps" && r.name.as_deref() == Some("fake-vm-a")
     };
-    let all = oracle::requests_once(bed().await, ns, |rs| rs.iter().any(is_vm_delete)).await;
+    let all = oracle::requests_once(BED.bed().await, ns, |rs| rs.iter().any(is_vm_delete)).await;
     let truth = oracle::log_of(&all);
     let evicted = accepted_evictions_of(&all, "app");
     assert_eq!(evicted.len(), 1, "{truth}");
@@ -1638,7 +1620,7 @@ async fn a_machine_whose_node_object_is_gone_is_still_drained_before_its_vm_goes
     let gone = first(&evs, "NodeGone", &node).unwrap_or_else(|| panic!("{log}"));
     let told = first(&evs, "Evicted", &format!("{ns}/app")).unwrap_or_else(|| panic!("{log}"));
     assert!(gone.0 <= told.0, "said, then drained: {log}");
-    calm(
+    BED.calm(
         "a_machine_whose_node_object_is_gone_is_still_drained_before_its_vm_goes",
         ns,
     )
@@ -1654,7 +1636,7 @@ async fn a_machine_whose_node_object_is_gone_is_still_drained_before_its_vm_goes
 /// volume, and only then is the Node deleted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_volume_left_attached_at_vm_deletion_is_named_and_released_out_of_service() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "drain-left";
     support::namespace(&client, ns).await;
     pool_class(
@@ -1663,7 +1645,7 @@ async fn a_volume_left_attached_at_vm_deletion_is_named_and_released_out_of_serv
         serde_json::json!({"timeout": "10m", "volumeDetachTimeout": "3s"}),
     )
     .await;
-    let ctl = start(ns, "left").await;
+    let ctl = BED.start_as(ns, "left").await;
     let node_a = running_machine(&client, ns, "a", ns).await;
     let pv = format!("{ns}-data");
     claim_and_volume(&client, ns, &pv).await;
@@ -1764,7 +1746,7 @@ async fn a_volume_left_attached_at_vm_deletion_is_named_and_released_out_of_serv
         1,
         "the volume counted once"
     );
-    calm(
+    BED.calm(
         "a_volume_left_attached_at_vm_deletion_is_named_and_released_out_of_service",
         ns,
     )
@@ -1778,11 +1760,11 @@ async fn a_volume_left_attached_at_vm_deletion_is_named_and_released_out_of_serv
 /// Node's name and lets the Machine go.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machine_whose_node_and_vm_are_both_gone_goes_without_a_drain() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "drain-allgone";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = start(ns, "drain-allgone").await;
+    let ctl = BED.start_as(ns, "drain-allgone").await;
     let node = running_machine(&client, ns, "a", ns).await;
     app_running_on(&client, ns, &node).await;
     // The fake provider's VM is a ConfigMap: both go, by hand.
@@ -1809,13 +1791,13 @@ async fn a_machine_whose_node_and_vm_are_both_gone_goes_without_a_drain() {
             .any(|r| r == "NodeGone" || r == "Evicted" || r == "Drain"),
         "no drain: {evs:?}"
     );
-    let touched: Vec<String> = support::audit::requests(bed().await, ns)
+    let touched: Vec<String> = support::audit::requests(BED.bed().await, ns)
         .iter()
         .filter(|r| r.resource == "pods")
         .map(|r| r.kind())
         .collect();
     assert!(touched.is_empty(), "berth left the pods alone: {touched:?}");
-    calm(
+    BED.calm(
         "a_machine_whose_node_and_vm_are_both_gone_goes_without_a_drain",
         ns,
     )

@@ -21,10 +21,11 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use support::LONG;
-use support::audit::{self, assert_no_request_loop, controller};
+use support::audit::{self, controller};
 use support::oracle::{self, Seen, Watches, accepted_evictions_of, evictions, requests_once};
 use support::pool::{
-    Bed, POOL, create, gone, json, on_node, pod_running, pool_class, running_machine,
+    Bed, POOL, create, delete_machine, gone, json, on_node, pod_running, pool_class,
+    running_machine,
 };
 
 const ATTACH_DELAY: Duration = Duration::from_millis(1000);
@@ -88,13 +89,6 @@ async fn attached_to(client: &Client, node: &str, n: usize) {
     )
     .await
     .expect("the volumes attach");
-}
-
-async fn delete_machine(client: &Client, ns: &str, name: &str) {
-    Api::<Machine>::namespaced(client.clone(), ns)
-        .delete(name, &DeleteParams::default())
-        .await
-        .expect("delete the Machine");
 }
 
 /// Waits until Machine `name`'s `status.drain.blockedBy` contains `needle`
@@ -260,7 +254,7 @@ async fn a_replica_that_tolerates_the_cordon_is_evicted_in_a_later_pass() {
         "{}",
         support::pool::log_of(&evs)
     );
-    assert_no_request_loop(BED.bed().await, "tolerant_replica", ns);
+    BED.calm("tolerant_replica", ns).await;
     ctl.stop().await;
 }
 
@@ -320,7 +314,7 @@ async fn a_pod_recreated_by_name_on_the_node_is_not_evicted_for_ever() {
     let returned: Vec<_> = evs.iter().filter(|(_, r, _)| r == "PodReturned").collect();
     assert_eq!(returned.len(), 1, "{}", support::pool::log_of(&evs));
     assert!(returned[0].2.contains("spec.nodeName"), "{:?}", returned[0]);
-    assert_no_request_loop(BED.bed().await, "recreated_by_name", ns);
+    BED.calm("recreated_by_name", ns).await;
     ctl.stop().await;
 }
 
@@ -472,7 +466,7 @@ async fn no_eviction_until_its_move_is_recorded() {
         recorded.is_some_and(|w| w.completed <= evicted[0].received),
         "a status write landed before the eviction: {log}"
     );
-    assert_no_request_loop(BED.bed().await, "record_before_eviction", ns);
+    BED.calm("record_before_eviction", ns).await;
     ctl.stop().await;
 }
 
@@ -603,7 +597,7 @@ async fn a_pod_two_budgets_select_is_named_and_evicted_once_one_goes() {
     // a loop: a handful of refusals.
     let refusals = all.iter().filter(|r| r.code == 500).count();
     assert!((1..=6).contains(&refusals), "{refusals} refusals: {log}");
-    assert_no_request_loop(BED.bed().await, "two_budgets", ns);
+    BED.calm("two_budgets", ns).await;
     ctl.stop().await;
 }
 
@@ -669,7 +663,7 @@ async fn an_unplaceable_replacement_holds_the_next_order_group() {
         dns[0].received > moved,
         "dns after db-0's volume moved: {log}"
     );
-    assert_no_request_loop(BED.bed().await, "unplaceable_holds_next_group", ns);
+    BED.calm("unplaceable_holds_next_group", ns).await;
     ctl.stop().await;
 }
 
@@ -755,7 +749,7 @@ async fn a_retried_drain_does_not_repeat_its_reports() {
     };
     assert_eq!(count("PodSkipped"), 1, "{evs:?}");
     assert_eq!(count("DrainRuleInvalid"), 1, "{evs:?}");
-    assert_no_request_loop(BED.bed().await, "retried_drain_reports_once", ns);
+    BED.calm("retried_drain_reports_once", ns).await;
     // Let the Machine go: the budget goes.
     Api::<PodDisruptionBudget>::namespaced(client.clone(), ns)
         .delete("guarded", &DeleteParams::default())
@@ -913,7 +907,7 @@ async fn a_restart_in_the_last_reattach_wait_resumes_it_and_clears_its_record() 
     );
     release_hook(&client, ns, "a").await;
     gone(&client, ns, "a", LONG).await;
-    assert_no_request_loop(BED.bed().await, "restart_in_last_reattach_wait", ns);
+    BED.calm("restart_in_last_reattach_wait", ns).await;
     berth.terminate().await;
 }
 
@@ -997,7 +991,7 @@ async fn a_resumed_attach_free_move_waits_for_readiness_not_a_timeout() {
         "share-1 evicted at {} only once share-0's replacement (started {started}) was Ready: {log}",
         second[0].received
     );
-    assert_no_request_loop(BED.bed().await, "resumed_attach_free_move", ns);
+    BED.calm("resumed_attach_free_move", ns).await;
     berth.terminate().await;
 }
 
@@ -1114,7 +1108,7 @@ async fn a_held_move_survives_a_restart_and_ends_where_its_replacement_runs() {
         db1[0].received > on_b,
         "db-1 evicted only after db-0's volume attached on B, where its replacement runs (not because C had it): {log}"
     );
-    assert_no_request_loop(BED.bed().await, "held_move_restart", ns);
+    BED.calm("held_move_restart", ns).await;
     berth.terminate().await;
 }
 
@@ -1438,7 +1432,7 @@ async fn an_eviction_the_api_server_throttles_is_not_a_budget_refusal() {
         .map(|e| e.message.unwrap_or_default())
         .collect();
     assert!(warned.is_empty(), "no EvictionBlocked Warning: {warned:?}");
-    assert_no_request_loop(bed, "throttled", ns);
+    BED.calm("throttled", ns).await;
     ctl.stop().await;
     drop(hold);
 }

@@ -14,35 +14,23 @@ use berth_devkit::testbed::stages::COMPLETE_AFTER_ANNOTATION;
 use berth_devkit::testbed::wait;
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
 use kube::api::Api;
-use kube::{Client, ResourceExt};
 use support::LONG;
-use support::audit::assert_no_request_loop;
 use support::oracle::{self, Seen, Watches, accepted_evictions_of, evictions};
 use support::pool::{
-    Ev, assert_contains, create, delayed_bed, delayed_client, delete_machine, events, first, gone,
-    json, log_of, plan_text, pool_class, release_hook, running_held, running_pods, start_delayed,
+    Bed, Ev, assert_contains, create, delete_machine, events, first, gone, json, log_of, plan_text,
+    pool_class, release_hook, running_held, running_pods,
 };
 
 const ATTACH_DELAY: Duration = Duration::from_secs(3);
 const DETACH_DELAY: Duration = Duration::from_secs(1);
+const BED: Bed = Bed {
+    attach: ATTACH_DELAY,
+    detach: DETACH_DELAY,
+};
 const DRAIN: &str = "berth.dev/drain";
 const ORDER: &str = "berth.dev/drain-order";
-
-async fn client() -> Client {
-    delayed_client(ATTACH_DELAY, DETACH_DELAY).await
-}
-
-/// The controller for the case in `ns`, as its own identity (audited).
-async fn start(ns: &str) -> support::Running {
-    start_delayed(ATTACH_DELAY, DETACH_DELAY, ns, ns).await
-}
-
-/// Ends the case in `ns`: no request loop (see `PEAK_10S_CEILING`).
-async fn calm(ns: &str) {
-    let bed = delayed_bed(ATTACH_DELAY, DETACH_DELAY).await;
-    assert_no_request_loop(bed, ns, ns);
-}
 
 /// A bare pod on `node` without volumes, with `annotations` and, if given,
 /// a priority class.
@@ -78,11 +66,11 @@ fn waiting_for(m: &Machine) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn critical_pods_leave_after_every_other_pod_and_its_volumes() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "rules-tiers";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = start(ns).await;
+    let ctl = BED.start(ns).await;
     let node_a = running_held(&client, ns, "a", ns, false).await;
     // A stateful workload and a critical stateful one (a CSI controller,
     // say), each with an attachable volume; a stateless pod and a
@@ -144,7 +132,7 @@ async fn critical_pods_leave_after_every_other_pod_and_its_volumes() {
     // By the audit log and the watches: every pod evicted once; the
     // critical ones (dns, ctl-0) only once web was seen gone and db's
     // volume was written attached on B; ctl-0's volume moved to B too.
-    let bed = delayed_bed(ATTACH_DELAY, DETACH_DELAY).await;
+    let bed = BED.bed().await;
     let all = evictions(bed, ns);
     let truth = format!("{}\n{}", oracle::log_of(&all), watches.log());
     let once = |pod: &str| {
@@ -181,17 +169,17 @@ async fn critical_pods_leave_after_every_other_pod_and_its_volumes() {
     assert!(db_told.2.contains(&node_b), "{}", db_told.2);
     assert!(db_told.0 <= group.0, "{log}");
     assert!(first(&evs, "Drained", "").is_some(), "{log}");
-    calm(ns).await;
+    BED.calm(ns, ns).await;
     ctl.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_skip_rule_leaves_a_pod_to_the_vm_and_a_rule_not_understood_is_named() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "rules-skip";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = start(ns).await;
+    let ctl = BED.start(ns).await;
     let node = running_held(&client, ns, "a", ns, true).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     create(
@@ -248,17 +236,17 @@ async fn a_skip_rule_leaves_a_pod_to_the_vm_and_a_rule_not_understood_is_named()
     );
     release_hook(&client, ns, "a").await;
     gone(&client, ns, "a", LONG).await;
-    calm(ns).await;
+    BED.calm(ns, ns).await;
     ctl.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wait_completed_rule_holds_the_critical_group_until_the_pod_completes() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "rules-wait";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = start(ns).await;
+    let ctl = BED.start(ns).await;
     let node = running_held(&client, ns, "a", ns, false).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     create(
@@ -319,7 +307,7 @@ async fn a_wait_completed_rule_holds_the_critical_group_until_the_pod_completes(
     gone(&client, ns, "a", Duration::from_secs(90)).await;
     // By the audit log and the watch of the pods: report never evicted,
     // dns evicted once, after report was seen finished.
-    let all = evictions(delayed_bed(ATTACH_DELAY, DETACH_DELAY).await, ns);
+    let all = evictions(BED.bed().await, ns);
     let truth = format!("{}\n{}", oracle::log_of(&all), watches.log());
     assert!(accepted_evictions_of(&all, "report").is_empty(), "{truth}");
     let dns_evicted = accepted_evictions_of(&all, "dns");
@@ -340,13 +328,13 @@ async fn a_wait_completed_rule_holds_the_critical_group_until_the_pod_completes(
     assert!(waiting.0 <= dns_told.0, "{log}");
     assert!(first(&evs, "ForcedAtDeadline", "").is_none(), "{log}");
     assert!(first(&evs, "Drained", "").is_some(), "{log}");
-    calm(ns).await;
+    BED.calm(ns, ns).await;
     ctl.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_waited_on_that_never_completes_meets_the_deadline_rules() {
-    let client = client().await;
+    let client = BED.client().await;
     // With forceAfterDeadline it is deleted with its grace period at the
     // deadline; without, the drain fails naming it.
     for (ns, force) in [("rules-wait-forced", true), ("rules-wait-failed", false)] {
@@ -357,7 +345,7 @@ async fn a_pod_waited_on_that_never_completes_meets_the_deadline_rules() {
             serde_json::json!({"timeout": "10s", "forceAfterDeadline": force}),
         )
         .await;
-        let ctl = start(ns).await;
+        let ctl = BED.start(ns).await;
         let node = running_held(&client, ns, "a", ns, false).await;
         let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
         create(
@@ -394,7 +382,7 @@ async fn a_pod_waited_on_that_never_completes_meets_the_deadline_rules() {
             let pod = pods.get("forever").await.expect("still there");
             assert!(pod.metadata.deletion_timestamp.is_none(), "never evicted");
         }
-        calm(ns).await;
+        BED.calm(ns, ns).await;
         ctl.stop().await;
     }
 }

@@ -7,15 +7,13 @@ mod support;
 
 use std::time::Duration;
 
-use berth::api::Machine;
 use berth_devkit::testbed::wait;
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::Client;
-use kube::api::{Api, DeleteParams};
+use kube::api::Api;
 use support::LONG;
-use support::audit::assert_no_request_loop;
 use support::oracle::{self, Watches, accepted_evictions_of, evicted_once, evictions, in_order};
-use support::pool::{Bed, gone, json, running_machine};
+use support::pool::{Bed, delete_machine, gone, json, running_machine};
 
 const ATTACH_DELAY: Duration = Duration::from_millis(1000);
 const DETACH_DELAY: Duration = Duration::from_millis(1000);
@@ -81,13 +79,6 @@ async fn attached(client: &Client, ns: &str, n: usize) {
     .expect("the volumes attach");
 }
 
-async fn delete_machine(client: &Client, ns: &str, name: &str) {
-    Api::<Machine>::namespaced(client.clone(), ns)
-        .delete(name, &DeleteParams::default())
-        .await
-        .expect("delete the Machine");
-}
-
 /// Two Machines deleted at once, each running one replica of a
 /// two-replica StatefulSet without a PodDisruptionBudget: the second
 /// replica is evicted only after the first one's volume is attached where
@@ -128,7 +119,7 @@ async fn two_machines_deleted_at_once_move_one_replica_at_a_time() {
         second.name,
         first.received
     );
-    assert_no_request_loop(BED.bed().await, "ledger_two", ns);
+    BED.calm("ledger_two", ns).await;
     ctl.stop().await;
 }
 
@@ -184,7 +175,7 @@ async fn parallel_moves_overlap_across_workloads_never_within_one() {
         first.received,
         solo[0].received
     );
-    assert_no_request_loop(BED.bed().await, "ledger_parallel", ns);
+    BED.calm("ledger_parallel", ns).await;
     ctl.stop().await;
 }
 
@@ -250,7 +241,7 @@ async fn a_permit_survives_a_killed_controller() {
         later[0].received > on_c,
         "{other} evicted only after {held}'s volume attached where its replacement runs, across the restart: {log}"
     );
-    assert_no_request_loop(BED.bed().await, "ledger_restart", ns);
+    BED.calm("ledger_restart", ns).await;
     berth.terminate().await;
 }
 
@@ -299,6 +290,6 @@ async fn a_minimum_healthy_time_holds_the_next_move() {
         held >= k8s_openapi::jiff::SignedDuration::from_secs(4),
         "the next replica went {held} after {first}'s replacement was Ready, not 5 s: {log}"
     );
-    assert_no_request_loop(BED.bed().await, "ledger_healthy", ns);
+    BED.calm("ledger_healthy", ns).await;
     ctl.stop().await;
 }

@@ -18,7 +18,7 @@ use berth::api::{
 };
 use berth::providers::fake::FakeProvider;
 use berth_devkit::testbed::timeline::{Pace, Seen, Timeline, log_of};
-use berth_devkit::testbed::{TestBed, wait};
+use berth_devkit::testbed::wait;
 use k8s_openapi::api::autoscaling::v1::Scale;
 use k8s_openapi::api::core::v1::{Node, Pod, Taint};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
@@ -26,42 +26,23 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use support::audit::{ROLLOUT_PEAK_10S_CEILING, assert_no_request_loop_below, controller};
 use support::pool::{
-    POOL, assert_scale_down_reasons, create, delayed_bed, delayed_client, gone, json,
-    mark_for_scale_down, pod_running, pool_class, start_delayed, stateful_in_pool,
+    Bed, POOL, assert_scale_down_reasons, create, gone, json, mark_for_scale_down, pod_running,
+    stateful_in_pool,
 };
 use support::process::Berth;
 use support::{LONG, condition, events_of, notes, phase};
 
 const ATTACH: Duration = Duration::from_millis(500);
 const DETACH: Duration = Duration::from_millis(500);
+const BED: Bed = Bed {
+    attach: ATTACH,
+    detach: DETACH,
+};
 /// How long a test watches for something that must not happen.
 const QUIET: Duration = Duration::from_secs(5);
 
-async fn bed() -> &'static TestBed {
-    delayed_bed(ATTACH, DETACH).await
-}
-
-async fn client() -> Client {
-    delayed_client(ATTACH, DETACH).await
-}
-
-/// The controller for the case in `ns`, in this process, as its own
-/// audited identity.
-async fn start(ns: &str) -> support::Running {
-    start_delayed(ATTACH, DETACH, ns, ns).await
-}
-
 fn deployments(client: &Client, ns: &str) -> Api<MachineDeployment> {
     Api::namespaced(client.clone(), ns)
-}
-
-/// A client, and the namespace `ns` with a fake class `ns` whose Nodes
-/// join pool `ns` (drain timeout 5 minutes).
-async fn pool_in(ns: &str) -> Client {
-    let client = client().await;
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
-    client
 }
 
 /// A fake class `name` whose Nodes join pool `pool`, with more of the fake
@@ -273,7 +254,7 @@ async fn use_class(client: &Client, ns: &str, name: &str) {
 /// both zero, `rollingUpdate` with `OnDelete`; and takes a percentage.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_apiserver_refuses_an_invalid_strategy() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "mdep-invalid";
     support::namespace(&client, ns).await;
     let api = deployments(&client, ns);
@@ -361,8 +342,8 @@ async fn the_apiserver_refuses_an_invalid_strategy() {
 async fn a_rolling_update_moves_each_stateful_pod_once_at_the_pace_of_its_strategy() {
     let case = "a_rolling_update_moves_each_stateful_pod_once_at_the_pace_of_its_strategy";
     let ns = "mdep-stateful";
-    let client = pool_in(ns).await;
-    let ctl = start(ns).await;
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = BED.start(ns).await;
     deployments(&client, ns)
         .create(
             &PostParams::default(),
@@ -476,7 +457,7 @@ async fn a_rolling_update_moves_each_stateful_pod_once_at_the_pace_of_its_strate
     events_of(&client, ns, "pool", "RolloutComplete", 1).await;
 
     ctl.stop().await;
-    assert_no_request_loop_below(bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
+    assert_no_request_loop_below(BED.bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
 }
 
 /// A paused rollout lets the drain in progress finish and then creates and
@@ -484,12 +465,12 @@ async fn a_rolling_update_moves_each_stateful_pod_once_at_the_pace_of_its_strate
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_rollout_finishes_its_drain_then_starts_nothing_until_resumed() {
     let case = "a_paused_rollout_finishes_its_drain_then_starts_nothing_until_resumed";
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "mdep-pause";
     support::namespace(&client, ns).await;
     // Each VM takes 3 s to delete: time to pause while one goes.
     class_in_pool(&client, ns, ns, serde_json::json!({"deleteDelay": "3s"})).await;
-    let ctl = start(ns).await;
+    let ctl = BED.start(ns).await;
     deployments(&client, ns)
         .create(
             &PostParams::default(),
@@ -582,7 +563,7 @@ async fn a_paused_rollout_finishes_its_drain_then_starts_nothing_until_resumed()
     eprintln!("timeline:\n{}", timeline.log());
 
     ctl.stop().await;
-    assert_no_request_loop_below(bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
+    assert_no_request_loop_below(BED.bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
 }
 
 /// A new template whose Machine fails stalls the rollout: Progressing
@@ -593,13 +574,13 @@ async fn a_paused_rollout_finishes_its_drain_then_starts_nothing_until_resumed()
 async fn a_failing_new_machine_stalls_the_rollout_until_the_template_is_fixed() {
     let case = "a_failing_new_machine_stalls_the_rollout_until_the_template_is_fixed";
     let ns = "mdep-failing";
-    let client = pool_in(ns).await;
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
     let bad = format!("{ns}-bad");
     let fixed = format!("{ns}-v2");
     // A field the fake driver does not know: it refuses the providerSpec.
     class_in_pool(&client, &bad, ns, serde_json::json!({"bootImage": "v2"})).await;
     class_in_pool(&client, &fixed, ns, serde_json::json!({})).await;
-    let ctl = start(ns).await;
+    let ctl = BED.start(ns).await;
     let (first_hash, old, timeline) = pool_of_two(&client, ns, serde_json::Value::Null).await;
 
     use_class(&client, ns, &bad).await;
@@ -700,7 +681,7 @@ async fn a_failing_new_machine_stalls_the_rollout_until_the_template_is_fixed() 
     assert_eq!(progressing(&d).map(|c| c.status.as_str()), Some("True"));
 
     ctl.stop().await;
-    assert_no_request_loop_below(bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
+    assert_no_request_loop_below(BED.bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
 }
 
 /// A new Machine whose Node is Ready but still carries a taint of a Node
@@ -711,7 +692,7 @@ async fn a_failing_new_machine_stalls_the_rollout_until_the_template_is_fixed() 
 async fn an_old_machine_goes_only_once_the_new_node_takes_pods() {
     let case = "an_old_machine_goes_only_once_the_new_node_takes_pods";
     let ns = "mdep-startup-taint";
-    let client = pool_in(ns).await;
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
     let uninitialized = format!("{ns}-v2");
     let taint = "node.cloudprovider.kubernetes.io/uninitialized";
     class_in_pool(
@@ -721,7 +702,7 @@ async fn an_old_machine_goes_only_once_the_new_node_takes_pods() {
         serde_json::json!({"nodeTaints": [{"key": taint, "value": "true", "effect": "NoSchedule"}]}),
     )
     .await;
-    let ctl = start(ns).await;
+    let ctl = BED.start(ns).await;
     let (first_hash, old, timeline) = pool_of_two(&client, ns, rolling(1.into(), 0.into())).await;
 
     use_class(&client, ns, &uninitialized).await;
@@ -804,7 +785,7 @@ async fn an_old_machine_goes_only_once_the_new_node_takes_pods() {
     timeline.assert_paced(&new_hash, TWO_ONE_AT_A_TIME);
 
     ctl.stop().await;
-    assert_no_request_loop_below(bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
+    assert_no_request_loop_below(BED.bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
 }
 
 /// `berth run` killed (SIGKILL) twice in the middle of a rollout, each
@@ -814,9 +795,9 @@ async fn an_old_machine_goes_only_once_the_new_node_takes_pods() {
 async fn a_rollout_resumes_after_berth_is_killed_and_moves_each_stateful_pod_once() {
     let case = "a_rollout_resumes_after_berth_is_killed_and_moves_each_stateful_pod_once";
     let ns = "mdep-killed";
-    let client = pool_in(ns).await;
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
     let flags = ["--namespace", ns, "--leader-elect=false"];
-    let kubeconfig = &controller(bed().await).await.kubeconfig;
+    let kubeconfig = &controller(BED.bed().await).await.kubeconfig;
     let mut berth = Berth::spawn(kubeconfig, &flags);
     deployments(&client, ns)
         .create(
@@ -896,7 +877,7 @@ async fn a_rollout_resumes_after_berth_is_killed_and_moves_each_stateful_pod_onc
 
     let status = berth.terminate().await;
     assert!(status.success(), "{status:?}");
-    assert_no_request_loop_below(bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
+    assert_no_request_loop_below(BED.bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
 }
 
 /// The scale subresource scales the deployment's one set; a scale-down
@@ -906,8 +887,8 @@ async fn a_rollout_resumes_after_berth_is_killed_and_moves_each_stateful_pod_onc
 async fn a_machinedeployment_scales_through_its_scale_subresource() {
     let case = "a_machinedeployment_scales_through_its_scale_subresource";
     let ns = "mdep-scale";
-    let client = pool_in(ns).await;
-    let ctl = start(ns).await;
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = BED.start(ns).await;
     let api = deployments(&client, ns);
     api.create(
         &PostParams::default(),
@@ -999,5 +980,5 @@ async fn a_machinedeployment_scales_through_its_scale_subresource() {
     assert_eq!(scale.status.map(|s| s.replicas), Some(1));
 
     ctl.stop().await;
-    assert_no_request_loop_below(bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
+    assert_no_request_loop_below(BED.bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
 }

@@ -8,26 +8,17 @@ mod support;
 use std::time::{Duration, Instant};
 
 use berth::api::{Machine, MachineDeployment, MachineSet};
-use berth_devkit::testbed::{TestBed, wait};
+use berth_devkit::testbed::wait;
 use k8s_openapi::api::autoscaling::v1::Scale;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
-use support::audit::{assert_no_request_loop, controller_client};
-use support::pool::{assert_scale_down_reasons, delayed_bed, mark_for_scale_down, pool_class};
-use support::{LONG, phase, start_controller};
+use support::pool::{Bed, assert_scale_down_reasons, mark_for_scale_down, pool_class};
+use support::{LONG, phase};
 
-async fn bed() -> &'static TestBed {
-    delayed_bed(Duration::from_millis(500), Duration::from_millis(500)).await
-}
-
-async fn client() -> Client {
-    bed().await.client().await.expect("admin client")
-}
-
-/// The controller for the case in `ns`, as its own audited identity.
-async fn start(ns: &str) -> support::Running {
-    start_controller(&controller_client(bed().await).await, ns, ns).await
-}
+const BED: Bed = Bed {
+    attach: Duration::from_millis(500),
+    detach: Duration::from_millis(500),
+};
 
 /// A MachineSet `name` of `replicas` Machines of class `class`, labelled
 /// `set: <name>`.
@@ -94,11 +85,11 @@ async fn status_is(client: &Client, ns: &str, set: &str, replicas: i32, ready: i
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machineset_scales_up_and_down_deleting_the_cheapest_machines_first() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "mset-scale";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = start(ns).await;
+    let ctl = BED.start(ns).await;
     let sets: Api<MachineSet> = Api::namespaced(client.clone(), ns);
 
     // From 0 to 3.
@@ -195,16 +186,16 @@ async fn a_machineset_scales_up_and_down_deleting_the_cheapest_machines_first() 
     );
 
     ctl.stop().await;
-    assert_no_request_loop(bed().await, "machineset scale", ns);
+    BED.calm("machineset scale", ns).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleting_a_machineset_deletes_its_machines_and_no_other() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "mset-delete";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = start(ns).await;
+    let ctl = BED.start(ns).await;
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     // A Machine the set's selector matches but that it does not own.
     let mut foreign = support::machine("foreign", ns);
@@ -243,14 +234,14 @@ async fn deleting_a_machineset_deletes_its_machines_and_no_other() {
     assert!(f.metadata.deletion_timestamp.is_none());
 
     ctl.stop().await;
-    assert_no_request_loop(bed().await, "machineset deletion", ns);
+    BED.calm("machineset deletion", ns).await;
 }
 
 /// The apiserver refuses what CEL can check: negative replicas, an empty
 /// selector, a change of selector.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_apiserver_refuses_an_invalid_machineset() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "mset-invalid";
     support::namespace(&client, ns).await;
     let sets: Api<MachineSet> = Api::namespaced(client.clone(), ns);
@@ -314,11 +305,11 @@ async fn rollout_is(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machinedeployment_rolls_a_template_change_through_a_new_machineset() {
-    let client = client().await;
+    let client = BED.client().await;
     let ns = "mdep-roll";
     support::namespace(&client, ns).await;
     pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = start(ns).await;
+    let ctl = BED.start(ns).await;
     let mds: Api<MachineDeployment> = Api::namespaced(client.clone(), ns);
     let md: MachineDeployment = berth_devkit::testbed::fixtures::machine_deployment(
         "pool",

@@ -20,7 +20,6 @@ use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
 use kube::api::{Api, Patch, PatchParams};
 use kube::{Client, ResourceExt};
-use support::audit::assert_no_request_loop;
 use support::pool::{
     Bed, HOOK, POOL, assert_contains, create, delete_machine, events, first, gone, json, log_of,
     plan_text, pool_class, running_held, running_pods,
@@ -37,12 +36,6 @@ const BED: Bed = Bed {
 /// attach-detach controller never makes a VolumeAttachment for it.
 const ATTACH_FREE_DRIVER: &str = "nfs.testbed.berth.dev";
 const ALLOW: &str = "berth.dev/allow-node-local-data-loss";
-
-/// Ends the case in `ns`: no request loop (see `PEAK_10S_CEILING`).
-async fn calm(case: &str, ns: &str) {
-    let bed = BED.bed().await;
-    assert_no_request_loop(bed, case, ns);
-}
 
 /// A PV pinned to `node` (`spec.local` and node affinity), pre-bound to
 /// claim `claim`, and the claim.
@@ -194,7 +187,7 @@ async fn an_attach_free_stateful_set_drains_without_waiting_for_a_timeout() {
             .any(|va| va.spec.attacher == ATTACH_FREE_DRIVER),
         "never attached"
     );
-    calm(
+    BED.calm(
         "an_attach_free_stateful_set_drains_without_waiting_for_a_timeout",
         ns,
     )
@@ -262,7 +255,8 @@ async fn a_local_volume_is_evicted_and_its_loss_named() {
         .await
         .expect("release the hook");
     gone(&client, ns, "a", LONG).await;
-    calm("a_local_volume_is_evicted_and_its_loss_named", ns).await;
+    BED.calm("a_local_volume_is_evicted_and_its_loss_named", ns)
+        .await;
     ctl.stop().await;
 }
 
@@ -370,7 +364,8 @@ async fn block_holds_a_local_volume_until_an_operator_allows_it() {
             "{log}"
         );
     }
-    calm("block_holds_a_local_volume_until_an_operator_allows_it", ns).await;
+    BED.calm("block_holds_a_local_volume_until_an_operator_allows_it", ns)
+        .await;
     ctl.stop().await;
 }
 
@@ -495,7 +490,7 @@ async fn a_shared_volume_has_moved_only_once_attached_where_the_replacement_runs
         "the wait ends where the replacement runs, not on {node_c}: {}",
         attached.2
     );
-    calm(
+    BED.calm(
         "a_shared_volume_has_moved_only_once_attached_where_the_replacement_runs",
         ns,
     )
@@ -551,7 +546,7 @@ async fn an_in_tree_volume_is_planned_under_its_migrated_csi_name() {
             "PV {pv} (claim {ns}/data), attachable: in-tree awsElasticBlockStore migrated to CSI, ebs.csi.aws.com has no CSIDriver object, so attach is required; on the Node as kubernetes.io/csi/ebs.csi.aws.com^vol-0123456789abcdef0"
         )],
     );
-    calm(
+    BED.calm(
         "an_in_tree_volume_is_planned_under_its_migrated_csi_name",
         ns,
     )
@@ -658,7 +653,8 @@ async fn an_in_tree_iscsi_volume_moves_as_the_node_lists_it() {
         "db-1 evicted at {} only after B listed db-0's volume (write received {write}): {log}",
         db1[0].received
     );
-    calm("an_in_tree_iscsi_volume_moves_as_the_node_lists_it", ns).await;
+    BED.calm("an_in_tree_iscsi_volume_moves_as_the_node_lists_it", ns)
+        .await;
     ctl.stop().await;
 }
 
@@ -770,7 +766,8 @@ async fn an_inline_iscsi_volume_moves_as_a_claim_would() {
         "b-legacy evicted at {} only after B listed a-legacy's LUN (write received {write}): {log}",
         next[0].received
     );
-    calm("an_inline_iscsi_volume_moves_as_a_claim_would", ns).await;
+    BED.calm("an_inline_iscsi_volume_moves_as_a_claim_would", ns)
+        .await;
     ctl.stop().await;
 }
 

@@ -407,66 +407,78 @@ pub(crate) fn plan(
     volumes: &VolumeContext,
     settings: &ResolvedSettings,
 ) -> DrainPlan {
-    let index = VolumeIndex::new(pvcs, pvs);
-    let mut out = DrainPlan {
-        node: node.to_string(),
-        settings: settings.clone(),
-        skipped: Vec::new(),
-        to_delete: Vec::new(),
-        terminating: Vec::new(),
-        stateless: Vec::new(),
+    let mut sorter = Sorter {
+        index: VolumeIndex::new(pvcs, pvs),
+        pdbs,
+        volumes,
+        settings,
+        out: DrainPlan {
+            node: node.to_string(),
+            settings: settings.clone(),
+            skipped: Vec::new(),
+            to_delete: Vec::new(),
+            terminating: Vec::new(),
+            stateless: Vec::new(),
+            stateful: Vec::new(),
+            waiting: Vec::new(),
+            rule_problems: Vec::new(),
+            detaching: detaching_volumes(node, pods, pvcs, pvs, vas),
+        },
+        pinned: BTreeMap::new(),
+        already_going: BTreeMap::new(),
         stateful: Vec::new(),
-        waiting: Vec::new(),
-        rule_problems: Vec::new(),
-        detaching: detaching_volumes(node, pods, pvcs, pvs, vas),
     };
-    // Users of each PV that the evictions do not remove.
-    let mut pinned: BTreeMap<String, Vec<NamespacedName>> = BTreeMap::new();
-    let mut already_going: BTreeMap<String, Vec<NamespacedName>> = BTreeMap::new();
-    let mut stateful: Vec<(PlannedPod, Vec<(VolumeRef, Classified)>)> = Vec::new();
-    let class_of = |pod: &Pod, v: &VolumeRef| {
-        let inline = is_inline(&v.pv).then(|| inline_pv_of(pod, &v.pv)).flatten();
-        match inline.as_ref().or_else(|| index.pv(&v.pv)) {
-            Some(pv) if inline.is_some() => {
-                let c = volumes.classify(pv);
-                Classified {
-                    class: c.class,
-                    why: format!("inline volume of the pod, {}", c.why),
-                }
-            }
-            Some(pv) => volumes.classify(pv),
-            None => Classified {
-                class: VolumeClass::Attachable,
-                why: "PV not found".into(),
-            },
-        }
-    };
-
     let on_node = pods
         .iter()
         .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node));
     for pod in on_node {
+        sorter.add(pod);
+    }
+    sorter.finish(vas)
+}
+
+/// A stateful pod before its volumes' waits are known, with each volume's
+/// class.
+type Unsequenced = (PlannedPod, Vec<(VolumeRef, Classified)>);
+
+/// The pass of `plan` over a Node's pods: each pod into its list, and what
+/// the stateful pods' volume waits are decided from.
+struct Sorter<'a> {
+    index: VolumeIndex<'a>,
+    pdbs: &'a [PodDisruptionBudget],
+    volumes: &'a VolumeContext,
+    settings: &'a ResolvedSettings,
+    out: DrainPlan,
+    /// Users of each PV that the evictions do not remove.
+    pinned: BTreeMap<String, Vec<NamespacedName>>,
+    /// Users of each PV that were terminating before the drain.
+    already_going: BTreeMap<String, Vec<NamespacedName>>,
+    stateful: Vec<Unsequenced>,
+}
+
+impl Sorter<'_> {
+    fn add(&mut self, pod: &Pod) {
         let key = pod_key(pod);
         let uid = pod.metadata.uid.clone();
         let class = classify(pod);
         let drain_rule = rules::rule(pod);
         if !matches!(class, PodClass::Mirror | PodClass::DaemonSet { .. }) {
             for problem in &drain_rule.problems {
-                out.rule_problems.push((key.clone(), problem.clone()));
+                self.out.rule_problems.push((key.clone(), problem.clone()));
             }
         }
         match class {
             class @ (PodClass::Mirror | PodClass::DaemonSet { .. } | PodClass::Skipped) => {
-                for v in index.pod_volumes(pod).refs {
-                    pinned.entry(v.pv).or_default().push(key.clone());
+                for v in self.index.pod_volumes(pod).refs {
+                    self.pinned.entry(v.pv).or_default().push(key.clone());
                 }
-                out.skipped.push(ClassifiedPod {
+                self.out.skipped.push(ClassifiedPod {
                     pod: key,
                     uid,
                     class,
                 });
             }
-            class @ PodClass::Terminal { .. } => out.to_delete.push(ClassifiedPod {
+            class @ PodClass::Terminal { .. } => self.out.to_delete.push(ClassifiedPod {
                 pod: key,
                 uid,
                 class,
@@ -475,16 +487,14 @@ pub(crate) fn plan(
                 let pvs: Vec<String> = if finished(pod) {
                     Vec::new()
                 } else {
-                    let refs = index.pod_volumes(pod).refs;
+                    let refs = self.index.pod_volumes(pod).refs;
                     refs.into_iter().map(|v| v.pv).collect()
                 };
                 for pv in &pvs {
-                    already_going
-                        .entry(pv.clone())
-                        .or_default()
-                        .push(key.clone());
+                    let going = self.already_going.entry(pv.clone()).or_default();
+                    going.push(key.clone());
                 }
-                out.terminating.push(TerminatingPod {
+                self.out.terminating.push(TerminatingPod {
                     pod: key,
                     uid,
                     since,
@@ -494,112 +504,157 @@ pub(crate) fn plan(
                 });
             }
             PodClass::WaitCompleted | PodClass::Evictable => {
-                let pod_volumes = index.pod_volumes(pod);
-                let grace = grace_period(pod);
-                let planned = PlannedPod {
-                    pod: key,
-                    uid,
-                    priority: pod.spec.as_ref().and_then(|s| s.priority).unwrap_or(0),
-                    order: drain_rule.order,
-                    order_source: drain_rule.order_source(),
-                    grace,
-                    bounds: StepBounds {
-                        pod_gone: pod_gone_bound(grace),
-                        detach: None,
-                        reattach: None,
-                    },
-                    volumes: Vec::new(),
-                    pdbs: findings_for(pod, pdbs),
-                    notes: pod_volumes.notes,
-                    scratch: scratch_volumes(pod),
-                    held: None,
-                    controller: controller_of(pod),
-                };
-                if class == PodClass::WaitCompleted {
-                    // Its volumes stay attached until it completes: nobody
-                    // waits for them to detach before then.
-                    for v in pod_volumes.refs {
-                        pinned.entry(v.pv).or_default().push(planned.pod.clone());
-                    }
-                    out.waiting.push(planned);
-                } else if pod_volumes.refs.is_empty() {
-                    out.stateless.push(planned);
-                } else {
-                    let refs = pod_volumes.refs.into_iter().map(|v| {
-                        let c = class_of(pod, &v);
-                        (v, c)
-                    });
-                    let mut p = (planned, refs.collect::<Vec<_>>());
-                    p.0.held = hold(pod, &p.1, volumes, settings);
-                    stateful.push(p);
+                self.add_evictable(pod, key, uid, &drain_rule, class == PodClass::WaitCompleted);
+            }
+        }
+    }
+
+    /// A pod to evict, or (`wait_completed`) to wait on to complete.
+    fn add_evictable(
+        &mut self,
+        pod: &Pod,
+        key: NamespacedName,
+        uid: Option<String>,
+        drain_rule: &rules::Rule,
+        wait_completed: bool,
+    ) {
+        let pod_volumes = self.index.pod_volumes(pod);
+        let grace = grace_period(pod);
+        let mut planned = PlannedPod {
+            pod: key,
+            uid,
+            priority: pod.spec.as_ref().and_then(|s| s.priority).unwrap_or(0),
+            order: drain_rule.order,
+            order_source: drain_rule.order_source(),
+            grace,
+            bounds: StepBounds {
+                pod_gone: pod_gone_bound(grace),
+                detach: None,
+                reattach: None,
+            },
+            volumes: Vec::new(),
+            pdbs: findings_for(pod, self.pdbs),
+            notes: pod_volumes.notes,
+            scratch: scratch_volumes(pod),
+            held: None,
+            controller: controller_of(pod),
+        };
+        if wait_completed {
+            // Its volumes stay attached until it completes: nobody waits
+            // for them to detach before then.
+            for v in pod_volumes.refs {
+                self.pinned
+                    .entry(v.pv)
+                    .or_default()
+                    .push(planned.pod.clone());
+            }
+            self.out.waiting.push(planned);
+        } else if pod_volumes.refs.is_empty() {
+            self.out.stateless.push(planned);
+        } else {
+            let refs: Vec<(VolumeRef, Classified)> = pod_volumes
+                .refs
+                .into_iter()
+                .map(|v| {
+                    let c = self.class_of(pod, &v);
+                    (v, c)
+                })
+                .collect();
+            planned.held = hold(pod, &refs, self.volumes, self.settings);
+            self.stateful.push((planned, refs));
+        }
+    }
+
+    fn class_of(&self, pod: &Pod, v: &VolumeRef) -> Classified {
+        let inline = is_inline(&v.pv).then(|| inline_pv_of(pod, &v.pv)).flatten();
+        match inline.as_ref().or_else(|| self.index.pv(&v.pv)) {
+            Some(pv) if inline.is_some() => {
+                let c = self.volumes.classify(pv);
+                Classified {
+                    class: c.class,
+                    why: format!("inline volume of the pod, {}", c.why),
+                }
+            }
+            Some(pv) => self.volumes.classify(pv),
+            None => Classified {
+                class: VolumeClass::Attachable,
+                why: "PV not found".into(),
+            },
+        }
+    }
+
+    /// The lists in their order, and each stateful pod's volumes with
+    /// their waits and its bounds.
+    fn finish(mut self, vas: &[VolumeAttachment]) -> DrainPlan {
+        let out = &mut self.out;
+        out.skipped.sort_by(|a, b| a.pod.cmp(&b.pod));
+        out.to_delete.sort_by(|a, b| a.pod.cmp(&b.pod));
+        out.terminating.sort_by(|a, b| a.pod.cmp(&b.pod));
+        out.stateless
+            .sort_by(|a, b| (a.order, &a.pod).cmp(&(b.order, &b.pod)));
+        out.waiting
+            .sort_by(|a, b| (a.order, &a.pod).cmp(&(b.order, &b.pod)));
+        // Order groups first. Within one, a pod `nodeLocalVolumes: Block`
+        // holds waits for an operator: it goes last, so that it holds up no
+        // other pod of its group.
+        self.stateful.sort_by(|(a, _), (b, _)| {
+            a.order
+                .cmp(&b.order)
+                .then_with(|| a.held.is_some().cmp(&b.held.is_some()))
+                .then_with(|| by_priority(a, b))
+        });
+        let waits = self.volume_waits();
+        for ((mut p, refs), waits) in self.stateful.into_iter().zip(waits) {
+            p.volumes = refs
+                .into_iter()
+                .zip(waits)
+                .map(|((volume, class), wait)| PlannedVolume {
+                    attached_to: attached_nodes(&volume.pv, vas),
+                    volume,
+                    class: class.class,
+                    class_why: class.why,
+                    wait,
+                })
+                .collect();
+            if p.volumes.iter().any(|v| v.wait.waits_for_detach()) {
+                p.bounds.detach = Some(detach_bound(p.grace, self.settings));
+            }
+            if p.volumes.iter().any(|v| v.wait.waits_for_reattach()) {
+                p.bounds.reattach = Some(reattach_bound(self.settings));
+            }
+            self.out.stateful.push(p);
+        }
+        self.out
+    }
+
+    /// What each volume of each stateful pod (in eviction order) is waited
+    /// on for.
+    fn volume_waits(&self) -> Vec<Vec<VolumeWait>> {
+        // The evicted users of each PV, in eviction order.
+        let mut users: BTreeMap<&str, Vec<NamespacedName>> = BTreeMap::new();
+        for (p, refs) in &self.stateful {
+            for (v, c) in refs {
+                if c.class == VolumeClass::Attachable {
+                    users.entry(&v.pv).or_default().push(p.pod.clone());
                 }
             }
         }
-    }
-
-    out.skipped.sort_by(|a, b| a.pod.cmp(&b.pod));
-    out.to_delete.sort_by(|a, b| a.pod.cmp(&b.pod));
-    out.terminating.sort_by(|a, b| a.pod.cmp(&b.pod));
-    out.stateless
-        .sort_by(|a, b| (a.order, &a.pod).cmp(&(b.order, &b.pod)));
-    out.waiting
-        .sort_by(|a, b| (a.order, &a.pod).cmp(&(b.order, &b.pod)));
-    // Order groups first. Within one, a pod `nodeLocalVolumes: Block`
-    // holds waits for an operator: it goes last, so that it holds up no
-    // other pod of its group.
-    stateful.sort_by(|(a, _), (b, _)| {
-        a.order
-            .cmp(&b.order)
-            .then_with(|| a.held.is_some().cmp(&b.held.is_some()))
-            .then_with(|| by_priority(a, b))
-    });
-
-    // The evicted users of each PV, in eviction order.
-    let mut users: BTreeMap<&str, Vec<NamespacedName>> = BTreeMap::new();
-    for (p, refs) in &stateful {
-        for (v, c) in refs {
-            if c.class == VolumeClass::Attachable {
-                users.entry(&v.pv).or_default().push(p.pod.clone());
-            }
-        }
-    }
-    let waits: Vec<Vec<VolumeWait>> = stateful
-        .iter()
-        .map(|(p, refs)| {
-            refs.iter()
-                .map(|(v, c)| match c.class {
-                    VolumeClass::Attachable => {
-                        volume_wait(&p.pod, v, &users, &pinned, &already_going)
-                    }
-                    VolumeClass::AttachFree if v.ephemeral => VolumeWait::DiesWithPod,
-                    VolumeClass::AttachFree => VolumeWait::ReplacementReady,
-                    VolumeClass::NodeLocal | VolumeClass::Scratch => VolumeWait::DataLost,
-                })
-                .collect()
-        })
-        .collect();
-
-    for ((mut p, refs), waits) in stateful.into_iter().zip(waits) {
-        p.volumes = refs
-            .into_iter()
-            .zip(waits)
-            .map(|((volume, class), wait)| PlannedVolume {
-                attached_to: attached_nodes(&volume.pv, vas),
-                volume,
-                class: class.class,
-                class_why: class.why,
-                wait,
+        self.stateful
+            .iter()
+            .map(|(p, refs)| {
+                refs.iter()
+                    .map(|(v, c)| match c.class {
+                        VolumeClass::Attachable => {
+                            volume_wait(&p.pod, v, &users, &self.pinned, &self.already_going)
+                        }
+                        VolumeClass::AttachFree if v.ephemeral => VolumeWait::DiesWithPod,
+                        VolumeClass::AttachFree => VolumeWait::ReplacementReady,
+                        VolumeClass::NodeLocal | VolumeClass::Scratch => VolumeWait::DataLost,
+                    })
+                    .collect()
             })
-            .collect();
-        if p.volumes.iter().any(|v| v.wait.waits_for_detach()) {
-            p.bounds.detach = Some(detach_bound(p.grace, settings));
-        }
-        if p.volumes.iter().any(|v| v.wait.waits_for_reattach()) {
-            p.bounds.reattach = Some(reattach_bound(settings));
-        }
-        out.stateful.push(p);
+            .collect()
     }
-    out
 }
 
 /// Why `nodeLocalVolumes: Block` holds `pod`, if it does: it uses

@@ -134,6 +134,17 @@ fn write_pdbs_and_notes(f: &mut fmt::Formatter<'_>, p: &PlannedPod, indent: &str
 
 impl fmt::Display for DrainPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.write_header(f)?;
+        self.write_groups(f)?;
+        self.write_set_aside(f)?;
+        self.write_evictions(f)?;
+        self.write_critical_path(f)
+    }
+}
+
+impl DrainPlan {
+    /// The Node, the deadline and what becomes of node-local volumes.
+    fn write_header(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = &self.settings;
         writeln!(f, "Drain plan for Node {}", self.node)?;
         writeln!(
@@ -157,7 +168,11 @@ impl fmt::Display for DrainPlan {
                     "Block: their pods stay until annotated berth.dev/allow-node-local-data-loss=true (pod or Machine) or the deadline",
             }
         )?;
+        Ok(())
+    }
 
+    /// The order groups, lowest first, with what each holds.
+    fn write_groups(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let groups = self.groups();
         writeln!(
             f,
@@ -182,7 +197,14 @@ impl fmt::Display for DrainPlan {
                 .collect();
             writeln!(f, ": {}", counts.join(", "))?;
         }
+        Ok(())
+    }
 
+    /// The pods and volumes the drain does not evict: skipped, deleted,
+    /// waited on to complete or to terminate, rules not understood,
+    /// volumes still detaching.
+    fn write_set_aside(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = &self.settings;
         writeln!(f, "\nSkipped ({}):", self.skipped.len())?;
         for p in &self.skipped {
             writeln!(f, "  {}: {}", fmt_key(&p.pod), p.class)?;
@@ -250,7 +272,13 @@ impl fmt::Display for DrainPlan {
                 None => writeln!(f, "  PV {}", v.pv)?,
             }
         }
+        Ok(())
+    }
 
+    /// The pods evicted: without persistent volumes, then those with, in
+    /// their sequence.
+    fn write_evictions(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = &self.settings;
         writeln!(
             f,
             "\nWithout persistent volumes, evicted concurrently, up to {} at a time ({}):",
@@ -288,7 +316,13 @@ impl fmt::Display for DrainPlan {
             }
             write_pdbs_and_notes(f, p, "       ")?;
         }
+        Ok(())
+    }
 
+    /// The stateful sequence with the bound of each wait, and its worst
+    /// case against the deadline.
+    fn write_critical_path(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = &self.settings;
         let path = self.critical_path();
         writeln!(
             f,

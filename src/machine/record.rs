@@ -388,44 +388,7 @@ pub(crate) fn deletion_record(step: &DeletionStep, outcome: &DeletionOutcome<'_>
                 pods.len()
             ),
         ),
-        DeletionStep::Drain { node, pods } => {
-            let view = match outcome {
-                DeletionOutcome::Drain(v) => v,
-                _ => &DrainView::Running,
-            };
-            let (reason, state, msg) = match view {
-                DrainView::Failed(message) => ("DrainFailed", State::Failed, message.to_string()),
-                DrainView::Ended => (
-                    "PodsReturned",
-                    State::Processing,
-                    format!(
-                        "pods came back to Node {node}: {}; draining again",
-                        pods.join(", ")
-                    ),
-                ),
-                // The running drain's details live in `status.drain`,
-                // written by the engine; the step's report changes only
-                // when the drain gets blocked or unblocked, so progress
-                // costs no Event and no second status write.
-                DrainView::Blocked(by) => (
-                    "EvictionBlocked",
-                    State::Waiting,
-                    format!("draining Node {node}: blocked: {by}"),
-                ),
-                DrainView::Held(by) => (
-                    "PodHeldByFinalizer",
-                    State::Waiting,
-                    format!("draining Node {node}: {by}"),
-                ),
-                DrainView::Running => (
-                    "Draining",
-                    State::Processing,
-                    format!("draining Node {node} (progress in status.drain)"),
-                ),
-            };
-            StepRecord::report("Delete", name, state, msg.clone())
-                .condition(DRAINED, false, reason, msg)
-        }
+        DeletionStep::Drain { node, pods } => drain_record(name, node, pods, outcome),
         DeletionStep::WaitVolumesDetached { node, attachments } => {
             let msg = format!(
                 "waiting for {} VolumeAttachments to leave Node {node}: {}",
@@ -441,79 +404,136 @@ pub(crate) fn deletion_record(step: &DeletionStep, outcome: &DeletionOutcome<'_>
                 )
                 .condition(VOLUMES_DETACHED, false, "Detaching", msg)
         }
-        DeletionStep::DeleteVmAndNode { node } => match outcome {
-            DeletionOutcome::DrainSkipped => StepRecord::report(
-                "Delete",
-                "SkipDrain",
-                State::Succeeded,
-                "the Node never registered: no drain",
+        DeletionStep::DeleteVmAndNode { node } => {
+            vm_and_node_record(name, node.as_deref(), outcome)
+        }
+    }
+}
+
+/// The drain step: its report changes only when the drain gets blocked,
+/// held, fails or ends (its progress is the engine's `status.drain`).
+fn drain_record(
+    name: &'static str,
+    node: &str,
+    pods: &[String],
+    outcome: &DeletionOutcome<'_>,
+) -> StepRecord {
+    let view = match outcome {
+        DeletionOutcome::Drain(v) => v,
+        _ => &DrainView::Running,
+    };
+    let (reason, state, msg) = match view {
+        DrainView::Failed(message) => ("DrainFailed", State::Failed, message.to_string()),
+        DrainView::Ended => (
+            "PodsReturned",
+            State::Processing,
+            format!(
+                "pods came back to Node {node}: {}; draining again",
+                pods.join(", ")
+            ),
+        ),
+        // The running drain's details live in `status.drain`,
+        // written by the engine; the step's report changes only
+        // when the drain gets blocked or unblocked, so progress
+        // costs no Event and no second status write.
+        DrainView::Blocked(by) => (
+            "EvictionBlocked",
+            State::Waiting,
+            format!("draining Node {node}: blocked: {by}"),
+        ),
+        DrainView::Held(by) => (
+            "PodHeldByFinalizer",
+            State::Waiting,
+            format!("draining Node {node}: {by}"),
+        ),
+        DrainView::Running => (
+            "Draining",
+            State::Processing,
+            format!("draining Node {node} (progress in status.drain)"),
+        ),
+    };
+    StepRecord::report("Delete", name, state, msg.clone()).condition(DRAINED, false, reason, msg)
+}
+
+/// The last step, by what came of it: the VM and the Node deleted, or
+/// what keeps them.
+fn vm_and_node_record(
+    name: &'static str,
+    node: Option<&str>,
+    outcome: &DeletionOutcome<'_>,
+) -> StepRecord {
+    match outcome {
+        DeletionOutcome::DrainSkipped => StepRecord::report(
+            "Delete",
+            "SkipDrain",
+            State::Succeeded,
+            "the Node never registered: no drain",
+        )
+        .condition(
+            DRAINED,
+            true,
+            "NoNode",
+            "the Node never registered: nothing to drain",
+        ),
+        DeletionOutcome::NoVm => StepRecord::report(
+            "Delete",
+            "DeleteVmAndNode",
+            State::Succeeded,
+            "no VM was ever requested: nothing to delete",
+        ),
+        DeletionOutcome::Unresolved(why) => StepRecord::report(
+            "Delete",
+            name,
+            State::Failed,
+            format!("cannot delete the VM: {}", why.message),
+        )
+        .condition(READY, false, why.reason, why.message.clone()),
+        DeletionOutcome::VmDeleteInProgress(what) => {
+            StepRecord::report("Delete", name, State::Waiting, *what)
+        }
+        DeletionOutcome::VmDeleteRefused { provider, error } => StepRecord::report(
+            "Delete",
+            name,
+            State::Failed,
+            format!("provider {provider} cannot delete the VM: {error}"),
+        ),
+        DeletionOutcome::VolumesLeft {
+            volumes,
+            why,
+            node_exists,
+        } => {
+            let node = node.unwrap_or("(gone)");
+            let msg = volumes_left_message(node, volumes, why, *node_exists);
+            StepRecord::report("Delete", name, State::Processing, msg.clone()).condition(
+                VOLUMES_DETACHED,
+                false,
+                VOLUMES_LEFT_REASONS[0],
+                msg,
             )
-            .condition(
-                DRAINED,
-                true,
-                "NoNode",
-                "the Node never registered: nothing to drain",
-            ),
-            DeletionOutcome::NoVm => StepRecord::report(
-                "Delete",
-                "DeleteVmAndNode",
-                State::Succeeded,
-                "no VM was ever requested: nothing to delete",
-            ),
-            DeletionOutcome::Unresolved(why) => StepRecord::report(
-                "Delete",
-                name,
-                State::Failed,
-                format!("cannot delete the VM: {}", why.message),
+        }
+        DeletionOutcome::ReleasingVolumes { volumes, until } => {
+            let node = node.unwrap_or("(gone)");
+            let msg = format!(
+                "the VM is gone; Node {node} is tainted {OUT_OF_SERVICE_TAINT}, so that the attach-detach controller releases {} still attached: {}; the Node is deleted once they are released, or at {until}",
+                volumes.len(),
+                volumes.join(", ")
+            );
+            StepRecord::report("Delete", name, State::Waiting, msg.clone()).condition(
+                VOLUMES_DETACHED,
+                false,
+                VOLUMES_LEFT_REASONS[1],
+                msg,
             )
-            .condition(READY, false, why.reason, why.message.clone()),
-            DeletionOutcome::VmDeleteInProgress(what) => {
-                StepRecord::report("Delete", name, State::Waiting, *what)
-            }
-            DeletionOutcome::VmDeleteRefused { provider, error } => StepRecord::report(
-                "Delete",
-                name,
-                State::Failed,
-                format!("provider {provider} cannot delete the VM: {error}"),
-            ),
-            DeletionOutcome::VolumesLeft {
-                volumes,
-                why,
-                node_exists,
-            } => {
-                let node = node.as_deref().unwrap_or("(gone)");
-                let msg = volumes_left_message(node, volumes, why, *node_exists);
-                StepRecord::report("Delete", name, State::Processing, msg.clone()).condition(
-                    VOLUMES_DETACHED,
-                    false,
-                    VOLUMES_LEFT_REASONS[0],
-                    msg,
-                )
-            }
-            DeletionOutcome::ReleasingVolumes { volumes, until } => {
-                let node = node.as_deref().unwrap_or("(gone)");
-                let msg = format!(
-                    "the VM is gone; Node {node} is tainted {OUT_OF_SERVICE_TAINT}, so that the attach-detach controller releases {} still attached: {}; the Node is deleted once they are released, or at {until}",
-                    volumes.len(),
-                    volumes.join(", ")
-                );
-                StepRecord::report("Delete", name, State::Waiting, msg.clone()).condition(
-                    VOLUMES_DETACHED,
-                    false,
-                    VOLUMES_LEFT_REASONS[1],
-                    msg,
-                )
-            }
-            DeletionOutcome::AsDecided | DeletionOutcome::Drain(_) => StepRecord::report(
-                "Delete",
-                "DeleteVmAndNode",
-                State::Succeeded,
-                match node {
-                    Some(n) => format!("VM deleted, Node {n} deleted"),
-                    None => "VM deleted".to_string(),
-                },
-            ),
-        },
+        }
+        DeletionOutcome::AsDecided | DeletionOutcome::Drain(_) => StepRecord::report(
+            "Delete",
+            "DeleteVmAndNode",
+            State::Succeeded,
+            match node {
+                Some(n) => format!("VM deleted, Node {n} deleted"),
+                None => "VM deleted".to_string(),
+            },
+        ),
     }
 }
 

@@ -348,9 +348,17 @@ pub(crate) fn next_status(
     }
     let since = s.last_progress_time.as_ref().map_or(now, |t| t.0);
 
+    set_condition(&mut s.conditions, &available(o), o.generation, now);
+    let (cond, status, next_change) = progressing(o, now, since);
+    set_condition_status(&mut s.conditions, &cond, status, o.generation, now);
+    (s, next_change)
+}
+
+/// `Available`: at least `replicas - maxUnavailable` Machines available.
+fn available(o: &Observed) -> Cond {
     let min_available = o.replicas.saturating_sub(o.pace.unavailable);
     let available = o.new.available + o.old.available;
-    let avail = if available >= min_available {
+    if available >= min_available {
         Cond::new(
             AVAILABLE,
             true,
@@ -370,9 +378,16 @@ pub(crate) fn next_status(
                 o.replicas
             ),
         )
-    };
-    set_condition(&mut s.conditions, &avail, o.generation, now);
+    }
+}
 
+/// `Progressing`, its status, and when it changes on its own (the progress
+/// deadline, counted from `since`, the last progress).
+fn progressing(
+    o: &Observed,
+    now: Timestamp,
+    since: Timestamp,
+) -> (Cond, &'static str, Option<SignedDuration>) {
     let old_left = o.old.active + o.old.deleting;
     let summary = format!(
         "{} of {} Machines updated, {} ready; {old_left} old left ({} draining)",
@@ -448,8 +463,7 @@ pub(crate) fn next_status(
             "True",
         )
     };
-    set_condition_status(&mut s.conditions, &cond, status, o.generation, now);
-    (s, next_change)
+    (cond, status, next_change)
 }
 
 #[cfg(test)]

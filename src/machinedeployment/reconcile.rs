@@ -15,7 +15,7 @@ use kube::runtime::events::EventType;
 use kube::{Resource, ResourceExt};
 
 use super::Context;
-use super::decide::{self, Facts, Failing, Observed, Pace, SetCounts};
+use super::decide::{self, Facts, Failing, Hold, Observed, Pace, SetCounts};
 use crate::api::conditions::READY;
 use crate::api::machinedeployment::conditions::PROGRESSING;
 use crate::api::{
@@ -65,6 +65,36 @@ impl Member {
     }
 }
 
+/// What the deployment's spec asks for, read once per reconcile.
+struct Wanted {
+    hash: String,
+    replicas: usize,
+    pace: Pace,
+    /// The template does not match the selector: nothing is made.
+    mismatch: Option<String>,
+}
+
+impl Wanted {
+    fn of(md: &MachineDeployment) -> Self {
+        let rolling = md.spec.strategy.rolling_update.as_ref();
+        Wanted {
+            hash: decide::template_hash(&md.spec.template),
+            replicas: usize::try_from(md.spec.replicas).unwrap_or(0),
+            pace: Pace::of(
+                md.spec.replicas,
+                rolling.and_then(|r| r.max_surge.as_ref()),
+                rolling.and_then(|r| r.max_unavailable.as_ref()),
+            ),
+            mismatch: (!selects(&md.spec.selector, &md.spec.template.metadata.labels)).then(|| {
+                format!(
+                    "the selector ({}) does not match the template's labels: no MachineSet is made",
+                    selector_string(&md.spec.selector)
+                )
+            }),
+        }
+    }
+}
+
 pub(crate) async fn reconcile(
     md: Arc<MachineDeployment>,
     ctx: Arc<Context>,
@@ -77,152 +107,180 @@ pub(crate) async fn reconcile(
         return Ok(Action::await_change());
     }
     let now = Timestamp::now();
-    let hash = decide::template_hash(&md.spec.template);
-    let replicas = usize::try_from(md.spec.replicas).unwrap_or(0);
-    let rolling = md.spec.strategy.rolling_update.as_ref();
-    let pace = Pace::of(
-        md.spec.replicas,
-        rolling.and_then(|r| r.max_surge.as_ref()),
-        rolling.and_then(|r| r.max_unavailable.as_ref()),
-    );
-    let mismatch = (!selects(&md.spec.selector, &md.spec.template.metadata.labels)).then(|| {
-        format!(
-            "the selector ({}) does not match the template's labels: no MachineSet is made",
-            selector_string(&md.spec.selector)
-        )
-    });
+    let wanted = Wanted::of(&md);
 
     // The decision and its writes, one deployment at a time.
     let mut ledger = ctx.ledger.lock().await;
     let members = members(&md, &ns, &uid, &ctx, &mut ledger, now);
     let (mut new, mut old): (Vec<Member>, Vec<Member>) = members
         .into_iter()
-        .partition(|m| m.set.labels().get(TEMPLATE_HASH_LABEL) == Some(&hash));
+        .partition(|m| m.set.labels().get(TEMPLATE_HASH_LABEL) == Some(&wanted.hash));
     // The old Nodes are tainted before any old Machine is asked to go, so
     // that no pod evicted in this rollout lands on one.
     taint_old_nodes(&new, &old, &ctx).await;
-    let mut held = None;
-    if !md.spec.paused && mismatch.is_none() {
-        let new_counts = new.first().map(|m| m.counts).unwrap_or_default();
-        let old_counts = sum(old.iter().map(|m| m.counts));
-        let step = decide::step(&Facts {
-            replicas,
-            strategy: md.spec.strategy.type_,
-            pace,
-            new: new_counts,
-            old: old_counts,
-            drains_everywhere: {
-                let n = drains_everywhere(&ctx, &mut ledger);
-                ctx.metrics
-                    .rollout_drains
-                    .set(i64::try_from(n).unwrap_or(i64::MAX));
-                n
-            },
-            drain_cap: ctx.drain_cap,
-        });
-        held = step.held;
-        let next_revision = new
-            .iter()
-            .chain(&old)
-            .map(|m| m.revision)
-            .max()
-            .unwrap_or(0)
-            + 1;
-        match new.first() {
-            None => {
-                let created =
-                    create_set(&md, &ns, &hash, step.new_replicas, next_revision, &ctx).await?;
-                ledger.wrote(&created);
-                let note = if old.is_empty() {
-                    format!(
-                        "created MachineSet {} with {} Machines",
-                        created.name_any(),
-                        step.new_replicas
-                    )
-                } else {
-                    format!(
-                        "rollout of template {hash} started: created MachineSet {} (revision {next_revision}); {} old Machines to replace",
-                        created.name_any(),
-                        old_counts.active + old_counts.deleting
-                    )
-                };
-                publish(
-                    &ctx,
-                    &md,
-                    "RolloutStarted",
-                    "CreateMachineSet",
-                    &note,
-                    Some(&created),
-                );
-            }
-            Some(m) => {
-                let revision_behind = m.revision < next_revision - 1;
-                let superseded = m.set.annotations().contains_key(SUPERSEDED_ANNOTATION);
-                let min_ready_changed = m.set.spec.min_ready_seconds != md.spec.min_ready_seconds;
-                if m.counts.replicas != step.new_replicas
-                    || superseded
-                    || revision_behind
-                    || min_ready_changed
-                {
-                    let mut patch = serde_json::json!({
-                        "spec": {"replicas": step.new_replicas, "minReadySeconds": md.spec.min_ready_seconds},
-                    });
-                    if superseded || revision_behind {
-                        // A rollback: an earlier template is current again.
-                        patch["metadata"] = serde_json::json!({"annotations": {
-                            SUPERSEDED_ANNOTATION: null,
-                            REVISION_ANNOTATION: next_revision.to_string(),
-                        }});
-                    }
-                    let written = patch_set(&ctx, &ns, &m.name(), patch, "scaling").await?;
-                    ledger.wrote(&written);
-                    if m.counts.replicas != step.new_replicas {
-                        publish(
-                            &ctx,
-                            &md,
-                            "ScaledNewMachineSet",
-                            // Ups and downs apart: Events alike in reason,
-                            // action and objects fold into one series.
-                            if step.new_replicas > m.counts.replicas {
-                                "ScaleUp"
-                            } else {
-                                "ScaleDown"
-                            },
-                            &format!(
-                                "scaled MachineSet {} from {} to {}",
-                                m.name(),
-                                m.counts.replicas,
-                                step.new_replicas
-                            ),
-                            Some(&written),
-                        );
-                    }
-                    new[0].counts.replicas = step.new_replicas;
-                }
-            }
-        }
-        let new_name = new
-            .first()
-            .map(Member::name)
-            .unwrap_or_else(|| set_name(&md, &hash));
-        scale_old(
-            &md,
-            &ns,
-            &new_name,
-            &mut old,
-            step.delete_old,
-            &ctx,
-            &mut ledger,
-        )
-        .await?;
-    }
     // Paused, or nothing can be made: no set is touched. Drains in progress
     // finish (they are the Machine controller's); nothing new starts.
+    let held = if !md.spec.paused && wanted.mismatch.is_none() {
+        roll(&md, &ns, &wanted, &mut new, &mut old, &ctx, &mut ledger).await?
+    } else {
+        None
+    };
     drop(ledger);
 
     trim_history(&md, &ns, &mut old, &ctx).await;
 
+    let observed = observe(&md, wanted, &new, &old, held);
+    let current = md.status.clone().unwrap_or_default();
+    let (status, next_change) = decide::next_status(&current, &observed, now);
+    if status != current && !write(&md, &ns, &ctx, &current, &status).await? {
+        return Ok(Action::await_change());
+    }
+    ctx.backoff.reset(&md);
+    // Only the progress deadline is a timer; every other change arrives as
+    // a watch event of a set, a Machine or a Node.
+    Ok(next_change
+        .and_then(|d| Duration::try_from(d).ok())
+        .map_or_else(Action::await_change, |d| {
+            Action::requeue(d + Duration::from_secs(1))
+        }))
+}
+
+/// The rollout's next step: the current template's set made or scaled, and
+/// old Machines asked to go. Returns what holds the rollout back, if
+/// anything does.
+async fn roll(
+    md: &MachineDeployment,
+    ns: &str,
+    wanted: &Wanted,
+    new: &mut [Member],
+    old: &mut [Member],
+    ctx: &Context,
+    ledger: &mut super::Ledger,
+) -> Result<Option<Hold>, Error> {
     let new_counts = new.first().map(|m| m.counts).unwrap_or_default();
+    let old_counts = sum(old.iter().map(|m| m.counts));
+    let drains = drains_everywhere(ctx, ledger);
+    ctx.metrics
+        .rollout_drains
+        .set(i64::try_from(drains).unwrap_or(i64::MAX));
+    let step = decide::step(&Facts {
+        replicas: wanted.replicas,
+        strategy: md.spec.strategy.type_,
+        pace: wanted.pace,
+        new: new_counts,
+        old: old_counts,
+        drains_everywhere: drains,
+        drain_cap: ctx.drain_cap,
+    });
+    let next_revision = new
+        .iter()
+        .chain(old.iter())
+        .map(|m| m.revision)
+        .max()
+        .unwrap_or(0)
+        + 1;
+    match new.first_mut() {
+        None => {
+            let created =
+                create_set(md, ns, &wanted.hash, step.new_replicas, next_revision, ctx).await?;
+            ledger.wrote(&created);
+            let note = if old.is_empty() {
+                format!(
+                    "created MachineSet {} with {} Machines",
+                    created.name_any(),
+                    step.new_replicas
+                )
+            } else {
+                format!(
+                    "rollout of template {} started: created MachineSet {} (revision {next_revision}); {} old Machines to replace",
+                    wanted.hash,
+                    created.name_any(),
+                    old_counts.active + old_counts.deleting
+                )
+            };
+            publish(
+                ctx,
+                md,
+                "RolloutStarted",
+                "CreateMachineSet",
+                &note,
+                Some(&created),
+            );
+        }
+        Some(m) => scale_new(md, ns, m, step.new_replicas, next_revision, ctx, ledger).await?,
+    }
+    let new_name = new
+        .first()
+        .map(Member::name)
+        .unwrap_or_else(|| set_name(md, &wanted.hash));
+    scale_old(md, ns, &new_name, old, step.delete_old, ctx, ledger).await?;
+    Ok(step.held)
+}
+
+/// The current template's set brought to `replicas` (and to the
+/// deployment's `minReadySeconds`); a set an earlier rollout superseded
+/// becomes the newest revision again (a rollback).
+async fn scale_new(
+    md: &MachineDeployment,
+    ns: &str,
+    m: &mut Member,
+    replicas: usize,
+    next_revision: i64,
+    ctx: &Context,
+    ledger: &mut super::Ledger,
+) -> Result<(), Error> {
+    let revision_behind = m.revision < next_revision - 1;
+    let superseded = m.set.annotations().contains_key(SUPERSEDED_ANNOTATION);
+    let min_ready_changed = m.set.spec.min_ready_seconds != md.spec.min_ready_seconds;
+    if m.counts.replicas == replicas && !superseded && !revision_behind && !min_ready_changed {
+        return Ok(());
+    }
+    let mut patch = serde_json::json!({
+        "spec": {"replicas": replicas, "minReadySeconds": md.spec.min_ready_seconds},
+    });
+    if superseded || revision_behind {
+        // A rollback: an earlier template is current again.
+        patch["metadata"] = serde_json::json!({"annotations": {
+            SUPERSEDED_ANNOTATION: null,
+            REVISION_ANNOTATION: next_revision.to_string(),
+        }});
+    }
+    let written = patch_set(ctx, ns, &m.name(), patch, "scaling").await?;
+    ledger.wrote(&written);
+    if m.counts.replicas != replicas {
+        publish(
+            ctx,
+            md,
+            "ScaledNewMachineSet",
+            // Ups and downs apart: Events alike in reason, action and
+            // objects fold into one series.
+            if replicas > m.counts.replicas {
+                "ScaleUp"
+            } else {
+                "ScaleDown"
+            },
+            &format!(
+                "scaled MachineSet {} from {} to {}",
+                m.name(),
+                m.counts.replicas,
+                replicas
+            ),
+            Some(&written),
+        );
+    }
+    m.counts.replicas = replicas;
+    Ok(())
+}
+
+/// What the status is computed from: the spec, the sets' counts, and the
+/// first new Machine that is failing.
+fn observe(
+    md: &MachineDeployment,
+    wanted: Wanted,
+    new: &[Member],
+    old: &[Member],
+    held: Option<Hold>,
+) -> Observed {
     let failing = new.first().and_then(|m| {
         m.active().find_map(|machine| {
             let status = machine.status.as_ref();
@@ -237,50 +295,50 @@ pub(crate) async fn reconcile(
             })
         })
     });
-    let observed = Observed {
-        replicas,
+    Observed {
+        replicas: wanted.replicas,
         paused: md.spec.paused,
-        hash: hash.clone(),
+        hash: wanted.hash,
         selector: selector_string(&md.spec.selector),
         generation: md.metadata.generation,
-        pace,
-        new: new_counts,
+        pace: wanted.pace,
+        new: new.first().map(|m| m.counts).unwrap_or_default(),
         old: sum(old.iter().map(|m| m.counts)),
         held,
         failing,
-        mismatch,
+        mismatch: wanted.mismatch,
         deadline: SignedDuration::from_secs(
             md.spec
                 .progress_deadline_seconds
                 .map_or(decide::DEFAULT_PROGRESS_DEADLINE, i64::from),
         ),
-    };
-    let current = md.status.clone().unwrap_or_default();
-    let (status, next_change) = decide::next_status(&current, &observed, now);
-    if status != current {
-        // Compare-and-swap (see `crate::controller::status`): refused, the
-        // watch brings the newer copy and the deployment is reconciled
-        // again on it; announced only once written.
-        let api = Api::<MachineDeployment>::namespaced(ctx.client.clone(), &ns);
-        match write_status(&api, &md, &status)
-            .await
-            .map_err(Error::Status)?
-        {
-            StatusWrite::Written(_) => announce(&ctx, &md, &current, &status),
-            StatusWrite::Conflict => {
-                tracing::debug!(machinedeployment = %md.name_any(), namespace = ns, "status write refused: the deployment changed since it was read");
-                return Ok(Action::await_change());
-            }
+    }
+}
+
+/// The status written by compare-and-swap (see `crate::controller::status`)
+/// and announced once written. `false`: refused, the watch brings the newer
+/// copy and the deployment is reconciled again on it.
+async fn write(
+    md: &MachineDeployment,
+    ns: &str,
+    ctx: &Context,
+    current: &crate::api::MachineDeploymentStatus,
+    status: &crate::api::MachineDeploymentStatus,
+) -> Result<bool, Error> {
+    let api = Api::<MachineDeployment>::namespaced(ctx.client.clone(), ns);
+    match write_status(&api, md, status)
+        .await
+        .map_err(Error::Status)?
+    {
+        StatusWrite::Written(_) => {
+            announce(ctx, md, current, status);
+            Ok(true)
+        }
+        StatusWrite::Conflict => {
+            tracing::debug!(machinedeployment = %md.name_any(), namespace = ns, "status write refused: the deployment changed since it was read");
+            Ok(false)
         }
     }
-    ctx.backoff.reset(&md);
-    // Only the progress deadline is a timer; every other change arrives as
-    // a watch event of a set, a Machine or a Node.
-    Ok(next_change
-        .and_then(|d| Duration::try_from(d).ok())
-        .map_or_else(Action::await_change, |d| {
-            Action::requeue(d + Duration::from_secs(1))
-        }))
 }
 
 /// The deployment's sets from the cache, each with its Machines and counts.

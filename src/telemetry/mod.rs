@@ -239,6 +239,56 @@ fn kind_of<C>() -> &'static str {
 }
 
 impl Registrar {
+    fn gauge(&mut self, name: &str, help: &str) -> prometheus::Result<IntGauge> {
+        self.add(IntGauge::new(name, help)?)
+    }
+
+    fn gauge_vec(
+        &mut self,
+        name: &str,
+        help: &str,
+        labels: &[&str],
+    ) -> prometheus::Result<IntGaugeVec> {
+        self.add(IntGaugeVec::new(Opts::new(name, help), labels)?)
+    }
+
+    fn counter(&mut self, name: &str, help: &str) -> prometheus::Result<IntCounter> {
+        self.add(IntCounter::new(name, help)?)
+    }
+
+    fn counter_vec(
+        &mut self,
+        name: &str,
+        help: &str,
+        labels: &[&str],
+    ) -> prometheus::Result<IntCounterVec> {
+        self.add(IntCounterVec::new(Opts::new(name, help), labels)?)
+    }
+
+    fn histogram(
+        &mut self,
+        name: &str,
+        help: &str,
+        buckets: &[f64],
+    ) -> prometheus::Result<Histogram> {
+        self.add(Histogram::with_opts(
+            HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+        )?)
+    }
+
+    fn histogram_vec(
+        &mut self,
+        name: &str,
+        help: &str,
+        buckets: &[f64],
+        labels: &[&str],
+    ) -> prometheus::Result<HistogramVec> {
+        self.add(HistogramVec::new(
+            HistogramOpts::new(name, help).buckets(buckets.to_vec()),
+            labels,
+        )?)
+    }
+
     fn add<C: Collector + Clone + 'static>(&mut self, collector: C) -> prometheus::Result<C> {
         self.names
             .extend(collector.desc().iter().map(|d| d.fq_name.clone()));
@@ -265,152 +315,40 @@ impl Metrics {
             names: Vec::new(),
             docs: Vec::new(),
         };
-
-        let machines = r.add(IntGaugeVec::new(
-            Opts::new(
-                "berth_machines",
-                "Number of Machines in each lifecycle phase, as last seen by this replica.",
-            ),
-            &["phase"],
-        )?)?;
-        let reconcile_total = r.add(IntCounterVec::new(
-            Opts::new(
-                "berth_reconcile_total",
-                "Machine reconciles by result: \"ok\"; \"conflict\" when a status write was refused because the Machine had changed since it was read (reconciled again shortly on the newer version; not an error); or \"error_\" and the call that failed: error_status, error_provider_id (recording the providerID), error_finalizer, error_node_get, error_cordon, error_pod_delete, error_node_delete, error_provider_create, error_provider_delete, error_no_namespace.",
-            ),
-            &["result"],
-        )?)?;
-        let reconcile_duration = r.add(Histogram::with_opts(
-            HistogramOpts::new(
-                "berth_reconcile_duration_seconds",
-                "Wall-clock time of one Machine reconcile, whatever its result.",
-            )
-            .buckets(RECONCILE_BUCKETS.to_vec()),
-        )?)?;
-        let drain_duration = r.add(HistogramVec::new(
-            HistogramOpts::new(
-                "berth_drain_duration_seconds",
-                "Time from the start of a Node drain until it finished, by outcome.",
-            )
-            .buckets(DRAIN_BUCKETS.to_vec()),
-            &["outcome"],
-        )?)?;
-        let drains_in_progress = r.add(IntGauge::new(
-            "berth_drains_in_progress",
-            "Node drains started by this replica and not finished yet.",
-        )?)?;
-        let pod_evictions = r.add(IntCounterVec::new(
-            Opts::new(
-                "berth_pod_evictions_total",
-                "Pod eviction attempts during drains, by result (evicted, pdb_blocked, misconfigured_pdb, deleted, forced, throttled, error).",
-            ),
-            &["result"],
-        )?)?;
-        let volume_detach_wait = r.add(Histogram::with_opts(
-            HistogramOpts::new(
-                "berth_volume_detach_wait_seconds",
-                "Time from evicting a pod until every volume it used was detached from the draining Node.",
-            )
-            .buckets(VOLUME_WAIT_BUCKETS.to_vec()),
-        )?)?;
-        let volume_reattach_wait = r.add(Histogram::with_opts(
-            HistogramOpts::new(
-                "berth_volume_reattach_wait_seconds",
-                "Time from a volume's detach until it was attached to the Node of the replacement pod.",
-            )
-            .buckets(VOLUME_WAIT_BUCKETS.to_vec()),
-        )?)?;
-        let volume_attachment_events = r.add(IntCounter::new(
-            "berth_volume_attachment_events_total",
-            "VolumeAttachment watch events processed by the volume tracker.",
-        )?)?;
-        let tracker_lagged = r.add(IntCounter::new(
-            "berth_tracker_lagged_total",
-            "Times a volume tracker subscriber fell behind and missed events (it then re-reads the state).",
-        )?)?;
-        let events_dropped = r.add(IntCounter::new(
-            "berth_events_dropped_total",
-            "Kubernetes Events not published: their queue was full or the API server refused them.",
-        )?)?;
-        let volumes_left_attached = r.add(IntCounter::new(
-            "berth_volumes_left_attached_total",
-            "Volumes (VolumeAttachments) still attached to a Node when its VM was deleted: their detach was not confirmed in volumeDetachTimeout, or the deletion was forced.",
-        )?)?;
-        let provider_requests = r.add(IntCounterVec::new(
-            Opts::new(
-                "berth_provider_requests_total",
-                "Requests to the machine provider, by driver, operation and result. For aws, every EC2 API request, with the EC2 action as op (RunInstances, DescribeInstances, TerminateInstances, DescribeImages) and result ok, throttled, transient, invalid_spec, unauthorized, not_found or permanent; for fake, each operation (create, delete, get, list).",
-            ),
-            &["driver", "op", "result"],
-        )?)?;
-        let provider_request_duration = r.add(HistogramVec::new(
-            HistogramOpts::new(
-                "berth_provider_request_duration_seconds",
-                "Latency of requests to the machine provider, by driver and operation (for aws, the EC2 action).",
-            )
-            .buckets(PROVIDER_BUCKETS.to_vec()),
-            &["driver", "op"],
-        )?)?;
-        let node_not_ready_machines = r.add(IntGauge::new(
-            "berth_node_not_ready_machines",
-            "Running Machines whose Node has been NotReady for longer than the health timeout.",
-        )?)?;
-        let leader = r.add(IntGauge::new(
-            "berth_leader",
-            "1 while this replica holds the leader election Lease, 0 otherwise.",
-        )?)?;
-        let orphan_vms = r.add(IntCounterVec::new(
-            Opts::new(
-                "berth_orphan_vms_total",
-                "Orphan VMs (tagged for a Machine of this cluster that no Machine has, older than --orphan-grace) found by orphan collection, once per round each, by driver and outcome: collected (deleted), would_collect (--orphan-dry-run), failed (the delete failed; tried again next round).",
-            ),
-            &["driver", "outcome"],
-        )?)?;
-        let rollout_drains = r.add(IntGauge::new(
-            "berth_rollout_drains",
-            "Old Machines that MachineDeployment rollouts are deleting now, across every deployment, counted against --max-concurrent-drains (deletions asked of a MachineSet and not yet begun included).",
-        )?)?;
-        let rollout_machines_replaced = r.add(IntCounter::new(
-            "berth_rollout_machines_replaced_total",
-            "Old Machines that MachineDeployment rollouts chose to delete (each one lowers its old MachineSet by one).",
-        )?)?;
-        let machinedeployments_stalled = r.add(IntGauge::new(
-            "berth_machinedeployments_stalled",
-            "MachineDeployments whose Progressing condition is False: a new Machine failing (NewMachineFailed), no progress within progressDeadlineSeconds (ProgressDeadlineExceeded), or a template its selector does not match.",
-        )?)?;
-
-        // Series with a closed set of label values exist from the start, so
-        // rate() and absent() work before the first event.
-        for result in EvictionResult::ALL {
-            pod_evictions.with_label_values(&[result.as_str()]);
-        }
-        reconcile_total.with_label_values(&[RESULT_OK]);
-
-        Ok(Self {
+        // Registered in the order written: the order of `names()` and of
+        // the reference table in docs/operations.md.
+        let metrics = Self {
+            machines: r.gauge_vec("berth_machines", "Number of Machines in each lifecycle phase, as last seen by this replica.", &["phase"])?,
+            reconcile_total: r.counter_vec("berth_reconcile_total", "Machine reconciles by result: \"ok\"; \"conflict\" when a status write was refused because the Machine had changed since it was read (reconciled again shortly on the newer version; not an error); or \"error_\" and the call that failed: error_status, error_provider_id (recording the providerID), error_finalizer, error_node_get, error_cordon, error_pod_delete, error_node_delete, error_provider_create, error_provider_delete, error_no_namespace.", &["result"])?,
+            reconcile_duration: r.histogram("berth_reconcile_duration_seconds", "Wall-clock time of one Machine reconcile, whatever its result.", RECONCILE_BUCKETS)?,
+            drain_duration: r.histogram_vec("berth_drain_duration_seconds", "Time from the start of a Node drain until it finished, by outcome.", DRAIN_BUCKETS, &["outcome"])?,
+            drains_in_progress: r.gauge("berth_drains_in_progress", "Node drains started by this replica and not finished yet.")?,
+            pod_evictions: r.counter_vec("berth_pod_evictions_total", "Pod eviction attempts during drains, by result (evicted, pdb_blocked, misconfigured_pdb, deleted, forced, throttled, error).", &["result"])?,
+            volume_detach_wait: r.histogram("berth_volume_detach_wait_seconds", "Time from evicting a pod until every volume it used was detached from the draining Node.", VOLUME_WAIT_BUCKETS)?,
+            volume_reattach_wait: r.histogram("berth_volume_reattach_wait_seconds", "Time from a volume's detach until it was attached to the Node of the replacement pod.", VOLUME_WAIT_BUCKETS)?,
+            volume_attachment_events: r.counter("berth_volume_attachment_events_total", "VolumeAttachment watch events processed by the volume tracker.")?,
+            tracker_lagged: r.counter("berth_tracker_lagged_total", "Times a volume tracker subscriber fell behind and missed events (it then re-reads the state).")?,
+            events_dropped: r.counter("berth_events_dropped_total", "Kubernetes Events not published: their queue was full or the API server refused them.")?,
+            volumes_left_attached: r.counter("berth_volumes_left_attached_total", "Volumes (VolumeAttachments) still attached to a Node when its VM was deleted: their detach was not confirmed in volumeDetachTimeout, or the deletion was forced.")?,
+            provider_requests: r.counter_vec("berth_provider_requests_total", "Requests to the machine provider, by driver, operation and result. For aws, every EC2 API request, with the EC2 action as op (RunInstances, DescribeInstances, TerminateInstances, DescribeImages) and result ok, throttled, transient, invalid_spec, unauthorized, not_found or permanent; for fake, each operation (create, delete, get, list).", &["driver", "op", "result"])?,
+            provider_request_duration: r.histogram_vec("berth_provider_request_duration_seconds", "Latency of requests to the machine provider, by driver and operation (for aws, the EC2 action).", PROVIDER_BUCKETS, &["driver", "op"])?,
+            node_not_ready_machines: r.gauge("berth_node_not_ready_machines", "Running Machines whose Node has been NotReady for longer than the health timeout.")?,
+            leader: r.gauge("berth_leader", "1 while this replica holds the leader election Lease, 0 otherwise.")?,
+            orphan_vms: r.counter_vec("berth_orphan_vms_total", "Orphan VMs (tagged for a Machine of this cluster that no Machine has, older than --orphan-grace) found by orphan collection, once per round each, by driver and outcome: collected (deleted), would_collect (--orphan-dry-run), failed (the delete failed; tried again next round).", &["driver", "outcome"])?,
+            rollout_drains: r.gauge("berth_rollout_drains", "Old Machines that MachineDeployment rollouts are deleting now, across every deployment, counted against --max-concurrent-drains (deletions asked of a MachineSet and not yet begun included).")?,
+            rollout_machines_replaced: r.counter("berth_rollout_machines_replaced_total", "Old Machines that MachineDeployment rollouts chose to delete (each one lowers its old MachineSet by one).")?,
+            machinedeployments_stalled: r.gauge("berth_machinedeployments_stalled", "MachineDeployments whose Progressing condition is False: a new Machine failing (NewMachineFailed), no progress within progressDeadlineSeconds (ProgressDeadlineExceeded), or a template its selector does not match.")?,
             registry: r.registry,
             names: r.names,
             docs: r.docs,
-            machines,
-            reconcile_total,
-            reconcile_duration,
-            drain_duration,
-            drains_in_progress,
-            pod_evictions,
-            volume_detach_wait,
-            volume_reattach_wait,
-            volume_attachment_events,
-            tracker_lagged,
-            events_dropped,
-            volumes_left_attached,
-            provider_requests,
-            provider_request_duration,
-            node_not_ready_machines,
-            leader,
-            orphan_vms,
-            rollout_drains,
-            rollout_machines_replaced,
-            machinedeployments_stalled,
-        })
+        };
+        // Series with a closed set of label values exist from the start, so
+        // rate() and absent() work before the first event.
+        for result in EvictionResult::ALL {
+            metrics.pod_evictions.with_label_values(&[result.as_str()]);
+        }
+        metrics.reconcile_total.with_label_values(&[RESULT_OK]);
+        Ok(metrics)
     }
 
     /// The registry every metric is registered in.

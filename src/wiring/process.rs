@@ -231,20 +231,21 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<()> {
     result
 }
 
-async fn lead_and_control(
-    args: &RunArgs,
-    metrics: &Arc<Metrics>,
-    http: &HttpState,
-    mut stop: watch::Receiver<bool>,
-) -> anyhow::Result<()> {
+/// The process's connections: the Lease's own client, and the fenced
+/// clients and providers every other request goes through.
+struct Connections {
+    lease: Client,
+    fence: Fence,
+    api: Client,
+    events: Client,
+    providers: Registry,
+}
+
+async fn connect(args: &RunArgs, metrics: &Arc<Metrics>) -> anyhow::Result<Connections> {
     let config = kube_config(args).await?;
-    let lease_namespace = args
-        .lease_namespace
-        .clone()
-        .unwrap_or_else(|| config.default_namespace.clone());
     // The Lease has its own client: renewals must never queue behind the
     // controller's requests in the rate limiter.
-    let lease_client = Client::try_from(config.clone()).context("building the Lease client")?;
+    let lease = Client::try_from(config.clone()).context("building the Lease client")?;
     // Every other request that changes the cluster, and every VM created or
     // deleted, goes out only while leadership is valid by the clock.
     let fence = if args.leader_elect {
@@ -252,58 +253,100 @@ async fn lead_and_control(
     } else {
         Fence::open()
     };
-    let events_client = rate_limited_client(
+    let events = rate_limited_client(
         config.clone(),
         args.kube_events_qps,
         args.kube_events_burst,
         &fence,
     )?;
-    let client = rate_limited_client(config, args.kube_qps, args.kube_burst, &fence)?;
+    let api = rate_limited_client(config, args.kube_qps, args.kube_burst, &fence)?;
     let may_act: crate::providers::gated::MayAct = {
         let fence = fence.clone();
         Arc::new(move || fence.allows())
     };
-    let providers = providers(args, &client, metrics)?.gated(&may_act);
+    let providers = providers(args, &api, metrics)?.gated(&may_act);
     if providers.names().is_empty() {
         tracing::warn!(
             "no provider is enabled (--providers is empty): no VM will be created or deleted, \
              and every Machine will say that its class's provider is not enabled"
         );
     }
-    let identity = args.identity.clone().unwrap_or_else(default_identity);
+    Ok(Connections {
+        lease,
+        fence,
+        api,
+        events,
+        providers,
+    })
+}
 
+/// How the wait for leadership ended.
+enum Leadership {
+    /// This replica holds the Lease.
+    Elected(LeaderElection),
+    /// `--leader-elect=false`: the only replica.
+    Alone,
+    /// Asked to stop while waiting.
+    Stopped,
+}
+
+async fn lead(
+    args: &RunArgs,
+    conn: &Connections,
+    identity: &str,
+    metrics: &Arc<Metrics>,
+    http: &HttpState,
+    stop: &mut watch::Receiver<bool>,
+) -> anyhow::Result<Leadership> {
+    if !args.leader_elect {
+        metrics.leader.set(1);
+        return Ok(Leadership::Alone);
+    }
+    let lease_namespace = args
+        .lease_namespace
+        .clone()
+        .unwrap_or_else(|| conn.lease.default_namespace().to_string());
+    let mut election = LeaderElection::start_fenced(
+        conn.lease.clone(),
+        &lease_namespace,
+        &args.lease_name,
+        identity,
+        args.lease_duration,
+        conn.fence.clone(),
+    )
+    .await
+    .context("starting leader election")?;
+    tokio::spawn(metrics.follow_leader(election.subscribe()));
+    // A standby replica is healthy and ready; it just waits.
+    http.set_ready(true);
+    tracing::info!(lease = election.lease(), %identity, "waiting to become leader");
     tokio::select! {
-        found = wait_for_crds(&client, args.namespace.as_deref()) => found,
+        acquired = election.acquired() => acquired.context("leader election ended")?,
+        _ = stop.wait_for(|s| *s) => {
+            release(election).await;
+            return Ok(Leadership::Stopped);
+        }
+    }
+    tracing::info!(lease = election.lease(), %identity, "became leader");
+    Ok(Leadership::Elected(election))
+}
+
+async fn lead_and_control(
+    args: &RunArgs,
+    metrics: &Arc<Metrics>,
+    http: &HttpState,
+    mut stop: watch::Receiver<bool>,
+) -> anyhow::Result<()> {
+    let conn = connect(args, metrics).await?;
+    let identity = args.identity.clone().unwrap_or_else(default_identity);
+    tokio::select! {
+        found = wait_for_crds(&conn.api, args.namespace.as_deref()) => found,
         _ = stop.wait_for(|s| *s) => return Ok(()),
     }
-
-    let mut election = if args.leader_elect {
-        let mut election = LeaderElection::start_fenced(
-            lease_client,
-            &lease_namespace,
-            &args.lease_name,
-            &identity,
-            args.lease_duration,
-            fence,
-        )
-        .await
-        .context("starting leader election")?;
-        tokio::spawn(metrics.follow_leader(election.subscribe()));
-        // A standby replica is healthy and ready; it just waits.
-        http.set_ready(true);
-        tracing::info!(lease = election.lease(), %identity, "waiting to become leader");
-        tokio::select! {
-            acquired = election.acquired() => acquired.context("leader election ended")?,
-            _ = stop.wait_for(|s| *s) => {
-                release(election).await;
-                return Ok(());
-            }
-        }
-        tracing::info!(lease = election.lease(), %identity, "became leader");
-        Some(election)
-    } else {
-        metrics.leader.set(1);
-        None
+    let mut election = match lead(args, &conn, &identity, metrics, http, &mut stop).await? {
+        Leadership::Elected(e) => Some(e),
+        Leadership::Alone => None,
+        Leadership::Stopped => return Ok(()),
     };
 
     let settings = super::manager::Settings {
@@ -317,10 +360,10 @@ async fn lead_and_control(
     let ready = http.clone();
     let mut controller = tokio::spawn(super::manager::run(
         super::manager::Clients {
-            api: client,
-            events: events_client,
+            api: conn.api,
+            events: conn.events,
         },
-        providers,
+        conn.providers,
         settings,
         Arc::clone(metrics),
         async move {
@@ -342,33 +385,29 @@ async fn lead_and_control(
             return Err(anyhow::anyhow!("the controller stopped unexpectedly: {ended:?}"));
         }
     };
-    match outcome {
-        Err(lost) => {
-            // Another replica may act as soon as the Lease expires: stop now,
-            // without waiting for reconciles in flight (every step resumes).
-            controller.abort();
-            metrics.leader.set(0);
-            Err(anyhow::anyhow!(
-                "lost leadership ({lost}); exiting so that this replica restarts as a candidate"
-            ))
-        }
-        Ok(()) => {
-            tracing::info!(timeout = ?args.shutdown_timeout, "shutting down: finishing reconciles in flight");
-            let _ = controller_stop_tx.send(());
-            if tokio::time::timeout(args.shutdown_timeout, &mut controller)
-                .await
-                .is_err()
-            {
-                tracing::warn!("reconciles still running at the shutdown timeout; stopping them");
-                controller.abort();
-            }
-            http.set_ready(false);
-            if let Some(e) = election {
-                release(e).await;
-            }
-            Ok(())
-        }
+    if let Err(lost) = outcome {
+        // Another replica may act as soon as the Lease expires: stop now,
+        // without waiting for reconciles in flight (every step resumes).
+        controller.abort();
+        metrics.leader.set(0);
+        return Err(anyhow::anyhow!(
+            "lost leadership ({lost}); exiting so that this replica restarts as a candidate"
+        ));
     }
+    tracing::info!(timeout = ?args.shutdown_timeout, "shutting down: finishing reconciles in flight");
+    let _ = controller_stop_tx.send(());
+    if tokio::time::timeout(args.shutdown_timeout, &mut controller)
+        .await
+        .is_err()
+    {
+        tracing::warn!("reconciles still running at the shutdown timeout; stopping them");
+        controller.abort();
+    }
+    http.set_ready(false);
+    if let Some(e) = election {
+        release(e).await;
+    }
+    Ok(())
 }
 
 async fn release(election: LeaderElection) {

@@ -18,33 +18,12 @@ use super::{LONG, machine, phase};
 /// The label a pool's Nodes carry (`testbed.berth.dev/pool: <pool>`).
 pub use berth_devkit::testbed::fixtures::POOL_LABEL as POOL;
 
-/// One control plane for the test file, with simulated CSI attach and
-/// detach taking `attach` and `detach` (the first call's values hold), and
-/// an audit log of the controller's requests (see `support::audit`).
-pub async fn delayed_bed(attach: Duration, detach: Duration) -> &'static TestBed {
-    static BED: OnceCell<TestBed> = OnceCell::const_new();
-    super::init_logs();
-    BED.get_or_init(|| {
-        super::start_bed(
-            Options::end_to_end()
-                .attach_delay(attach)
-                .detach_delay(detach),
-        )
-    })
-    .await
-}
-
-/// An admin client of the file's delayed bed (see [`delayed_bed`]).
-pub async fn delayed_client(attach: Duration, detach: Duration) -> Client {
-    delayed_bed(attach, detach)
-        .await
-        .client()
-        .await
-        .expect("admin client")
-}
-
-/// A test file's bed, by the delays of its CSI attacher: the cases of a
-/// file share it (see [`delayed_bed`]).
+/// A test file's bed, by the delays of its CSI attacher: one control plane
+/// for the test file, with simulated CSI attach and detach taking `attach`
+/// and `detach` (the first call's values hold: the cases of a file share
+/// it), and an audit log of the controller's requests (see
+/// `support::audit`). A file names its own as a constant,
+/// `const BED: Bed = Bed { attach: .., detach: .. };`.
 #[derive(Debug, Clone, Copy)]
 pub struct Bed {
     pub attach: Duration,
@@ -52,13 +31,23 @@ pub struct Bed {
 }
 
 impl Bed {
+    /// The file's control plane.
     pub async fn bed(self) -> &'static TestBed {
-        delayed_bed(self.attach, self.detach).await
+        static BED: OnceCell<TestBed> = OnceCell::const_new();
+        super::init_logs();
+        BED.get_or_init(|| {
+            super::start_bed(
+                Options::end_to_end()
+                    .attach_delay(self.attach)
+                    .detach_delay(self.detach),
+            )
+        })
+        .await
     }
 
     /// An admin client of the bed.
     pub async fn client(self) -> Client {
-        delayed_client(self.attach, self.detach).await
+        self.bed().await.client().await.expect("admin client")
     }
 
     /// A case's namespace and pool class of the same name (drain settings
@@ -70,22 +59,23 @@ impl Bed {
         client
     }
 
-    /// The controller for the case in `ns`, as its own identity (audited).
+    /// The controller for the case in `ns`, on the bed, as its own identity
+    /// so that the audit log shows its requests; its instance is named `ns`.
     pub async fn start(self, ns: &str) -> super::Running {
-        start_delayed(self.attach, self.detach, ns, ns).await
+        self.start_as(ns, ns).await
     }
-}
 
-/// The controller for the case in `ns`, on the file's delayed bed, as its
-/// own identity so that the audit log shows its requests.
-pub async fn start_delayed(
-    attach: Duration,
-    detach: Duration,
-    ns: &str,
-    instance: &str,
-) -> super::Running {
-    let bed = delayed_bed(attach, detach).await;
-    super::start_controller(&super::audit::controller_client(bed).await, ns, instance).await
+    /// [`Bed::start`] with the instance named `instance`.
+    pub async fn start_as(self, ns: &str, instance: &str) -> super::Running {
+        let bed = self.bed().await;
+        super::start_controller(&super::audit::controller_client(bed).await, ns, instance).await
+    }
+
+    /// Ends the case `case` in `ns`: no request loop (see
+    /// `audit::PEAK_10S_CEILING`).
+    pub async fn calm(self, case: &str, ns: &str) {
+        super::audit::assert_no_request_loop(self.bed().await, case, ns);
+    }
 }
 
 pub fn json<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> T {

@@ -97,5 +97,6 @@ async fn plan(args: PlanArgs) -> anyhow::Result<()> {
     println!("Machine {ns}/{name}");
     print!("{}", live.notes());
     print!("{}", live.plan);
+    print!("{}", live.budgets());
     Ok(())
 }

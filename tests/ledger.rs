@@ -293,3 +293,173 @@ async fn a_minimum_healthy_time_holds_the_next_move() {
     BED.calm("ledger_healthy", ns).await;
     ctl.stop().await;
 }
+
+/// The finalizer with which a test keeps a VolumeAttachment from going: a
+/// cloud disk whose detach hangs.
+const HOLD: &str = "test.berth.dev/hold";
+
+/// Adds (`hold`) or removes the test's finalizer on the VolumeAttachment of
+/// `pv` to Node `node`, which is there (attached) when holding.
+async fn hold_attachment(client: &Client, pv: &str, node: &str, hold: bool) {
+    let api: Api<VolumeAttachment> = Api::all(client.clone());
+    for _ in 0..10 {
+        let all = api
+            .list(&Default::default())
+            .await
+            .expect("list attachments");
+        let found = all.items.into_iter().find(|va| {
+            va.spec.node_name == node
+                && va.spec.source.persistent_volume_name.as_deref() == Some(pv)
+        });
+        let Some(mut va) = found else {
+            assert!(!hold, "{pv} is attached to {node}");
+            return;
+        };
+        let finalizers = va.metadata.finalizers.get_or_insert_default();
+        finalizers.retain(|f| f != HOLD);
+        if hold {
+            finalizers.push(HOLD.to_string());
+        }
+        let name = va.metadata.name.clone().expect("a name");
+        match api.replace(&name, &Default::default(), &va).await {
+            Ok(_) => return,
+            Err(kube::Error::Api(e)) if e.code == 409 => continue,
+            Err(e) => panic!("changing the finalizers of {name}: {e}"),
+        }
+    }
+    panic!("the finalizers of {pv}'s attachment kept changing");
+}
+
+/// A detach that times out keeps its workload's permit. db-0's volume
+/// cannot leave Node A (the test holds its VolumeAttachment): its detach
+/// wait ends after `volumeDetachTimeout` (2 s), and the drain goes on with
+/// `solo`, an independent workload, but not with db-1 while db-0's volume
+/// is still on A. Once the attachment is let go, db-0's move goes on where
+/// it stopped, and db-1 is evicted only after db-0's volume is attached
+/// where its replacement runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_detach_that_times_out_keeps_its_workload_permit() {
+    let ns = "ledger-stuck";
+    let client = BED
+        .case(
+            ns,
+            serde_json::json!({"timeout": "5m", "volumeDetachTimeout": "2s"}),
+        )
+        .await;
+    let ctl = BED.start(ns).await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    stateful(&client, ns, "db", 2, false).await;
+    stateful(&client, ns, "solo", 1, false).await;
+    attached(&client, ns, 3).await;
+    running_machine(&client, ns, "b", ns).await;
+    let db0 = format!("{ns}-db-0");
+    hold_attachment(&client, &db0, &node_a, true).await;
+    let watches = Watches::start(&client, ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    // db-0 goes first (the plan's order); solo only once db-0's detach
+    // wait ended without it.
+    let solo = format!("{ns}-solo-0");
+    wait::for_one(
+        Api::<VolumeAttachment>::all(client.clone()),
+        LONG,
+        "solo-0's volume attached on another Node",
+        |va| {
+            va.spec.source.persistent_volume_name.as_deref() == Some(solo.as_str())
+                && va.spec.node_name != node_a
+                && va.status.as_ref().is_some_and(|s| s.attached)
+        },
+    )
+    .await
+    .expect("solo moves while db-0's volume is held");
+    let now = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&now), watches.log());
+    evicted_once(&now, "db-0", &log);
+    assert!(
+        accepted_evictions_of(&now, "db-1").is_empty(),
+        "db-1 is not evicted while db-0's volume is still on A: {log}"
+    );
+    hold_attachment(&client, &db0, &node_a, false).await;
+    gone(&client, ns, "a", Duration::from_secs(120)).await;
+
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let later = [evicted_once(&all, "db-1", &log)];
+    let moved = watches
+        .attached_elsewhere(BED.bed().await, &db0, &node_a)
+        .await
+        .unwrap_or_else(|| panic!("{db0} attached elsewhere: {log}"));
+    assert!(
+        later[0].received > moved,
+        "db-1 evicted only after db-0's volume attached where its replacement runs ({moved}): {log}"
+    );
+    BED.calm("ledger_stuck", ns).await;
+    ctl.stop().await;
+}
+
+/// `berth.dev/healthy-deadline: 4s` on a StatefulSet whose pods never turn
+/// Ready: the next replica waits for the first one's replacement to be
+/// healthy, and goes once the deadline passed (not at the reattach timeout,
+/// five minutes), with a Warning that names the replacement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_healthy_deadline_ends_a_move_whose_replacement_never_turns_ready() {
+    use berth::drain::ledger::{HEALTHY_DEADLINE_ANNOTATION, MIN_HEALTHY_ANNOTATION};
+    use berth_devkit::testbed::stages::READY_AFTER_ANNOTATION;
+    let ns = "ledger-deadline";
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = BED.start(ns).await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    support::pool::stateful(&client, ns, "db", 2, |sts| {
+        let Some(spec) = sts.spec.as_mut() else {
+            return;
+        };
+        // Not OrderedReady: its pods are never Ready.
+        spec.pod_management_policy = Some("Parallel".into());
+        spec.template.metadata.get_or_insert_default().annotations = Some(
+            [
+                (READY_AFTER_ANNOTATION, "10m"),
+                (MIN_HEALTHY_ANNOTATION, "1s"),
+                (HEALTHY_DEADLINE_ANNOTATION, "4s"),
+            ]
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .into(),
+        );
+    })
+    .await;
+    attached(&client, ns, 2).await;
+    running_machine(&client, ns, "b", ns).await;
+    let watches = Watches::start(&client, ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    gone(&client, ns, "a", Duration::from_secs(120)).await;
+
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let ((first, _), (_, second)) = in_order(&all, ("db-0", "db-1"), &log);
+    let moved = watches
+        .attached_elsewhere(BED.bed().await, &format!("{ns}-{first}"), &node_a)
+        .await
+        .unwrap_or_else(|| panic!("{first}'s volume attached elsewhere: {log}"));
+    let held = second.received.duration_since(moved);
+    assert!(
+        held >= k8s_openapi::jiff::SignedDuration::from_secs(3)
+            && held < k8s_openapi::jiff::SignedDuration::from_secs(60),
+        "the next replica went {held} after {first}'s volume moved: the 4 s healthy deadline, not the reattach timeout: {log}"
+    );
+    assert!(
+        !watches
+            .seen()
+            .iter()
+            .any(|(_, s)| matches!(s, oracle::Seen::PodReady { .. })),
+        "no pod was ever Ready: {log}"
+    );
+    // What operators are told: the replacement, by name.
+    let notes =
+        support::notes(&support::events_of(&client, ns, "a", "ReplacementNotHealthy", 1).await);
+    assert!(
+        notes.iter().any(|n| n.contains(&format!("{ns}/{first}"))),
+        "a ReplacementNotHealthy Warning names {first}: {notes:?}"
+    );
+    BED.calm("ledger_deadline", ns).await;
+    ctl.stop().await;
+}

@@ -322,6 +322,12 @@ pub struct DrainStatus {
     /// What blocks it, if anything (a PDB, a deadline), in words.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub blocked_by: Option<String>,
+    /// The stateful pods that wait for their workload's move budget (a
+    /// replica of it moving, from this or another Machine) or for a place
+    /// under the controller's cap on moves in flight, in words. A
+    /// MachineDeployment whose rollout waits on this drain says so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting_for_budget: Option<String>,
     /// When the drain ended, whatever its outcome (the `Drained`,
     /// `DrainForced` or `DrainFailed` Event says which), to the microsecond.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -24,9 +24,11 @@ pub(crate) mod wakes;
 
 pub use index::*;
 
+use k8s_openapi::api::apps::v1::ReplicaSet;
 use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
+use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::Store;
 use tokio::sync::watch;
 
@@ -48,6 +50,9 @@ pub(crate) struct Caches {
     pub(crate) pdbs: Store<PodDisruptionBudget>,
     /// Which CSI drivers attach (the drain's volume classes).
     pub(crate) csi_drivers: Store<CSIDriver>,
+    /// ReplicaSets' metadata: whose Deployment a pod's ReplicaSet is, for
+    /// the workload the move ledger keeps a budget for.
+    pub(crate) replica_sets: Store<PartialObjectMeta<ReplicaSet>>,
     /// Lookups by Node, claim, PV and providerID.
     pub(crate) indexes: Indexes,
     /// Machines by `status.nodeRef` and by providerID.
@@ -59,6 +64,9 @@ pub(crate) struct Caches {
     pub(crate) pod_changes: watch::Receiver<u64>,
     /// Bumped after every PodDisruptionBudget event.
     pub(crate) pdb_changes: watch::Receiver<u64>,
+    /// Bumped after a Machine left the store (deleted, its finalizer
+    /// removed): what it held across Machines (its moves' permits) is free.
+    pub(crate) machines_gone: watch::Receiver<u64>,
     /// Turns true once the first complete list of Machines is in
     /// `machines` (and stays true: a re-list swaps the store whole).
     ///

@@ -20,12 +20,14 @@
 //! `status.drain.moves` before any drain acts.
 
 use std::cmp::Reverse;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
+
+use crate::api::{Machine, VolumeMove};
 
 /// The most pods of the workload moving at once, across every Machine: a
 /// whole number from 1 (`unbounded` lifts the limit).
@@ -258,6 +260,17 @@ pub enum Answer {
         moving: Vec<Permit>,
         ahead: Vec<String>,
     },
+    /// Not now: the workload's budget has room, but `in_flight` moves of
+    /// every workload fill the controller's cap. The ask is kept, as for
+    /// [`Answer::Wait`].
+    Capped { in_flight: usize, cap: usize },
+}
+
+/// An ask that waits, and since when.
+#[derive(Debug, Clone)]
+struct Waiting {
+    ask: Ask,
+    since: Timestamp,
 }
 
 /// Every move in flight and every ask waiting, by workload.
@@ -266,10 +279,20 @@ pub struct Ledger {
     /// By workload, then by pod UID.
     moving: BTreeMap<Workload, BTreeMap<String, Permit>>,
     /// By workload, then by pod UID.
-    waiting: BTreeMap<Workload, BTreeMap<String, Ask>>,
+    waiting: BTreeMap<Workload, BTreeMap<String, Waiting>>,
+    /// The most moves in flight at once, of every workload together
+    /// (`None`: no cap).
+    cap: Option<usize>,
 }
 
 impl Ledger {
+    /// A ledger whose moves in flight, of every workload together, are at
+    /// most `cap` (`None`: no cap), but past a drain's deadline.
+    pub fn with_cap(mut self, cap: Option<usize>) -> Self {
+        self.cap = cap;
+        self
+    }
+
     /// The ledger of the moves recorded in the Machines' status (each with
     /// its workload), as a new leader finds them.
     pub fn rebuild(records: impl IntoIterator<Item = (Workload, Permit)>) -> Self {
@@ -286,7 +309,8 @@ impl Ledger {
 
     /// Answers `ask` under `budget`, at `now`. A pod that already holds a
     /// permit gets it again; otherwise it is granted when a permit of the
-    /// budget is free and no ask better ordered waits for it.
+    /// budget is free, no ask better ordered waits for it, and the cap on
+    /// moves in flight has room.
     pub fn ask(&mut self, ask: &Ask, budget: &Budget, now: Timestamp) -> Answer {
         if let Some(p) = self.moving.get(&ask.workload).and_then(|m| m.get(&ask.uid)) {
             return Answer::Granted(p.clone());
@@ -300,8 +324,11 @@ impl Ledger {
             .get(&ask.workload)
             .into_iter()
             .flat_map(|w| w.values())
+            .map(|w| &w.ask)
             .filter(|w| w.uid != ask.uid && w.order() < ask.order())
             .collect();
+        let in_flight = self.in_flight();
+        let capped = self.cap.filter(|cap| in_flight >= *cap);
         let grant = |past_budget: bool| Permit {
             pod: ask.pod.clone(),
             uid: ask.uid.clone(),
@@ -309,26 +336,35 @@ impl Ledger {
             since: now,
             past_budget,
         };
-        let answer = if ahead.len() < free {
+        let within_budget = ahead.len() < free;
+        let answer = if within_budget && capped.is_none() {
             Answer::Granted(grant(false))
         } else if ask.past_deadline {
             Answer::Bypassed {
-                permit: grant(true),
+                permit: grant(!within_budget),
                 moving,
             }
         } else {
             let mut ahead: Vec<&Ask> = ahead;
             ahead.sort_by(|a, b| a.order().cmp(&b.order()));
             let ahead = ahead.iter().map(|a| a.pod.clone()).collect();
-            self.waiting
-                .entry(ask.workload.clone())
-                .or_default()
-                .insert(ask.uid.clone(), ask.clone());
-            return Answer::Wait { moving, ahead };
+            let line = self.waiting.entry(ask.workload.clone()).or_default();
+            let since = line.get(&ask.uid).map_or(now, |w| w.since);
+            line.insert(
+                ask.uid.clone(),
+                Waiting {
+                    ask: ask.clone(),
+                    since,
+                },
+            );
+            return match capped {
+                Some(cap) if within_budget => Answer::Capped { in_flight, cap },
+                _ => Answer::Wait { moving, ahead },
+            };
         };
         let permit = match &answer {
             Answer::Granted(p) | Answer::Bypassed { permit: p, .. } => p.clone(),
-            Answer::Wait { .. } => unreachable!("returned above"),
+            Answer::Wait { .. } | Answer::Capped { .. } => unreachable!("returned above"),
         };
         self.withdraw(&ask.workload, &ask.uid);
         self.moving
@@ -336,6 +372,11 @@ impl Ledger {
             .or_default()
             .insert(ask.uid.clone(), permit);
         answer
+    }
+
+    /// Since when the pod `uid` has waited for a permit, if it waits.
+    pub fn waiting_since(&self, workload: &Workload, uid: &str) -> Option<Timestamp> {
+        self.waiting.get(workload)?.get(uid).map(|w| w.since)
     }
 
     /// The pod `uid` no longer asks (its drain stopped, or it went another
@@ -369,7 +410,7 @@ impl Ledger {
         let mut withdrawn = 0;
         self.waiting.retain(|_, w| {
             let before = w.len();
-            w.retain(|uid, a| a.machine != machine || uids.contains(uid));
+            w.retain(|uid, a| a.ask.machine != machine || uids.contains(uid));
             withdrawn += before - w.len();
             !w.is_empty()
         });
@@ -414,6 +455,80 @@ impl Ledger {
     /// How many asks wait, for the metrics.
     pub fn waiting(&self) -> usize {
         self.waiting.values().map(BTreeMap::len).sum()
+    }
+
+    /// How many moves are in flight, of every workload.
+    pub fn in_flight(&self) -> usize {
+        self.moving.values().map(BTreeMap::len).sum()
+    }
+
+    /// The Machines that hold a permit or wait for one.
+    pub fn machines(&self) -> BTreeSet<String> {
+        let moving = self
+            .moving
+            .values()
+            .flat_map(|m| m.values().map(|p| &p.machine));
+        let waiting = self
+            .waiting
+            .values()
+            .flat_map(|w| w.values().map(|w| &w.ask.machine));
+        moving.chain(waiting).cloned().collect()
+    }
+}
+
+/// The moves every Machine records in `status.drain.moves`, each with its
+/// workload and as the permit it holds: what a ledger is
+/// [rebuilt](Ledger::rebuild) from.
+pub fn recorded_moves<'m>(
+    machines: impl IntoIterator<Item = &'m Machine>,
+) -> Vec<(Workload, Permit)> {
+    machines
+        .into_iter()
+        .flat_map(|m| {
+            let machine = format!(
+                "{}/{}",
+                m.metadata.namespace.as_deref().unwrap_or_default(),
+                m.metadata.name.as_deref().unwrap_or_default()
+            );
+            let moves = m
+                .status
+                .as_ref()
+                .and_then(|s| s.drain.as_ref())
+                .map(|d| d.moves.clone())
+                .unwrap_or_default();
+            moves
+                .into_iter()
+                .filter_map(move |mv| recorded(&machine, &mv))
+        })
+        .collect()
+}
+
+/// The workload and permit of a move `machine` recorded.
+fn recorded(machine: &str, mv: &VolumeMove) -> Option<(Workload, Permit)> {
+    let (ns, _) = mv.pod.split_once('/')?;
+    let workload = workload_of_record(ns, mv)?;
+    Some((
+        workload,
+        Permit {
+            pod: mv.pod.clone(),
+            uid: mv.uid.clone().unwrap_or_else(|| mv.pod.clone()),
+            machine: machine.to_string(),
+            since: mv.since.as_ref().map_or_else(Timestamp::now, |t| t.0),
+            past_budget: false,
+        },
+    ))
+}
+
+/// The workload a move record names (`Kind/name`, in the pod's
+/// namespace): its `workload`, else its controller, else the pod itself.
+pub fn workload_of_record(ns: &str, mv: &VolumeMove) -> Option<Workload> {
+    let named = mv.workload.as_deref().or(mv.controller.as_deref());
+    match named.and_then(|w| w.split_once('/')) {
+        Some((kind, name)) => Some(Workload::new(kind, ns, name)),
+        None => {
+            let (_, pod) = mv.pod.split_once('/')?;
+            Some(Workload::new("Pod", ns, pod))
+        }
     }
 }
 
@@ -590,6 +705,99 @@ mod tests {
         assert!(!granted(&l.ask(&ask("db-2", "c", 0), &one, t(4))));
         l.end(&db(), "uid-db-1");
         assert!(granted(&l.ask(&ask("db-2", "c", 0), &one, t(5))));
+    }
+
+    #[test]
+    fn the_cap_bounds_moves_of_every_workload_together() {
+        let one = Budget::default_for(true);
+        let mut l = Ledger::default().with_cap(Some(2));
+        let of = |pod: &str, workload: &str, machine: &str| {
+            let mut a = ask(pod, machine, 0);
+            a.workload = Workload::new("StatefulSet", "ns", workload);
+            a
+        };
+        assert!(granted(&l.ask(&of("db-0", "db", "a"), &one, t(1))));
+        assert!(granted(&l.ask(&of("cache-0", "cache", "a"), &one, t(1))));
+        let queue = of("queue-0", "queue", "b");
+        assert_eq!(
+            l.ask(&queue, &one, t(2)),
+            Answer::Capped {
+                in_flight: 2,
+                cap: 2
+            }
+        );
+        assert_eq!(l.waiting_since(&queue.workload, &queue.uid), Some(t(2)));
+        // A workload's own budget still answers first.
+        assert!(matches!(
+            l.ask(&of("db-1", "db", "b"), &one, t(3)),
+            Answer::Wait { .. }
+        ));
+        // Waiting since its first ask, not its last.
+        assert!(!granted(&l.ask(&queue, &one, t(4))));
+        assert_eq!(l.waiting_since(&queue.workload, &queue.uid), Some(t(2)));
+        l.end(&Workload::new("StatefulSet", "ns", "cache"), "uid-cache-0");
+        assert!(granted(&l.ask(&queue, &one, t(5))));
+        assert_eq!(l.waiting_since(&queue.workload, &queue.uid), None);
+        // Past its deadline a drain goes beyond the cap, within the budget
+        // (not past it).
+        let mut late = of("log-0", "log", "c");
+        late.past_deadline = true;
+        let Answer::Bypassed { permit, .. } = l.ask(&late, &one, t(6)) else {
+            panic!("past the deadline, beyond the cap")
+        };
+        assert!(!permit.past_budget);
+        assert_eq!(l.in_flight(), 3);
+        assert_eq!(
+            l.machines(),
+            ["ns/a", "ns/b", "ns/c"].map(String::from).into()
+        );
+    }
+
+    #[test]
+    fn recorded_moves_name_their_workload_and_machine() {
+        let mut m: Machine = serde_json::from_value(serde_json::json!({
+            "apiVersion": "berth.dev/v1alpha1",
+            "kind": "Machine",
+            "metadata": {"namespace": "ns", "name": "a"},
+            "spec": {"classRef": {"name": "pool"}}
+        }))
+        .expect("a Machine");
+        let status: crate::api::MachineStatus = serde_json::from_value(serde_json::json!({
+            "drain": {"moves": [
+                {"pod": "ns/db-0", "uid": "u0", "volumes": ["pv-0"], "workload": "StatefulSet/db",
+                 "since": "2023-11-14T22:13:20Z"},
+                {"pod": "ns/old-0", "volumes": ["pv-1"], "controller": "ReplicaSet/old"},
+                {"pod": "ns/bare", "volumes": ["pv-2"]}
+            ]}
+        }))
+        .expect("status");
+        m.status = Some(status);
+        let moves = recorded_moves([&m]);
+        let names: Vec<(String, &str, &str, &str)> = moves
+            .iter()
+            .map(|(w, p)| {
+                (
+                    w.to_string(),
+                    p.pod.as_str(),
+                    p.uid.as_str(),
+                    p.machine.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            names,
+            vec![
+                ("StatefulSet ns/db".to_string(), "ns/db-0", "u0", "ns/a"),
+                (
+                    "ReplicaSet ns/old".to_string(),
+                    "ns/old-0",
+                    "ns/old-0",
+                    "ns/a"
+                ),
+                ("Pod ns/bare".to_string(), "ns/bare", "ns/bare", "ns/a"),
+            ]
+        );
+        assert_eq!(moves[0].1.since, t(0));
     }
 
     #[test]

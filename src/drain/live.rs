@@ -9,8 +9,16 @@ use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
 use kube::Client;
 use kube::api::{Api, ListParams};
 
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::ReplicaSet;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+
 use super::class::{VolumeContext, allows_data_loss};
+use super::ledger::{Answer, Ask, Ledger, budget_of, recorded_moves};
 use super::plan::{DrainPlan, plan};
+use super::select::{fmt_key, pod_key};
+use super::workload::{controller, workload_of};
 use crate::api::settings::resolve;
 use crate::api::{DrainStatus, Machine, MachineClass};
 
@@ -33,6 +41,9 @@ pub struct LivePlan {
     /// is missing or invalid: the drain then uses the Machine's own
     /// `spec.drain` over the built-in defaults, as the controller does).
     pub settings_note: Option<String>,
+    /// Each stateful pod's workload, its move budget and what its move
+    /// would wait for now, across every Machine's drain.
+    pub budgets: Vec<String>,
 }
 
 impl LivePlan {
@@ -49,6 +60,96 @@ impl LivePlan {
         }
         out
     }
+
+    /// The section printed after the plan: the move ledger's view of each
+    /// stateful pod, in the plan's order.
+    pub fn budgets(&self) -> String {
+        if self.budgets.is_empty() {
+            return String::new();
+        }
+        let mut out = String::from(
+            "\nMove budgets, across every Machine's drain (the move ledger, rebuilt from every Machine's status.drain.moves):\n",
+        );
+        for line in &self.budgets {
+            out.push_str(&format!("  {line}\n"));
+        }
+        out
+    }
+}
+
+/// What the move ledger would answer for each stateful pod of `plan`, in
+/// its order, as if its drain asked now (`ledger`: rebuilt from every
+/// Machine's records; a pod granted here counts against the ones after
+/// it). `pods` are the Node's pods; `rs_owners` the owners of a ReplicaSet
+/// by namespace and name.
+pub fn budget_lines(
+    plan: &DrainPlan,
+    pods: &[Pod],
+    mut ledger: Ledger,
+    machine: &str,
+    requested: k8s_openapi::jiff::Timestamp,
+    rs_owners: &BTreeMap<(String, String), Vec<OwnerReference>>,
+) -> Vec<String> {
+    let now = k8s_openapi::jiff::Timestamp::now();
+    let mut out = Vec::new();
+    for p in &plan.stateful {
+        let Some(pod) = pods
+            .iter()
+            .find(|x| x.metadata.uid == p.uid && pod_key(x) == p.pod)
+        else {
+            continue;
+        };
+        let ns = p.pod.0.clone();
+        let workload = workload_of(pod, |rs| {
+            rs_owners.get(&(ns.clone(), rs.to_string())).cloned()
+        });
+        let (budget, bad) = budget_of(pod.metadata.annotations.as_ref(), !p.volumes.is_empty());
+        let key = fmt_key(&p.pod);
+        let ask = Ask {
+            workload: workload.clone(),
+            pod: key.clone(),
+            uid: p.uid.clone().unwrap_or_else(|| key.clone()),
+            machine: machine.to_string(),
+            priority: p.priority,
+            requested,
+            past_deadline: false,
+        };
+        let limit = budget
+            .max_moving
+            .map_or_else(|| "no limit".to_string(), |n| format!("at most {n} moving"));
+        let verdict = match ledger.ask(&ask, &budget, now) {
+            Answer::Granted(permit) if permit.machine == machine && permit.since < now => {
+                format!("moving now (since {})", permit.since)
+            }
+            Answer::Granted(_) | Answer::Bypassed { .. } => "may move now".to_string(),
+            Answer::Wait { moving, ahead } => {
+                let by: Vec<String> = moving
+                    .iter()
+                    .map(|m| {
+                        if m.machine == machine {
+                            format!("{} moves first, from this Machine", m.pod)
+                        } else {
+                            format!("{} is moving, from Machine {}", m.pod, m.machine)
+                        }
+                    })
+                    .collect();
+                let mut v = format!("would wait: {}", by.join(", "));
+                if !ahead.is_empty() {
+                    v.push_str(&format!("; {} go first", ahead.join(", ")));
+                }
+                v
+            }
+            Answer::Capped { in_flight, cap } => {
+                format!("would wait: {in_flight} volume moves in flight, berth's cap of {cap}")
+            }
+        };
+        let mut line = format!("{key}: {workload}, {limit}: {verdict}");
+        for b in bad {
+            line.push_str(&format!(" (ignored: {b})"));
+        }
+        out.push(line);
+    }
+    out
 }
 
 /// The drain `status.drain` records, in words: how far it got, what it
@@ -74,6 +175,9 @@ pub fn in_progress(d: &DrainStatus) -> String {
     }
     if let Some(b) = &d.blocked_by {
         out.push_str(&format!("  blocked by: {b}\n"));
+    }
+    if let Some(w) = &d.waiting_for_budget {
+        out.push_str(&format!("  waiting for a move budget: {w}\n"));
     }
     if !d.moves.is_empty() {
         out.push_str(
@@ -161,11 +265,65 @@ pub async fn plan_machine(
     let volumes = VolumeContext::new(&node, node_obj.as_ref(), &drivers)
         .allowing_data_loss(allows_data_loss(machine.metadata.annotations.as_ref()));
     let plan = plan(&node, &pods, &pvcs, &pvs, &pdbs, &vas, &volumes, &settings);
+    let budgets = ledger_view(client, &machine, &plan, &pods).await?;
     Ok(LivePlan {
         machine,
         plan,
         settings_note,
+        budgets,
     })
+}
+
+/// [`budget_lines`] from fresh lists: every Machine's records, and the
+/// owners of the ReplicaSets that control the plan's stateful pods. The
+/// controller's cap on moves in flight is not known here (a flag of `berth
+/// run`): the lines say what each workload's budget allows.
+async fn ledger_view(
+    client: &Client,
+    machine: &Machine,
+    plan: &DrainPlan,
+    pods: &[Pod],
+) -> Result<Vec<String>, PlanError> {
+    if plan.stateful.is_empty() {
+        return Ok(Vec::new());
+    }
+    let machines = Api::<Machine>::all(client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let ledger = Ledger::rebuild(recorded_moves(&machines));
+    let mut rs_owners = BTreeMap::new();
+    for pod in pods {
+        let ns = pod.metadata.namespace.clone().unwrap_or_default();
+        let Some(c) = controller(pod.metadata.owner_references.as_deref()) else {
+            continue;
+        };
+        if c.kind != "ReplicaSet" || rs_owners.contains_key(&(ns.clone(), c.name.clone())) {
+            continue;
+        }
+        let rs = Api::<ReplicaSet>::namespaced(client.clone(), &ns)
+            .get_metadata_opt(&c.name)
+            .await?;
+        if let Some(rs) = rs {
+            rs_owners.insert(
+                (ns, c.name.clone()),
+                rs.metadata.owner_references.unwrap_or_default(),
+            );
+        }
+    }
+    let key = format!(
+        "{}/{}",
+        machine.metadata.namespace.as_deref().unwrap_or_default(),
+        machine.metadata.name.as_deref().unwrap_or_default()
+    );
+    let requested = machine
+        .metadata
+        .deletion_timestamp
+        .as_ref()
+        .map_or_else(k8s_openapi::jiff::Timestamp::now, |t| t.0);
+    Ok(budget_lines(
+        plan, pods, ledger, &key, requested, &rs_owners,
+    ))
 }
 
 #[cfg(test)]
@@ -203,5 +361,83 @@ mod tests {
         ] {
             assert!(text.contains(needle), "{needle}: {text}");
         }
+    }
+    #[test]
+    fn the_budget_section_says_what_each_stateful_pod_would_wait_for() {
+        use crate::drain::fixtures::{NODE, PodFixture, csi_pv, pod, pvc};
+        use crate::drain::ledger::{Permit, Workload};
+        let pods = vec![
+            pod("db", "db-0")
+                .owned_by("StatefulSet", "db", true)
+                .claim("data", "data-db-0"),
+            pod("db", "db-1")
+                .owned_by("StatefulSet", "db", true)
+                .claim("data", "data-db-1"),
+            pod("db", "cache-1")
+                .owned_by("StatefulSet", "cache", true)
+                .claim("data", "data-cache-1"),
+            pod("db", "web-1")
+                .owned_by("ReplicaSet", "web-5d8f", true)
+                .claim("data", "data-web-1"),
+        ];
+        let pvcs: Vec<_> = ["db-0", "db-1", "cache-1", "web-1"]
+            .iter()
+            .map(|p| pvc("db", &format!("data-{p}"), Some(&format!("pv-{p}"))))
+            .collect();
+        let pvs: Vec<_> = ["db-0", "db-1", "cache-1", "web-1"]
+            .iter()
+            .map(|p| csi_pv(&format!("pv-{p}"), "ebs.csi.aws.com", p))
+            .collect();
+        let volumes = VolumeContext::new(NODE, None, &[]);
+        let plan = plan(
+            NODE,
+            &pods,
+            &pvcs,
+            &pvs,
+            &[],
+            &[],
+            &volumes,
+            &crate::api::settings::ResolvedSettings::default(),
+        );
+        // cache-0 is moving from Machine b; the ReplicaSet is Deployment
+        // web's.
+        let ledger = Ledger::rebuild([(
+            Workload::new("StatefulSet", "db", "cache"),
+            Permit {
+                pod: "db/cache-0".into(),
+                uid: "uid-cache-0".into(),
+                machine: "db/b".into(),
+                since: crate::drain::fixtures::ts(1_700_000_000),
+                past_budget: false,
+            },
+        )]);
+        let owners = BTreeMap::from([(
+            ("db".to_string(), "web-5d8f".to_string()),
+            vec![OwnerReference {
+                api_version: "apps/v1".into(),
+                kind: "Deployment".into(),
+                name: "web".into(),
+                uid: "uid-web".into(),
+                controller: Some(true),
+                block_owner_deletion: None,
+            }],
+        )]);
+        let lines = budget_lines(
+            &plan,
+            &pods,
+            ledger,
+            "db/a",
+            crate::drain::fixtures::ts(1_700_000_100),
+            &owners,
+        );
+        assert_eq!(
+            lines,
+            vec![
+                "db/cache-1: StatefulSet db/cache, at most 1 moving: would wait: db/cache-0 is moving, from Machine db/b",
+                "db/db-0: StatefulSet db/db, at most 1 moving: may move now",
+                "db/db-1: StatefulSet db/db, at most 1 moving: would wait: db/db-0 moves first, from this Machine",
+                "db/web-1: Deployment db/web, at most 1 moving: may move now",
+            ]
+        );
     }
 }

@@ -170,6 +170,11 @@ pub(crate) enum Hold {
     DrainsAtOnce,
     /// The controller's cap on drains across deployments is reached.
     GlobalCap,
+    /// `max(maxUnavailable, 1)` old Machines are being deleted, and their
+    /// drains wait for a workload's move budget: a replica of it is moving
+    /// (from another Machine), so the rollout is held by the workload, not
+    /// by its own pace.
+    MoveBudget,
 }
 
 impl Hold {
@@ -181,6 +186,9 @@ impl Hold {
             Hold::Availability => "waiting to keep replicas - maxUnavailable Machines available",
             Hold::DrainsAtOnce => "waiting for the old Machines being drained (maxUnavailable)",
             Hold::GlobalCap => "waiting for a slot under berth's cap on concurrent drains",
+            Hold::MoveBudget => {
+                "waiting for the old Machines being drained, held by a workload's move budget (another replica of it is moving; see their status.drain.waitingForBudget)"
+            }
         }
     }
 }

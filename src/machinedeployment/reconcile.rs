@@ -214,7 +214,18 @@ async fn roll(
         .map(Member::name)
         .unwrap_or_else(|| set_name(md, &wanted.hash));
     scale_old(md, ns, &new_name, old, step.delete_old, ctx, ledger).await?;
-    Ok(step.held)
+    // Held by its own pace, unless the drains it waits for wait for a
+    // workload's move budget.
+    let budget = |m: &Arc<Machine>| {
+        let drain = m.status.as_ref().and_then(|s| s.drain.as_ref());
+        m.metadata.deletion_timestamp.is_some()
+            && drain.is_some_and(|d| d.finished_at.is_none() && d.waiting_for_budget.is_some())
+    };
+    let held_by_budget = old.iter().flat_map(|m| &m.machines).any(budget);
+    Ok(match step.held {
+        Some(Hold::DrainsAtOnce) if held_by_budget => Some(Hold::MoveBudget),
+        held => held,
+    })
 }
 
 /// The current template's set brought to `replicas` (and to the

@@ -88,6 +88,19 @@ pub(crate) enum EvictionResult {
     Error,
 }
 
+/// The `kind` label values of the move ledger's metrics: the workload
+/// kinds of Kubernetes' own controllers, `Pod` for a pod without one, and
+/// `other` for any other controller (a closed set: a label per custom kind
+/// would be a series per kind of every operator's CRDs).
+pub(crate) const WORKLOAD_KINDS: [&str; 6] = [
+    "StatefulSet",
+    "Deployment",
+    "ReplicaSet",
+    "Job",
+    "Pod",
+    "other",
+];
+
 /// What became of one orphan VM in one round of orphan collection: the
 /// `outcome` label of `berth_orphan_vms_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -199,6 +212,12 @@ pub struct Metrics {
     /// `berth_machinedeployments_stalled`: deployments whose Progressing
     /// condition is False.
     pub machinedeployments_stalled: IntGauge,
+    /// `berth_volume_moves_in_flight{kind}`: moves holding a permit of the
+    /// move ledger, by workload kind.
+    pub volume_moves_in_flight: IntGaugeVec,
+    /// `berth_move_budget_wait_seconds{kind}`: how long a pod waited for a
+    /// permit before its move began, by workload kind.
+    pub move_budget_wait: HistogramVec,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -338,6 +357,8 @@ impl Metrics {
             rollout_drains: r.gauge("berth_rollout_drains", "Old Machines that MachineDeployment rollouts are deleting now, across every deployment, counted against --max-concurrent-drains (deletions asked of a MachineSet and not yet begun included).")?,
             rollout_machines_replaced: r.counter("berth_rollout_machines_replaced_total", "Old Machines that MachineDeployment rollouts chose to delete (each one lowers its old MachineSet by one).")?,
             machinedeployments_stalled: r.gauge("berth_machinedeployments_stalled", "MachineDeployments whose Progressing condition is False: a new Machine failing (NewMachineFailed), no progress within progressDeadlineSeconds (ProgressDeadlineExceeded), or a template its selector does not match.")?,
+            volume_moves_in_flight: r.gauge_vec("berth_volume_moves_in_flight", "Volume moves holding a permit of the move ledger (evicted, and not yet attached where a healthy replacement runs), across every drain of this replica, by workload kind (StatefulSet, Deployment, ReplicaSet, Job, Pod for a pod without a controller, other). Bounded by --max-volume-moves and, per workload, by its berth.dev/max-moving.", &["kind"])?,
+            move_budget_wait: r.histogram_vec("berth_move_budget_wait_seconds", "Time a stateful pod waited for its workload's move budget (another replica moving, on any Machine) or for a place under --max-volume-moves before its eviction, by workload kind.", DRAIN_BUCKETS, &["kind"])?,
             registry: r.registry,
             names: r.names,
             docs: r.docs,
@@ -348,6 +369,10 @@ impl Metrics {
             metrics.pod_evictions.with_label_values(&[result.as_str()]);
         }
         metrics.reconcile_total.with_label_values(&[RESULT_OK]);
+        for kind in WORKLOAD_KINDS {
+            metrics.volume_moves_in_flight.with_label_values(&[kind]);
+            metrics.move_budget_wait.with_label_values(&[kind]);
+        }
         Ok(metrics)
     }
 
@@ -565,7 +590,7 @@ impl Drop for GaugeHold {
 mod tests {
     use super::*;
 
-    const ALL_NAMES: [&str; 20] = [
+    const ALL_NAMES: [&str; 22] = [
         "berth_machines",
         "berth_reconcile_total",
         "berth_reconcile_duration_seconds",
@@ -586,6 +611,8 @@ mod tests {
         "berth_rollout_drains",
         "berth_rollout_machines_replaced_total",
         "berth_machinedeployments_stalled",
+        "berth_volume_moves_in_flight",
+        "berth_move_budget_wait_seconds",
     ];
 
     fn count(m: &Metrics, result: &str) -> u64 {

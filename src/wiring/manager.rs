@@ -16,7 +16,7 @@ use kube::runtime::events::{Recorder, Reporter};
 
 use super::watches::{Watches, watches};
 use crate::controller::AbortOnDrop;
-use crate::drain::engine::{Deps as DrainDeps, Drainer};
+use crate::drain::engine::{Deps as DrainDeps, Drainer, Permits};
 use crate::providers::Registry;
 use crate::telemetry::Metrics;
 use crate::telemetry::events::EventSink;
@@ -34,6 +34,9 @@ pub struct Settings {
     /// Old Machines being deleted by MachineDeployment rollouts at once,
     /// across every deployment.
     pub max_concurrent_drains: usize,
+    /// Volume moves in flight at once across every drain (`None`: no
+    /// cap).
+    pub max_volume_moves: Option<usize>,
     /// Orphan collection (none by default).
     pub orphans: crate::orphans::Settings,
 }
@@ -45,10 +48,15 @@ impl Default for Settings {
             instance: "berth".into(),
             concurrency: DEFAULT_CONCURRENCY,
             max_concurrent_drains: DEFAULT_MAX_CONCURRENT_DRAINS,
+            max_volume_moves: Some(DEFAULT_MAX_VOLUME_MOVES),
             orphans: crate::orphans::Settings::default(),
         }
     }
 }
+
+/// The cap on volume moves in flight across every drain unless told
+/// otherwise (`berth run --max-volume-moves`, whose default is the same).
+pub const DEFAULT_MAX_VOLUME_MOVES: usize = 50;
 
 /// The cap on rollout drains across deployments unless told otherwise
 /// (`berth run --max-concurrent-drains`, whose default is the same).
@@ -128,7 +136,7 @@ pub async fn run(
         tracker,
         metrics: Arc::clone(&metrics),
         events: events.clone(),
-        permits: Default::default(),
+        permits: Permits::new(settings.max_volume_moves, Arc::clone(&metrics)),
     });
 
     // One shutdown for every controller.

@@ -110,6 +110,11 @@ pub(crate) struct RunArgs {
     /// within this.
     #[arg(long, env = "BERTH_MAX_CONCURRENT_DRAINS", default_value_t = 10, value_parser = clap::value_parser!(u16).range(1..))]
     pub max_concurrent_drains: u16,
+    /// Volume moves in flight at once across every drain, for the cloud's
+    /// attach API limits (0: no cap): a stateful pod waits for a place
+    /// before its eviction. Each workload's own budget applies within it.
+    #[arg(long, env = "BERTH_MAX_VOLUME_MOVES", default_value_t = 50)]
+    pub max_volume_moves: u16,
     /// How long SIGTERM waits for reconciles in flight before exiting.
     #[arg(long, env = "BERTH_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub shutdown_timeout: Duration,
@@ -354,6 +359,7 @@ async fn lead_and_control(
         instance: identity.clone(),
         concurrency: args.concurrency,
         max_concurrent_drains: usize::from(args.max_concurrent_drains),
+        max_volume_moves: (args.max_volume_moves > 0).then(|| usize::from(args.max_volume_moves)),
         orphans: crate::orphans::Settings::new(&args.orphans, args.namespace.clone()),
     };
     let (controller_stop_tx, controller_stop) = oneshot::channel::<()>();

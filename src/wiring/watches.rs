@@ -11,9 +11,11 @@
 
 use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
+use k8s_openapi::api::apps::v1::ReplicaSet;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::api::Api;
+use kube::core::PartialObjectMeta;
 use kube::runtime::reflector;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
@@ -92,9 +94,13 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
     // drain planned before they are listed would take every attach-free
     // CSI volume for an attachable one, so the sync waits for them too.
     let (csi_drivers, csi_drivers_w) = reflector::store();
+    // A ReplicaSet's metadata says whose Deployment it is: a workload of
+    // the move ledger is the Deployment, whichever of its sets a pod is of.
+    let (replica_sets, replica_sets_w) = reflector::store();
     let (pod_changes_tx, pod_changes) = tokio::sync::watch::channel(0u64);
     let (pdb_changes_tx, pdb_changes) = tokio::sync::watch::channel(0u64);
     let (listed_tx, machines_listed) = tokio::sync::watch::channel(false);
+    let (gone_tx, machines_gone) = tokio::sync::watch::channel(0u64);
     let (synced_tx, synced) = tokio::sync::watch::channel(false);
     let caches = Caches {
         machines,
@@ -107,11 +113,13 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         pvs,
         pdbs,
         csi_drivers,
+        replica_sets,
         indexes: Indexes::default(),
         machines_by_node: MachinesByNode::default(),
         machines_by_set: Index::new(controlling_set),
         pod_changes,
         pdb_changes,
+        machines_gone,
         machines_listed,
         synced,
     };
@@ -131,6 +139,7 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
             &caches,
             &wakes,
             listed_tx,
+            gone_tx,
         ),
         classes: woken_by(classes_w, Api::all(client.clone()), trim::metadata).boxed(),
         nodes: node_watch(nodes_w, Api::all(client.clone()), &caches, &tracker, &wakes),
@@ -158,6 +167,17 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         quiet(pvcs_w, Api::all(client.clone()), trim::metadata).boxed(),
         quiet(pvs_w, Api::all(client.clone()), trim::metadata).boxed(),
         quiet(csi_drivers_w, Api::all(client.clone()), trim::csi_driver).boxed(),
+        reflector::reflector(
+            replica_sets_w,
+            watcher(
+                Api::<PartialObjectMeta<ReplicaSet>>::all(client.clone()),
+                watcher::Config::default(),
+            )
+            .modify(|rs| rs.metadata.managed_fields = None),
+        )
+        .default_backoff()
+        .map(|_| ())
+        .boxed(),
         sync(caches.clone(), synced_tx).into_stream().boxed(),
     ])
     .boxed();
@@ -213,6 +233,7 @@ fn machine_watch(
     caches: &Caches,
     wakes: &Wakes,
     listed: tokio::sync::watch::Sender<bool>,
+    gone: tokio::sync::watch::Sender<u64>,
 ) -> Objects<Machine> {
     let (by_node, by_set, wakes) = (
         caches.machines_by_node.clone(),
@@ -225,9 +246,13 @@ fn machine_watch(
                 by_node.observe(ev);
                 by_set.observe(ev);
                 wakes.machine_event(ev);
-                // The reflector has swapped the whole list into the store.
+                // The reflector has swapped the whole list into the store
+                // (a Machine missing from a re-list is gone too).
                 if matches!(ev, watcher::Event::InitDone) {
                     listed.send_if_modified(|l| !std::mem::replace(l, true));
+                }
+                if matches!(ev, watcher::Event::Delete(_) | watcher::Event::InitDone) {
+                    gone.send_modify(|n| *n = n.wrapping_add(1));
                 }
             }
         })
@@ -328,6 +353,7 @@ async fn sync(c: Caches, synced: tokio::sync::watch::Sender<bool>) {
         c.pvs.wait_until_ready(),
         c.pdbs.wait_until_ready(),
         c.csi_drivers.wait_until_ready(),
+        c.replica_sets.wait_until_ready(),
     );
     let _ = synced.send(true);
     // Keeps the sender, so that `synced` never reads as closed.

@@ -52,7 +52,15 @@ impl NodeDrain {
     pub(super) fn workload_of(&self, p: &PlannedPod) -> (Workload, Budget) {
         let pod = self.view().pod(&p.pod, p.uid.as_deref());
         let workload = match &pod {
-            Some(pod) => crate::drain::workload::workload_of(pod, |_| None),
+            Some(pod) => {
+                let replica_sets = &self.deps.caches.replica_sets;
+                crate::drain::workload::workload_of(pod, |rs| {
+                    let key = kube::runtime::reflector::ObjectRef::new(rs).within(&p.pod.0);
+                    replica_sets
+                        .get(&key)
+                        .map(|m| m.metadata.owner_references.clone().unwrap_or_default())
+                })
+            }
             None => match p.controller.as_deref().and_then(|c| c.split_once('/')) {
                 Some((kind, name)) => Workload::new(kind, &p.pod.0, name),
                 None => Workload::new("Pod", &p.pod.0, &p.pod.1),
@@ -84,11 +92,22 @@ impl NodeDrain {
     }
 
     /// Asks the move ledger for a permit to move `p` now. `None`: it may
-    /// (granted, or beyond the budget past the deadline, which is warned);
-    /// otherwise what it waits for, which `status.drain` says.
+    /// (granted, or beyond the budget or the cap past the deadline, which
+    /// is warned); otherwise what it waits for, which `status.drain` and an
+    /// Event (once per pod and what it waits for) say.
     pub(super) fn permit(&self, p: &PlannedPod) -> Option<String> {
         let (workload, budget) = self.workload_of(p);
         let key = fmt_key(&p.pod);
+        // A Machine deleted while it held a permit (its finalizer removed
+        // by hand) holds it no more.
+        let machines = &self.deps.caches.machines;
+        self.deps.permits.release_vanished(|m| {
+            m.split_once('/').is_some_and(|(ns, name)| {
+                machines
+                    .get(&kube::runtime::reflector::ObjectRef::new(name).within(ns))
+                    .is_some()
+            })
+        });
         let ask = Ask {
             workload: workload.clone(),
             pod: key.clone(),
@@ -105,28 +124,50 @@ impl NodeDrain {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
-        match self.deps.permits.ask(&ask, &budget) {
-            Answer::Granted(_) => None,
+        let (why, holders) = match self.deps.permits.ask(&ask, &budget) {
+            Answer::Granted(_) => return None,
             Answer::Bypassed { moving, .. } => {
+                let beyond = match budget.max_moving {
+                    Some(n) if moving.len() >= n as usize => {
+                        format!("beyond its budget of {n} while {} move", others(&moving))
+                    }
+                    _ => format!(
+                        "beyond berth's cap of {} volume moves in flight (--max-volume-moves)",
+                        self.deps.permits.cap().unwrap_or(0)
+                    ),
+                };
                 self.event(
                     EventType::Warning,
                     "MoveBudgetBypassed",
-                    format!(
-                        "drain deadline passed: pod {key} of {workload} moves beyond its budget of {} while {} move",
-                        budget.max_moving.unwrap_or(0),
-                        others(&moving)
-                    ),
+                    format!("drain deadline passed: pod {key} of {workload} moves {beyond}"),
                     Some(pod_ref_key(&p.pod)),
                 );
-                None
+                return None;
             }
             Answer::Wait { moving, ahead } => {
                 let mut why = format!("pod {key} waits: {workload} is moving {}", others(&moving));
                 if !ahead.is_empty() {
                     why.push_str(&format!(", and {} go first", ahead.join(", ")));
                 }
-                Some(why)
+                let holders: Vec<&str> = moving.iter().map(|m| m.uid.as_str()).collect();
+                (why, holders.join(","))
             }
+            Answer::Capped { in_flight, cap } => (
+                format!(
+                    "pod {key} waits: {in_flight} volume moves are in flight across every drain, berth's cap (--max-volume-moves {cap})"
+                ),
+                "cap".to_string(),
+            ),
+        };
+        // Once per pod and what holds it: a new holder is news.
+        if self.first_report(format!("waits/{}/{holders}", ask.uid)) {
+            self.event(
+                EventType::Normal,
+                "WaitingForMoveBudget",
+                why.clone(),
+                Some(pod_ref_key(&p.pod)),
+            );
         }
+        Some(why)
     }
 }

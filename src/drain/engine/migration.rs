@@ -216,8 +216,12 @@ impl<'a> Migration<'a> {
         }
         // A move held for an unplaceable replacement stays recorded: it
         // goes on, by these same steps, once the replacement is placed
-        // (`NodeDrain::resume`), in this run or the next.
-        if !held {
+        // (`NodeDrain::resume`), in this run or the next. So does one whose
+        // volumes did not detach in time, with its workload's permit: no
+        // other pod of the workload goes while a volume of this one is
+        // still on the Node. It goes on once they are off (see
+        // `NodeDrain::stalled_move`), or ends with the Machine.
+        if !held && detached {
             run.end_move(&key);
         }
         detached

@@ -86,6 +86,7 @@ use std::sync::Arc;
 pub use self::batch::evicted_note;
 pub use self::drainer::Drainer;
 pub(crate) use self::drainer::{RESTART_ENDED_AFTER, RETRY_FAILED_AFTER};
+pub(crate) use self::permits::Permits;
 pub(crate) use self::progress::Progress;
 use super::deadline::Deadline;
 use crate::api::Machine;
@@ -103,7 +104,7 @@ pub(crate) struct Deps {
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) events: EventSink,
     /// The move ledger every drain of this process asks.
-    pub(crate) permits: permits::Permits,
+    pub(crate) permits: Permits,
 }
 
 /// How a drain ended.

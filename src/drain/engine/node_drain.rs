@@ -18,7 +18,7 @@ use kube::runtime::reflector::ObjectRef;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::permits::{workload_name, workload_of_record};
+use super::permits::workload_name;
 use super::progress::Flushed;
 use super::refs::{pod_ref_key, pv_ref};
 use super::view::{View, pvs_of};
@@ -26,6 +26,7 @@ use super::{Deps, Job, Progress};
 use crate::api::VolumeMove;
 use crate::drain::class::VolumeContext;
 use crate::drain::evict::{self, Evicted};
+use crate::drain::ledger::workload_of_record;
 use crate::drain::plan::{
     DetachingVolume, DrainPlan, PlannedPod, TerminatingPod, controller_of, detaching_volumes, plan,
     still_to_wait_for,
@@ -34,7 +35,7 @@ use crate::drain::select::{
     Arrivals, NamespacedName, came_back, fmt_key, held_by_finalizers, pod_key,
 };
 use crate::telemetry::EvictionResult;
-use crate::volumes::WaitError;
+use crate::volumes::{Interest, WaitError, pv_of};
 
 /// What one Machine's drains said and judged, kept by the
 /// [`Drainer`](super::Drainer) across the runs of its drain (a failed drain
@@ -508,7 +509,10 @@ impl NodeDrain {
     pub(super) fn resumed_moves(&self) -> Vec<VolumeMove> {
         let moves: Vec<VolumeMove> = self.progress.borrow().moves.values().cloned().collect();
         let mut resumed = Vec::new();
-        for m in moves.into_iter().filter(|m| !self.is_held(&m.pod)) {
+        for m in moves
+            .into_iter()
+            .filter(|m| !self.is_held(&m.pod) && !self.stalled_move(m))
+        {
             let Some((ns, name)) = m.pod.split_once('/') else {
                 self.end_move(&m.pod);
                 continue;
@@ -527,13 +531,16 @@ impl NodeDrain {
     /// [`NodeDrain::resumed_moves`] would resume it.
     pub(super) fn any_resumable(&self) -> bool {
         let p = self.progress.borrow();
-        p.moves.values().filter(|m| !self.is_held(&m.pod)).any(|m| {
-            m.pod.split_once('/').is_some_and(|(ns, name)| {
-                self.view()
-                    .pod(&(ns.to_string(), name.to_string()), m.uid.as_deref())
-                    .is_none()
+        let moves = p.moves.values();
+        moves
+            .filter(|m| !self.is_held(&m.pod) && !self.stalled_move(m))
+            .any(|m| {
+                m.pod.split_once('/').is_some_and(|(ns, name)| {
+                    self.view()
+                        .pod(&(ns.to_string(), name.to_string()), m.uid.as_deref())
+                        .is_none()
+                })
             })
-        })
     }
 
     /// Names, once when a drain starts, each move an earlier run recorded
@@ -573,6 +580,60 @@ impl NodeDrain {
         self.stuck
             .lock()
             .is_ok_and(|s| s.values().any(|(m, _)| m.pod == key))
+    }
+
+    /// Whether move `m` stalled: a volume of it did not detach in time in
+    /// this run and is still attached to the Node. It keeps its record and
+    /// its workload's permit, and is not waited for again in every pass;
+    /// once its volumes are off it is resumed (see
+    /// [`NodeDrain::stalled_detached`]).
+    pub(super) fn stalled_move(&self, m: &VolumeMove) -> bool {
+        let Ok(abandoned) = self.abandoned.lock() else {
+            return false;
+        };
+        let given_up: Vec<&String> = m
+            .volumes
+            .iter()
+            .filter(|pv| abandoned.contains(*pv))
+            .collect();
+        if given_up.is_empty() {
+            return false;
+        }
+        let on_node = self.view().attachments_on_node();
+        given_up
+            .iter()
+            .any(|pv| on_node.iter().any(|va| pv_of(va) == Some(pv.as_str())))
+    }
+
+    /// The volumes of this drain's stalled moves (see
+    /// [`NodeDrain::stalled_move`]), for a wait until they are off the Node.
+    pub(super) fn stalled_volumes(&self) -> Vec<String> {
+        let moves: Vec<VolumeMove> = self.progress.borrow().moves.values().cloned().collect();
+        let abandoned = self.abandoned.lock().map(|a| a.clone()).unwrap_or_default();
+        moves
+            .iter()
+            .filter(|m| self.stalled_move(m))
+            .flat_map(|m| {
+                m.volumes
+                    .iter()
+                    .filter(|pv| abandoned.contains(*pv))
+                    .cloned()
+            })
+            .collect()
+    }
+
+    /// Resolves once the volumes of the stalled moves are off the Node
+    /// (never, when there are none), or at `until`.
+    pub(super) async fn stalled_detached(&self, until: Instant) {
+        let pvs = self.stalled_volumes();
+        if pvs.is_empty() {
+            return std::future::pending().await;
+        }
+        let interest = pvs
+            .into_iter()
+            .fold(Interest::new(&self.job.node), |i, pv| i.volume(pv, None));
+        let mut reg = self.deps.tracker.register(interest);
+        let _ = reg.wait_detached(until).await;
     }
 
     /// The volumes of the moves held now, by PV name.

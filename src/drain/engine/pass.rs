@@ -110,6 +110,7 @@ pub(super) async fn run(
         p.current_pod = None;
         p.current_volume = None;
         p.waiting_for = None;
+        p.waiting_for_budget = None;
         p.blocked_pod = None;
         if let Outcome::Failed { message } = &outcome {
             p.blocked_by = Some(message.clone());
@@ -471,8 +472,9 @@ impl NodeDrain {
 
     /// Moves the group's stateful pods in the plan's order, at most
     /// `maxParallelVolumeMigrations` at a time. A pod whose volumes did not
-    /// leave the Node stops the chain for this pass: the next pass waits
-    /// for them first. A pod of a workload whose last replacement the
+    /// leave the Node in time stops the chain for this pass; its move keeps
+    /// its workload's permit (see [`NodeDrain::stalled_move`]), so the next pass
+    /// goes on with other workloads only. A pod of a workload whose last replacement the
     /// scheduler cannot place is held back; other workloads go on, and when
     /// only held-back pods are left, the chain waits (on pod events) for a
     /// replacement to be placed, or the deadline.
@@ -483,6 +485,8 @@ impl NodeDrain {
         // wait below is not missed.
         let mut freed = self.deps.permits.freed();
         freed.borrow_and_update();
+        let mut gone = self.deps.caches.machines_gone.clone();
+        gone.borrow_and_update();
         let waiting: std::sync::Mutex<Vec<(String, String)>> = Default::default();
         let migrations: Vec<_> = plan
             .stateful
@@ -529,13 +533,22 @@ impl NodeDrain {
         // This Machine waits in the ledger's line for these pods only.
         let uids: Vec<String> = waiting.iter().map(|(uid, _)| uid.clone()).collect();
         self.deps.permits.keep_waiting(&self.machine_key(), &uids);
+        let budget = (!waiting.is_empty()).then(|| {
+            let why: Vec<&str> = waiting.iter().map(|(_, why)| why.as_str()).collect();
+            why.join("; ")
+        });
+        self.update(|p| p.waiting_for_budget = budget.clone());
         if !waiting.is_empty() && !halted.load(Ordering::Acquire) {
             let why: Vec<&str> = waiting.iter().map(|(_, why)| why.as_str()).collect();
             self.update(|p| p.waiting_for = Some(why.join("; ")));
             // Until a move of this process ends or an ask is withdrawn
-            // (then the next pass asks again), or the deadline.
+            // (then the next pass asks again), a Machine that may have held
+            // a permit is gone, a stalled move of this drain can go on (its
+            // volumes are off the Node), or the deadline.
             tokio::select! {
                 _ = freed.changed() => {}
+                _ = gone.changed() => {}
+                () = self.stalled_detached(self.deadline()) => {}
                 () = tokio::time::sleep_until(self.deadline()) => {}
             }
         }

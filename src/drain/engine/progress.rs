@@ -38,6 +38,8 @@ pub(crate) struct Progress {
     pub(crate) current_volume: Option<String>,
     pub(crate) waiting_for: Option<String>,
     pub(crate) blocked_by: Option<String>,
+    /// What the stateful pods that wait for a move permit wait for.
+    pub(crate) waiting_for_budget: Option<String>,
     /// The pod (`namespace/name`) `blocked_by` is about, if one: the
     /// block is cleared when that pod, and no other, is evicted.
     pub(crate) blocked_pod: Option<String>,
@@ -104,6 +106,7 @@ impl Progress {
             current_volume: self.current_volume.clone(),
             waiting_for: self.waiting_for.clone(),
             blocked_by: self.blocked_by.clone(),
+            waiting_for_budget: self.waiting_for_budget.clone(),
             finished_at: self.finished_on.map(MicroTime),
             moves: self.moves.values().cloned().collect(),
         }

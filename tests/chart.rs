@@ -236,6 +236,8 @@ const CLUSTER_GRANTS: &[(&str, &[&str], &[&str])] = &[
         &["poddisruptionbudgets"],
         &["get", "list", "watch"],
     ),
+    ("apps", &["replicasets"], &["list", "watch"]),
+    ("apps", &["statefulsets"], &["get"]),
     ("events.k8s.io", &["events"], &["create", "patch"]),
 ];
 

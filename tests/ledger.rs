@@ -463,3 +463,100 @@ async fn a_healthy_deadline_ends_a_move_whose_replacement_never_turns_ready() {
     BED.calm("ledger_deadline", ns).await;
     ctl.stop().await;
 }
+
+/// A drain past its deadline moves beyond its workload's budget, and says
+/// so. Machine `a`'s move of db-0 holds the workload's permit for 30 s
+/// after its replacement is Ready (`berth.dev/min-healthy-time`); Machine
+/// `b`, whose own deadline is 20 s, waits for it until then, and only then
+/// evicts db-1, while db-0's move is still in flight: the VM goes in time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_its_deadline_a_drain_moves_beyond_the_budget() {
+    use berth::drain::ledger::MIN_HEALTHY_ANNOTATION;
+    let ns = "ledger-bypass";
+    let client = BED.case(ns, serde_json::json!({"timeout": "10m"})).await;
+    let ctl = BED.start(ns).await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    let mut b = berth_devkit::testbed::fixtures::machine("b", ns);
+    b.spec.drain = Some(json(serde_json::json!({"timeout": "20s"})));
+    support::pool::running(&client, ns, b).await;
+    stateful_with(&client, ns, "db", 2, true, |t| {
+        t.metadata.get_or_insert_default().annotations =
+            Some([(MIN_HEALTHY_ANNOTATION.to_string(), "30s".to_string())].into());
+    })
+    .await;
+    attached(&client, ns, 2).await;
+    // Where the replacements go.
+    running_machine(&client, ns, "c", ns).await;
+    running_machine(&client, ns, "d", ns).await;
+    let watches = Watches::start(&client, ns).await;
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), ns);
+    let db0 = pods.get("db-0").await.expect("db-0");
+    let on_a = db0.spec.and_then(|s| s.node_name) == Some(node_a.clone());
+    let (first, second) = if on_a {
+        ("db-0", "db-1")
+    } else {
+        ("db-1", "db-0")
+    };
+    let old_uid = pods.get(first).await.expect("the first").metadata.uid;
+
+    delete_machine(&client, ns, "a").await;
+    // A second later (a deletion's time has whole seconds): a asks first.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    delete_machine(&client, ns, "b").await;
+    let machines: Api<berth::api::Machine> = Api::namespaced(client.clone(), ns);
+    let deleted_b = machines
+        .get("b")
+        .await
+        .expect("b")
+        .metadata
+        .deletion_timestamp
+        .expect("being deleted")
+        .0;
+    gone(&client, ns, "b", Duration::from_secs(120)).await;
+    gone(&client, ns, "a", Duration::from_secs(120)).await;
+
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    evicted_once(&all, first, &log);
+    // Past its deadline b deletes its pod (budgets bypassed): when it
+    // began to go, by the watch.
+    let went = watches
+        .first(|s| matches!(s, oracle::Seen::PodDeleting { name, .. } if name == second))
+        .unwrap_or_else(|| panic!("{second} went: {log}"));
+    let waited = went.duration_since(deleted_b);
+    assert!(
+        waited >= k8s_openapi::jiff::SignedDuration::from_secs(19),
+        "{second} waited for the budget until b's deadline (20 s), not {waited}: {log}"
+    );
+    // Beyond the budget: the first move had not ended (its replacement
+    // Ready for 30 s).
+    let ready = watches
+        .seen()
+        .into_iter()
+        .find_map(|(t, s)| match s {
+            oracle::Seen::PodReady { name, uid }
+                if name == first && Some(&uid) != old_uid.as_ref() =>
+            {
+                Some(t)
+            }
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("{first}'s replacement Ready: {log}"));
+    assert!(
+        went < ready
+            .checked_add(k8s_openapi::jiff::SignedDuration::from_secs(30))
+            .expect("a time"),
+        "{second} went while {first}'s move was in flight (its replacement Ready at {ready}, healthy 30 s later): {log}"
+    );
+    // What operators are told: the bypass, naming the workload.
+    let notes =
+        support::notes(&support::events_of(&client, ns, "b", "MoveBudgetBypassed", 1).await);
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.contains(&format!("{ns}/{second}")) && n.contains("StatefulSet")),
+        "{notes:?}"
+    );
+    BED.calm("ledger_bypass", ns).await;
+    ctl.stop().await;
+}

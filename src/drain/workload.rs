@@ -7,6 +7,7 @@
 //! workload). A StatefulSet, a Job, a DaemonSet or any other controller is
 //! the workload itself; a pod without a controller is its own workload.
 
+use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
@@ -38,6 +39,28 @@ pub fn workload_of<'a>(
         return Workload::new(&d.kind, ns, &d.name);
     }
     Workload::new(&c.kind, ns, &c.name)
+}
+
+/// Whether StatefulSet `sts` still wants pod `pod` (a name of its,
+/// `<sts>-<ordinal>`): its ordinal is within the replicas it wants now
+/// (from `spec.ordinals.start`, 0 by default). `None` when the name is not
+/// one of its pods'.
+///
+/// An `OrderedReady` StatefulSet (the default) recreates a pod only once
+/// every pod before it is Ready, which can take longer than any fixed
+/// wait: what it wants, not how soon it acts, says whether a replacement
+/// is coming.
+pub fn wants_ordinal(sts: &StatefulSet, pod: &str) -> Option<bool> {
+    let name = sts.metadata.name.as_deref()?;
+    let ordinal: i64 = pod.strip_prefix(name)?.strip_prefix('-')?.parse().ok()?;
+    let spec = sts.spec.as_ref()?;
+    let start = spec
+        .ordinals
+        .as_ref()
+        .and_then(|o| o.start)
+        .map_or(0, i64::from);
+    let replicas = spec.replicas.map_or(1, i64::from);
+    Some(ordinal >= start && ordinal < start + replicas)
 }
 
 #[cfg(test)]
@@ -81,6 +104,37 @@ mod tests {
             workload_of(&p, |_| Some(Vec::new())),
             Workload::new("ReplicaSet", "ns", "web-7d9f")
         );
+    }
+
+    #[test]
+    fn a_stateful_set_wants_the_ordinals_within_its_replicas() {
+        let sts = |replicas: Option<i32>, start: Option<i32>| -> StatefulSet {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "db"},
+                "spec": {"replicas": replicas, "ordinals": {"start": start},
+                    "selector": {}, "serviceName": "db", "template": {}}
+            }))
+            .expect("a StatefulSet")
+        };
+        assert_eq!(wants_ordinal(&sts(Some(3), None), "db-2"), Some(true));
+        assert_eq!(
+            wants_ordinal(&sts(Some(2), None), "db-2"),
+            Some(false),
+            "scaled down"
+        );
+        assert_eq!(
+            wants_ordinal(&sts(None, None), "db-0"),
+            Some(true),
+            "replicas default to 1"
+        );
+        assert_eq!(wants_ordinal(&sts(Some(2), Some(5)), "db-6"), Some(true));
+        assert_eq!(wants_ordinal(&sts(Some(2), Some(5)), "db-1"), Some(false));
+        assert_eq!(
+            wants_ordinal(&sts(Some(2), None), "dbx-1"),
+            None,
+            "not its pod"
+        );
+        assert_eq!(wants_ordinal(&sts(Some(2), None), "db-a"), None);
     }
 
     #[test]

@@ -22,6 +22,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
+use k8s_openapi::api::apps::v1::StatefulSet;
+use kube::Api;
 use kube::runtime::events::EventType;
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -35,12 +37,15 @@ use crate::drain::class::{VolumeClass, allows_data_loss};
 use crate::drain::plan::{DrainPlan, PlannedPod, PlannedVolume};
 use crate::drain::resume::resumed_pod;
 use crate::drain::select::fmt_key;
+use crate::drain::workload::wants_ordinal;
 use crate::volumes::{Interest, Registration};
 
 /// How long a drain waits, after a controlled stateful pod's volumes have
-/// detached, for its controller to create the pod that will use them again
-/// (at most the reattach timeout). A StatefulSet recreates its pod at once;
-/// none after this long means it was scaled down meanwhile.
+/// detached, for a controller other than a StatefulSet to create the pod
+/// that will use them again (at most the reattach timeout): none after
+/// this long means it was scaled down meanwhile. A StatefulSet says
+/// whether it wants the pod back (its replicas and ordinals); while it
+/// does, the wait is the reattach timeout.
 const REPLACEMENT_WAIT: Duration = Duration::from_secs(30);
 
 /// One stateful pod being moved.
@@ -472,8 +477,22 @@ impl<'a> Migration<'a> {
         let none = BTreeSet::new();
         let before = |v: &PlannedVolume| self.users_before.get(&v.volume.pv).unwrap_or(&none);
         let missing = |v: &&PlannedVolume| !run.view().replaced(&v.volume.claim, &uid, before(v));
-        let replacement_wait = REPLACEMENT_WAIT.min(run.job.settings.volume_reattach_timeout);
+        let reattach_bound = run.job.settings.volume_reattach_timeout;
+        let mut replacement_wait = REPLACEMENT_WAIT.min(reattach_bound);
+        let mut scaled_down = None;
         if let Some(controller) = &planned.controller
+            && reattach.iter().any(missing)
+        {
+            // A StatefulSet says whether it wants the pod back; only
+            // another controller's silence is read from a timer.
+            match self.stateful_set_wants().await {
+                Some(true) => replacement_wait = reattach_bound,
+                Some(false) => scaled_down = Some(controller.clone()),
+                None => {}
+            }
+        }
+        if let Some(controller) = &planned.controller
+            && scaled_down.is_none()
             && reattach.iter().any(missing)
         {
             let waiting = format!("{controller} to create the replacement of pod {key}");
@@ -485,12 +504,13 @@ impl<'a> Migration<'a> {
         let (expected, orphaned): (Vec<_>, Vec<_>) =
             reattach.into_iter().partition(|v| !missing(v));
         for v in &orphaned {
-            let why = match &planned.controller {
-                Some(c) => format!(
+            let why = match (&planned.controller, &scaled_down) {
+                (_, Some(c)) => format!("{c} no longer wants pod {key}: scaled down"),
+                (Some(c), None) => format!(
                     "{c} created no pod for it within {}s (scaled down?)",
                     replacement_wait.as_secs()
                 ),
-                None => "scaled down?".to_string(),
+                (None, None) => "scaled down?".to_string(),
             };
             run.event(
                 EventType::Normal,
@@ -505,6 +525,27 @@ impl<'a> Migration<'a> {
             );
         }
         expected
+    }
+
+    /// Whether the pod's StatefulSet, if that is its controller, wants it
+    /// back (see [`wants_ordinal`]); `None` for another controller, or
+    /// when the StatefulSet cannot be read (the timer then decides).
+    async fn stateful_set_wants(&self) -> Option<bool> {
+        let (kind, name) = self.pod.controller.as_deref()?.split_once("/")?;
+        if kind != "StatefulSet" {
+            return None;
+        }
+        let (ns, pod) = &self.pod.pod;
+        let api: Api<StatefulSet> = Api::namespaced(self.run.deps.client.clone(), ns);
+        match api.get_opt(name).await {
+            Ok(Some(sts)) => wants_ordinal(&sts, pod),
+            // Gone: nothing recreates the pod.
+            Ok(None) => Some(false),
+            Err(e) => {
+                tracing::warn!(statefulset = name, error = %e, "cannot read the StatefulSet; waiting for its pod on a timer");
+                None
+            }
+        }
     }
 
     /// The scheduler cannot place the replacement `pod` of this pod: says

@@ -80,19 +80,19 @@ pub(super) async fn drained_event(admin: &Client, machine: &str) -> anyhow::Resu
     Ok(())
 }
 
-/// The drain's requests from `start` to `end`, and with `events` the
-/// Events about that Machine published after `end` (from the controller's
-/// queue) but for the drain.
+/// The drain's requests from `start` to `end`, and the Events about the
+/// Machines `events` published after `end` (from the controller's queue)
+/// but for their drains.
 pub(super) fn cost_into(
     run: &mut Run,
     log: &[Request],
     user: &str,
     start: Timestamp,
     end: Timestamp,
-    events: Option<&str>,
+    events: &[&str],
 ) {
     run.api_requests = audit::cost(log, user, start, end);
-    if let Some(machine) = events {
+    for machine in events {
         let prefix = format!("{machine}.");
         for r in log
             .iter()

@@ -23,6 +23,19 @@
 //!   stateful and other pods on each, rolled to a new template with the
 //!   given `maxSurge` and `maxUnavailable`: wall time against its floor,
 //!   stateful pod moves against one each, requests per Machine.
+//! - **independent** (see [`ledger`]): N single-replica StatefulSets, each
+//!   with its own CSI volume, on one Machine whose class allows N volume
+//!   moves at once (`maxParallelVolumeMigrations`); the Machine is deleted
+//!   and a second one receives the pods. The move ledger lets independent
+//!   workloads move together: wall time against one move (grace period
+//!   plus detach delay plus attach delay), and the most moves seen at once.
+//! - **shared** (see [`ledger`]): W StatefulSets of M replicas each, one
+//!   replica of each on every one of M Machines, all M deleted at once; M
+//!   new Machines receive the pods. The move ledger lets one replica of a
+//!   workload move at a time across every drain: wall time against the
+//!   longest chain (max(M, W) moves one after the other), and the most
+//!   replicas of one workload seen moving at once, from the audit log
+//!   (must be 1).
 //! - **scale** (see [`scale`]): on a test bed of its own, after the others,
 //!   so that its load does not disturb them: 1,000 Machines, 20,000 pods and
 //!   5,000 VolumeAttachments in the caches and 20 concurrent drains, with
@@ -33,6 +46,7 @@
 
 pub mod audit;
 pub mod compare;
+pub mod ledger;
 mod measure;
 mod peers;
 pub mod rollout;
@@ -101,7 +115,15 @@ pub struct BenchArgs {
         long,
         value_enum,
         value_delimiter = ',',
-        default_values_t = [Scenario::Stateful, Scenario::Stateless, Scenario::Peers, Scenario::Rollout, Scenario::Scale]
+        default_values_t = [
+            Scenario::Stateful,
+            Scenario::Stateless,
+            Scenario::Peers,
+            Scenario::Rollout,
+            Scenario::Independent,
+            Scenario::Shared,
+            Scenario::Scale
+        ]
     )]
     pub scenarios: Vec<Scenario>,
     /// Machines of the MachineDeployment in the rollout scenario.
@@ -119,6 +141,19 @@ pub struct BenchArgs {
     /// The rollout's `maxUnavailable`, in Machines.
     #[arg(long, default_value_t = 0)]
     pub max_unavailable: u32,
+    /// Single-replica StatefulSets (a volume each) on the one drained
+    /// Machine of the independent scenario; its class allows as many
+    /// volume moves at once.
+    #[arg(long, default_value_t = 10)]
+    pub independent_workloads: u32,
+    /// Machines drained at once in the shared scenario, and the replicas of
+    /// each of its StatefulSets (one on each Machine).
+    #[arg(long, default_value_t = 5)]
+    pub shared_machines: u32,
+    /// StatefulSets (a volume per replica) spread over the Machines of the
+    /// shared scenario.
+    #[arg(long, default_value_t = 3)]
+    pub shared_workloads: u32,
     /// Machines (and so Nodes) in the scale scenario.
     #[arg(long, default_value_t = 1000)]
     pub scale_machines: u32,
@@ -145,6 +180,12 @@ pub enum Scenario {
     Peers,
     /// A MachineDeployment rolled to a new template.
     Rollout,
+    /// The move ledger lets independent workloads on one Machine move
+    /// their volumes at once.
+    Independent,
+    /// The move ledger moves one replica of a workload at a time across
+    /// Machines drained at once.
+    Shared,
     /// Many Machines, pods and VolumeAttachments; concurrent drains;
     /// the controller's memory and CPU.
     Scale,
@@ -186,6 +227,15 @@ pub struct Run {
     pub api_requests: BTreeMap<String, u32>,
     pub api_requests_per_pod: f64,
     pub reads_during_drain: u32,
+    /// The move ledger's scenarios: the most replicas of one workload
+    /// moving at once (accepted eviction to volume attached where the
+    /// replacement runs), from the audit log.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_moving_per_workload: Option<u32>,
+    /// The move ledger's scenarios: the most moves of any workloads at
+    /// once, measured the same way.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_moving_at_once: Option<u32>,
     pub note: Option<String>,
 }
 
@@ -219,6 +269,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         || wants(Scenario::Stateless)
         || (args.peers && wants(Scenario::Peers))
         || wants(Scenario::Rollout)
+        || wants(Scenario::Independent)
+        || wants(Scenario::Shared)
     {
         drains(&args).await?
     } else {
@@ -255,9 +307,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The stateful, stateless, peer and rollout scenarios that were chosen,
-/// on one test bed with the audit log on and the controller in this
-/// process. The test bed is gone when this returns.
+/// The stateful, stateless, peer, rollout and move ledger scenarios that
+/// were chosen, on one test bed with the audit log on and the controller
+/// in this process. The test bed is gone when this returns.
 async fn drains(args: &BenchArgs) -> anyhow::Result<(Vec<Run>, Option<rollout::Rollout>)> {
     let wants = |s: Scenario| args.scenarios.contains(&s);
     let bed = TestBed::start(
@@ -323,6 +375,20 @@ async fn drains(args: &BenchArgs) -> anyhow::Result<(Vec<Run>, Option<rollout::R
     } else {
         None
     };
+    if wants(Scenario::Independent) {
+        runs.push(ledger::or_failed(
+            "independent",
+            args.independent_workloads,
+            ledger::independent(&admin, args, &audit_log, &user).await,
+        ));
+    }
+    if wants(Scenario::Shared) {
+        runs.push(ledger::or_failed(
+            "shared",
+            args.shared_machines * args.shared_workloads,
+            ledger::shared(&admin, args, &audit_log, &user).await,
+        ));
+    }
     controller.stop(Duration::from_secs(30)).await;
     Ok((runs, rollout))
 }
@@ -356,9 +422,19 @@ async fn controller_client(
 }
 
 async fn pool_class(admin: &Client, pool: &str) -> anyhow::Result<()> {
+    pool_class_with(admin, pool, serde_json::json!({"timeout": "30m"})).await
+}
+
+/// The class of `pool`, with drain settings `drain` (the MachineClass's
+/// `spec.drain`, camelCase).
+async fn pool_class_with(
+    admin: &Client,
+    pool: &str,
+    drain: serde_json::Value,
+) -> anyhow::Result<()> {
     crate::testbed::create_or_keep(
         Api::<MachineClass>::all(admin.clone()),
-        fixtures::pool_class(pool, pool, serde_json::json!({"timeout": "30m"})),
+        fixtures::pool_class(pool, pool, drain),
     )
     .await?;
     Ok(())
@@ -476,7 +552,7 @@ fn hardware() -> String {
 pub fn table(r: &Report) -> String {
     let mut out = format!("berth-dev bench — {} — {}\n", r.when, r.hardware);
     if !r.runs.is_empty() {
-        out.push_str("scenario   drainer                           pods  wall(s)  floor(s)  gap p50/p99/max ms (reattached)  req/pod  reads\n");
+        out.push_str("scenario    drainer                           pods  wall(s)  floor(s)  gap p50/p99/max ms (reattached)  req/pod  reads\n");
     }
     for run in &r.runs {
         let g = run.gaps_ms.get("reattached");
@@ -491,7 +567,7 @@ pub fn table(r: &Report) -> String {
             })
             .unwrap_or_else(|| "-".into());
         out.push_str(&format!(
-            "{:<10} {:<33} {:>4}  {:>7}  {:>8.1}  {:>31}  {:>7.1}  {:>5}\n",
+            "{:<11} {:<33} {:>4}  {:>7}  {:>8.1}  {:>31}  {:>7.1}  {:>5}\n",
             run.scenario,
             run.drainer,
             run.pods,
@@ -503,14 +579,19 @@ pub fn table(r: &Report) -> String {
             run.api_requests_per_pod,
             run.reads_during_drain,
         ));
+        if let (Some(one), Some(all)) = (run.max_moving_per_workload, run.max_moving_at_once) {
+            out.push_str(&format!(
+                "            moving at once: at most {one} of one workload, {all} in all\n"
+            ));
+        }
         if let Some(n) = &run.note {
-            out.push_str(&format!("           note: {n}\n"));
+            out.push_str(&format!("            note: {n}\n"));
         }
     }
     for ratio in &r.ratios {
         let x = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.2} ×"));
         out.push_str(&format!(
-            "{:<10} {:<33} vs berth: wall {}, requests per pod {}, {:+} reads\n",
+            "{:<11} {:<33} vs berth: wall {}, requests per pod {}, {:+} reads\n",
             ratio.scenario,
             ratio.drainer,
             x(ratio.wall),
@@ -548,8 +629,18 @@ mod tests {
                 Scenario::Stateless,
                 Scenario::Peers,
                 Scenario::Rollout,
+                Scenario::Independent,
+                Scenario::Shared,
                 Scenario::Scale
             ]
+        );
+        assert_eq!(
+            (
+                all.independent_workloads,
+                all.shared_machines,
+                all.shared_workloads
+            ),
+            (10, 5, 3)
         );
         assert_eq!(
             (
@@ -579,6 +670,10 @@ mod tests {
             .expect("a list")
             .bench;
         assert_eq!(two.scenarios, [Scenario::Stateful, Scenario::Peers]);
+        let ledger = Cli::try_parse_from(["bench", "--scenarios=independent,shared"])
+            .expect("kebab-case names")
+            .bench;
+        assert_eq!(ledger.scenarios, [Scenario::Independent, Scenario::Shared]);
         assert!(Cli::try_parse_from(["bench", "--scenarios=huge"]).is_err());
     }
 

@@ -58,6 +58,6 @@ pub(super) async fn stateful_berth(
         run.gaps_ms
             .insert(step.into(), Gaps::of(&gaps(&log, user, moments)));
     }
-    cost_into(&mut run, &log, user, start, end, Some("stateful-a"));
+    cost_into(&mut run, &log, user, start, end, &["stateful-a"]);
     Ok(run)
 }

@@ -59,6 +59,6 @@ pub(super) async fn stateless_berth(
         floor_seconds: f64::from(args.grace),
         ..Default::default()
     };
-    cost_into(&mut run, &log, user, start, drained, Some("stateless-a"));
+    cost_into(&mut run, &log, user, start, drained, &["stateless-a"]);
     Ok(run)
 }

@@ -560,3 +560,67 @@ async fn past_its_deadline_a_drain_moves_beyond_the_budget() {
     BED.calm("ledger_bypass", ns).await;
     ctl.stop().await;
 }
+
+/// A move held for a replacement the scheduler cannot place has not
+/// ended, even when nothing else is left on its Node. Machines `a` and `b`
+/// each run one replica of db, and the pool has no other Node: a's replica
+/// goes first, its replacement cannot be placed, and a's drain keeps the
+/// move (and its permit) instead of ending with it; b's replica stays. Once
+/// Nodes come, the first replica's volume attaches where its replacement
+/// runs, and only then does the second go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_held_for_placement_keeps_its_permit_to_the_end() {
+    let ns = "ledger-held";
+    let client = BED.case(ns, serde_json::json!({"timeout": "10m"})).await;
+    let ctl = BED.start(ns).await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    let node_b = running_machine(&client, ns, "b", ns).await;
+    stateful(&client, ns, "db", 2, true).await;
+    attached(&client, ns, 2).await;
+    let watches = Watches::start(&client, ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    delete_machine(&client, ns, "b").await;
+    // The drain that moved first has nothing left but its held move, and
+    // waits for it (what it reports is only the moment to look).
+    let machines: Api<berth::api::Machine> = Api::namespaced(client.clone(), ns);
+    let holding = wait::for_one(machines, LONG, "a drain waiting for its held move", |m| {
+        m.status
+            .as_ref()
+            .and_then(|s| s.drain.as_ref())
+            .and_then(|d| d.waiting_for.as_deref())
+            .is_some_and(|w| w.contains("to be placed: its move holds"))
+    })
+    .await
+    .expect("the drain keeps its held move");
+    let now = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&now), watches.log());
+    assert_eq!(
+        accepted_evictions_of(&now, "db-*").len(),
+        1,
+        "one replica moves while its replacement cannot be placed ({} waits): {log}",
+        holding.metadata.name.as_deref().unwrap_or_default()
+    );
+    let node_c = running_machine(&client, ns, "c", ns).await;
+    running_machine(&client, ns, "d", ns).await;
+    gone(&client, ns, "a", Duration::from_secs(120)).await;
+    gone(&client, ns, "b", Duration::from_secs(120)).await;
+
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let ((first, _), (_, second)) = in_order(&all, ("db-0", "db-1"), &log);
+    let first_node = node_of(&watches, &format!("{ns}-{first}"), &node_a, &node_b);
+    let moved = watches
+        .attached_on(BED.bed().await, &format!("{ns}-{first}"), &node_c)
+        .await
+        .or(watches
+            .attached_elsewhere(BED.bed().await, &format!("{ns}-{first}"), &first_node)
+            .await)
+        .unwrap_or_else(|| panic!("{first}'s volume attached elsewhere: {log}"));
+    assert!(
+        second.received > moved,
+        "the second replica went only once the first one's volume was attached where its replacement runs ({moved}): {log}"
+    );
+    BED.calm("ledger_held", ns).await;
+    ctl.stop().await;
+}

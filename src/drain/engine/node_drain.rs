@@ -636,6 +636,14 @@ impl NodeDrain {
         let _ = reg.wait_detached(until).await;
     }
 
+    /// The pods of the moves held now (`namespace/name`).
+    pub(super) fn held_pods(&self) -> Vec<String> {
+        self.stuck.lock().map_or_else(
+            |_| Vec::new(),
+            |s| s.values().map(|(m, _)| m.pod.clone()).collect(),
+        )
+    }
+
     /// The volumes of the moves held now, by PV name.
     pub(super) fn held_volumes(&self) -> BTreeSet<String> {
         self.stuck.lock().map_or_else(
@@ -644,9 +652,10 @@ impl NodeDrain {
         )
     }
 
-    /// Lets go of the moves still held when nothing else is left to drain:
-    /// their pods are gone and their volumes off this Node; only where the
-    /// replacement lands is unknown, and no pod of this Node waits on it.
+    /// Lets go of the moves still held when nothing else is left to drain
+    /// and the deadline passed (see `NodeDrain::held_last`): their pods are
+    /// gone and their volumes off this Node; only where the replacement
+    /// lands is unknown, and their workloads' permits go with them.
     pub(super) fn release_held(&self) {
         let held: Vec<VolumeMove> = self
             .stuck

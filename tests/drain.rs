@@ -1371,14 +1371,15 @@ async fn a_replacement_that_cannot_be_placed_holds_back_its_workload_only() {
     let truth = format!("{}\n{}", oracle::log_of(&all), watches.log());
     let next = accepted_evictions_of(&all, "db-1");
     assert_eq!(next.len(), 1, "{truth}");
-    let attached = watches
-        .attached_elsewhere(BED.bed().await, &format!("{ns}-db-0"), &node_a)
-        .await
-        .unwrap_or_else(|| panic!("db-0's volume attached elsewhere: {truth}"));
-    assert!(
-        attached < next[0].received,
-        "db-1 went only once db-0's replacement had its volume: {truth}"
-    );
+    watches
+        .assert_after_moved(
+            BED.bed().await,
+            next[0],
+            &format!("{ns}-db-0"),
+            &node_a,
+            &truth,
+        )
+        .await;
     // What operators are told.
     let evs = events(&client, ns, "a").await;
     assert!(

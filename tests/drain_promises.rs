@@ -655,14 +655,15 @@ async fn an_unplaceable_replacement_holds_the_next_order_group() {
     let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
     let dns = accepted_evictions_of(&all, "dns-*");
     assert_eq!(dns.len(), 1, "{log}");
-    let moved = watches
-        .attached_elsewhere(BED.bed().await, &format!("{ns}-db-0"), &node_a)
-        .await
-        .unwrap_or_else(|| panic!("db-0's volume attached elsewhere: {log}"));
-    assert!(
-        dns[0].received > moved,
-        "dns after db-0's volume moved: {log}"
-    );
+    watches
+        .assert_after_moved(
+            BED.bed().await,
+            dns[0],
+            &format!("{ns}-db-0"),
+            &node_a,
+            &log,
+        )
+        .await;
     BED.calm("unplaceable_holds_next_group", ns).await;
     ctl.stop().await;
 }

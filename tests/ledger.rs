@@ -106,19 +106,12 @@ async fn two_machines_deleted_at_once_move_one_replica_at_a_time() {
     let all = evictions(BED.bed().await, ns);
     let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
     // Which went first is the ledger's order; the other waited for it.
-    let ((name, first), (_, second)) = in_order(&all, ("db-0", "db-1"), &log);
+    let ((name, _), (_, second)) = in_order(&all, ("db-0", "db-1"), &log);
     let first_pv = format!("{ns}-{name}");
     let first_node = node_of(&watches, &first_pv, &node_a, &node_b);
-    let moved = watches
-        .attached_elsewhere(BED.bed().await, &first_pv, &first_node)
-        .await
-        .unwrap_or_else(|| panic!("{first_pv} attached elsewhere: {log}"));
-    assert!(
-        second.received > moved,
-        "the second replica ({:?}) is evicted after the first one's volume attached where its replacement runs ({moved}), not with it ({}): {log}",
-        second.name,
-        first.received
-    );
+    watches
+        .assert_after_moved(BED.bed().await, second, &first_pv, &first_node, &log)
+        .await;
     BED.calm("ledger_two", ns).await;
     ctl.stop().await;
 }
@@ -162,13 +155,8 @@ async fn parallel_moves_overlap_across_workloads_never_within_one() {
     let ((name, first), (_, second)) = in_order(&all, ("db-0", "db-1"), &log);
     let first_pv = format!("{ns}-{name}");
     let moved = watches
-        .attached_elsewhere(BED.bed().await, &first_pv, &node_a)
-        .await
-        .unwrap_or_else(|| panic!("{first_pv} attached elsewhere: {log}"));
-    assert!(
-        second.received > moved,
-        "the second replica is evicted only after the first one's volume moved ({moved}): {log}"
-    );
+        .assert_after_moved(BED.bed().await, second, &first_pv, &node_a, &log)
+        .await;
     assert!(
         solo[0].received < moved,
         "the independent pod moves beside the first replica ({} evicted at {}), not behind it: {log}",
@@ -384,15 +372,10 @@ async fn a_detach_that_times_out_keeps_its_workload_permit() {
 
     let all = evictions(BED.bed().await, ns);
     let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
-    let later = [evicted_once(&all, "db-1", &log)];
-    let moved = watches
-        .attached_elsewhere(BED.bed().await, &db0, &node_a)
-        .await
-        .unwrap_or_else(|| panic!("{db0} attached elsewhere: {log}"));
-    assert!(
-        later[0].received > moved,
-        "db-1 evicted only after db-0's volume attached where its replacement runs ({moved}): {log}"
-    );
+    let later = evicted_once(&all, "db-1", &log);
+    watches
+        .assert_after_moved(BED.bed().await, later, &db0, &node_a, &log)
+        .await;
     BED.calm("ledger_stuck", ns).await;
     ctl.stop().await;
 }
@@ -601,7 +584,7 @@ async fn a_move_held_for_placement_keeps_its_permit_to_the_end() {
         "one replica moves while its replacement cannot be placed ({} waits): {log}",
         holding.metadata.name.as_deref().unwrap_or_default()
     );
-    let node_c = running_machine(&client, ns, "c", ns).await;
+    running_machine(&client, ns, "c", ns).await;
     running_machine(&client, ns, "d", ns).await;
     gone(&client, ns, "a", Duration::from_secs(120)).await;
     gone(&client, ns, "b", Duration::from_secs(120)).await;
@@ -609,18 +592,11 @@ async fn a_move_held_for_placement_keeps_its_permit_to_the_end() {
     let all = evictions(BED.bed().await, ns);
     let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
     let ((first, _), (_, second)) = in_order(&all, ("db-0", "db-1"), &log);
-    let first_node = node_of(&watches, &format!("{ns}-{first}"), &node_a, &node_b);
-    let moved = watches
-        .attached_on(BED.bed().await, &format!("{ns}-{first}"), &node_c)
-        .await
-        .or(watches
-            .attached_elsewhere(BED.bed().await, &format!("{ns}-{first}"), &first_node)
-            .await)
-        .unwrap_or_else(|| panic!("{first}'s volume attached elsewhere: {log}"));
-    assert!(
-        second.received > moved,
-        "the second replica went only once the first one's volume was attached where its replacement runs ({moved}): {log}"
-    );
+    let first_pv = format!("{ns}-{first}");
+    let first_node = node_of(&watches, &first_pv, &node_a, &node_b);
+    watches
+        .assert_after_moved(BED.bed().await, second, &first_pv, &first_node, &log)
+        .await;
     BED.calm("ledger_held", ns).await;
     ctl.stop().await;
 }

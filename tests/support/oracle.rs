@@ -316,6 +316,32 @@ impl Watches {
         attach_write(bed, &va).await
     }
 
+    /// The ledger's and the drain's promise, by the cluster: `later` (a
+    /// request of the audit log) reached the API server only after `pv` was
+    /// attached on a Node other than `old`, where the replacement of the
+    /// pod that used it runs. Returns that moment.
+    pub async fn assert_after_moved(
+        &self,
+        bed: &TestBed,
+        later: &Request,
+        pv: &str,
+        old: &str,
+        log: &str,
+    ) -> Timestamp {
+        let moved = self
+            .attached_elsewhere(bed, pv, old)
+            .await
+            .unwrap_or_else(|| panic!("{pv} attached elsewhere than {old}: {log}"));
+        assert!(
+            later.received > moved,
+            "{} {} sent at {}, before {pv} was attached where its replacement runs ({moved}): {log}",
+            later.verb,
+            later.name.as_deref().unwrap_or_default(),
+            later.received,
+        );
+        moved
+    }
+
     /// When `pv` was first seen detached from `node`.
     pub fn detached_from(&self, pv: &str, node: &str) -> Option<Timestamp> {
         self.first(|s| matches!(s, Seen::Detached { pv: p, node: n } if p == pv && n == node))

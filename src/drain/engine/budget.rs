@@ -11,15 +11,15 @@ use crate::drain::plan::PlannedPod;
 use crate::drain::select::fmt_key;
 
 impl NodeDrain {
-    /// Ends the permit of `p` unless its move is recorded (a move that
-    /// never began: not allowed, not evicted, or nothing to wait for).
-    pub(super) fn end_unrecorded_permit(&self, p: &PlannedPod) {
+    /// Ends the permit of `p`, of `workload`, unless its move is recorded
+    /// (a move that never began: not allowed, not evicted, or nothing to
+    /// wait for).
+    pub(super) fn end_unrecorded_permit(&self, p: &PlannedPod, workload: &Workload) {
         let key = fmt_key(&p.pod);
         if !self.progress.borrow().moves.contains_key(&key) {
-            let (workload, _) = self.workload_of(p);
             self.deps
                 .permits
-                .end(&workload, p.uid.as_deref().unwrap_or(&key));
+                .end(workload, p.uid.as_deref().unwrap_or(&key));
         }
     }
 
@@ -91,11 +91,12 @@ impl NodeDrain {
         (workload, budget)
     }
 
-    /// Asks the move ledger for a permit to move `p` now. `None`: it may
-    /// (granted, or beyond the budget or the cap past the deadline, which
-    /// is warned); otherwise what it waits for, which `status.drain` and an
-    /// Event (once per pod and what it waits for) say.
-    pub(super) fn permit(&self, p: &PlannedPod) -> Option<String> {
+    /// Asks the move ledger for a permit to move `p` now, for its workload
+    /// (returned). `Ok`: it may (granted, or beyond the budget or the cap
+    /// past the deadline, which is warned); `Err`: what it waits for, which
+    /// `status.drain` and an Event (once per pod and what it waits for)
+    /// say.
+    pub(super) fn permit(&self, p: &PlannedPod) -> Result<Workload, String> {
         let (workload, budget) = self.workload_of(p);
         let key = fmt_key(&p.pod);
         // A Machine deleted while it held a permit (its finalizer removed
@@ -125,7 +126,7 @@ impl NodeDrain {
                 .join(", ")
         };
         let (why, holders) = match self.deps.permits.ask(&ask, &budget) {
-            Answer::Granted(_) => return None,
+            Answer::Granted(_) => return Ok(workload),
             Answer::Bypassed { moving, .. } => {
                 let beyond = match budget.max_moving {
                     Some(n) if moving.len() >= n as usize => {
@@ -142,7 +143,7 @@ impl NodeDrain {
                     format!("drain deadline passed: pod {key} of {workload} moves {beyond}"),
                     Some(pod_ref_key(&p.pod)),
                 );
-                return None;
+                return Ok(workload);
             }
             Answer::Wait { moving, ahead } => {
                 let mut why = format!("pod {key} waits: {workload} is moving {}", others(&moving));
@@ -168,6 +169,6 @@ impl NodeDrain {
                 Some(pod_ref_key(&p.pod)),
             );
         }
-        Some(why)
+        Err(why)
     }
 }

@@ -326,15 +326,21 @@ impl NodeDrain {
         if h >= g {
             return false;
         }
-        self.update(|p| {
-            p.waiting_for = Some(format!(
-                "a replacement of order group {h} to be placed before order group {g} starts"
-            ));
-        });
+        self.await_placement(format!(
+            "a replacement of order group {h} to be placed before order group {g} starts"
+        ))
+        .await;
+        true
+    }
+
+    /// Says `why` the drain waits, waits (on pod events) for a held
+    /// move's replacement to be placed, or the deadline, then goes on with
+    /// the placed ones' moves.
+    async fn await_placement(&self, why: String) {
+        self.update(|p| p.waiting_for = Some(why));
         self.wait_pods_until(self.deadline(), || self.any_placed())
             .await;
         self.resume_placed().await;
-        true
     }
 
     /// Nothing is left to drain but moves held for a replacement the
@@ -348,14 +354,10 @@ impl NodeDrain {
             return false;
         }
         let pods = self.held_pods().join(", ");
-        self.update(|p| {
-            p.waiting_for = Some(format!(
-                "the replacement of {pods} to be placed: its move holds its workload's move budget until then, or until the drain's deadline"
-            ));
-        });
-        self.wait_pods_until(self.deadline(), || self.any_placed())
-            .await;
-        self.resume_placed().await;
+        self.await_placement(format!(
+            "the replacement of {pods} to be placed: its move holds its workload's move budget until then, or until the drain's deadline"
+        ))
+        .await;
         true
     }
 
@@ -529,14 +531,17 @@ impl NodeDrain {
                     // The workload's budget across every drain: a pod that
                     // must wait for it is left to a later pass, and the
                     // chain goes on with other workloads.
-                    if let Some(why) = self.permit(p) {
-                        if let Ok(mut w) = waiting.lock() {
-                            w.push((p.uid.clone().unwrap_or_else(|| fmt_key(&p.pod)), why));
+                    let workload = match self.permit(p) {
+                        Ok(workload) => workload,
+                        Err(why) => {
+                            if let Ok(mut w) = waiting.lock() {
+                                w.push((p.uid.clone().unwrap_or_else(|| fmt_key(&p.pod)), why));
+                            }
+                            return;
                         }
-                        return;
-                    }
+                    };
                     let moved = self.migrate(plan, p).await;
-                    self.end_unrecorded_permit(p);
+                    self.end_unrecorded_permit(p, &workload);
                     if !moved {
                         halted.store(true, Ordering::Release);
                     }

@@ -201,14 +201,7 @@ async fn stateful_sets(
     spread: bool,
 ) -> anyhow::Result<()> {
     for name in names {
-        for i in 0..replicas {
-            let pv = format!("{pool}-{name}-{i}");
-            crate::testbed::create_or_keep(
-                Api::all(admin.clone()),
-                fixtures::csi_pv(&pv, &format!("vol-{pv}"), NS, &format!("data-{name}-{i}")),
-            )
-            .await?;
-        }
+        super::workloads::volumes_for(admin, pool, name, replicas).await?;
         let mut sts = fixtures::stateful_set_in_pool(
             name,
             i32::try_from(replicas)?,

@@ -12,14 +12,7 @@ pub(super) async fn stateful_on(
     pool: &str,
     node: &str,
 ) -> anyhow::Result<()> {
-    for i in 0..n {
-        let pv = format!("{pool}-{name}-{i}");
-        crate::testbed::create_or_keep(
-            Api::all(admin.clone()),
-            fixtures::csi_pv(&pv, &format!("vol-{pv}"), NS, &format!("data-{name}-{i}")),
-        )
-        .await?;
-    }
+    volumes_for(admin, pool, name, n).await?;
     crate::testbed::create_or_keep(
         Api::namespaced(admin.clone(), NS),
         fixtures::stateful_set_in_pool(name, i32::try_from(n)?, i64::from(grace), pool, None),
@@ -40,6 +33,25 @@ pub(super) async fn stateful_on(
         },
     )
     .await?;
+    Ok(())
+}
+
+/// The pre-bound CSI PV `<pool>-<name>-<i>` of each of the `n` pods of
+/// StatefulSet `name` (claim `data-<name>-<i>`).
+pub(super) async fn volumes_for(
+    admin: &Client,
+    pool: &str,
+    name: &str,
+    n: u32,
+) -> anyhow::Result<()> {
+    for i in 0..n {
+        let pv = format!("{pool}-{name}-{i}");
+        crate::testbed::create_or_keep(
+            Api::all(admin.clone()),
+            fixtures::csi_pv(&pv, &format!("vol-{pv}"), NS, &format!("data-{name}-{i}")),
+        )
+        .await?;
+    }
     Ok(())
 }
 

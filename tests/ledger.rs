@@ -600,3 +600,74 @@ async fn a_move_held_for_placement_keeps_its_permit_to_the_end() {
     BED.calm("ledger_held", ns).await;
     ctl.stop().await;
 }
+
+/// `berth.dev/max-moving: 2` on a StatefulSet's pod template lets two of
+/// its replicas move at once, and no third: three Machines deleted at
+/// once, one replica each; the second replica is evicted before the first
+/// one's volume has moved, the third only after one of the first two has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_budget_of_two_lets_two_replicas_move_at_once() {
+    use berth::drain::ledger::MAX_MOVING_ANNOTATION;
+    let ns = "ledger-two-at-once";
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = BED.start(ns).await;
+    let olds = [
+        running_machine(&client, ns, "a", ns).await,
+        running_machine(&client, ns, "b", ns).await,
+        running_machine(&client, ns, "c", ns).await,
+    ];
+    stateful_with(&client, ns, "db", 3, true, |t| {
+        t.metadata.get_or_insert_default().annotations =
+            Some([(MAX_MOVING_ANNOTATION.to_string(), "2".to_string())].into());
+    })
+    .await;
+    attached(&client, ns, 3).await;
+    for new in ["d", "e", "f"] {
+        running_machine(&client, ns, new, ns).await;
+    }
+    let watches = Watches::start(&client, ns).await;
+
+    for old in ["a", "b", "c"] {
+        delete_machine(&client, ns, old).await;
+    }
+    for old in ["a", "b", "c"] {
+        gone(&client, ns, old, Duration::from_secs(120)).await;
+    }
+
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let mut went: Vec<&berth_devkit::bench::audit::Request> = ["db-0", "db-1", "db-2"]
+        .iter()
+        .map(|p| evicted_once(&all, p, &log))
+        .collect();
+    went.sort_by_key(|r| r.received);
+    // Where each replica's volume attached after it left its old Node.
+    let mut moved = Vec::new();
+    for r in &went {
+        let pv = format!("{ns}-{}", r.name.as_deref().unwrap_or_default());
+        let from = olds
+            .iter()
+            .find(|n| watches.detached_from(&pv, n).is_some())
+            .unwrap_or_else(|| panic!("{pv} left an old Node: {log}"));
+        moved.push(
+            watches
+                .attached_elsewhere(BED.bed().await, &pv, from)
+                .await
+                .unwrap_or_else(|| panic!("{pv} attached elsewhere: {log}")),
+        );
+    }
+    assert!(
+        went[1].received < moved[0],
+        "two replicas move at once: the second went ({}) before the first one's volume moved ({}): {log}",
+        went[1].received,
+        moved[0]
+    );
+    let first_done = moved[0].min(moved[1]);
+    assert!(
+        went[2].received > first_done,
+        "no third: it went ({}) only after one of the first two had moved ({first_done}): {log}",
+        went[2].received
+    );
+    BED.calm("ledger_two_at_once", ns).await;
+    ctl.stop().await;
+}

@@ -982,3 +982,64 @@ async fn a_machinedeployment_scales_through_its_scale_subresource() {
     ctl.stop().await;
     assert_no_request_loop_below(BED.bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
 }
+
+/// `maxUnavailable: 3` drains three old Machines at once, and the move
+/// ledger keeps their StatefulSet to one replica moving at a time across
+/// them: three Machines carrying one replica of db each (required
+/// anti-affinity) roll with `maxSurge: 3, maxUnavailable: 3`; by the audit
+/// log and a watch of the VolumeAttachments, each replica is evicted only
+/// after the one before it has its volume attached where its replacement
+/// runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollout_of_three_at_once_moves_one_replica_of_a_workload_at_a_time() {
+    use support::oracle::{self, Watches, evicted_once, evictions};
+    let case = "a_rollout_of_three_at_once_moves_one_replica_of_a_workload_at_a_time";
+    let ns = "mdep-ledger";
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = BED.start(ns).await;
+    deployments(&client, ns)
+        .create(
+            &PostParams::default(),
+            &machine_deployment("pool", ns, 3, "md", rolling(3.into(), 3.into())),
+        )
+        .await
+        .expect("create the MachineDeployment");
+    let d = rollout_is(&client, ns, "pool", "RolloutComplete", 3).await;
+    let old_nodes = nodes_of(ns, &running_of(&client, ns, &hash(&d), 3).await);
+    support::pool::stateful(&client, ns, "db", 3, |sts| {
+        if let Some(s) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+            s.affinity = Some(json(serde_json::json!({"podAntiAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": [{
+                    "labelSelector": {"matchLabels": {"app": "db"}},
+                    "topologyKey": "kubernetes.io/hostname"
+                }]
+            }})));
+        }
+    })
+    .await;
+    let pods: Vec<String> = (0..3).map(|i| format!("db-{i}")).collect();
+    pods_running_on(&client, ns, &pods, &old_nodes).await;
+    let watches = Watches::start(&client, ns).await;
+
+    patch_spec(&client, ns, "pool", image("v2")).await;
+    let d = rollout_is(&client, ns, "pool", "RolloutComplete", 3).await;
+    let new_nodes = nodes_of(ns, &running_of(&client, ns, &hash(&d), 3).await);
+    pods_running_on(&client, ns, &pods, &new_nodes).await;
+
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let mut went: Vec<_> = pods.iter().map(|p| evicted_once(&all, p, &log)).collect();
+    went.sort_by_key(|r| r.received);
+    for pair in went.windows(2) {
+        let pv = format!("{ns}-{}", pair[0].name.as_deref().unwrap_or_default());
+        let from = old_nodes
+            .iter()
+            .find(|n| watches.detached_from(&pv, n).is_some())
+            .unwrap_or_else(|| panic!("{pv} left an old Node: {log}"));
+        watches
+            .assert_after_moved(BED.bed().await, pair[1], &pv, from, &log)
+            .await;
+    }
+    ctl.stop().await;
+    assert_no_request_loop_below(BED.bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
+}

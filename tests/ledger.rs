@@ -68,7 +68,7 @@ async fn attached(client: &Client, ns: &str, n: usize) {
                         .source
                         .persistent_volume_name
                         .as_deref()
-                        .is_some_and(|pv| pv.starts_with(ns))
+                        .is_some_and(|pv| pv.starts_with(&format!("{ns}-")))
                         && va.status.as_ref().is_some_and(|s| s.attached)
                 })
                 .count()
@@ -608,7 +608,7 @@ async fn a_move_held_for_placement_keeps_its_permit_to_the_end() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_budget_of_two_lets_two_replicas_move_at_once() {
     use berth::drain::ledger::MAX_MOVING_ANNOTATION;
-    let ns = "ledger-two-at-once";
+    let ns = "ledger-pair";
     let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
     let ctl = BED.start(ns).await;
     let olds = [
@@ -668,6 +668,6 @@ async fn a_budget_of_two_lets_two_replicas_move_at_once() {
         "no third: it went ({}) only after one of the first two had moved ({first_done}): {log}",
         went[2].received
     );
-    BED.calm("ledger_two_at_once", ns).await;
+    BED.calm("ledger_pair", ns).await;
     ctl.stop().await;
 }

@@ -109,7 +109,7 @@ pub(super) async fn independent(
     stateful_sets(admin, &workloads, 1, args.grace, INDEPENDENT_POOL, false).await?;
     running_on(admin, &a, "ind-", n).await?;
     let old_nodes = BTreeSet::from([a.clone()]);
-    attached_on(admin, &old_nodes, n).await?;
+    super::workloads::attached_on(admin, &old_nodes, n).await?;
     let b = machine(admin, "independent-b", INDEPENDENT_POOL).await?;
     let drained = drain_at_once(admin, &old_nodes, &["independent-a"], &[b]).await?;
     let replicas: Vec<Replica> = workloads
@@ -145,7 +145,7 @@ pub(super) async fn shared(
     let workloads: Vec<String> = (0..w).map(|i| format!("sh-{i}")).collect();
     stateful_sets(admin, &workloads, m, args.grace, SHARED_POOL, true).await?;
     one_of_each_per_node(admin, &old_nodes, &workloads).await?;
-    attached_on(admin, &old_nodes, m * w).await?;
+    super::workloads::attached_on(admin, &old_nodes, m * w).await?;
     let new: Vec<String> = (0..m).map(|i| format!("shared-new-{i}")).collect();
     let new_nodes = machines(admin, &new, SHARED_POOL).await?;
     let old_refs: Vec<&str> = old.iter().map(String::as_str).collect();
@@ -271,26 +271,6 @@ async fn one_of_each_per_node(
         by_node.len() == want && by_node.values().all(|&n| n == 1),
         "the pods are not one of each StatefulSet per Node: {by_node:?}"
     );
-    Ok(())
-}
-
-/// Waits until at least `n` volumes are attached on `nodes`.
-async fn attached_on(admin: &Client, nodes: &BTreeSet<String>, n: u32) -> anyhow::Result<()> {
-    wait::until(
-        Api::<VolumeAttachment>::all(admin.clone()),
-        LONG,
-        "volumes attached",
-        |vas| {
-            vas.iter()
-                .filter(|va| {
-                    nodes.contains(&va.spec.node_name)
-                        && va.status.as_ref().is_some_and(|s| s.attached)
-                })
-                .count()
-                >= n as usize
-        },
-    )
-    .await?;
     Ok(())
 }
 

@@ -1,5 +1,7 @@
 //! The workloads the scenarios drain, put on a Node and waited for.
 
+use std::collections::BTreeSet;
+
 use super::*;
 
 /// A StatefulSet `name` of `n` pods with a CSI volume each, all running on
@@ -19,20 +21,7 @@ pub(super) async fn stateful_on(
     )
     .await?;
     running_on(admin, node, &format!("{name}-"), n).await?;
-    wait::until(
-        Api::<VolumeAttachment>::all(admin.clone()),
-        LONG,
-        "volumes attached",
-        |vas| {
-            vas.iter()
-                .filter(|va| {
-                    va.spec.node_name == node && va.status.as_ref().is_some_and(|s| s.attached)
-                })
-                .count()
-                >= n as usize
-        },
-    )
-    .await?;
+    attached_on(admin, &BTreeSet::from([node.to_string()]), n).await?;
     Ok(())
 }
 
@@ -52,6 +41,30 @@ pub(super) async fn volumes_for(
         )
         .await?;
     }
+    Ok(())
+}
+
+/// Waits until at least `n` volumes are attached on `nodes`.
+pub(super) async fn attached_on(
+    admin: &Client,
+    nodes: &BTreeSet<String>,
+    n: u32,
+) -> anyhow::Result<()> {
+    wait::until(
+        Api::<VolumeAttachment>::all(admin.clone()),
+        LONG,
+        "volumes attached",
+        |vas| {
+            vas.iter()
+                .filter(|va| {
+                    nodes.contains(&va.spec.node_name)
+                        && va.status.as_ref().is_some_and(|s| s.attached)
+                })
+                .count()
+                >= n as usize
+        },
+    )
+    .await?;
     Ok(())
 }
 

@@ -237,7 +237,7 @@ const CLUSTER_GRANTS: &[(&str, &[&str], &[&str])] = &[
         &["get", "list", "watch"],
     ),
     ("apps", &["replicasets"], &["list", "watch"]),
-    ("apps", &["statefulsets"], &["get"]),
+    ("apps", &["statefulsets", "deployments"], &["list", "watch"]),
     ("events.k8s.io", &["events"], &["create", "patch"]),
 ];
 

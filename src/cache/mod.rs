@@ -24,7 +24,7 @@ pub(crate) mod wakes;
 
 pub use index::*;
 
-use k8s_openapi::api::apps::v1::ReplicaSet;
+use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet, StatefulSet};
 use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
@@ -53,6 +53,13 @@ pub(crate) struct Caches {
     /// ReplicaSets' metadata: whose Deployment a pod's ReplicaSet is, for
     /// the workload the move ledger keeps a budget for.
     pub(crate) replica_sets: Store<PartialObjectMeta<ReplicaSet>>,
+    /// StatefulSets, trimmed to what a move reads of its workload: the
+    /// budget's annotations, `minReadySeconds`, the replicas and ordinals
+    /// it wants (see `trim::stateful_set`).
+    pub(crate) stateful_sets: Store<StatefulSet>,
+    /// Deployments, trimmed to the budget's annotations and
+    /// `minReadySeconds`.
+    pub(crate) deployments: Store<Deployment>,
     /// Lookups by Node, claim, PV and providerID.
     pub(crate) indexes: Indexes,
     /// Machines by `status.nodeRef` and by providerID.

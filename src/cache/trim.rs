@@ -9,6 +9,7 @@
 //! trimmed and untrimmed pods. A decision that starts reading another field
 //! must keep it here too.
 
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, StatefulSet, StatefulSetSpec};
 use k8s_openapi::api::core::v1::{EmptyDirVolumeSource, Node, Pod, PodSpec, PodStatus};
 use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec};
 use kube::Resource;
@@ -111,6 +112,38 @@ pub fn node(node: &mut Node) {
     if let Some(status) = node.status.as_mut() {
         status.images = None;
     }
+}
+
+/// A StatefulSet keeps its metadata (the move budget's annotations) and,
+/// of its spec, the replicas and ordinals it wants (whether an evicted
+/// pod comes back) and `minReadySeconds` (when a replacement is
+/// available); its pod template and claim templates go.
+pub fn stateful_set(sts: &mut StatefulSet) {
+    metadata(sts);
+    sts.metadata.labels = None;
+    if let Some(spec) = sts.spec.as_mut() {
+        *spec = StatefulSetSpec {
+            replicas: spec.replicas,
+            ordinals: spec.ordinals.take(),
+            min_ready_seconds: spec.min_ready_seconds,
+            ..StatefulSetSpec::default()
+        };
+    }
+    sts.status = None;
+}
+
+/// A Deployment keeps its metadata (the move budget's annotations) and
+/// its `minReadySeconds`.
+pub fn deployment(d: &mut Deployment) {
+    metadata(d);
+    d.metadata.labels = None;
+    if let Some(spec) = d.spec.as_mut() {
+        *spec = DeploymentSpec {
+            min_ready_seconds: spec.min_ready_seconds,
+            ..DeploymentSpec::default()
+        };
+    }
+    d.status = None;
 }
 
 #[cfg(test)]
@@ -367,5 +400,42 @@ mod tests {
             n.spec.and_then(|s| s.provider_id).as_deref(),
             Some("fake://n")
         );
+    }
+
+    #[test]
+    fn workloads_keep_what_a_move_reads_of_them() {
+        let mut sts: StatefulSet = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "db", "namespace": "ns",
+                "annotations": {"berth.dev/max-moving": "2"}, "labels": {"app": "db"},
+                "managedFields": [{"manager": "kubectl"}]},
+            "spec": {"replicas": 3, "ordinals": {"start": 2}, "minReadySeconds": 20,
+                "serviceName": "db", "selector": {"matchLabels": {"app": "db"}},
+                "template": {"metadata": {"labels": {"app": "db"}},
+                    "spec": {"containers": [{"name": "db", "image": "postgres"}]}},
+                "volumeClaimTemplates": [{"metadata": {"name": "data"}}]},
+            "status": {"replicas": 3}
+        }))
+        .expect("a StatefulSet");
+        stateful_set(&mut sts);
+        let pod = "db-4";
+        assert_eq!(crate::drain::workload::wants_ordinal(&sts, pod), Some(true));
+        let terms = crate::drain::workload::stateful_set_terms(&sts);
+        assert_eq!(terms.min_ready, std::time::Duration::from_secs(20));
+        assert_eq!(terms.annotations.len(), 1);
+        let spec = sts.spec.as_ref().expect("spec");
+        assert!(spec.template.spec.is_none() && spec.volume_claim_templates.is_none());
+        assert!(sts.status.is_none() && sts.metadata.managed_fields.is_none());
+
+        let mut d: Deployment = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "web", "annotations": {"berth.dev/min-healthy-time": "5s"}},
+            "spec": {"minReadySeconds": 7, "selector": {},
+                "template": {"spec": {"containers": [{"name": "web", "image": "nginx"}]}}}
+        }))
+        .expect("a Deployment");
+        deployment(&mut d);
+        let terms = crate::drain::workload::deployment_terms(&d);
+        assert_eq!(terms.min_ready, std::time::Duration::from_secs(7));
+        assert_eq!(terms.annotations.len(), 1);
+        assert!(d.spec.as_ref().expect("spec").template.spec.is_none());
     }
 }

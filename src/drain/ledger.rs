@@ -106,16 +106,31 @@ impl fmt::Display for BadAnnotation {
     }
 }
 
-/// The budget a workload's annotations (or its pod template's) ask for,
-/// over the default, and what could not be read.
+/// What a workload object says of its moves: its own annotations (which
+/// win over its pod template's) and its `minReadySeconds` (a replacement
+/// is available, and so healthy, only once Ready that long).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkloadTerms {
+    pub annotations: BTreeMap<String, String>,
+    pub min_ready: Duration,
+}
+
+/// The budget a workload asks for, over the default: each of its
+/// annotations on the workload object, else on its pod template; the
+/// minimum healthy time at least the workload's `minReadySeconds`. What
+/// could not be read is returned, and its default holds.
 pub fn budget_of(
-    annotations: Option<&BTreeMap<String, String>>,
+    template: Option<&BTreeMap<String, String>>,
+    workload: &WorkloadTerms,
     moves_volumes: bool,
 ) -> (Budget, Vec<BadAnnotation>) {
     let mut budget = Budget::default_for(moves_volumes);
     let mut bad = Vec::new();
-    let Some(a) = annotations else {
-        return (budget, bad);
+    let get = |key: &str| {
+        workload
+            .annotations
+            .get(key)
+            .or_else(|| template.and_then(|a| a.get(key)))
     };
     let mut refuse = |key: &'static str, value: &str, why: String| {
         bad.push(BadAnnotation {
@@ -124,7 +139,7 @@ pub fn budget_of(
             why,
         });
     };
-    if let Some(v) = a.get(MAX_MOVING_ANNOTATION) {
+    if let Some(v) = get(MAX_MOVING_ANNOTATION) {
         match v.trim() {
             "unbounded" => budget.max_moving = None,
             n => match n.parse::<u32>() {
@@ -137,13 +152,13 @@ pub fn budget_of(
             },
         }
     }
-    if let Some(v) = a.get(MIN_HEALTHY_ANNOTATION) {
+    if let Some(v) = get(MIN_HEALTHY_ANNOTATION) {
         match humantime::parse_duration(v.trim()) {
             Ok(d) => budget.min_healthy = d,
             Err(e) => refuse(MIN_HEALTHY_ANNOTATION, v, format!("not a duration: {e}")),
         }
     }
-    if let Some(v) = a.get(HEALTHY_DEADLINE_ANNOTATION) {
+    if let Some(v) = get(HEALTHY_DEADLINE_ANNOTATION) {
         match humantime::parse_duration(v.trim()) {
             Ok(d) if !d.is_zero() => budget.healthy_deadline = Some(d),
             Ok(_) => refuse(HEALTHY_DEADLINE_ANNOTATION, v, "zero".into()),
@@ -154,6 +169,7 @@ pub fn budget_of(
             ),
         }
     }
+    budget.min_healthy = budget.min_healthy.max(workload.min_ready);
     (budget, bad)
 }
 
@@ -850,16 +866,18 @@ mod tests {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect()
         };
-        let (b, bad) = budget_of(None, true);
+        let none = WorkloadTerms::default();
+        let (b, bad) = budget_of(None, &none, true);
         assert_eq!(b, Budget::default_for(true));
         assert!(bad.is_empty());
-        assert_eq!(budget_of(None, false).0.max_moving, None);
+        assert_eq!(budget_of(None, &none, false).0.max_moving, None);
         let (b, bad) = budget_of(
             Some(&a(&[
                 (MAX_MOVING_ANNOTATION, "2"),
                 (MIN_HEALTHY_ANNOTATION, "10s"),
                 (HEALTHY_DEADLINE_ANNOTATION, "3m"),
             ])),
+            &none,
             true,
         );
         assert!(bad.is_empty(), "{bad:?}");
@@ -867,9 +885,13 @@ mod tests {
         assert_eq!(b.min_healthy, Duration::from_secs(10));
         assert_eq!(b.healthy_deadline, Some(Duration::from_secs(180)));
         assert_eq!(
-            budget_of(Some(&a(&[(MAX_MOVING_ANNOTATION, "unbounded")])), true)
-                .0
-                .max_moving,
+            budget_of(
+                Some(&a(&[(MAX_MOVING_ANNOTATION, "unbounded")])),
+                &none,
+                true
+            )
+            .0
+            .max_moving,
             None
         );
         let (b, bad) = budget_of(
@@ -878,6 +900,7 @@ mod tests {
                 (MIN_HEALTHY_ANNOTATION, "soon"),
                 (HEALTHY_DEADLINE_ANNOTATION, "0s"),
             ])),
+            &none,
             true,
         );
         assert_eq!(b, Budget::default_for(true));
@@ -890,5 +913,45 @@ mod tests {
                 HEALTHY_DEADLINE_ANNOTATION
             ]
         );
+    }
+
+    #[test]
+    fn the_workload_object_wins_over_its_template_and_min_ready_seconds_is_a_floor() {
+        let a = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let template = a(&[(MAX_MOVING_ANNOTATION, "3"), (MIN_HEALTHY_ANNOTATION, "5s")]);
+        let workload = WorkloadTerms {
+            annotations: a(&[(MAX_MOVING_ANNOTATION, "2")]),
+            min_ready: Duration::from_secs(20),
+        };
+        let (b, bad) = budget_of(Some(&template), &workload, true);
+        assert!(bad.is_empty(), "{bad:?}");
+        assert_eq!(b.max_moving, Some(2), "the workload's annotation wins");
+        assert_eq!(
+            b.min_healthy,
+            Duration::from_secs(20),
+            "available only after minReadySeconds, longer than the 5s asked"
+        );
+        let longer = a(&[(MIN_HEALTHY_ANNOTATION, "1m")]);
+        assert_eq!(
+            budget_of(Some(&longer), &workload, true).0.min_healthy,
+            Duration::from_secs(60)
+        );
+        // A bad value on the workload is not replaced by the template's:
+        // the default holds, and it is named.
+        let bad_workload = WorkloadTerms {
+            annotations: a(&[(MAX_MOVING_ANNOTATION, "many")]),
+            min_ready: Duration::ZERO,
+        };
+        let (b, bad) = budget_of(Some(&template), &bad_workload, true);
+        assert_eq!(b.max_moving, Some(1));
+        assert_eq!(bad.len(), 1);
+        // A workload without volumes keeps its unbounded default unless it
+        // asks.
+        assert_eq!(budget_of(None, &workload, false).0.max_moving, Some(2));
     }
 }

@@ -11,11 +11,11 @@ use kube::api::{Api, ListParams};
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::apps::v1::ReplicaSet;
+use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet, StatefulSet};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
 use super::class::{VolumeContext, allows_data_loss};
-use super::ledger::{Answer, Ask, Ledger, budget_of, recorded_moves};
+use super::ledger::{Answer, Ask, Ledger, Workload, WorkloadTerms, budget_of, recorded_moves};
 use super::plan::{DrainPlan, plan};
 use super::select::{fmt_key, pod_key};
 use super::workload::{controller, workload_of};
@@ -77,19 +77,29 @@ impl LivePlan {
     }
 }
 
+/// What the cluster says of the workloads of a plan's pods, as read for
+/// `berth plan`.
+#[derive(Debug, Default)]
+pub struct KnownWorkloads {
+    /// The owners of a ReplicaSet, by namespace and name.
+    pub rs_owners: BTreeMap<(String, String), Vec<OwnerReference>>,
+    /// What each workload object says of its moves.
+    pub terms: BTreeMap<Workload, WorkloadTerms>,
+}
+
 /// What the move ledger would answer for each stateful pod of `plan`, in
 /// its order, as if its drain asked now (`ledger`: rebuilt from every
 /// Machine's records; a pod granted here counts against the ones after
-/// it). `pods` are the Node's pods; `rs_owners` the owners of a ReplicaSet
-/// by namespace and name.
+/// it). `pods` are the Node's pods.
 pub fn budget_lines(
     plan: &DrainPlan,
     pods: &[Pod],
     mut ledger: Ledger,
     machine: &str,
     requested: k8s_openapi::jiff::Timestamp,
-    rs_owners: &BTreeMap<(String, String), Vec<OwnerReference>>,
+    known: &KnownWorkloads,
 ) -> Vec<String> {
+    let rs_owners = &known.rs_owners;
     let now = k8s_openapi::jiff::Timestamp::now();
     let mut out = Vec::new();
     for p in &plan.stateful {
@@ -103,7 +113,13 @@ pub fn budget_lines(
         let workload = workload_of(pod, |rs| {
             rs_owners.get(&(ns.clone(), rs.to_string())).cloned()
         });
-        let (budget, bad) = budget_of(pod.metadata.annotations.as_ref(), !p.volumes.is_empty());
+        let none = WorkloadTerms::default();
+        let terms = known.terms.get(&workload).unwrap_or(&none);
+        let (budget, bad) = budget_of(
+            pod.metadata.annotations.as_ref(),
+            terms,
+            !p.volumes.is_empty(),
+        );
         let key = fmt_key(&p.pod);
         let ask = Ask {
             workload: workload.clone(),
@@ -292,25 +308,7 @@ async fn ledger_view(
         .await?
         .items;
     let ledger = Ledger::rebuild(recorded_moves(&machines));
-    let mut rs_owners = BTreeMap::new();
-    for pod in pods {
-        let ns = pod.metadata.namespace.clone().unwrap_or_default();
-        let Some(c) = controller(pod.metadata.owner_references.as_deref()) else {
-            continue;
-        };
-        if c.kind != "ReplicaSet" || rs_owners.contains_key(&(ns.clone(), c.name.clone())) {
-            continue;
-        }
-        let rs = Api::<ReplicaSet>::namespaced(client.clone(), &ns)
-            .get_metadata_opt(&c.name)
-            .await?;
-        if let Some(rs) = rs {
-            rs_owners.insert(
-                (ns, c.name.clone()),
-                rs.metadata.owner_references.unwrap_or_default(),
-            );
-        }
-    }
+    let known = known_workloads(client, pods).await?;
     let key = format!(
         "{}/{}",
         machine.metadata.namespace.as_deref().unwrap_or_default(),
@@ -321,9 +319,60 @@ async fn ledger_view(
         .deletion_timestamp
         .as_ref()
         .map_or_else(k8s_openapi::jiff::Timestamp::now, |t| t.0);
-    Ok(budget_lines(
-        plan, pods, ledger, &key, requested, &rs_owners,
-    ))
+    Ok(budget_lines(plan, pods, ledger, &key, requested, &known))
+}
+
+/// Reads what the cluster says of the workloads of `pods`: each
+/// ReplicaSet's owners, and each StatefulSet's, Deployment's or
+/// ReplicaSet's annotations and `minReadySeconds`.
+async fn known_workloads(client: &Client, pods: &[Pod]) -> Result<KnownWorkloads, PlanError> {
+    let mut known = KnownWorkloads::default();
+    for pod in pods {
+        let ns = pod.metadata.namespace.clone().unwrap_or_default();
+        let Some(c) = controller(pod.metadata.owner_references.as_deref()) else {
+            continue;
+        };
+        if c.kind != "ReplicaSet" || known.rs_owners.contains_key(&(ns.clone(), c.name.clone())) {
+            continue;
+        }
+        let rs = Api::<ReplicaSet>::namespaced(client.clone(), &ns)
+            .get_metadata_opt(&c.name)
+            .await?;
+        if let Some(rs) = rs {
+            known.terms.insert(
+                Workload::new("ReplicaSet", &ns, &c.name),
+                super::workload::terms(&rs.metadata, None),
+            );
+            known.rs_owners.insert(
+                (ns, c.name.clone()),
+                rs.metadata.owner_references.unwrap_or_default(),
+            );
+        }
+    }
+    for pod in pods {
+        let ns = pod.metadata.namespace.clone().unwrap_or_default();
+        let w = workload_of(pod, |rs| {
+            known.rs_owners.get(&(ns.clone(), rs.to_string())).cloned()
+        });
+        if known.terms.contains_key(&w) {
+            continue;
+        }
+        let terms = match w.kind.as_str() {
+            "StatefulSet" => Api::<StatefulSet>::namespaced(client.clone(), &ns)
+                .get_opt(&w.name)
+                .await?
+                .map(|s| super::workload::stateful_set_terms(&s)),
+            "Deployment" => Api::<Deployment>::namespaced(client.clone(), &ns)
+                .get_opt(&w.name)
+                .await?
+                .map(|d| super::workload::deployment_terms(&d)),
+            _ => None,
+        };
+        if let Some(t) = terms {
+            known.terms.insert(w, t);
+        }
+    }
+    Ok(known)
 }
 
 #[cfg(test)]
@@ -422,18 +471,32 @@ mod tests {
                 block_owner_deletion: None,
             }],
         )]);
+        // The StatefulSet cache says, on its object, that two may move.
+        let known = KnownWorkloads {
+            rs_owners: owners,
+            terms: BTreeMap::from([(
+                Workload::new("StatefulSet", "db", "cache"),
+                WorkloadTerms {
+                    annotations: BTreeMap::from([(
+                        crate::drain::ledger::MAX_MOVING_ANNOTATION.to_string(),
+                        "2".to_string(),
+                    )]),
+                    min_ready: std::time::Duration::ZERO,
+                },
+            )]),
+        };
         let lines = budget_lines(
             &plan,
             &pods,
             ledger,
             "db/a",
             crate::drain::fixtures::ts(1_700_000_100),
-            &owners,
+            &known,
         );
         assert_eq!(
             lines,
             vec![
-                "db/cache-1: StatefulSet db/cache, at most 1 moving: would wait: db/cache-0 is moving, from Machine db/b",
+                "db/cache-1: StatefulSet db/cache, at most 2 moving: may move now",
                 "db/db-0: StatefulSet db/db, at most 1 moving: may move now",
                 "db/db-1: StatefulSet db/db, at most 1 moving: would wait: db/db-0 moves first, from this Machine",
                 "db/web-1: Deployment db/web, at most 1 moving: may move now",

@@ -7,11 +7,13 @@
 //! workload). A StatefulSet, a Job, a DaemonSet or any other controller is
 //! the workload itself; a pod without a controller is its own workload.
 
-use k8s_openapi::api::apps::v1::StatefulSet;
-use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use std::time::Duration;
 
-use super::ledger::Workload;
+use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+
+use super::ledger::{Workload, WorkloadTerms};
 
 /// The controller reference among `owners`.
 pub fn controller(owners: Option<&[OwnerReference]>) -> Option<&OwnerReference> {
@@ -61,6 +63,33 @@ pub fn wants_ordinal(sts: &StatefulSet, pod: &str) -> Option<bool> {
         .map_or(0, i64::from);
     let replicas = spec.replicas.map_or(1, i64::from);
     Some(ordinal >= start && ordinal < start + replicas)
+}
+
+/// What a workload object's `meta` and `minReadySeconds` say of its
+/// moves (see [`WorkloadTerms`]).
+pub fn terms(meta: &ObjectMeta, min_ready_seconds: Option<i32>) -> WorkloadTerms {
+    WorkloadTerms {
+        annotations: meta.annotations.clone().unwrap_or_default(),
+        min_ready: Duration::from_secs(
+            min_ready_seconds.map_or(0, |s| u64::try_from(s).unwrap_or(0)),
+        ),
+    }
+}
+
+/// The terms of a StatefulSet.
+pub fn stateful_set_terms(sts: &StatefulSet) -> WorkloadTerms {
+    terms(
+        &sts.metadata,
+        sts.spec.as_ref().and_then(|s| s.min_ready_seconds),
+    )
+}
+
+/// The terms of a Deployment.
+pub fn deployment_terms(d: &Deployment) -> WorkloadTerms {
+    terms(
+        &d.metadata,
+        d.spec.as_ref().and_then(|s| s.min_ready_seconds),
+    )
 }
 
 #[cfg(test)]
@@ -155,5 +184,28 @@ mod tests {
             workload_of(&custom, |_| None),
             Workload::new("Cluster", "ns", "pg")
         );
+    }
+
+    #[test]
+    fn a_workload_object_gives_its_annotations_and_min_ready_seconds() {
+        let sts: StatefulSet = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "db", "annotations": {"berth.dev/max-moving": "2"}},
+            "spec": {"minReadySeconds": 30, "selector": {}, "serviceName": "db", "template": {}}
+        }))
+        .expect("a StatefulSet");
+        let t = stateful_set_terms(&sts);
+        assert_eq!(t.min_ready, Duration::from_secs(30));
+        assert_eq!(
+            t.annotations
+                .get("berth.dev/max-moving")
+                .map(String::as_str),
+            Some("2")
+        );
+        let d: Deployment = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "web"},
+            "spec": {"minReadySeconds": -1, "selector": {}, "template": {}}
+        }))
+        .expect("a Deployment");
+        assert_eq!(deployment_terms(&d), WorkloadTerms::default());
     }
 }

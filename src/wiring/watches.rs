@@ -97,6 +97,10 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
     // A ReplicaSet's metadata says whose Deployment it is: a workload of
     // the move ledger is the Deployment, whichever of its sets a pod is of.
     let (replica_sets, replica_sets_w) = reflector::store();
+    // A workload object's annotations and minReadySeconds say how its pods
+    // move; a StatefulSet's replicas whether an evicted pod comes back.
+    let (stateful_sets, stateful_sets_w) = reflector::store();
+    let (deployments, deployments_w) = reflector::store();
     let (pod_changes_tx, pod_changes) = tokio::sync::watch::channel(0u64);
     let (pdb_changes_tx, pdb_changes) = tokio::sync::watch::channel(0u64);
     let (listed_tx, machines_listed) = tokio::sync::watch::channel(false);
@@ -114,6 +118,8 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         pdbs,
         csi_drivers,
         replica_sets,
+        stateful_sets,
+        deployments,
         indexes: Indexes::default(),
         machines_by_node: MachinesByNode::default(),
         machines_by_set: Index::new(controlling_set),
@@ -167,6 +173,13 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         quiet(pvcs_w, Api::all(client.clone()), trim::metadata).boxed(),
         quiet(pvs_w, Api::all(client.clone()), trim::metadata).boxed(),
         quiet(csi_drivers_w, Api::all(client.clone()), trim::csi_driver).boxed(),
+        quiet(
+            stateful_sets_w,
+            Api::all(client.clone()),
+            trim::stateful_set,
+        )
+        .boxed(),
+        quiet(deployments_w, Api::all(client.clone()), trim::deployment).boxed(),
         reflector::reflector(
             replica_sets_w,
             watcher(
@@ -354,6 +367,8 @@ async fn sync(c: Caches, synced: tokio::sync::watch::Sender<bool>) {
         c.pdbs.wait_until_ready(),
         c.csi_drivers.wait_until_ready(),
         c.replica_sets.wait_until_ready(),
+        c.stateful_sets.wait_until_ready(),
+        c.deployments.wait_until_ready(),
     );
     let _ = synced.send(true);
     // Keeps the sender, so that `synced` never reads as closed.

@@ -6,7 +6,9 @@ use kube::runtime::events::EventType;
 
 use super::node_drain::NodeDrain;
 use super::refs::pod_ref_key;
-use crate::drain::ledger::{Answer, Ask, Budget, Permit, Workload, budget_of};
+use kube::runtime::reflector::ObjectRef;
+
+use crate::drain::ledger::{Answer, Ask, Budget, Permit, Workload, WorkloadTerms, budget_of};
 use crate::drain::plan::PlannedPod;
 use crate::drain::select::fmt_key;
 
@@ -46,9 +48,36 @@ impl NodeDrain {
         )
     }
 
+    /// What the object of workload `w` says of its moves (see
+    /// [`WorkloadTerms`]), from the caches: a StatefulSet's or a
+    /// Deployment's annotations and `minReadySeconds`, a ReplicaSet's
+    /// annotations; nothing for other kinds (their pod template alone
+    /// speaks).
+    fn terms_of(&self, w: &Workload) -> WorkloadTerms {
+        let caches = &self.deps.caches;
+        let terms = match w.kind.as_str() {
+            "StatefulSet" => caches
+                .stateful_sets
+                .get(&ObjectRef::new(&w.name).within(&w.namespace))
+                .map(|s| crate::drain::workload::stateful_set_terms(&s)),
+            "Deployment" => caches
+                .deployments
+                .get(&ObjectRef::new(&w.name).within(&w.namespace))
+                .map(|d| crate::drain::workload::deployment_terms(&d)),
+            "ReplicaSet" => caches
+                .replica_sets
+                .get(&ObjectRef::new(&w.name).within(&w.namespace))
+                .map(|r| crate::drain::workload::terms(&r.metadata, None)),
+            _ => None,
+        };
+        terms.unwrap_or_default()
+    }
+
     /// The workload of `p` and its move budget: the default for a pod
-    /// whose volumes move, over what its annotations (its template's) ask,
-    /// each one berth cannot read warned about once.
+    /// whose volumes move, over what its workload object's annotations,
+    /// else its pod template's, ask, and at least the workload's
+    /// `minReadySeconds` of health; each value berth cannot read warned
+    /// about once.
     pub(super) fn workload_of(&self, p: &PlannedPod) -> (Workload, Budget) {
         let pod = self.view().pod(&p.pod, p.uid.as_deref());
         let workload = match &pod {
@@ -77,7 +106,8 @@ impl NodeDrain {
         let annotations = template
             .as_ref()
             .and_then(|p| p.metadata.annotations.as_ref());
-        let (budget, bad) = budget_of(annotations, !p.volumes.is_empty());
+        let terms = self.terms_of(&workload);
+        let (budget, bad) = budget_of(annotations, &terms, !p.volumes.is_empty());
         for b in bad {
             if self.first_report(format!("budget/{workload}/{}", b.key)) {
                 self.event(

@@ -22,8 +22,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use k8s_openapi::api::apps::v1::StatefulSet;
-use kube::Api;
 use kube::runtime::events::EventType;
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -485,7 +483,7 @@ impl<'a> Migration<'a> {
         {
             // A StatefulSet says whether it wants the pod back; only
             // another controller's silence is read from a timer.
-            match self.stateful_set_wants().await {
+            match self.stateful_set_wants() {
                 Some(true) => replacement_wait = reattach_bound,
                 Some(false) => scaled_down = Some(controller.clone()),
                 None => {}
@@ -528,23 +526,20 @@ impl<'a> Migration<'a> {
     }
 
     /// Whether the pod's StatefulSet, if that is its controller, wants it
-    /// back (see [`wants_ordinal`]); `None` for another controller, or
-    /// when the StatefulSet cannot be read (the timer then decides).
-    async fn stateful_set_wants(&self) -> Option<bool> {
+    /// back (see [`wants_ordinal`]), from the cache of StatefulSets (one
+    /// not there is gone: nothing recreates the pod); `None` for another
+    /// controller (the timer then decides).
+    fn stateful_set_wants(&self) -> Option<bool> {
         let (kind, name) = self.pod.controller.as_deref()?.split_once("/")?;
         if kind != "StatefulSet" {
             return None;
         }
         let (ns, pod) = &self.pod.pod;
-        let api: Api<StatefulSet> = Api::namespaced(self.run.deps.client.clone(), ns);
-        match api.get_opt(name).await {
-            Ok(Some(sts)) => wants_ordinal(&sts, pod),
+        let key = kube::runtime::reflector::ObjectRef::new(name).within(ns);
+        match self.run.deps.caches.stateful_sets.get(&key) {
+            Some(sts) => wants_ordinal(&sts, pod),
             // Gone: nothing recreates the pod.
-            Ok(None) => Some(false),
-            Err(e) => {
-                tracing::warn!(statefulset = name, error = %e, "cannot read the StatefulSet; waiting for its pod on a timer");
-                None
-            }
+            None => Some(false),
         }
     }
 

@@ -79,14 +79,19 @@ pub struct Clients {
     /// behind it in a shared limiter. client-go throttles Events apart from
     /// other requests for the same reason.
     pub events: Client,
+    /// Makes each drain's own client, on `api`'s rate limit: a queue of
+    /// its own for the limiter's tokens (see `process::LimitedClients`).
+    pub per_drain: crate::drain::engine::ClientPerDrain,
 }
 
 impl From<Client> for Clients {
     /// One client for everything (tests, the demo, the benchmark).
     fn from(client: Client) -> Self {
+        let shared = client.clone();
         Self {
             api: client.clone(),
             events: client,
+            per_drain: Arc::new(move || shared.clone()),
         }
     }
 }
@@ -106,6 +111,7 @@ pub async fn run(
     let Clients {
         api: client,
         events: events_client,
+        per_drain,
     } = clients.into();
     let Watches {
         caches,
@@ -131,7 +137,7 @@ pub async fn run(
         crate::telemetry::events::QUEUE,
     );
     let (drainer, drains_done) = Drainer::new(DrainDeps {
-        client: client.clone(),
+        drain_client: per_drain,
         caches: caches.clone(),
         tracker,
         metrics: Arc::clone(&metrics),

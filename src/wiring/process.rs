@@ -243,6 +243,7 @@ struct Connections {
     fence: Fence,
     api: Client,
     events: Client,
+    per_drain: crate::drain::engine::ClientPerDrain,
     providers: Registry,
 }
 
@@ -258,13 +259,16 @@ async fn connect(args: &RunArgs, metrics: &Arc<Metrics>) -> anyhow::Result<Conne
     } else {
         Fence::open()
     };
-    let events = rate_limited_client(
+    let events = LimitedClients::new(
         config.clone(),
         args.kube_events_qps,
         args.kube_events_burst,
         &fence,
-    )?;
-    let api = rate_limited_client(config, args.kube_qps, args.kube_burst, &fence)?;
+    )?
+    .client()?;
+    let limited = LimitedClients::new(config, args.kube_qps, args.kube_burst, &fence)?;
+    let api = limited.client()?;
+    let per_drain = limited.per_drain(api.clone());
     let may_act: crate::providers::gated::MayAct = {
         let fence = fence.clone();
         Arc::new(move || fence.allows())
@@ -281,6 +285,7 @@ async fn connect(args: &RunArgs, metrics: &Arc<Metrics>) -> anyhow::Result<Conne
         fence,
         api,
         events,
+        per_drain,
         providers,
     })
 }
@@ -368,6 +373,7 @@ async fn lead_and_control(
         super::manager::Clients {
             api: conn.api,
             events: conn.events,
+            per_drain: conn.per_drain,
         },
         conn.providers,
         settings,
@@ -471,29 +477,61 @@ async fn kube_config(args: &RunArgs) -> anyhow::Result<kube::Config> {
     Ok(config)
 }
 
-/// A client whose requests are limited to `qps` on average with bursts of
-/// up to `burst` (a token bucket, [`TokenBucketLayer`]).
-fn rate_limited_client(
+/// Clients whose requests share one rate limit (`qps` on average, bursts
+/// of up to `burst`: a token bucket, [`TokenBucketLayer`]) and one fence.
+///
+/// Each client has its own queue in front of the bucket (kube's request
+/// buffer, a single line), and the clients' queues take the bucket's
+/// tokens in turn. So each drain has a client of its own: when many drains
+/// start at once and their requests exceed the burst, a drain that started
+/// a little later gets its first eviction out between the others' next
+/// ones, instead of behind every eviction they queued first (its first
+/// eviction came up to 1.3 s after its deletion with 20 drains in the
+/// scale benchmark, all of it in the queue).
+#[derive(Clone)]
+struct LimitedClients {
     config: kube::Config,
-    qps: u32,
-    burst: u32,
-    fence: &Fence,
-) -> anyhow::Result<Client> {
-    let (Some(qps), Some(burst)) = (NonZeroU32::new(qps), NonZeroU32::new(burst)) else {
-        anyhow::bail!(
-            "--kube-qps, --kube-burst, --kube-events-qps and --kube-events-burst must each be at least 1"
-        );
-    };
-    let layer = TokenBucketLayer::new(qps, burst);
-    // The fence inside the rate limit: a write is checked when it leaves,
-    // not when it starts to wait for its token.
-    let executor = FencedExecutor(fence.clone());
-    let client = kube::client::ClientBuilder::try_from((config, executor))
-        .context("building the Kubernetes client")?
-        .with_layer(&FenceLayer(fence.clone()))
-        .with_layer(&layer)
-        .build();
-    Ok(client)
+    bucket: TokenBucketLayer,
+    fence: Fence,
+}
+
+impl LimitedClients {
+    fn new(config: kube::Config, qps: u32, burst: u32, fence: &Fence) -> anyhow::Result<Self> {
+        let (Some(qps), Some(burst)) = (NonZeroU32::new(qps), NonZeroU32::new(burst)) else {
+            anyhow::bail!(
+                "--kube-qps, --kube-burst, --kube-events-qps and --kube-events-burst must each be at least 1"
+            );
+        };
+        Ok(Self {
+            config,
+            bucket: TokenBucketLayer::new(qps, burst),
+            fence: fence.clone(),
+        })
+    }
+
+    /// A client on the shared bucket and fence, with its own queue.
+    fn client(&self) -> anyhow::Result<Client> {
+        // The fence inside the rate limit: a write is checked when it
+        // leaves, not when it starts to wait for its token.
+        let executor = FencedExecutor(self.fence.clone());
+        let client = kube::client::ClientBuilder::try_from((self.config.clone(), executor))
+            .context("building the Kubernetes client")?
+            .with_layer(&FenceLayer(self.fence.clone()))
+            .with_layer(&self.bucket)
+            .build();
+        Ok(client)
+    }
+
+    /// Makes a drain's client; `shared` if one cannot be built (it was
+    /// built once from the same configuration, so this is not expected).
+    fn per_drain(self, shared: Client) -> crate::drain::engine::ClientPerDrain {
+        Arc::new(move || {
+            self.client().unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "could not build a drain's own client; it shares the controller's");
+                shared.clone()
+            })
+        })
+    }
 }
 
 fn providers(args: &RunArgs, client: &Client, metrics: &Arc<Metrics>) -> anyhow::Result<Registry> {

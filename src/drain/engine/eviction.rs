@@ -64,9 +64,9 @@ impl NodeDrain {
             let mut pdb_changes = self.deps.caches.pdb_changes.clone();
             pdb_changes.borrow_and_update();
             let answer = if forcing {
-                evict::delete(&self.deps.client, &pod, None).await
+                evict::delete(&self.client, &pod, None).await
             } else {
-                evict::evict(&self.deps.client, &pod).await
+                evict::evict(&self.client, &pod).await
             };
             let pause = match answer {
                 Evicted::Accepted => {

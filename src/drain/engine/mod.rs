@@ -96,9 +96,16 @@ use crate::telemetry::Metrics;
 use crate::telemetry::events::EventSink;
 use crate::volumes::Tracker;
 
+/// Makes the API client of one drain (see `Deps::drain_client`).
+pub type ClientPerDrain = Arc<dyn Fn() -> Client + Send + Sync>;
+
 /// What the engine reads and writes through.
 pub(crate) struct Deps {
-    pub(crate) client: Client,
+    /// Each drain's own client, on the process's one rate limit: with many
+    /// drains at once, each has its own queue for the limiter's tokens, so
+    /// one drain's burst of evictions does not hold another's first one
+    /// behind it (see `wiring::clients`).
+    pub(crate) drain_client: ClientPerDrain,
     pub(crate) caches: Caches,
     pub(crate) tracker: Tracker,
     pub(crate) metrics: Arc<Metrics>,

@@ -57,6 +57,8 @@ const FLUSH_BOUND: Duration = Duration::from_secs(5);
 /// One drain, from its first pass to its outcome.
 pub(super) struct NodeDrain {
     pub(super) deps: Arc<Deps>,
+    /// This drain's own client (see [`Deps::drain_client`]).
+    pub(super) client: kube::Client,
     pub(super) job: Job,
     pub(super) progress: watch::Sender<Progress>,
     /// Pods this run has evicted or deleted, to count progress once each.
@@ -113,6 +115,7 @@ impl NodeDrain {
                 .collect();
         });
         Self {
+            client: (deps.drain_client)(),
             deps,
             job,
             progress,
@@ -249,7 +252,7 @@ impl NodeDrain {
 
     /// Deletes with grace 0 a pod whose grace period already passed.
     async fn force_gone(&self, key: &NamespacedName, pod: &Pod) {
-        match evict::delete(&self.deps.client, pod, Some(0)).await {
+        match evict::delete(&self.client, pod, Some(0)).await {
             Evicted::Accepted => {
                 self.deps.metrics.record_eviction(EvictionResult::Forced);
                 self.forced(key);

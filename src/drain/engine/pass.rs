@@ -48,19 +48,6 @@ pub(super) async fn run(
     wake: tokio::sync::mpsc::UnboundedSender<ObjectRef<Machine>>,
 ) {
     let (steps_written, flushed) = watch::channel(super::progress::Flushed::default());
-    // The writer lives exactly as long as this drain: a drain stopped from
-    // outside (restarted, forgotten, leadership lost) takes its writer
-    // with it, so no final write of a stale `status.drain` can land after
-    // a newer drain's (it would erase that drain's move records: both apply
-    // under one field manager).
-    let mut writer = AbortOnDrop(tokio::spawn(write_status(
-        deps.client.clone(),
-        job.machine.clone(),
-        job.deadline.started,
-        progress.subscribe(),
-        written,
-        steps_written,
-    )));
     let in_progress = GaugeHold::new(&deps.metrics.drains_in_progress);
     let started = std::time::Instant::now();
     let r = NodeDrain::new(
@@ -72,6 +59,19 @@ pub(super) async fn run(
         memory,
         wake,
     );
+    // The writer lives exactly as long as this drain: a drain stopped from
+    // outside (restarted, forgotten, leadership lost) takes its writer
+    // with it (dropped before it, declared after), so no final write of a
+    // stale `status.drain` can land after a newer drain's (it would erase
+    // that drain's move records: both apply under one field manager).
+    let mut writer = AbortOnDrop(tokio::spawn(write_status(
+        r.client.clone(),
+        r.job.machine.clone(),
+        r.job.deadline.started,
+        r.progress.subscribe(),
+        written,
+        steps_written,
+    )));
     // Permits an earlier run of this Machine's drain was granted and did
     // not record (it stopped in between) are free; those it recorded are
     // its moves in flight, resumed below.
@@ -603,7 +603,7 @@ impl NodeDrain {
             let Some(pod) = self.view().pod(&p.pod, p.uid.as_deref()) else {
                 continue;
             };
-            match evict::delete(&self.deps.client, &pod, None).await {
+            match evict::delete(&self.client, &pod, None).await {
                 Evicted::Accepted | Evicted::Gone => {
                     self.deps.metrics.record_eviction(EvictionResult::Deleted);
                     self.count_evicted(&p.pod);

@@ -153,7 +153,7 @@ impl NodeDrain {
             return;
         };
         let key = fmt_key(&p.pod);
-        match evict::delete(&self.deps.client, &pod, None).await {
+        match evict::delete(&self.client, &pod, None).await {
             Evicted::Accepted => {
                 self.deps.metrics.record_eviction(EvictionResult::Forced);
                 self.count_evicted(&p.pod);

@@ -265,10 +265,10 @@ async fn connect(args: &RunArgs, metrics: &Arc<Metrics>) -> anyhow::Result<Conne
         args.kube_events_burst,
         &fence,
     )?
-    .client()?;
+    .client();
     let limited = LimitedClients::new(config, args.kube_qps, args.kube_burst, &fence)?;
-    let api = limited.client()?;
-    let per_drain = limited.per_drain(api.clone());
+    let api = limited.client();
+    let per_drain = limited.per_drain();
     let may_act: crate::providers::gated::MayAct = {
         let fence = fence.clone();
         Arc::new(move || fence.allows())
@@ -478,7 +478,8 @@ async fn kube_config(args: &RunArgs) -> anyhow::Result<kube::Config> {
 }
 
 /// Clients whose requests share one rate limit (`qps` on average, bursts
-/// of up to `burst`: a token bucket, [`TokenBucketLayer`]) and one fence.
+/// of up to `burst`: a token bucket, [`TokenBucketLayer`]), one fence and
+/// one pool of connections.
 ///
 /// Each client has its own queue in front of the bucket (kube's request
 /// buffer, a single line), and the clients' queues take the bucket's
@@ -487,12 +488,14 @@ async fn kube_config(args: &RunArgs) -> anyhow::Result<kube::Config> {
 /// a little later gets its first eviction out between the others' next
 /// ones, instead of behind every eviction they queued first (its first
 /// eviction came up to 1.3 s after its deletion with 20 drains in the
-/// scale benchmark, all of it in the queue).
+/// scale benchmark, all of it in the queue). Behind the bucket every client
+/// sends through one `base` client: its connections (new ones for each
+/// drain would cost the API server a TLS handshake per request at the very
+/// moment many drains start) and its fence.
 #[derive(Clone)]
 struct LimitedClients {
-    config: kube::Config,
+    base: Client,
     bucket: TokenBucketLayer,
-    fence: Fence,
 }
 
 impl LimitedClients {
@@ -502,35 +505,53 @@ impl LimitedClients {
                 "--kube-qps, --kube-burst, --kube-events-qps and --kube-events-burst must each be at least 1"
             );
         };
-        Ok(Self {
-            config,
-            bucket: TokenBucketLayer::new(qps, burst),
-            fence: fence.clone(),
-        })
-    }
-
-    /// A client on the shared bucket and fence, with its own queue.
-    fn client(&self) -> anyhow::Result<Client> {
         // The fence inside the rate limit: a write is checked when it
         // leaves, not when it starts to wait for its token.
-        let executor = FencedExecutor(self.fence.clone());
-        let client = kube::client::ClientBuilder::try_from((self.config.clone(), executor))
+        let executor = FencedExecutor(fence.clone());
+        let base = kube::client::ClientBuilder::try_from((config, executor))
             .context("building the Kubernetes client")?
-            .with_layer(&FenceLayer(self.fence.clone()))
-            .with_layer(&self.bucket)
+            .with_layer(&FenceLayer(fence.clone()))
             .build();
-        Ok(client)
+        Ok(Self {
+            base,
+            bucket: TokenBucketLayer::new(qps, burst),
+        })
     }
 
-    /// Makes a drain's client; `shared` if one cannot be built (it was
-    /// built once from the same configuration, so this is not expected).
-    fn per_drain(self, shared: Client) -> crate::drain::engine::ClientPerDrain {
-        Arc::new(move || {
-            self.client().unwrap_or_else(|e| {
-                tracing::warn!(error = %e, "could not build a drain's own client; it shares the controller's");
-                shared.clone()
-            })
-        })
+    /// A client on the shared bucket, with its own queue.
+    fn client(&self) -> Client {
+        Client::new(
+            tower::Layer::layer(&self.bucket, Through(self.base.clone())),
+            self.base.default_namespace().to_string(),
+        )
+    }
+
+    /// Makes a drain's client.
+    fn per_drain(self) -> crate::drain::engine::ClientPerDrain {
+        Arc::new(move || self.client())
+    }
+}
+
+/// A [`Service`](tower::Service) that sends each request through a
+/// client (its connections and the layers it was built with).
+#[derive(Clone)]
+struct Through(Client);
+
+impl tower::Service<http::Request<kube::client::Body>> for Through {
+    type Response = http::Response<kube::client::Body>;
+    type Error = kube::Error;
+    type Future = futures::future::BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<kube::client::Body>) -> Self::Future {
+        let client = self.0.clone();
+        Box::pin(async move { client.send(request).await })
     }
 }
 

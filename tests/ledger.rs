@@ -8,6 +8,7 @@ mod support;
 use std::time::Duration;
 
 use berth_devkit::testbed::wait;
+use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::Client;
 use kube::api::Api;
@@ -38,21 +39,42 @@ async fn stateful_with(
     spread: bool,
     template: impl FnOnce(&mut k8s_openapi::api::core::v1::PodTemplateSpec),
 ) {
-    support::pool::stateful(client, ns, name, replicas, |sts| {
-        let Some(spec) = sts.spec.as_mut() else {
-            return;
-        };
-        if spread && let Some(s) = spec.template.spec.as_mut() {
-            s.affinity = Some(json(serde_json::json!({"podAntiAffinity": {
-                "requiredDuringSchedulingIgnoredDuringExecution": [{
-                    "labelSelector": {"matchLabels": {"app": name}},
-                    "topologyKey": "kubernetes.io/hostname"
-                }]
-            }})));
+    stateful_set_with(client, ns, name, replicas, spread, |sts| {
+        if let Some(spec) = sts.spec.as_mut() {
+            template(&mut spec.template);
         }
-        template(&mut spec.template);
     })
     .await;
+}
+
+/// As [`stateful`], `adjust` changing the StatefulSet itself.
+async fn stateful_set_with(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    replicas: i32,
+    spread: bool,
+    adjust: impl FnOnce(&mut StatefulSet),
+) {
+    support::pool::stateful(client, ns, name, replicas, |sts| {
+        if let Some(s) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut())
+            && spread
+        {
+            s.affinity = Some(spread_out(name));
+        }
+        adjust(sts);
+    })
+    .await;
+}
+
+/// No two pods labelled `app: <name>` on one Node.
+fn spread_out(name: &str) -> k8s_openapi::api::core::v1::Affinity {
+    json(serde_json::json!({"podAntiAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": [{
+            "labelSelector": {"matchLabels": {"app": name}},
+            "topologyKey": "kubernetes.io/hostname"
+        }]
+    }}))
 }
 
 /// Waits until `n` volumes are attached in namespace `ns`'s PVs.
@@ -231,24 +253,22 @@ async fn a_permit_survives_a_killed_controller() {
     berth.terminate().await;
 }
 
-/// `berth.dev/min-healthy-time: 5s` on a StatefulSet's pod template: the
-/// next replica is evicted only once the first one's replacement has been
-/// Ready that long (by the audit log and a watch of the pods; the Ready
-/// condition's time has whole seconds, hence a second's tolerance).
+/// A StatefulSet with `minReadySeconds: 5` (and no annotation): a
+/// replacement is available only once Ready that long, so the next
+/// replica is evicted only then (by the audit log and a watch of the pods;
+/// the Ready condition's time has whole seconds, hence a second's
+/// tolerance). The annotation `berth.dev/min-healthy-time` asks the same of
+/// the pod template, checked with the deadline case below.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_minimum_healthy_time_holds_the_next_move() {
+async fn the_workloads_min_ready_seconds_holds_the_next_move() {
     let ns = "ledger-healthy";
     let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
     let ctl = BED.start(ns).await;
     running_machine(&client, ns, "a", ns).await;
-    stateful_with(&client, ns, "db", 2, false, |t| {
-        t.metadata.get_or_insert_default().annotations = Some(
-            [(
-                berth::drain::ledger::MIN_HEALTHY_ANNOTATION.to_string(),
-                "5s".to_string(),
-            )]
-            .into(),
-        );
+    stateful_set_with(&client, ns, "db", 2, false, |sts| {
+        if let Some(spec) = sts.spec.as_mut() {
+            spec.min_ready_seconds = Some(5);
+        }
     })
     .await;
     attached(&client, ns, 2).await;
@@ -599,10 +619,11 @@ async fn a_move_held_for_placement_keeps_its_permit_to_the_end() {
     ctl.stop().await;
 }
 
-/// `berth.dev/max-moving: 2` on a StatefulSet's pod template lets two of
-/// its replicas move at once, and no third: three Machines deleted at
-/// once, one replica each; the second replica is evicted before the first
-/// one's volume has moved, the third only after one of the first two has.
+/// `berth.dev/max-moving: 2` on a StatefulSet (the object, not its pod
+/// template) lets two of its replicas move at once, and no third: three
+/// Machines deleted at once, one replica each; the second replica is
+/// evicted before the first one's volume has moved, the third only after
+/// one of the first two has.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_budget_of_two_lets_two_replicas_move_at_once() {
     use berth::drain::ledger::MAX_MOVING_ANNOTATION;
@@ -614,8 +635,8 @@ async fn a_budget_of_two_lets_two_replicas_move_at_once() {
         running_machine(&client, ns, "b", ns).await,
         running_machine(&client, ns, "c", ns).await,
     ];
-    stateful_with(&client, ns, "db", 3, true, |t| {
-        t.metadata.get_or_insert_default().annotations =
+    stateful_set_with(&client, ns, "db", 3, true, |sts| {
+        sts.metadata.annotations =
             Some([(MAX_MOVING_ANNOTATION.to_string(), "2".to_string())].into());
     })
     .await;
@@ -673,5 +694,86 @@ async fn a_budget_of_two_lets_two_replicas_move_at_once() {
         ns,
         support::audit::ROLLOUT_PEAK_10S_CEILING,
     );
+    ctl.stop().await;
+}
+
+/// A Deployment without volumes whose object asks `berth.dev/max-moving:
+/// 1` and `berth.dev/min-healthy-time: 3s`, one replica on each of two
+/// Machines deleted at once: its pods go through the ledger like stateful
+/// ones, so the second is evicted only once a new pod of the Deployment
+/// has been Ready for 3 s elsewhere (by the audit log and a watch of the
+/// pods), never both at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deployment_that_asks_for_a_budget_moves_one_pod_at_a_time() {
+    use berth::drain::ledger::{MAX_MOVING_ANNOTATION, MIN_HEALTHY_ANNOTATION};
+    let ns = "ledger-web";
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = BED.start(ns).await;
+    running_machine(&client, ns, "a", ns).await;
+    running_machine(&client, ns, "b", ns).await;
+    let mut web: Deployment = json(serde_json::json!({
+        "metadata": {"name": "web", "annotations": {
+            (MAX_MOVING_ANNOTATION): "1", (MIN_HEALTHY_ANNOTATION): "3s"}},
+        "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "web"}},
+            "template": {"metadata": {"labels": {"app": "web"}},
+                "spec": {"containers": [{"name": "web", "image": "nginx"}]}}}
+    }));
+    if let Some(s) = web.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        s.affinity = Some(spread_out("web"));
+        s.node_selector = Some([(support::pool::POOL.to_string(), ns.to_string())].into());
+    }
+    support::pool::create(Api::namespaced(client.clone(), ns), web).await;
+    wait::until(
+        Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client.clone(), ns),
+        LONG,
+        "both web pods Running",
+        |pods| {
+            pods.iter()
+                .filter(|p| support::pool::pod_running(p))
+                .count()
+                == 2
+        },
+    )
+    .await
+    .expect("the Deployment runs");
+    running_machine(&client, ns, "c", ns).await;
+    running_machine(&client, ns, "d", ns).await;
+    let watches = Watches::start(&client, ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    delete_machine(&client, ns, "b").await;
+    gone(&client, ns, "a", Duration::from_secs(120)).await;
+    gone(&client, ns, "b", Duration::from_secs(120)).await;
+
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let mut went: Vec<_> = all
+        .iter()
+        .filter(|r| r.code < 300 && r.name.as_deref().is_some_and(|n| n.starts_with("web-")))
+        .collect();
+    went.sort_by_key(|r| r.received);
+    assert_eq!(went.len(), 2, "each web pod evicted once: {log}");
+    let first = went[0].name.clone().unwrap_or_default();
+    // The first Ready web pod that is neither of the two evicted, after the
+    // first eviction: its replacement.
+    let evicted: Vec<String> = went.iter().filter_map(|r| r.name.clone()).collect();
+    let ready = watches
+        .seen()
+        .into_iter()
+        .find_map(|(t, s)| match s {
+            oracle::Seen::PodReady { name, .. }
+                if name.starts_with("web-") && !evicted.contains(&name) && t > went[0].received =>
+            {
+                Some(t)
+            }
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("a replacement of {first} Ready: {log}"));
+    let held = went[1].received.duration_since(ready);
+    assert!(
+        held >= k8s_openapi::jiff::SignedDuration::from_secs(2),
+        "the second web pod went {held} after {first}'s replacement was Ready, not 3 s: {log}"
+    );
+    BED.calm("ledger_web", ns).await;
     ctl.stop().await;
 }

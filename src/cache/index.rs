@@ -181,6 +181,19 @@ pub fn pod_node(pod: &Pod) -> Vec<String> {
         .collect()
 }
 
+/// Pods by the UID of their controller (a pod without one is filed under
+/// nothing): a workload's pods, for the replacement of a pod without
+/// volumes whose move waits for it to be healthy.
+pub fn pod_controller(pod: &Pod) -> Vec<String> {
+    pod.metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .filter(|o| o.controller == Some(true))
+        .map(|o| o.uid.clone())
+        .collect()
+}
+
 /// Pods by the claims their volumes name, as `namespace/claim` (see
 /// [`claim_names`]).
 pub fn pod_claims(pod: &Pod) -> Vec<String> {
@@ -246,6 +259,7 @@ pub fn node_provider_id(node: &Node) -> Vec<String> {
 pub struct Indexes {
     pub pods_by_node: Index<Pod>,
     pub pods_by_claim: Index<Pod>,
+    pub pods_by_controller: Index<Pod>,
     pub attachments_by_node: Index<VolumeAttachment>,
     pub attachments_by_pv: Index<VolumeAttachment>,
     pub nodes_by_provider_id: Index<Node>,
@@ -256,6 +270,7 @@ impl Default for Indexes {
         Self {
             pods_by_node: Index::new(pod_node),
             pods_by_claim: Index::new(pod_claims),
+            pods_by_controller: Index::new(pod_controller),
             attachments_by_node: Index::new(attachment_node),
             attachments_by_pv: Index::new(attachment_pv),
             nodes_by_provider_id: Index::new(node_provider_id),
@@ -267,6 +282,7 @@ impl Indexes {
     pub fn observe_pod(&self, event: &Event<Pod>) {
         self.pods_by_node.observe(event);
         self.pods_by_claim.observe(event);
+        self.pods_by_controller.observe(event);
     }
 
     pub fn observe_attachment(&self, event: &Event<VolumeAttachment>) {

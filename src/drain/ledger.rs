@@ -229,6 +229,10 @@ pub struct Permit {
     pub since: Timestamp,
     /// Granted beyond the budget, to a drain past its deadline.
     pub past_budget: bool,
+    /// The pod has volumes that move: the move counts against the cap on
+    /// moves in flight (the cloud's attach API). A pod without volumes
+    /// holds a permit only when its workload bounds its moves.
+    pub volumes: bool,
 }
 
 /// A drain's ask for a permit to move one pod.
@@ -246,6 +250,8 @@ pub struct Ask {
     pub requested: Timestamp,
     /// The drain is past its deadline: the VM must go in time.
     pub past_deadline: bool,
+    /// The pod has volumes that move (see [`Permit::volumes`]).
+    pub volumes: bool,
 }
 
 impl Ask {
@@ -344,13 +350,14 @@ impl Ledger {
             .filter(|w| w.uid != ask.uid && w.order() < ask.order())
             .collect();
         let in_flight = self.in_flight();
-        let capped = self.cap.filter(|cap| in_flight >= *cap);
+        let capped = self.cap.filter(|cap| ask.volumes && in_flight >= *cap);
         let grant = |past_budget: bool| Permit {
             pod: ask.pod.clone(),
             uid: ask.uid.clone(),
             machine: ask.machine.clone(),
             since: now,
             past_budget,
+            volumes: ask.volumes,
         };
         let within_budget = ahead.len() < free;
         let answer = if within_budget && capped.is_none() {
@@ -473,9 +480,13 @@ impl Ledger {
         self.waiting.values().map(BTreeMap::len).sum()
     }
 
-    /// How many moves are in flight, of every workload.
+    /// How many moves of volumes are in flight, of every workload.
     pub fn in_flight(&self) -> usize {
-        self.moving.values().map(BTreeMap::len).sum()
+        self.moving
+            .values()
+            .flat_map(BTreeMap::values)
+            .filter(|p| p.volumes)
+            .count()
     }
 
     /// The Machines that hold a permit or wait for one.
@@ -531,6 +542,7 @@ fn recorded(machine: &str, mv: &VolumeMove) -> Option<(Workload, Permit)> {
             machine: machine.to_string(),
             since: mv.since.as_ref().map_or_else(Timestamp::now, |t| t.0),
             past_budget: false,
+            volumes: true,
         },
     ))
 }
@@ -569,6 +581,7 @@ mod tests {
             priority: 0,
             requested: t(requested),
             past_deadline: false,
+            volumes: true,
         }
     }
 
@@ -825,6 +838,7 @@ mod tests {
             machine: "ns/a".into(),
             since: t(0),
             past_budget: false,
+            volumes: true,
         };
         let mut l = Ledger::rebuild([(db(), permit.clone())]);
         assert_eq!(l.moves().count(), 1);
@@ -953,5 +967,37 @@ mod tests {
         // A workload without volumes keeps its unbounded default unless it
         // asks.
         assert_eq!(budget_of(None, &workload, false).0.max_moving, Some(2));
+    }
+
+    #[test]
+    fn moves_without_volumes_keep_their_budget_and_leave_the_cap_alone() {
+        let one = Budget::default_for(true);
+        let mut l = Ledger::default().with_cap(Some(1));
+        let web = |pod: &str, machine: &str| Ask {
+            workload: Workload::new("Deployment", "ns", "web"),
+            volumes: false,
+            ..ask(pod, machine, 0)
+        };
+        assert!(matches!(
+            l.ask(&web("web-1", "a"), &one, t(1)),
+            Answer::Granted(_)
+        ));
+        // Its budget of one holds for the workload's other pod ...
+        assert!(matches!(
+            l.ask(&web("web-2", "b"), &one, t(1)),
+            Answer::Wait { .. }
+        ));
+        // ... but the cap on moves in flight counts moves of volumes only.
+        assert_eq!(l.in_flight(), 0);
+        assert!(matches!(
+            l.ask(&ask("db-0", "a", 0), &one, t(1)),
+            Answer::Granted(_)
+        ));
+        assert_eq!(l.in_flight(), 1);
+        let other = Ask {
+            workload: Workload::new("StatefulSet", "ns", "cache"),
+            ..ask("cache-0", "b", 0)
+        };
+        assert!(matches!(l.ask(&other, &one, t(1)), Answer::Capped { .. }));
     }
 }

@@ -129,6 +129,7 @@ pub fn budget_lines(
             priority: p.priority,
             requested,
             past_deadline: false,
+            volumes: !p.volumes.is_empty(),
         };
         let limit = budget
             .max_moving
@@ -458,6 +459,7 @@ mod tests {
                 machine: "db/b".into(),
                 since: crate::drain::fixtures::ts(1_700_000_000),
                 past_budget: false,
+                volumes: true,
             },
         )]);
         let owners = BTreeMap::from([(

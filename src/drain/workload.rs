@@ -92,6 +92,37 @@ pub fn deployment_terms(d: &Deployment) -> WorkloadTerms {
     )
 }
 
+/// Since when the replacement of an evicted pod without volumes has been
+/// Ready, if one is: the earliest Ready of the workload's `pods` (those of
+/// its controller) that are not the evicted pod (`uid`), not on its Node
+/// `node` (a pod that came back to a cordoned Node replaces nothing), not
+/// being deleted, and created no sooner than the eviction (`evicted_at`;
+/// creation timestamps have whole seconds).
+pub fn replacement_ready_since<'p>(
+    pods: impl IntoIterator<Item = &'p Pod>,
+    uid: &str,
+    node: &str,
+    evicted_at: k8s_openapi::jiff::Timestamp,
+) -> Option<k8s_openapi::jiff::Timestamp> {
+    let from = evicted_at
+        .round(k8s_openapi::jiff::Unit::Second)
+        .ok()?
+        .checked_sub(k8s_openapi::jiff::SignedDuration::from_secs(1))
+        .ok()?;
+    pods.into_iter()
+        .filter(|p| p.metadata.uid.as_deref() != Some(uid))
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) != Some(node))
+        .filter(|p| {
+            p.metadata
+                .creation_timestamp
+                .as_ref()
+                .is_some_and(|t| t.0 >= from)
+        })
+        .filter_map(super::ledger::ready_since)
+        .min()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -207,5 +238,42 @@ mod tests {
         }))
         .expect("a Deployment");
         assert_eq!(deployment_terms(&d), WorkloadTerms::default());
+    }
+
+    #[test]
+    fn the_replacement_is_a_new_pod_of_the_workload_elsewhere() {
+        use k8s_openapi::jiff::Timestamp;
+        let at = |s: i64| Timestamp::from_second(1_700_000_000 + s).expect("a time");
+        let p = |uid: &str, node: &str, created: i64, ready: Option<i64>, deleting: bool| -> Pod {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": uid, "uid": uid, "creationTimestamp": at(created).to_string(),
+                    "deletionTimestamp": deleting.then(|| at(created + 1).to_string())},
+                "spec": {"nodeName": node, "containers": []},
+                "status": {"conditions": ready.map(|r| vec![serde_json::json!(
+                    {"type": "Ready", "status": "True", "lastTransitionTime": at(r).to_string()})])}
+            }))
+            .expect("a pod")
+        };
+        let evicted = at(10);
+        let pods = [
+            p("old", "a", 0, Some(1), false),
+            p("older-elsewhere", "b", 0, Some(2), false),
+            p("back-on-a", "a", 11, Some(12), false),
+            p("going", "c", 11, Some(12), true),
+            p("new-not-ready", "c", 11, None, false),
+        ];
+        assert_eq!(
+            replacement_ready_since(&pods, "old", "a", evicted),
+            None,
+            "a pod from before, one back on the cordoned Node, one being deleted and one not Ready replace nothing"
+        );
+        let mut more = pods.to_vec();
+        more.push(p("new", "c", 10, Some(14), false));
+        more.push(p("newer", "d", 12, Some(13), false));
+        assert_eq!(
+            replacement_ready_since(&more, "old", "a", evicted),
+            Some(at(13)),
+            "the earliest Ready of the new pods elsewhere"
+        );
     }
 }

@@ -2,13 +2,17 @@
 //! budget of each pod it moves, its asks for permits, and the permits it
 //! gives back when a move never began or the drain ends.
 
+use k8s_openapi::jiff::Timestamp;
 use kube::runtime::events::EventType;
+use tokio::time::Instant;
 
 use super::node_drain::NodeDrain;
 use super::refs::pod_ref_key;
 use kube::runtime::reflector::ObjectRef;
 
-use crate::drain::ledger::{Answer, Ask, Budget, Permit, Workload, WorkloadTerms, budget_of};
+use crate::drain::ledger::{
+    Answer, Ask, Budget, Permit, Workload, WorkloadTerms, budget_of, healthy,
+};
 use crate::drain::plan::PlannedPod;
 use crate::drain::select::fmt_key;
 
@@ -128,6 +132,16 @@ impl NodeDrain {
     /// say.
     pub(super) fn permit(&self, p: &PlannedPod) -> Result<Workload, String> {
         let (workload, budget) = self.workload_of(p);
+        self.permit_for(p, workload, &budget)
+    }
+
+    /// [`NodeDrain::permit`] for `p` of `workload`, under `budget`.
+    fn permit_for(
+        &self,
+        p: &PlannedPod,
+        workload: Workload,
+        budget: &Budget,
+    ) -> Result<Workload, String> {
         let key = fmt_key(&p.pod);
         // A Machine deleted while it held a permit (its finalizer removed
         // by hand) holds it no more.
@@ -147,6 +161,7 @@ impl NodeDrain {
             priority: p.priority,
             requested: self.job.deadline.started,
             past_deadline: self.expired(),
+            volumes: !p.volumes.is_empty(),
         };
         let others = |moving: &[Permit]| {
             moving
@@ -155,7 +170,7 @@ impl NodeDrain {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
-        let (why, holders) = match self.deps.permits.ask(&ask, &budget) {
+        let (why, holders) = match self.deps.permits.ask(&ask, budget) {
             Answer::Granted(_) => return Ok(workload),
             Answer::Bypassed { moving, .. } => {
                 let beyond = match budget.max_moving {
@@ -201,4 +216,115 @@ impl NodeDrain {
         }
         Err(why)
     }
+
+    /// The gate of a pod without volumes: when its workload bounds how many
+    /// of its pods move (its `berth.dev/max-moving`; unbounded by default
+    /// for pods without volumes, where PodDisruptionBudgets alone govern),
+    /// a permit of the ledger, as a stateful pod's. `Ok(None)`: no gate;
+    /// `Err`: what it waits for (the pod is left to a later pass).
+    pub(super) fn stateless_gate(&self, p: &PlannedPod) -> Result<Option<Gate>, String> {
+        let (workload, budget) = self.workload_of(p);
+        if budget.max_moving.is_none() {
+            return Ok(None);
+        }
+        let controller = self.view().pod(&p.pod, p.uid.as_deref()).and_then(|pod| {
+            crate::drain::workload::controller(pod.metadata.owner_references.as_deref())
+                .map(|c| c.uid.clone())
+        });
+        let workload = self.permit_for(p, workload, &budget)?;
+        Ok(Some(Gate {
+            workload,
+            budget,
+            controller,
+            evicted_at: Timestamp::now(),
+        }))
+    }
+
+    /// The move of a gated pod without volumes is over: gone, and, when
+    /// its workload asks for a healthy replacement (a minimum healthy time,
+    /// or its `minReadySeconds`), a new pod of its controller Ready that
+    /// long elsewhere, within its healthy deadline (else the reattach
+    /// timeout: then a Warning, and the move ends anyway). Its permit is
+    /// free.
+    pub(super) async fn end_stateless_move(&self, p: &PlannedPod, gate: &Gate) {
+        if !gate.budget.min_healthy.is_zero()
+            && let Some(controller) = &gate.controller
+        {
+            self.await_replacement_healthy(p, gate, controller).await;
+        }
+        self.release_gate(p, gate);
+    }
+
+    /// The permit of a gated pod without volumes is free (its move ended,
+    /// or it was never evicted).
+    pub(super) fn release_gate(&self, p: &PlannedPod, gate: &Gate) {
+        let key = fmt_key(&p.pod);
+        self.deps
+            .permits
+            .end(&gate.workload, p.uid.as_deref().unwrap_or(&key));
+    }
+
+    async fn await_replacement_healthy(&self, p: &PlannedPod, gate: &Gate, controller: &str) {
+        let key = fmt_key(&p.pod);
+        let min = gate.budget.min_healthy;
+        let bound = gate
+            .budget
+            .healthy_deadline
+            .unwrap_or(self.job.settings.volume_reattach_timeout);
+        let until = self.bounded(bound);
+        let uid = p.uid.clone().unwrap_or_default();
+        let index = &self.deps.caches.indexes.pods_by_controller;
+        let mut changes = self.deps.caches.pod_changes.clone();
+        self.update(|pr| {
+            pr.waiting_for = Some(format!(
+                "a replacement of pod {key} ({}) to be Ready for {}",
+                gate.workload,
+                humantime::format_duration(min)
+            ));
+        });
+        loop {
+            changes.borrow_and_update();
+            let pods = index.get(&self.deps.caches.pods, controller);
+            let since = crate::drain::workload::replacement_ready_since(
+                pods.iter().map(AsRef::as_ref),
+                &uid,
+                &self.job.node,
+                gate.evicted_at,
+            );
+            let now = Timestamp::now();
+            let due = match healthy(&[since], min, now) {
+                Ok(()) => return,
+                Err(due) => due,
+            };
+            let wake = due
+                .and_then(|t| std::time::Duration::try_from(t.duration_since(now)).ok())
+                .map_or(until, |d| (Instant::now() + d).min(until));
+            tokio::select! {
+                r = changes.changed() => if r.is_err() { return },
+                () = tokio::time::sleep_until(wake) => if wake >= until {
+                    self.event(
+                        EventType::Warning,
+                        "ReplacementNotHealthy",
+                        format!(
+                            "no replacement of pod {key} ({}) Ready for {} within {}: its move ends, and the next pod of its workload may go",
+                            gate.workload,
+                            humantime::format_duration(min),
+                            humantime::format_duration(bound)
+                        ),
+                        Some(pod_ref_key(&p.pod)),
+                    );
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// A pod without volumes that holds a permit of the move ledger.
+pub(super) struct Gate {
+    workload: Workload,
+    budget: Budget,
+    /// The UID of the pod's controller, whose new pod replaces it.
+    controller: Option<String>,
+    evicted_at: Timestamp,
 }

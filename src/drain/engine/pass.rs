@@ -136,6 +136,26 @@ const FINAL_WRITE_BOUND: Duration = Duration::from_secs(10);
 /// there, before the next pass takes it as a pod being deleted.
 const LEFT_TO_NEXT_PASS: Duration = Duration::from_secs(5);
 
+/// The pods of a pass that wait for their workload's permit, each as
+/// (`uid`, what it waits for), and whether a stateful move stalled (the
+/// chain halted for this pass).
+#[derive(Default)]
+struct BudgetWaits {
+    pods: Vec<(String, String)>,
+    halted: bool,
+}
+
+impl From<(BudgetWaits, BudgetWaits)> for BudgetWaits {
+    fn from((a, b): (BudgetWaits, BudgetWaits)) -> Self {
+        let mut pods = a.pods;
+        pods.extend(b.pods);
+        Self {
+            pods,
+            halted: a.halted || b.halted,
+        }
+    }
+}
+
 /// What a pass found and did.
 enum Pass {
     /// Nothing was left to do.
@@ -369,6 +389,12 @@ impl NodeDrain {
     /// wait on, once the evictions are done. When `gated`, nothing is
     /// evicted before the volumes are off.
     async fn evict_and_move(&self, plan: &DrainPlan, leftover: Vec<DetachingVolume>, gated: bool) {
+        // Subscribed before any ask: a permit freed between an ask and the
+        // wait for one is not missed.
+        let mut freed = self.deps.permits.freed();
+        freed.borrow_and_update();
+        let mut gone = self.deps.caches.machines_gone.clone();
+        gone.borrow_and_update();
         let terminating = futures::future::join_all(
             plan.terminating
                 .iter()
@@ -382,13 +408,14 @@ impl NodeDrain {
         // evictions are done: `status.drain` then says what the drain waits
         // for.
         let waiting = self.wait_completed(&plan.waiting);
-        if gated {
+        let waits = if gated {
             volumes_off.await;
             let evictions = async {
-                tokio::join!(chain, stateless);
+                let r = tokio::join!(chain, stateless);
                 waiting.await;
+                r
             };
-            tokio::join!(evictions, terminating);
+            tokio::join!(evictions, terminating).0
         } else {
             // The stateful chain is the drain's critical path and the
             // stateless pods have slack: polled first, its eviction is sent
@@ -396,13 +423,50 @@ impl NodeDrain {
             // request queues.
             let stateful = async {
                 volumes_off.await;
-                chain.await;
+                chain.await
             };
             let evictions = async {
-                tokio::join!(stateful, stateless);
+                let r = tokio::join!(stateful, stateless);
                 waiting.await;
+                r
             };
-            tokio::join!(evictions, terminating);
+            tokio::join!(evictions, terminating).0
+        };
+        self.wait_for_budget(waits.into(), &mut freed, &mut gone)
+            .await;
+    }
+
+    /// The pods of this pass that wait for their workload's permit (`uid`,
+    /// what each waits for): this Machine waits in the ledger's line for
+    /// them only, `status.drain` names them, and unless a stateful move of
+    /// this pass stalled (`halted`), the pass waits until a permit of this
+    /// process frees or an ask is withdrawn (then the next pass asks
+    /// again), a Machine that may have held a permit is gone, a stalled
+    /// move of this drain can go on (its volumes are off the Node), or the
+    /// deadline.
+    async fn wait_for_budget(
+        &self,
+        waits: BudgetWaits,
+        freed: &mut watch::Receiver<u64>,
+        gone: &mut watch::Receiver<u64>,
+    ) {
+        let uids: Vec<String> = waits.pods.iter().map(|(uid, _)| uid.clone()).collect();
+        self.deps.permits.keep_waiting(&self.machine_key(), &uids);
+        let why = (!waits.pods.is_empty()).then(|| {
+            let why: Vec<&str> = waits.pods.iter().map(|(_, why)| why.as_str()).collect();
+            why.join("; ")
+        });
+        self.update(|p| p.waiting_for_budget = why.clone());
+        let Some(why) = why else { return };
+        if waits.halted {
+            return;
+        }
+        self.update(|p| p.waiting_for = Some(why));
+        tokio::select! {
+            _ = freed.changed() => {}
+            _ = gone.changed() => {}
+            () = self.stalled_detached(self.deadline()) => {}
+            () = tokio::time::sleep_until(self.deadline()) => {}
         }
     }
 
@@ -411,13 +475,24 @@ impl NodeDrain {
     /// but a watch receiver each, so every evicted pod is waited for at
     /// once. Evictions accepted together are announced in one Event (see
     /// `batch`).
-    async fn evict_stateless(&self, plan: &DrainPlan) {
+    async fn evict_stateless(&self, plan: &DrainPlan) -> BudgetWaits {
+        // A pod of a workload that bounds its moves asks the ledger first;
+        // one that must wait is left to a later pass.
+        let mut waits = BudgetWaits::default();
+        let mut going = Vec::new();
+        for p in &plan.stateless {
+            match self.stateless_gate(p) {
+                Ok(gate) => going.push((p, gate)),
+                Err(why) => waits
+                    .pods
+                    .push((p.uid.clone().unwrap_or_else(|| fmt_key(&p.pod)), why)),
+            }
+        }
         // The futures are collected first: a lazy `map` closure inside a
         // spawned future trips the compiler's higher-ranked lifetime check.
-        let evictions: Vec<_> = plan
-            .stateless
+        let evictions: Vec<_> = going
             .iter()
-            .map(|p| async move { (p, self.evict(p).await) })
+            .map(|(p, gate)| async move { (*p, gate, self.evict(p).await) })
             .collect();
         let mut results = futures::stream::iter(evictions)
             .buffer_unordered(self.job.settings.max_concurrent_evictions.max(1) as usize);
@@ -427,12 +502,13 @@ impl NodeDrain {
             let due = batch.due();
             tokio::select! {
                 next = results.next() => match next {
-                    Some((p, Eviction::Accepted(pod))) => {
+                    Some((p, gate, Eviction::Accepted(pod))) => {
                         batch.push(pod, Instant::now());
-                        leaving.push(p);
+                        leaving.push((p, gate));
                     }
-                    Some((p, Eviction::Gone | Eviction::Forced)) => leaving.push(p),
-                    Some((_, Eviction::Expired)) => {}
+                    Some((p, gate, Eviction::Gone | Eviction::Forced)) => leaving.push((p, gate)),
+                    Some((p, Some(gate), Eviction::Expired)) => self.release_gate(p, gate),
+                    Some((_, None, Eviction::Expired)) => {}
                     None => break,
                 },
                 _ = tokio::time::sleep_until(due.unwrap_or_else(Instant::now)), if due.is_some() => {
@@ -443,15 +519,20 @@ impl NodeDrain {
         self.announce_evicted(batch.take());
         let gone: Vec<_> = leaving
             .into_iter()
-            .map(|p| {
+            .map(|(p, gate)| async move {
                 // Until its grace period is over and a little more: one
                 // still there then is left to the next pass, which names
-                // what holds it (`wait_terminating`).
+                // what holds it (`wait_terminating`), and keeps its permit.
                 let until = self.bounded(p.grace.saturating_add(LEFT_TO_NEXT_PASS));
-                self.wait_gone(&p.pod, p.uid.as_deref(), until)
+                if self.wait_gone(&p.pod, p.uid.as_deref(), until).await
+                    && let Some(gate) = gate
+                {
+                    self.end_stateless_move(p, gate).await;
+                }
             })
             .collect();
         futures::future::join_all(gone).await;
+        waits
     }
 
     /// Before the first stateful eviction (and, when gated, before any
@@ -505,15 +586,9 @@ impl NodeDrain {
     /// scheduler cannot place is held back; other workloads go on, and when
     /// only held-back pods are left, the chain waits (on pod events) for a
     /// replacement to be placed, or the deadline.
-    async fn move_stateful(&self, plan: &DrainPlan) {
+    async fn move_stateful(&self, plan: &DrainPlan) -> BudgetWaits {
         let halted = AtomicBool::new(false);
         let held = AtomicBool::new(false);
-        // Subscribed before any ask: a permit freed between an ask and the
-        // wait below is not missed.
-        let mut freed = self.deps.permits.freed();
-        freed.borrow_and_update();
-        let mut gone = self.deps.caches.machines_gone.clone();
-        gone.borrow_and_update();
         let waiting: std::sync::Mutex<Vec<(String, String)>> = Default::default();
         let migrations: Vec<_> = plan
             .stateful
@@ -559,28 +634,9 @@ impl NodeDrain {
             self.wait_pods_until(self.deadline(), || self.any_placed())
                 .await;
         }
-        let waiting = waiting.into_inner().unwrap_or_default();
-        // This Machine waits in the ledger's line for these pods only.
-        let uids: Vec<String> = waiting.iter().map(|(uid, _)| uid.clone()).collect();
-        self.deps.permits.keep_waiting(&self.machine_key(), &uids);
-        let budget = (!waiting.is_empty()).then(|| {
-            let why: Vec<&str> = waiting.iter().map(|(_, why)| why.as_str()).collect();
-            why.join("; ")
-        });
-        self.update(|p| p.waiting_for_budget = budget.clone());
-        if !waiting.is_empty() && !halted.load(Ordering::Acquire) {
-            let why: Vec<&str> = waiting.iter().map(|(_, why)| why.as_str()).collect();
-            self.update(|p| p.waiting_for = Some(why.join("; ")));
-            // Until a move of this process ends or an ask is withdrawn
-            // (then the next pass asks again), a Machine that may have held
-            // a permit is gone, a stalled move of this drain can go on (its
-            // volumes are off the Node), or the deadline.
-            tokio::select! {
-                _ = freed.changed() => {}
-                _ = gone.changed() => {}
-                () = self.stalled_detached(self.deadline()) => {}
-                () = tokio::time::sleep_until(self.deadline()) => {}
-            }
+        BudgetWaits {
+            pods: waiting.into_inner().unwrap_or_default(),
+            halted: halted.load(Ordering::Acquire),
         }
     }
 

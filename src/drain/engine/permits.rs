@@ -160,7 +160,7 @@ impl Permits {
     fn publish(&self, l: &Ledger) {
         let gauge = &self.metrics.volume_moves_in_flight;
         let mut by_kind: std::collections::BTreeMap<&str, i64> = Default::default();
-        for (w, _) in l.moves() {
+        for (w, _) in l.moves().filter(|(_, p)| p.volumes) {
             *by_kind.entry(kind_label(w)).or_default() += 1;
         }
         for kind in WORKLOAD_KINDS {
@@ -199,6 +199,7 @@ mod tests {
             priority: 0,
             requested: Timestamp::UNIX_EPOCH,
             past_deadline: false,
+            volumes: true,
         }
     }
 

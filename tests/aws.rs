@@ -497,3 +497,56 @@ async fn orphan_instances_are_terminated_after_their_grace_and_no_other() {
     assert_no_request_loop(bed().await, "aws-orphans", ns);
     berth.terminate().await;
 }
+
+/// EC2 is eventually consistent: it can answer `InvalidInstanceID.NotFound`
+/// for an instance that runs. A Machine deleted while DescribeInstances
+/// says so twice is not taken for gone: berth asks again, finds the
+/// instance, terminates it, and only then deletes the Node and lets the
+/// Machine go (the truth: moto's state of the instance when the Machine is
+/// gone, and the proxy's count of EC2 calls).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_ec2_does_not_find_for_a_while_is_not_taken_for_gone() {
+    let client = client().await;
+    let ns = "aws-notfound";
+    support::namespace(&client, ns).await;
+    let cloud = Cloud::start(&client, ns, true).await;
+    cloud
+        .class(&client, ns, ns, cloud.spec(serde_json::json!({})))
+        .await;
+    let kubeconfig = &controller(bed().await).await.kubeconfig;
+    let berth = cloud.berth(kubeconfig, ns, &["--vm-not-found-grace=2m"]);
+    let proxy = cloud.proxy();
+
+    create_machine(&client, ns, "a", ns).await;
+    let (a, node_a) = running_on(&client, ns, "a").await;
+    let id = cloud.instances_of(&a).await[0].id.clone();
+    proxy.reset_counts();
+    proxy.inject(
+        Fault::ec2_error(
+            "DescribeInstances",
+            400,
+            "InvalidInstanceID.NotFound",
+            &format!("The instance ID '{id}' does not exist"),
+        )
+        .times(2),
+    );
+    delete_machine(&client, ns, "a").await;
+    gone(&client, ns, "a", Duration::from_secs(120)).await;
+
+    let state = cloud
+        .ec2
+        .instance_state(&id)
+        .await
+        .expect("describe")
+        .unwrap_or_default();
+    assert!(
+        state == "terminated" || state == "shutting-down",
+        "the Machine went while its instance was {state}"
+    );
+    assert_eq!(proxy.faulted("DescribeInstances"), 2);
+    assert!(proxy.passed("TerminateInstances") >= 1);
+    let nodes: Api<Node> = Api::all(client.clone());
+    assert!(nodes.get_opt(&node_a).await.expect("get").is_none());
+    assert_no_request_loop(bed().await, "aws-notfound", ns);
+    berth.terminate().await;
+}

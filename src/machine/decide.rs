@@ -321,6 +321,18 @@ pub(crate) fn drain_skip_reason(pod: &Pod) -> Option<&'static str> {
     }
 }
 
+/// How often the provider is asked again while it does not find a deleted
+/// Machine's VM.
+pub(crate) const NOT_FOUND_ASK_EVERY: Duration = Duration::from_secs(10);
+
+/// A deleted Machine's VM that the provider has not found for `waited`:
+/// gone (`None`) once that is `grace`, else when to ask again. A cloud that
+/// is eventually consistent does not find a VM that runs, for a while;
+/// only its own "terminated" is gone at once.
+pub(crate) fn ask_again_for_vm(waited: Duration, grace: Duration) -> Option<Duration> {
+    (waited < grace).then(|| (grace - waited).min(NOT_FOUND_ASK_EVERY))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -722,5 +734,20 @@ mod tests {
             next_deletion_step(&f),
             DeletionStep::DeleteVmAndNode { .. }
         ));
+    }
+
+    #[test]
+    fn a_vm_not_found_is_gone_only_once_that_lasted_the_grace() {
+        let grace = Duration::from_secs(180);
+        assert_eq!(
+            ask_again_for_vm(Duration::ZERO, grace),
+            Some(NOT_FOUND_ASK_EVERY)
+        );
+        assert_eq!(
+            ask_again_for_vm(Duration::from_secs(175), grace),
+            Some(Duration::from_secs(5))
+        );
+        assert_eq!(ask_again_for_vm(grace, grace), None);
+        assert_eq!(ask_again_for_vm(Duration::ZERO, Duration::ZERO), None);
     }
 }

@@ -705,10 +705,35 @@ async fn delete_vm(
         return Ok(Some(Next::ProviderRetry(after)));
     }
     let provider = r.provider.name();
-    let (rec, after) = match r.provider.delete(&r.request).await {
-        Ok(()) | Err(ProviderError::NotFound(_)) => {
+    let answer = r.provider.delete(&r.request).await;
+    if !matches!(answer, Err(ProviderError::NotFound(_))) {
+        ctx.vm_not_found_cleared(m);
+    }
+    let not_found;
+    let (rec, after) = match answer {
+        Ok(()) => {
             ctx.provider_answered(m);
             return Ok(None);
+        }
+        // Not found is not gone: an eventually consistent cloud does not
+        // find a VM that runs, for a while. Gone once that lasted the
+        // grace; asked again meanwhile, and said.
+        Err(ProviderError::NotFound(what)) => {
+            ctx.provider_answered(m);
+            let waited = ctx.vm_not_found_for(m);
+            let Some(again) = decide::ask_again_for_vm(waited, ctx.vm_not_found_grace) else {
+                ctx.vm_not_found_cleared(m);
+                return Ok(None);
+            };
+            not_found = format!(
+                "provider {provider} does not find the VM ({what}): it counts as gone (and its Node is deleted) once that has lasted {} (--vm-not-found-grace), as a cloud may not find a VM that runs for a while; asked again every {}s",
+                humantime::format_duration(ctx.vm_not_found_grace),
+                decide::NOT_FOUND_ASK_EVERY.as_secs()
+            );
+            (
+                deletion_record(step, &DeletionOutcome::VmDeleteInProgress(&not_found)),
+                again,
+            )
         }
         Err(ProviderError::InProgress { what, retry_after }) => (
             deletion_record(step, &DeletionOutcome::VmDeleteInProgress(&what)),

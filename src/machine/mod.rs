@@ -67,6 +67,12 @@ pub(crate) struct Context {
     /// wake it at once; without this, each failure's record would start the
     /// next attempt, and the backoff would never apply.
     provider_retry: Mutex<HashMap<ObjectRef<Machine>, tokio::time::Instant>>,
+    /// Since when the provider has answered "not found" for a deleted
+    /// Machine's VM, by Machine; cleared by any other answer. Kept in
+    /// memory: a restart starts the wait again, which only delays.
+    vm_not_found: Mutex<HashMap<ObjectRef<Machine>, tokio::time::Instant>>,
+    /// How long that may last before the VM counts as gone.
+    pub(crate) vm_not_found_grace: std::time::Duration,
 }
 
 /// The watches that wake the Machine controller
@@ -89,8 +95,11 @@ impl Context {
         caches: Caches,
         metrics: Arc<Metrics>,
         drainer: Drainer,
+        vm_not_found_grace: std::time::Duration,
     ) -> Self {
         Self {
+            vm_not_found: Mutex::new(HashMap::new()),
+            vm_not_found_grace,
             client,
             providers,
             events,
@@ -245,6 +254,27 @@ impl Context {
     /// The provider answered: no retry is due any more.
     pub(crate) fn provider_answered(&self, m: &Machine) {
         if let Ok(mut map) = self.provider_retry.lock() {
+            map.remove(&ObjectRef::from_obj(m));
+        }
+    }
+
+    /// The provider does not find `m`'s VM: how long it has not, counted
+    /// from the first such answer since any other.
+    pub(crate) fn vm_not_found_for(&self, m: &Machine) -> std::time::Duration {
+        self.vm_not_found
+            .lock()
+            .map(|mut map| {
+                map.entry(ObjectRef::from_obj(m))
+                    .or_insert_with(tokio::time::Instant::now)
+                    .elapsed()
+            })
+            .unwrap_or_default()
+    }
+
+    /// The provider answered anything but "not found" for `m`'s VM (or the
+    /// wait is over).
+    pub(crate) fn vm_not_found_cleared(&self, m: &Machine) {
+        if let Ok(mut map) = self.vm_not_found.lock() {
             map.remove(&ObjectRef::from_obj(m));
         }
     }

@@ -300,8 +300,10 @@ impl Provider for FakeProvider {
         let (_, delay) = FakeSpec::parse(&req.provider_spec)?;
         let api = self.vms(&req.namespace);
         let name = vm_name(&req.name);
+        // The fake cloud is consistent: a VM it does not have is certainly
+        // gone.
         let Some(cm) = api.get_opt(&name).await.map_err(transient)? else {
-            return Err(ProviderError::NotFound(name));
+            return Ok(());
         };
         if !delay.is_zero() {
             let requested = cm
@@ -330,7 +332,7 @@ impl Provider for FakeProvider {
         }
         match api.delete(&name, &DeleteParams::default()).await {
             Ok(_) => Ok(()),
-            Err(kube::Error::Api(e)) if e.code == 404 => Err(ProviderError::NotFound(name)),
+            Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
             Err(e) => Err(transient(e)),
         }
     }

@@ -74,7 +74,8 @@ pub enum VmState {
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum ProviderError {
-    /// The VM does not exist (for delete: it is already gone).
+    /// The cloud does not find the VM (which may still be there: see
+    /// [`Provider`]).
     #[error("VM not found: {0}")]
     NotFound(String),
     /// The operation was accepted and is still running; ask again later.
@@ -110,7 +111,12 @@ impl ProviderError {
 }
 
 /// A cloud behind berth. Every method is idempotent: `create` of a VM that
-/// exists returns it, `delete` of a VM that is gone returns `NotFound`.
+/// exists returns it, `delete` of a VM that is certainly gone (the cloud
+/// says it is terminated, or the cloud is consistent and does not have it)
+/// returns `Ok`. `NotFound` says only that the cloud does not find it now:
+/// an eventually consistent cloud may not find a VM that runs, so the
+/// Machine controller takes it for gone only once that has lasted
+/// `--vm-not-found-grace`.
 #[async_trait::async_trait]
 pub trait Provider: Send + Sync {
     /// The name MachineClasses use in `spec.provider`.

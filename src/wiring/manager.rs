@@ -37,6 +37,9 @@ pub struct Settings {
     /// Volume moves in flight at once across every drain (`None`: no
     /// cap).
     pub max_volume_moves: Option<usize>,
+    /// How long a deleted Machine's VM may be "not found" before it counts
+    /// as gone (only "terminated" is gone at once).
+    pub vm_not_found_grace: Duration,
     /// Orphan collection (none by default).
     pub orphans: crate::orphans::Settings,
 }
@@ -49,6 +52,7 @@ impl Default for Settings {
             concurrency: DEFAULT_CONCURRENCY,
             max_concurrent_drains: DEFAULT_MAX_CONCURRENT_DRAINS,
             max_volume_moves: Some(DEFAULT_MAX_VOLUME_MOVES),
+            vm_not_found_grace: DEFAULT_VM_NOT_FOUND_GRACE,
             orphans: crate::orphans::Settings::default(),
         }
     }
@@ -57,6 +61,11 @@ impl Default for Settings {
 /// The cap on volume moves in flight across every drain unless told
 /// otherwise (`berth run --max-volume-moves`, whose default is the same).
 pub const DEFAULT_MAX_VOLUME_MOVES: usize = 50;
+
+/// How long a deleted Machine's VM may be "not found" before it counts as
+/// gone, unless told otherwise (`berth run --vm-not-found-grace`, whose
+/// default is the same).
+pub const DEFAULT_VM_NOT_FOUND_GRACE: Duration = Duration::from_secs(180);
 
 /// The cap on rollout drains across deployments unless told otherwise
 /// (`berth run --max-concurrent-drains`, whose default is the same).
@@ -155,6 +164,7 @@ pub async fn run(
             caches.clone(),
             Arc::clone(&metrics),
             drainer,
+            settings.vm_not_found_grace,
         )),
         machine_feeds,
         drains_done,

@@ -115,6 +115,13 @@ pub(crate) struct RunArgs {
     /// before its eviction. Each workload's own budget applies within it.
     #[arg(long, env = "BERTH_MAX_VOLUME_MOVES", default_value_t = 50)]
     pub max_volume_moves: u16,
+    /// How long the provider may keep answering "not found" for a deleted
+    /// Machine's VM before berth takes it for gone (and deletes its Node):
+    /// clouds are eventually consistent, and EC2 can answer
+    /// `InvalidInstanceID.NotFound` for an instance that runs. Only the
+    /// cloud's "terminated" is gone at once.
+    #[arg(long, env = "BERTH_VM_NOT_FOUND_GRACE", default_value = "3m", value_parser = humantime::parse_duration)]
+    pub vm_not_found_grace: Duration,
     /// How long SIGTERM waits for reconciles in flight before exiting.
     #[arg(long, env = "BERTH_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub shutdown_timeout: Duration,
@@ -365,6 +372,7 @@ async fn lead_and_control(
         concurrency: args.concurrency,
         max_concurrent_drains: usize::from(args.max_concurrent_drains),
         max_volume_moves: (args.max_volume_moves > 0).then(|| usize::from(args.max_volume_moves)),
+        vm_not_found_grace: args.vm_not_found_grace,
         orphans: crate::orphans::Settings::new(&args.orphans, args.namespace.clone()),
     };
     let (controller_stop_tx, controller_stop) = oneshot::channel::<()>();

@@ -6,9 +6,14 @@
 //!   a client token derived from the UID (EC2 answers a repeated token with
 //!   the instance it made), tagged on the instance and its volumes.
 //! - **delete**: `TerminateInstances`, "in progress" until EC2 says
-//!   `terminated`; an instance not found or terminated is done. It never
-//!   terminates an instance that does not carry this cluster's tag and the
-//!   Machine's UID.
+//!   `terminated`, which alone is done. An instance EC2 does not find is
+//!   "not found", never taken for terminated here: EC2 is eventually
+//!   consistent and can answer `InvalidInstanceID.NotFound` for an instance
+//!   that runs (the Machine controller waits `--vm-not-found-grace` before
+//!   it believes it). The instance is looked for in the region of its
+//!   providerID's zone, so a class whose region changed does not lose it.
+//!   It never terminates an instance that does not carry this cluster's tag
+//!   and the Machine's UID.
 //! - **get / list**: by instance id, by the Machine's UID tag, or every
 //!   instance carrying this cluster's tag (for orphan collection).
 //!
@@ -221,6 +226,21 @@ impl AwsProvider {
         spec: &AwsSpec,
         req: &MachineRequest,
     ) -> Result<Option<Instance>, ProviderError> {
+        Ok(self
+            .lookup(spec, req)
+            .await?
+            .filter(|i| i.state != "terminated"))
+    }
+
+    /// The Machine's instance in any state (a terminated one is listed for
+    /// about an hour): by the id of its providerID, in the region of the
+    /// providerID's zone (a class whose region changed does not lose it),
+    /// else by its UID tag.
+    async fn lookup(
+        &self,
+        spec: &AwsSpec,
+        req: &MachineRequest,
+    ) -> Result<Option<Instance>, ProviderError> {
         let found = match req.provider_id.as_deref() {
             Some(pid) => {
                 let id = instance_id(pid).ok_or_else(|| {
@@ -228,12 +248,18 @@ impl AwsProvider {
                         "providerID {pid:?} is not aws:///<zone>/<instance-id>"
                     ))
                 })?;
-                self.describe(&spec.region, req.secret_ref.as_ref(), &[], &[id])
+                let region = region_of(req, spec);
+                self.describe(&region, req.secret_ref.as_ref(), &[], &[id])
                     .await?
             }
             None => self.by_uid(spec, req).await?,
         };
-        Ok(found.into_iter().find(|i| i.state != "terminated"))
+        // A live one first, should EC2 list two.
+        Ok(found
+            .iter()
+            .find(|i| i.state != "terminated")
+            .or(found.first())
+            .cloned())
     }
 
     fn owns(&self, i: &Instance) -> bool {
@@ -311,6 +337,31 @@ fn instance_id(provider_id: &str) -> Option<&str> {
     let rest = provider_id.strip_prefix("aws://")?;
     let id = rest.rsplit('/').next()?;
     id.starts_with("i-").then_some(id)
+}
+
+/// The region of the Machine's instance: that of its providerID's zone
+/// (`aws:///us-east-1a/i-…` is in `us-east-1`), else the class's.
+fn region_of(req: &MachineRequest, spec: &AwsSpec) -> String {
+    req.provider_id
+        .as_deref()
+        .and_then(|pid| pid.strip_prefix("aws:///")?.split('/').next())
+        .and_then(region_of_zone)
+        .unwrap_or_else(|| spec.region.clone())
+}
+
+/// The region of an availability zone, local zone or wavelength zone:
+/// `us-east-1a` → `us-east-1`, `us-gov-west-1b` → `us-gov-west-1`,
+/// `us-west-2-lax-1a` → `us-west-2`. `None` for what is not a zone name.
+fn region_of_zone(zone: &str) -> Option<String> {
+    let parts: Vec<&str> = zone.split('-').collect();
+    let (prefix, number) = match parts.as_slice() {
+        [a, "gov", b, n, ..] => (format!("{a}-gov-{b}"), *n),
+        [a, b, n, ..] => (format!("{a}-{b}"), *n),
+        _ => return None,
+    };
+    let digits: String = number.chars().take_while(char::is_ascii_digit).collect();
+    let letters_only = prefix.chars().all(|c| c.is_ascii_lowercase() || c == '-');
+    (!digits.is_empty() && letters_only).then(|| format!("{prefix}-{digits}"))
 }
 
 fn provider_id(i: &Instance) -> String {
@@ -482,8 +533,13 @@ impl Provider for AwsProvider {
                     adopted = %adopted.id,
                     "a second instance carries this Machine's UID; terminating it"
                 );
-                self.terminate(&spec, req.secret_ref.as_ref(), &extra.id)
-                    .await?;
+                match self
+                    .terminate(&spec.region, req.secret_ref.as_ref(), &extra.id)
+                    .await
+                {
+                    Ok(_) | Err(ProviderError::NotFound(_)) => {}
+                    Err(e) => return Err(e),
+                }
             }
             tracing::info!(
                 machine = %req.name, namespace = %req.namespace, instance = %adopted.id,
@@ -497,13 +553,19 @@ impl Provider for AwsProvider {
 
     async fn delete(&self, req: &MachineRequest) -> Result<(), ProviderError> {
         let spec = parse_spec(&req.provider_spec)?;
-        let Some(i) = self.instance_of(&spec, req).await? else {
+        // Not found is not terminated: EC2 is eventually consistent, and
+        // may not find an instance that runs. Only `terminated` is gone for
+        // certain; the caller decides how long a not-found may last.
+        let Some(i) = self.lookup(&spec, req).await? else {
             return Err(ProviderError::NotFound(
                 req.provider_id
                     .clone()
                     .unwrap_or_else(|| format!("no instance tagged {}", req.uid)),
             ));
         };
+        if i.state == "terminated" {
+            return Ok(());
+        }
         if !self.owns(&i) || i.tags.get(tags::MACHINE_UID) != Some(&req.uid) {
             return Err(ProviderError::Permanent(format!(
                 "instance {} does not carry this cluster's tag ({}={}) and this Machine's UID \
@@ -521,15 +583,20 @@ impl Provider for AwsProvider {
                 retry_after: POLL_AFTER,
             });
         }
+        let region = region_of(req, &spec);
         match self
-            .terminate(&spec, req.secret_ref.as_ref(), &i.id)
+            .terminate(&region, req.secret_ref.as_ref(), &i.id)
             .await?
         {
-            Some(state) if state != "terminated" => Err(ProviderError::InProgress {
-                what: format!("instance {} is {state}", i.id),
+            Some(state) if state == "terminated" => Ok(()),
+            state => Err(ProviderError::InProgress {
+                what: format!(
+                    "instance {} is {}",
+                    i.id,
+                    state.as_deref().unwrap_or("being terminated")
+                ),
                 retry_after: POLL_AFTER,
             }),
-            _ => Ok(()),
         }
     }
 
@@ -566,26 +633,23 @@ impl Provider for AwsProvider {
 }
 
 impl AwsProvider {
-    /// Terminates one instance; its state after the call, as EC2 says.
+    /// Terminates one instance in `region`; its state after the call, as
+    /// EC2 says. An instance EC2 does not find is `NotFound` (perhaps not
+    /// yet visible: never taken for terminated).
     async fn terminate(
         &self,
-        spec: &AwsSpec,
+        region: &str,
         secret: Option<&SecretReference>,
         id: &str,
     ) -> Result<Option<String>, ProviderError> {
-        let xml = match self
+        let xml = self
             .call(
-                &spec.region,
+                region,
                 secret,
                 TERMINATE_INSTANCES,
                 &[("InstanceId.1".into(), id.to_string())],
             )
-            .await
-        {
-            Ok(xml) => xml,
-            Err(ProviderError::NotFound(_)) => return Ok(None),
-            Err(e) => return Err(e),
-        };
+            .await?;
         Ok(ec2::instances(&xml)
             .map_err(ProviderError::Transient)?
             .into_iter()
@@ -766,5 +830,21 @@ mod tests {
             None,
             "a VM without the UID tag names no Machine"
         );
+    }
+
+    #[test]
+    fn the_region_comes_from_the_zone_of_the_provider_id() {
+        for (zone, region) in [
+            ("us-east-1a", Some("us-east-1")),
+            ("eu-central-2c", Some("eu-central-2")),
+            ("us-gov-west-1b", Some("us-gov-west-1")),
+            ("us-west-2-lax-1a", Some("us-west-2")),
+            ("ap-northeast-1-wl1-nrt-wlz-1", Some("ap-northeast-1")),
+            ("", None),
+            ("zone", None),
+            ("us-east-a", None),
+        ] {
+            assert_eq!(region_of_zone(zone).as_deref(), region, "{zone}");
+        }
     }
 }

@@ -11,7 +11,7 @@
 
 use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
-use k8s_openapi::api::apps::v1::ReplicaSet;
+use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet, StatefulSet};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::api::Api;
@@ -173,24 +173,7 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         quiet(pvcs_w, Api::all(client.clone()), trim::metadata).boxed(),
         quiet(pvs_w, Api::all(client.clone()), trim::metadata).boxed(),
         quiet(csi_drivers_w, Api::all(client.clone()), trim::csi_driver).boxed(),
-        quiet(
-            stateful_sets_w,
-            Api::all(client.clone()),
-            trim::stateful_set,
-        )
-        .boxed(),
-        quiet(deployments_w, Api::all(client.clone()), trim::deployment).boxed(),
-        reflector::reflector(
-            replica_sets_w,
-            watcher(
-                Api::<PartialObjectMeta<ReplicaSet>>::all(client.clone()),
-                watcher::Config::default(),
-            )
-            .modify(|rs| rs.metadata.managed_fields = None),
-        )
-        .default_backoff()
-        .map(|_| ())
-        .boxed(),
+        workloads(client, replica_sets_w, stateful_sets_w, deployments_w),
         sync(caches.clone(), synced_tx).into_stream().boxed(),
     ])
     .boxed();
@@ -203,6 +186,33 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         deployment_wakes,
         background,
     }
+}
+
+/// The watches of the workloads the move ledger reads: ReplicaSets'
+/// metadata (whose Deployment a pod's ReplicaSet is), StatefulSets and
+/// Deployments (their budgets, `minReadySeconds`, wanted replicas).
+fn workloads(
+    client: &Client,
+    replica_sets: reflector::store::Writer<PartialObjectMeta<ReplicaSet>>,
+    stateful_sets: reflector::store::Writer<StatefulSet>,
+    deployments: reflector::store::Writer<Deployment>,
+) -> BoxStream<'static, ()> {
+    futures::stream::select_all([
+        quiet(stateful_sets, Api::all(client.clone()), trim::stateful_set).boxed(),
+        quiet(deployments, Api::all(client.clone()), trim::deployment).boxed(),
+        reflector::reflector(
+            replica_sets,
+            watcher(
+                Api::<PartialObjectMeta<ReplicaSet>>::all(client.clone()),
+                watcher::Config::default(),
+            )
+            .modify(|rs| rs.metadata.managed_fields = None),
+        )
+        .default_backoff()
+        .map(|_| ())
+        .boxed(),
+    ])
+    .boxed()
 }
 
 /// A watch whose objects wake a controller, trimmed as they arrive.

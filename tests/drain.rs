@@ -1828,6 +1828,79 @@ async fn app_running_on(client: &Client, ns: &str, node: &str) {
     .expect("the pod runs");
 }
 
+/// The Machine's Node goes and another VM's Node takes its name (a reused
+/// IP or hostname: same name, another providerID), with a pod of its own:
+/// deleting the Machine leaves that Node and its pod alone (no write to
+/// the Node, no eviction or deletion of the pod, by the audit log; the
+/// Node is still there with its own UID), and the Machine goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_took_the_name_of_the_machines_node_is_left_alone() {
+    let client = BED.client().await;
+    let ns = "drain-renamed";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
+    let ctl = BED.start_as(ns, "drain-renamed").await;
+    let node = running_machine(&client, ns, "a", ns).await;
+    let nodes: Api<Node> = Api::all(client.clone());
+    let mut other = nodes.get(&node).await.expect("the Machine's Node");
+    delete_node(&client, &node).await;
+    other.metadata = kube::api::ObjectMeta {
+        name: other.metadata.name.clone(),
+        labels: other.metadata.labels.clone(),
+        annotations: other.metadata.annotations.clone(),
+        ..Default::default()
+    };
+    other.status = None;
+    if let Some(spec) = other.spec.as_mut() {
+        spec.provider_id = Some(format!("fake:///{ns}/another-vm"));
+        spec.taints = None;
+        spec.unschedulable = None;
+    }
+    let other = nodes
+        .create(&PostParams::default(), &other)
+        .await
+        .expect("another VM's Node takes the name");
+    app_running_on(&client, ns, &node).await;
+    let since = k8s_openapi::jiff::Timestamp::now();
+
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    machines
+        .delete("a", &DeleteParams::default())
+        .await
+        .expect("delete a");
+    wait::for_none(machines, LONG, "a gone", |m| m.name_any() == "a")
+        .await
+        .expect("the Machine goes");
+
+    let touched: Vec<String> = support::audit::requests(BED.bed().await, ns)
+        .iter()
+        .filter(|r| r.received > since && r.is_write())
+        .filter(|r| {
+            (r.resource == "nodes" && r.name.as_deref() == Some(node.as_str()))
+                || r.resource == "pods"
+        })
+        .map(|r| format!("{} {:?}", r.kind(), r.name))
+        .collect();
+    assert!(
+        touched.is_empty(),
+        "berth left the other Node and its pod alone: {touched:?}"
+    );
+    let now = nodes
+        .get(&node)
+        .await
+        .expect("the other Node is still there");
+    assert_eq!(now.metadata.uid, other.metadata.uid);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let app = pods.get("app").await.expect("its pod");
+    assert!(app.metadata.deletion_timestamp.is_none());
+    BED.calm("drain_renamed", ns).await;
+    nodes
+        .delete(&node, &DeleteParams::default())
+        .await
+        .expect("clean up the other Node");
+    ctl.stop().await;
+}
+
 /// Deletes the Node object `node` by hand and waits until it is gone.
 async fn delete_node(client: &Client, node: &str) {
     Api::<Node>::all(client.clone())

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams};
+use kube::api::{Api, DeleteParams, Preconditions};
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
@@ -18,7 +18,7 @@ use kube::{Resource, ResourceExt};
 use super::Context;
 use super::decide::{self, DeletionFacts, DeletionStep, NodeFacts, next_deletion_step};
 use super::error::{Error, Step, at};
-use super::lookup::{Resolved, find_node, node_from_api, resolve_machine};
+use super::lookup::{Resolved, find_node, node_from_api, node_name_taken, resolve_machine};
 use super::node;
 use super::record::{
     DeletionOutcome, DrainView, OUT_OF_SERVICE_TAINT, StepRecord, Unresolved, VOLUMES_LEFT_REASONS,
@@ -262,6 +262,16 @@ async fn node_gone(
         return None;
     }
     let name = m.status.as_ref()?.node_ref.as_ref()?.name.clone();
+    // Another VM's Node holds the name now: the pods bound to it are its,
+    // not this Machine's.
+    if let Some(other) = node_name_taken(m, ctx) {
+        tracing::warn!(
+            node = %name,
+            provider_id = ?other.spec.as_ref().and_then(|s| s.provider_id.as_deref()),
+            "the Machine's Node is gone and another VM's Node took its name: left alone"
+        );
+        return None;
+    }
     if !ctx.drainer.knows(&ObjectRef::from_obj(m))
         && let Ok(r) = resolved
         && matches!(
@@ -817,12 +827,25 @@ async fn release_and_delete_node(
                     "the volumes left on Node {name} were released after it was tainted {OUT_OF_SERVICE_TAINT}"
                 ), None);
     }
+    // Pinned to the UID of the Node found to be this Machine's: a Node
+    // that took its name meanwhile is never deleted for it.
+    let pinned = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: n.metadata.uid.clone(),
+            resource_version: None,
+        }),
+        ..DeleteParams::default()
+    };
     match Api::<Node>::all(ctx.client.clone())
-        .delete(&name, &DeleteParams::default())
+        .delete(&name, &pinned)
         .await
     {
         Ok(_) => Ok(None),
         Err(kube::Error::Api(e)) if e.code == 404 => Ok(None),
+        Err(kube::Error::Api(e)) if e.code == 409 => {
+            tracing::warn!(node = %name, "the Node was replaced by one of the same name before its deletion: left alone");
+            Ok(None)
+        }
         Err(e) => Err(at(Step::NodeDelete)(e)),
     }
 }

@@ -90,11 +90,38 @@ pub(super) async fn node_from_api(m: &Machine, ctx: &Context) -> Result<Option<A
     let node = Api::<Node>::all(ctx.client.clone())
         .get_opt(name)
         .await
-        .map_err(at(Step::NodeGet))?;
+        .map_err(at(Step::NodeGet))?
+        .filter(|n| belongs(m, n));
     if node.is_some() {
         tracing::warn!(node = %name, "Node missing from the cache but present in the API server");
     }
     Ok(node.map(Arc::new))
+}
+
+/// Whether `node` is the Machine's by what it registers: a Node whose
+/// providerID is another VM's took the name of the Machine's Node (a
+/// reused IP or hostname) and is another Machine's, never cordoned,
+/// drained or deleted for this one. A Node that does not say (its cloud
+/// controller has not set it yet), or a Machine without a providerID,
+/// goes by name.
+pub(super) fn belongs(m: &Machine, node: &Node) -> bool {
+    match (
+        m.spec.provider_id.as_deref(),
+        node.spec.as_ref().and_then(|s| s.provider_id.as_deref()),
+    ) {
+        (Some(mine), Some(its)) => mine == its,
+        _ => true,
+    }
+}
+
+/// The Node that holds the name of the Machine's Node but is another
+/// Machine's (see [`belongs`]), if one does.
+pub(super) fn node_name_taken(m: &Machine, ctx: &Context) -> Option<Arc<Node>> {
+    let name = &m.status.as_ref()?.node_ref.as_ref()?.name;
+    ctx.caches
+        .nodes
+        .get(&ObjectRef::new(name))
+        .filter(|n| !belongs(m, n))
 }
 
 pub(super) fn find_node(m: &Machine, ctx: &Context) -> Option<Arc<Node>> {
@@ -104,6 +131,7 @@ pub(super) fn find_node(m: &Machine, ctx: &Context) -> Option<Arc<Node>> {
         .and_then(|s| s.node_ref.as_ref())
         .map(|r| &r.name)
         && let Some(n) = ctx.caches.nodes.get(&ObjectRef::new(name))
+        && belongs(m, &n)
     {
         return Some(n);
     }
@@ -114,4 +142,41 @@ pub(super) fn find_node(m: &Machine, ctx: &Context) -> Option<Arc<Node>> {
         .get(&ctx.caches.nodes, id)
         .into_iter()
         .next()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_node_is_the_machines_unless_it_registers_another_vm() {
+        let machine = |pid: Option<&str>| -> Machine {
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "berth.dev/v1alpha1", "kind": "Machine",
+                "metadata": {"name": "a", "namespace": "ns"},
+                "spec": {"classRef": {"name": "c"}, "providerID": pid}
+            }))
+            .expect("a Machine")
+        };
+        let node = |pid: Option<&str>| -> Node {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "ns-a"}, "spec": {"providerID": pid}
+            }))
+            .expect("a Node")
+        };
+        let mine = Some("aws:///us-east-1a/i-1");
+        assert!(belongs(&machine(mine), &node(mine)));
+        assert!(
+            !belongs(&machine(mine), &node(Some("aws:///us-east-1a/i-2"))),
+            "another VM took the name"
+        );
+        assert!(
+            belongs(&machine(mine), &node(None)),
+            "not said yet: by name"
+        );
+        assert!(belongs(
+            &machine(None),
+            &node(Some("aws:///us-east-1a/i-2"))
+        ));
+    }
 }

@@ -237,6 +237,143 @@ async fn deleting_a_machineset_deletes_its_machines_and_no_other() {
     BED.calm("machineset deletion", ns).await;
 }
 
+/// An admission policy refuses new Machines in the namespace (as a
+/// webhook or a ResourceQuota would): the set's creates are refused
+/// (403). The set says so (`ReplicaFailure` True, `CreateFailed`, in its
+/// status) and tries again with backoff, so that once the policy lets
+/// Machines through, with nothing else changed, it creates those it lacks
+/// and the failure clears.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_create_is_said_and_tried_again_until_it_is_let_through() {
+    use k8s_openapi::api::admissionregistration::v1::{
+        ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+    };
+    use k8s_openapi::api::core::v1::Namespace;
+    let client = BED.client().await;
+    let ns = "mset-refused";
+    let label = "test.berth.dev/refuse-machines";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
+    let policies: Api<ValidatingAdmissionPolicy> = Api::all(client.clone());
+    let bindings: Api<ValidatingAdmissionPolicyBinding> = Api::all(client.clone());
+    let name = "mset-refused-machines";
+    let _ = policies.delete(name, &DeleteParams::default()).await;
+    let _ = bindings.delete(name, &DeleteParams::default()).await;
+    policies
+        .create(
+            &PostParams::default(),
+            &support::pool::json(serde_json::json!({
+                "metadata": {"name": name},
+                "spec": {
+                    "failurePolicy": "Fail",
+                    "matchConstraints": {"resourceRules": [{
+                        "apiGroups": ["berth.dev"], "apiVersions": ["*"],
+                        "operations": ["CREATE"], "resources": ["machines"]}]},
+                    "validations": [{
+                        "expression": format!("!has(namespaceObject.metadata.labels) || !('{label}' in namespaceObject.metadata.labels)"),
+                        "message": "this namespace refuses new Machines (a test's admission policy)"
+                    }]
+                }
+            })),
+        )
+        .await
+        .expect("create the policy");
+    bindings
+        .create(
+            &PostParams::default(),
+            &support::pool::json(serde_json::json!({
+                "metadata": {"name": name},
+                "spec": {
+                    "policyName": name,
+                    "validationActions": ["Deny"],
+                    "matchResources": {"namespaceSelector": {"matchLabels": {
+                        "kubernetes.io/metadata.name": ns}}}
+                }
+            })),
+        )
+        .await
+        .expect("bind the policy");
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    let refuse = |on: bool| {
+        let value = if on {
+            serde_json::json!("true")
+        } else {
+            serde_json::Value::Null
+        };
+        serde_json::json!({"metadata": {"labels": {label: value}}})
+    };
+    namespaces
+        .patch(ns, &PatchParams::default(), &Patch::Merge(refuse(true)))
+        .await
+        .expect("label the namespace");
+    // The policy is in force once a Machine is refused.
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    let until = Instant::now() + LONG;
+    loop {
+        match machines
+            .create(&PostParams::default(), &support::machine("probe", ns))
+            .await
+        {
+            Err(kube::Error::Api(e)) if e.code == 403 || e.code == 422 => break,
+            Ok(_) => {
+                machines
+                    .delete("probe", &DeleteParams::default())
+                    .await
+                    .expect("delete the probe");
+                support::pool::gone(&client, ns, "probe", LONG).await;
+            }
+            Err(e) => panic!("creating the probe: {e}"),
+        }
+        assert!(Instant::now() < until, "the policy never refused a Machine");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
+    let ctl = BED.start(ns).await;
+    let sets: Api<MachineSet> = Api::namespaced(client.clone(), ns);
+    sets.create(&PostParams::default(), &machine_set("pool", ns, 2))
+        .await
+        .expect("create the MachineSet");
+    let refused = wait::for_one(sets.clone(), LONG, "ReplicaFailure said", |s| {
+        support::condition(s, "ReplicaFailure").is_some_and(|c| c.status == "True")
+    })
+    .await
+    .expect("the set says its creates are refused");
+    assert_eq!(
+        status_reason(&refused, "ReplicaFailure"),
+        ("True".to_string(), "CreateFailed".to_string())
+    );
+    // While refused, the creates are tried again with backoff, not in a
+    // loop: a refusal that named the generated Machine changed the status
+    // at every attempt, and the status write woke the set at once.
+    let from = k8s_openapi::jiff::Timestamp::now();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let to = k8s_openapi::jiff::Timestamp::now();
+    let attempts = support::audit::requests(BED.bed().await, ns)
+        .iter()
+        .filter(|r| r.verb == "create" && r.resource == "machines")
+        .filter(|r| r.received >= from && r.received <= to)
+        .count();
+    assert!(
+        (1..=8).contains(&attempts),
+        "{attempts} creates in 4 s while refused"
+    );
+
+    namespaces
+        .patch(ns, &PatchParams::default(), &Patch::Merge(refuse(false)))
+        .await
+        .expect("let Machines through");
+    running_machines(&client, ns, "pool", 2).await;
+    wait::for_one(sets.clone(), LONG, "ReplicaFailure cleared", |s| {
+        support::condition(s, "ReplicaFailure").is_none_or(|c| c.status == "False")
+    })
+    .await
+    .expect("the failure clears");
+    ctl.stop().await;
+    BED.calm("machineset refused", ns).await;
+    let _ = bindings.delete(name, &DeleteParams::default()).await;
+    let _ = policies.delete(name, &DeleteParams::default()).await;
+}
+
 /// The apiserver refuses what CEL can check: negative replicas, an empty
 /// selector, a change of selector.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

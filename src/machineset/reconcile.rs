@@ -79,12 +79,17 @@ pub(crate) async fn reconcile(set: Arc<MachineSet>, ctx: Arc<Context>) -> Result
         ),
     });
     let superseded = set.annotations().contains_key(SUPERSEDED_ANNOTATION);
+    // A create the API server refused (a ResourceQuota, an admission
+    // webhook) is tried again with backoff: nothing else wakes the set when
+    // the quota is raised or the webhook mended.
+    let mut refused = false;
     if settled {
         match decide::scale(set.spec.replicas, active.len()) {
             // An old set of a MachineDeployment only scales down: what it
             // lacks is made up by the new template's set.
             Scale::Create(n) if failure.is_none() && !superseded => {
                 failure = create(&set, &ns, &uid, n, active.len(), &ctx).await;
+                refused = failure.is_some();
             }
             Scale::Create(_) | Scale::Hold => {}
             Scale::Delete(n) => {
@@ -111,13 +116,19 @@ pub(crate) async fn reconcile(set: Arc<MachineSet>, ctx: Arc<Context>) -> Result
     if status != current && !wrote_status(&ctx, &set, &ns, &status).await? {
         return Ok(Action::await_change());
     }
-    ctx.reset_backoff(&set);
-    // Timers only: a Machine becoming available after minReadySeconds, and
-    // a safety net for expectations whose watch event never comes. Every
-    // other change arrives as a watch event.
+    let retry = if refused {
+        Some(ctx.backoff.next(&set))
+    } else {
+        ctx.reset_backoff(&set);
+        None
+    };
+    // Timers only: a Machine becoming available after minReadySeconds, a
+    // refused create tried again, and a safety net for expectations whose
+    // watch event never comes. Every other change arrives as a watch event.
     let after = [
         next_change.and_then(|d| Duration::try_from(d).ok()),
         (!settled).then_some(EXPECTATION_TTL),
+        retry,
     ]
     .into_iter()
     .flatten()
@@ -192,7 +203,16 @@ async fn create(
                 );
             }
             Err(e) => {
-                let message = format!("creating a Machine from the template: {e}");
+                let why = match &e {
+                    kube::Error::Api(s) => format!(
+                        "{} ({}, {})",
+                        without_generated_name(&s.message),
+                        s.reason,
+                        s.code
+                    ),
+                    other => other.to_string(),
+                };
+                let message = format!("creating a Machine from the template: {why}");
                 tracing::warn!(machineset = %name, namespace = ns, error = %e, "could not create a Machine");
                 ctx.events.warning(
                     set.object_ref(&()),
@@ -209,6 +229,20 @@ async fn create(
         }
     }
     None
+}
+
+/// The API server's refusal of a create without the name it generated
+/// for the Machine (`machines.berth.dev "pool-x7k2p" is forbidden: ...`):
+/// the same refusal reads the same, so that the set's status does not
+/// change, and wake the set, at every attempt.
+fn without_generated_name(message: &str) -> String {
+    let Some(end) = message.find("\" is ") else {
+        return message.to_string();
+    };
+    match message[..end].rfind('"') {
+        Some(start) => format!("{}\"…{}", &message[..start], &message[end..]),
+        None => message.to_string(),
+    }
 }
 
 /// Deletes the `n` Machines [`order::choose`] puts first, with an Event on
@@ -362,4 +396,28 @@ fn pdb_blocked<'a>(pods: impl IntoIterator<Item = &'a Pod>, caches: &Caches) -> 
                 .find(|f| f.verdict != PdbVerdict::Allows)
                 .map(|f| format!("pod {}/{}: {f}", ns.unwrap_or_default(), p.name_any()))
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refusal_reads_the_same_whatever_name_was_generated() {
+        let a = without_generated_name(
+            "machines.berth.dev \"pool-x7k2p\" is forbidden: exceeded quota: machines",
+        );
+        let b = without_generated_name(
+            "machines.berth.dev \"pool-q9w4z\" is forbidden: exceeded quota: machines",
+        );
+        assert_eq!(a, b);
+        assert_eq!(
+            a,
+            "machines.berth.dev \"…\" is forbidden: exceeded quota: machines"
+        );
+        assert_eq!(
+            without_generated_name("connection refused"),
+            "connection refused"
+        );
+    }
 }

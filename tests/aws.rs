@@ -314,6 +314,68 @@ async fn each_class_of_ec2_failure_is_named_retried_or_refused_as_it_should() {
     })
     .await;
 
+    // A limit of the account (vCPUs): not a refusal of the class, said and
+    // tried again with backoff; once the limit allows, the instance comes.
+    proxy.reset_counts();
+    proxy.inject(
+        Fault::ec2_error(
+            "RunInstances",
+            400,
+            "VcpuLimitExceeded",
+            "You have requested more vCPU capacity than your current vCPU limit of 32 allows.",
+        )
+        .times(2),
+    );
+    create_machine(&client, ns, "quota", ns).await;
+    wait_machine(&client, ns, "quota", "a providerID", |m| {
+        provider_id(m).is_some()
+    })
+    .await;
+    assert_eq!(proxy.faulted("RunInstances"), 2);
+
+    // A create that keeps failing ends at the class's creationTimeout: the
+    // Machine fails, naming the last answer, and is not asked again.
+    cloud
+        .class(&client, ns, "short", cloud.spec(serde_json::json!({})))
+        .await;
+    Api::<berth::api::MachineClass>::all(client.clone())
+        .patch(
+            "short",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"spec": {"creationTimeout": "20s"}})),
+        )
+        .await
+        .expect("a short creation timeout");
+    proxy.inject(
+        Fault::ec2_error(
+            "RunInstances",
+            400,
+            "InstanceLimitExceeded",
+            "Your quota allows for 0 more running instance(s).",
+        )
+        .forever(),
+    );
+    create_machine(&client, ns, "never", "short").await;
+    let never = wait_machine(&client, ns, "never", "Failed", |m| {
+        phase(m) == Some("Failed")
+    })
+    .await;
+    let ready = condition(&never, "Ready").expect("Ready");
+    assert_eq!(ready.reason, "CreationTimeout");
+    assert!(
+        ready.message.contains("InstanceLimitExceeded"),
+        "{}",
+        ready.message
+    );
+    let tried = proxy.requests("RunInstances");
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        proxy.requests("RunInstances"),
+        tried,
+        "a failed Machine is not asked for again"
+    );
+    proxy.clear();
+
     // No permission: a condition that names it, retried every 5 minutes.
     proxy.reset_counts();
     proxy.inject(

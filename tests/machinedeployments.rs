@@ -690,11 +690,32 @@ async fn a_failing_new_machine_stalls_the_rollout_until_the_template_is_fixed() 
 /// Machine goes for it until the taint leaves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_old_machine_goes_only_once_the_new_node_takes_pods() {
-    let case = "an_old_machine_goes_only_once_the_new_node_takes_pods";
-    let ns = "mdep-startup-taint";
+    old_goes_once_new_takes_pods(
+        "an_old_machine_goes_only_once_the_new_node_takes_pods",
+        "mdep-startup-taint",
+        "node.cloudprovider.kubernetes.io/uninitialized",
+    )
+    .await;
+}
+
+/// The same with the taint a CSI driver's node plugin keeps on a Node until
+/// it has started (`<driver>/agent-not-ready`): its volumes could not
+/// attach there yet, so no old Machine goes for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_machine_waits_for_the_new_nodes_csi_agent() {
+    old_goes_once_new_takes_pods(
+        "an_old_machine_waits_for_the_new_nodes_csi_agent",
+        "mdep-csi-taint",
+        "ebs.csi.aws.com/agent-not-ready",
+    )
+    .await;
+}
+
+/// A rollout of two Machines one at a time onto a class whose Nodes
+/// register with `taint`: no old Machine goes until it leaves the new Node.
+async fn old_goes_once_new_takes_pods(case: &str, ns: &str, taint: &str) {
     let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
     let uninitialized = format!("{ns}-v2");
-    let taint = "node.cloudprovider.kubernetes.io/uninitialized";
     class_in_pool(
         &client,
         &uninitialized,

@@ -48,6 +48,11 @@ pub(super) async fn apply(m: &Machine, ctx: &Context) -> Result<Next, Error> {
             provider_id: m.spec.provider_id.as_deref().unwrap_or_default(),
             creation_timeout: r.settings.creation_timeout,
             health_timeout: r.settings.health_timeout,
+            last_operation: m
+                .status
+                .as_ref()
+                .and_then(|s| s.last_operation.as_ref())
+                .map_or("", |o| o.description.as_str()),
         },
     ) else {
         // Failed: stays so until the Machine is deleted.

@@ -46,6 +46,9 @@ pub(crate) enum CreationStep {
     WaitForNode { retry_in: Duration },
     /// The Node did not become Ready within the creation timeout.
     FailCreation { waited: Duration },
+    /// The provider did not create the VM within the creation timeout (it
+    /// kept failing, or saying "in progress"): no providerID.
+    VmNotCreated { waited: Duration },
     /// The Node is Ready: the Machine is (or stays) Running.
     Running { node: String },
     /// Running, but the Node has been NotReady longer than the health
@@ -63,6 +66,10 @@ pub(crate) fn next_creation_step(f: &CreationFacts) -> CreationStep {
         return CreationStep::StayFailed;
     }
     if f.provider_id.is_none() {
+        // A create that keeps failing (a quota, no capacity) ends too.
+        if f.age >= f.creation_timeout {
+            return CreationStep::VmNotCreated { waited: f.age };
+        }
         return CreationStep::CreateVm;
     }
     let was_running = f.phase == Some(MachinePhase::Running);
@@ -264,22 +271,33 @@ const STARTUP_TAINTS: [&str; 4] = [
     "node.cloudprovider.kubernetes.io/uninitialized",
 ];
 
-/// Whether pods can land on a Node now: Ready, and none of
-/// [`STARTUP_TAINTS`] with an effect that keeps pods off. A Machine counts
+/// Whether a taint key says, by the convention node agents follow, that
+/// the Node is not set up yet: a CSI driver's node plugin
+/// (`ebs.csi.aws.com/agent-not-ready`), a CNI agent
+/// (`node.cilium.io/agent-not-ready`), and any `…not-ready`,
+/// `…uninitialized` or `…unreachable` key.
+fn says_starting(key: &str) -> bool {
+    STARTUP_TAINTS.contains(&key)
+        || ["not-ready", "uninitialized", "unreachable"]
+            .iter()
+            .any(|end| key.ends_with(end))
+}
+
+/// Whether pods can land on a Node now: Ready, not cordoned
+/// (`spec.unschedulable`), and no taint of a starting Node (see
+/// [`says_starting`]) with an effect that keeps pods off. A Machine counts
 /// as ready in its set only then, so that a rollout never drains an old
-/// Machine towards a Node that cannot take its pods yet.
+/// Machine towards a Node that cannot take its pods yet. Other taints (a
+/// pool's `dedicated`) are the pool's own, tolerated by its pods.
 pub(crate) fn node_takes_pods(node: &Node) -> bool {
+    let spec = node.spec.as_ref();
     node_ready(node)
-        && !node
-            .spec
-            .as_ref()
-            .and_then(|s| s.taints.as_ref())
-            .is_some_and(|ts| {
-                ts.iter().any(|t| {
-                    STARTUP_TAINTS.contains(&t.key.as_str())
-                        && matches!(t.effect.as_str(), "NoSchedule" | "NoExecute")
-                })
+        && !spec.and_then(|s| s.unschedulable).unwrap_or(false)
+        && !spec.and_then(|s| s.taints.as_ref()).is_some_and(|ts| {
+            ts.iter().any(|t| {
+                says_starting(&t.key) && matches!(t.effect.as_str(), "NoSchedule" | "NoExecute")
             })
+        })
 }
 
 /// Node facts from a Node object, at `now`.
@@ -369,11 +387,18 @@ mod tests {
 
     #[test]
     fn creation_steps() {
-        use CreationStep::{CreateVm, FailCreation, Running, StayFailed, WaitForNode};
+        use CreationStep::{
+            CreateVm, FailCreation, Running, StayFailed, VmNotCreated, WaitForNode,
+        };
         use MachinePhase::{Creating, Failed};
         let cases = [
             (creation(None, false, None, Duration::ZERO), CreateVm),
-            (creation(Some(Creating), false, None, 30 * MIN), CreateVm),
+            (creation(Some(Creating), false, None, 19 * MIN), CreateVm),
+            // A create that kept failing ends at the creation timeout too.
+            (
+                creation(Some(Creating), false, None, 30 * MIN),
+                VmNotCreated { waited: 30 * MIN },
+            ),
             (
                 creation(Some(Creating), true, None, 5 * MIN),
                 WaitForNode { retry_in: 15 * MIN },
@@ -671,6 +696,22 @@ mod tests {
                 "{key}"
             );
         }
+        // A node agent that has not started yet (a CSI driver's, a CNI's).
+        for key in [
+            "ebs.csi.aws.com/agent-not-ready",
+            "node.cilium.io/agent-not-ready",
+        ] {
+            assert!(
+                !node_takes_pods(&node("True", &[(key, "NoSchedule")])),
+                "{key}"
+            );
+        }
+        // Cordoned: the scheduler places nothing there.
+        let mut cordoned = node("True", &[]);
+        if let Some(s) = cordoned.spec.as_mut() {
+            s.unschedulable = Some(true);
+        }
+        assert!(!node_takes_pods(&cordoned));
         // A preference, or another taint the pool's pods tolerate, is no
         // reason to wait.
         assert!(node_takes_pods(&node(

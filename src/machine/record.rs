@@ -140,6 +140,9 @@ pub(crate) struct CreationContext<'a> {
     pub(crate) provider_id: &'a str,
     pub(crate) creation_timeout: Duration,
     pub(crate) health_timeout: Duration,
+    /// What the Machine's last operation said (the provider's last answer
+    /// while the VM is requested).
+    pub(crate) last_operation: &'a str,
 }
 
 /// What a creation step records, before its action (for `CreateVm`: the VM
@@ -181,6 +184,17 @@ pub(crate) fn creation_record(step: &CreationStep, c: &CreationContext<'_>) -> O
                 humantime::format_duration(c.creation_timeout)
             );
             StepRecord::report("Create", "WaitForNode", State::Failed, msg.clone())
+                .phase(MachinePhase::Failed)
+                .condition(READY, false, "CreationTimeout", msg)
+        }
+        CreationStep::VmNotCreated { .. } => {
+            let msg = format!(
+                "provider {} did not create the VM within the creation timeout ({}); its last answer: {}",
+                c.provider,
+                humantime::format_duration(c.creation_timeout),
+                c.last_operation
+            );
+            StepRecord::report("Create", "CreateVm", State::Failed, msg.clone())
                 .phase(MachinePhase::Failed)
                 .condition(READY, false, "CreationTimeout", msg)
         }
@@ -603,6 +617,7 @@ mod tests {
             provider_id: "fake:///ns/m",
             creation_timeout: 20 * MIN,
             health_timeout: 10 * MIN,
+            last_operation: "provider fake: quota; retrying",
         }
     }
 
@@ -637,6 +652,16 @@ mod tests {
                     vec![(READY, false, "CreationTimeout")],
                     ("Create", "WaitForNode", "Failed"),
                     "the Node did not register and become Ready within the creation timeout (20m)"
+                        .into(),
+                )),
+            ),
+            (
+                CreationStep::VmNotCreated { waited: 20 * MIN },
+                Some((
+                    Some(Failed),
+                    vec![(READY, false, "CreationTimeout")],
+                    ("Create", "CreateVm", "Failed"),
+                    "provider fake did not create the VM within the creation timeout (20m); its last answer: provider fake: quota; retrying"
                         .into(),
                 )),
             ),

@@ -127,16 +127,42 @@ impl CredentialSource {
                     .into(),
             ));
         };
-        let c = chain.provide_credentials().await.map_err(|e| {
-            ProviderError::Unauthorized(format!(
-                "no AWS credentials from the environment, web identity (IRSA) or instance role, \
-                 and the class has no secretRef: {e}"
-            ))
-        })?;
+        let c = chain
+            .provide_credentials()
+            .await
+            .map_err(|e| chain_error(&e))?;
         if let Ok(mut kept) = self.from_chain.lock() {
             *kept = Some(c.clone());
         }
         Ok(c)
+    }
+}
+
+/// What a failure of the AWS credential chain means: no credentials, or a
+/// configuration that cannot give any, is for an operator to fix
+/// (unauthorized, asked again slowly); a provider that timed out or failed
+/// (the instance metadata service or STS slow or unavailable, a 5xx) may
+/// pass by itself, and is tried again with backoff.
+fn chain_error(e: &aws_credential_types::provider::error::CredentialsError) -> ProviderError {
+    use aws_credential_types::provider::error::CredentialsError as E;
+    let what = "AWS credentials from the environment, web identity (IRSA) or instance role \
+                (the class has no secretRef)";
+    match e {
+        E::CredentialsNotLoaded(_) | E::InvalidConfiguration(_) => {
+            ProviderError::Unauthorized(format!("no {what}: {e}"))
+        }
+        _ => {
+            // The cause, not only the variant's name.
+            let mut why = e.to_string();
+            let mut source = std::error::Error::source(e);
+            while let Some(s) = source {
+                why.push_str(&format!(": {s}"));
+                source = s.source();
+            }
+            ProviderError::Transient(format!(
+                "could not load the {what} now, tried again with backoff: {why}"
+            ))
+        }
     }
 }
 
@@ -219,5 +245,28 @@ mod tests {
         assert!(!fresh(&soon, now));
         let later = Credentials::new("a", "b", None, Some(now + Duration::from_secs(3600)), "t");
         assert!(fresh(&later, now));
+    }
+
+    #[test]
+    fn a_chain_that_fails_for_now_is_transient_and_one_without_credentials_is_not() {
+        use aws_credential_types::provider::error::CredentialsError;
+        assert!(matches!(
+            chain_error(&CredentialsError::provider_timed_out(
+                std::time::Duration::from_secs(5)
+            )),
+            ProviderError::Transient(_)
+        ));
+        assert!(matches!(
+            chain_error(&CredentialsError::provider_error("STS answered 503")),
+            ProviderError::Transient(m) if m.contains("503")
+        ));
+        assert!(matches!(
+            chain_error(&CredentialsError::not_loaded("no source")),
+            ProviderError::Unauthorized(_)
+        ));
+        assert!(matches!(
+            chain_error(&CredentialsError::invalid_configuration("a loop of roles")),
+            ProviderError::Unauthorized(_)
+        ));
     }
 }

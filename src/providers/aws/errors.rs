@@ -15,6 +15,10 @@ pub(crate) enum Class {
     /// The class asks for something EC2 will not do (a bad parameter, an
     /// image or subnet that does not exist).
     InvalidSpec,
+    /// An account or subnet limit (vCPUs, instances, volumes, addresses):
+    /// not a refusal of the class. It passes when the quota is raised or
+    /// other instances go, so it is tried again with backoff, and said.
+    Quota,
     /// The credentials are refused or may not make this call.
     Unauthorized,
     /// The instance named does not exist.
@@ -30,6 +34,7 @@ impl Class {
             Class::Throttled => "throttled",
             Class::Transient => "transient",
             Class::InvalidSpec => "invalid_spec",
+            Class::Quota => "quota",
             Class::Unauthorized => "unauthorized",
             Class::NotFound => "not_found",
             Class::Permanent => "permanent",
@@ -71,6 +76,15 @@ pub(crate) fn classify(e: &CallError) -> Class {
         | "Blocked"
         | "PendingVerification" => Class::Unauthorized,
         "InvalidInstanceID.NotFound" => Class::NotFound,
+        "VcpuLimitExceeded"
+        | "InstanceLimitExceeded"
+        | "MaxSpotInstanceCountExceeded"
+        | "VolumeLimitExceeded"
+        | "MaxIOPSLimitExceeded"
+        | "ResourceLimitExceeded"
+        | "AddressLimitExceeded"
+        | "NetworkInterfaceLimitExceeded"
+        | "InsufficientFreeAddressesInSubnet" => Class::Quota,
         "InvalidParameterValue"
         | "InvalidParameterCombination"
         | "InvalidParameter"
@@ -110,6 +124,10 @@ pub(crate) fn provider_error(action: &str, e: &CallError) -> ProviderError {
         Class::Throttled => ProviderError::Transient(format!("EC2 {action} throttled: {e}")),
         Class::Transient => ProviderError::Transient(format!("EC2 {action}: {e}")),
         Class::InvalidSpec => ProviderError::InvalidSpec(format!("EC2 {action} refused: {e}")),
+        Class::Quota => ProviderError::Transient(format!(
+            "EC2 {action}: a limit of the account or subnet is reached ({e}): raise it or free \
+             capacity; tried again with backoff"
+        )),
         Class::Unauthorized => ProviderError::Unauthorized(format!(
             "EC2 {action} refused ({}): berth's credentials need the IAM permission ec2:{action}, \
              or are not valid ({})",
@@ -157,7 +175,10 @@ mod tests {
             (Some(400), "InvalidParameterValue", Class::InvalidSpec),
             (Some(400), "InvalidParameterCombination", Class::InvalidSpec),
             (Some(400), "IdempotentParameterMismatch", Class::InvalidSpec),
-            (Some(400), "InstanceLimitExceeded", Class::Permanent),
+            (Some(400), "InstanceLimitExceeded", Class::Quota),
+            (Some(400), "VcpuLimitExceeded", Class::Quota),
+            (Some(400), "VolumeLimitExceeded", Class::Quota),
+            (Some(400), "InsufficientFreeAddressesInSubnet", Class::Quota),
             (Some(400), "SomethingNew", Class::Permanent),
         ];
         for (status, code, class) in table {
@@ -179,6 +200,10 @@ mod tests {
         assert!(matches!(
             provider_error("RunInstances", &err(Some(400), "InvalidAMIID.NotFound")),
             ProviderError::InvalidSpec(_)
+        ));
+        assert!(matches!(
+            provider_error("RunInstances", &err(Some(400), "VcpuLimitExceeded")),
+            ProviderError::Transient(m) if m.contains("limit")
         ));
         assert!(Class::Throttled.retryable() && !Class::InvalidSpec.retryable());
     }

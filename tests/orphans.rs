@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use berth::api::{Machine, MachineClass};
 use berth_devkit::testbed::{Options, TestBed, fixtures, wait};
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Pod};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
@@ -418,6 +418,136 @@ async fn a_dry_run_reports_orphans_and_deletes_nothing() {
     assert_no_request_loop(
         bed().await,
         "a_dry_run_reports_orphans_and_deletes_nothing",
+        ns,
+    );
+    berth.terminate().await;
+}
+
+/// A Node of `vm` (its providerID), as a kubelet registers one.
+async fn node_of_vm(client: &Client, name: &str, provider_id: &str) -> Node {
+    create(
+        Api::all(client.clone()),
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name},
+            "spec": {"providerID": provider_id}
+        }))
+        .expect("node"),
+    )
+    .await
+}
+
+/// An orphan VM whose Node still runs a pod is never terminated without a
+/// drain: it is held and named (log, metric), its Node and pod untouched.
+/// One whose Node runs nothing is collected, and its Node deleted with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_orphan_whose_node_runs_pods_is_held_and_an_empty_ones_node_goes_with_it() {
+    let client = client().await;
+    let ns = "orphans-node";
+    namespace(&client, ns).await;
+    classes(&client, ns, serde_json::json!({})).await;
+    let berth = start(ns, &[]).await;
+    fake_vm(&client, ns, "busy", Some("uid-busy-gone")).await;
+    let busy = node_of_vm(&client, &format!("{ns}-busy"), &provider_id(ns, "busy")).await;
+    create(
+        Api::<Pod>::namespaced(client.clone(), ns),
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "app"},
+            "spec": {"nodeName": busy.name_any(),
+                "containers": [{"name": "main", "image": "registry.invalid/app:1"}]}
+        }))
+        .expect("pod"),
+    )
+    .await;
+    fake_vm(&client, ns, "empty", Some("uid-empty-gone")).await;
+    let empty = node_of_vm(&client, &format!("{ns}-empty"), &provider_id(ns, "empty")).await;
+
+    // An orphan made after both: once it is collected, both were older
+    // than the grace period in that round.
+    fake_vm(&client, ns, "ghost", Some("uid-ghost-gone")).await;
+    wait_gone(&client, ns, &["fake-vm-empty", "fake-vm-ghost"]).await;
+    let held = wait_record(&berth, "orphan VM held", &provider_id(ns, "busy")).await;
+    assert!(
+        held["why"]
+            .as_str()
+            .is_some_and(|w| w.contains(&busy.name_any()) && w.contains(&format!("{ns}/app"))),
+        "{held}"
+    );
+    assert!(exists(&client, ns, "fake-vm-busy").await);
+    let nodes: Api<Node> = Api::all(client.clone());
+    let still = nodes.get(&busy.name_any()).await.expect("the busy Node");
+    assert_eq!(still.metadata.uid, busy.metadata.uid);
+    assert!(
+        Api::<Pod>::namespaced(client.clone(), ns)
+            .get("app")
+            .await
+            .expect("its pod")
+            .metadata
+            .deletion_timestamp
+            .is_none()
+    );
+    wait::for_none(nodes.clone(), LONG, "the empty Node deleted", |n| {
+        n.name_any() == empty.name_any()
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(orphans_counted(&berth, "held").await >= 1);
+    assert_eq!(orphans_counted(&berth, "collected").await, 2);
+    assert_no_request_loop(
+        bed().await,
+        "an_orphan_whose_node_runs_pods_is_held_and_an_empty_ones_node_goes_with_it",
+        ns,
+    );
+    berth.terminate().await;
+    let _ = nodes.delete(&busy.name_any(), &Default::default()).await;
+}
+
+/// Six VMs without a Machine in a fleet of six: more than one round may
+/// take (a tenth of the fleet, at least five). The rounds collect none and
+/// say so, each holding the six; once two are gone by other hands, the
+/// rest is collected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_round_that_finds_too_many_orphans_collects_none() {
+    let client = client().await;
+    let ns = "orphans-bound";
+    namespace(&client, ns).await;
+    classes(&client, ns, serde_json::json!({})).await;
+    let berth = start(ns, &[]).await;
+    let names: Vec<String> = (0..6).map(|i| format!("lost-{i}")).collect();
+    for n in &names {
+        fake_vm(&client, ns, n, Some(&format!("uid-{n}"))).await;
+    }
+    berth
+        .wait_log_line("orphan collection stopped", |l| {
+            record(l, "orphan collection stopped").is_some_and(|v| v["orphaned"] == 6)
+        })
+        .await;
+    // All six past the grace and held in one round: six held at least.
+    let until = tokio::time::Instant::now() + LONG;
+    while orphans_counted(&berth, "held").await < 6 {
+        assert!(
+            tokio::time::Instant::now() < until,
+            "six orphans held within {LONG:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    for n in &names {
+        assert!(exists(&client, ns, &format!("fake-vm-{n}")).await, "{n}");
+    }
+    assert!(deletes(ns, bed().await).is_empty());
+
+    let vms: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
+    for n in &names[..2] {
+        vms.delete(&format!("fake-vm-{n}"), &Default::default())
+            .await
+            .expect("delete by hand");
+    }
+    let rest: Vec<String> = names[2..].iter().map(|n| format!("fake-vm-{n}")).collect();
+    let rest: Vec<&str> = rest.iter().map(String::as_str).collect();
+    wait_gone(&client, ns, &rest).await;
+    assert_eq!(orphans_counted(&berth, "collected").await, 4);
+    assert_no_request_loop(
+        bed().await,
+        "a_round_that_finds_too_many_orphans_collects_none",
         ns,
     );
     berth.terminate().await;

@@ -114,6 +114,34 @@ pub(crate) enum Verdict {
     },
 }
 
+/// Orphans one round may collect at least, whatever the size of the fleet.
+pub(crate) const MIN_ORPHANS_PER_ROUND: usize = 5;
+
+/// The most orphans (young ones included) one round may find among the
+/// `fleet` VMs it judged (those of this controller's Machines or tagged
+/// for them) and still collect: a tenth of the fleet, at least
+/// [`MIN_ORPHANS_PER_ROUND`]. More is not a leak but a sign that the
+/// Machine cache or the cloud's tags are wrong (Machines restored without
+/// their UIDs, a namespace filter changed): the round collects none, and
+/// says so.
+pub(crate) fn round_bound(fleet: usize) -> usize {
+    (fleet / 10).max(MIN_ORPHANS_PER_ROUND)
+}
+
+/// Whether a pod on an orphan's Node holds its collection: one that would
+/// be drained (not a DaemonSet's, a mirror, finished, or skipped by its
+/// drain rule). Such a VM is held, never terminated without a drain.
+pub(crate) fn holds_vm(pod: &k8s_openapi::api::core::v1::Pod) -> bool {
+    use crate::drain::select::{PodClass, classify};
+    !matches!(
+        classify(pod),
+        PodClass::Mirror
+            | PodClass::DaemonSet { .. }
+            | PodClass::Terminal { .. }
+            | PodClass::Skipped
+    )
+}
+
 /// The [`Verdict`] on `vm` at `now` (see the module documentation for the
 /// rules and their order).
 pub(crate) fn judge(vm: &Vm, machines: &Machines, rules: &Rules, now: Timestamp) -> Verdict {
@@ -234,6 +262,13 @@ impl Tally {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_round_takes_at_most_a_tenth_of_the_fleet_and_always_a_few() {
+        assert_eq!(super::round_bound(0), super::MIN_ORPHANS_PER_ROUND);
+        assert_eq!(super::round_bound(49), super::MIN_ORPHANS_PER_ROUND);
+        assert_eq!(super::round_bound(1000), 100);
+    }
+
     use super::*;
     use crate::providers::MachineRef;
 

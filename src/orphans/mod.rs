@@ -16,10 +16,13 @@
 //! requests are the drivers' `list` and `delete` and its Events. Its first
 //! round waits for the Machine cache's first complete list, without which
 //! every VM would look like an orphan. It never deletes a VM whose tags do
-//! not name a Machine, whose age the provider does not give, or whose
-//! Machine (by providerID or by UID) is in the cache; it never stops on an
-//! error: a failed list or delete is logged, counted, and tried again the
-//! next round.
+//! not name a Machine, whose age the provider does not give, whose Machine
+//! (by providerID or by UID) is in the cache, or whose Node still runs pods
+//! (held and named: never terminated without a drain; an empty Node goes
+//! with its VM); a round that finds more orphans than a tenth of the fleet
+//! (at least five) collects none and says so. It never stops on an error:
+//! a failed list or delete is logged, counted, and tried again the next
+//! round.
 
 pub(crate) mod decide;
 
@@ -97,6 +100,8 @@ impl Settings {
 /// (it reads no API object the controllers do not already watch), its
 /// drivers (counted in the metrics) and its Events queue.
 pub(crate) struct Shared {
+    /// For the Node of a collected VM, deleted with it.
+    pub(crate) client: kube::Client,
     pub(crate) caches: Caches,
     pub(crate) providers: Registry,
     pub(crate) events: EventSink,
@@ -177,9 +182,41 @@ impl Collector {
         let (listed, complete) = self.list(provider).await;
         let vms = decide::dedupe(listed);
         let machines = Machines::of(self.shared.caches.machines.state().iter().map(|m| &**m));
+        let now = Timestamp::now();
+        let judged: Vec<_> = vms
+            .into_iter()
+            .map(|(class, vm)| {
+                let verdict = decide::judge(&vm, &machines, &self.rules, now);
+                (class, vm, verdict)
+            })
+            .collect();
+        // Too many orphans at once is a wrong cache or wrong tags, not a
+        // leak: none is collected this round.
+        let fleet = judged
+            .iter()
+            .filter(|(_, _, v)| !matches!(v, Verdict::Untagged | Verdict::OutOfScope))
+            .count();
+        let orphaned = judged
+            .iter()
+            .filter(|(_, _, v)| matches!(v, Verdict::Orphan { .. } | Verdict::Young { .. }))
+            .count();
+        let bound = decide::round_bound(fleet);
+        let stopped = orphaned > bound;
+        if stopped {
+            tracing::warn!(
+                driver,
+                orphaned,
+                fleet,
+                bound,
+                "orphan collection stopped: this round found more VMs without a Machine than it \
+                 may take of the fleet at once (a tenth, at least {}); none is deleted. Check that \
+                 the Machines and their UIDs are as they should be (a restore from a backup gives \
+                 new UIDs) and that --namespace is right",
+                decide::MIN_ORPHANS_PER_ROUND
+            );
+        }
         let mut tally = Tally::default();
-        for (class, vm) in vms {
-            let verdict = decide::judge(&vm, &machines, &self.rules, Timestamp::now());
+        for (class, vm, verdict) in judged {
             tally.count(&verdict);
             match verdict {
                 Verdict::Untagged if self.untagged.first(&vm.provider_id) => {
@@ -196,6 +233,9 @@ impl Collector {
                     collect_in = %humantime::format_duration(whole_seconds(collect_in)),
                     "orphan VM younger than --orphan-grace: kept for now"
                 ),
+                Verdict::Orphan { .. } if stopped => {
+                    self.metrics.record_orphan(driver, OrphanOutcome::Held);
+                }
                 Verdict::Orphan { .. } => self.collect(provider, &class, vm).await,
                 _ => {}
             }
@@ -229,7 +269,7 @@ impl Collector {
             .filter(|c| c.spec.provider == driver)
             .collect();
         classes.sort_by_key(|c| c.name_any());
-        let mut asked: Vec<ListRequest> = Vec::new();
+        let mut asked: Vec<String> = Vec::new();
         let mut listed = Vec::new();
         let mut complete = true;
         for class in classes {
@@ -255,8 +295,9 @@ impl Collector {
                 continue;
             }
             // Classes that differ only in what a VM is made of point to the
-            // same place: ask once.
-            if asked.contains(&req) {
+            // same place (a region and account): ask once.
+            let scope = provider.list_scope(&req);
+            if asked.contains(&scope) {
                 continue;
             }
             match provider.list(&req).await {
@@ -272,7 +313,7 @@ impl Collector {
                     );
                 }
             }
-            asked.push(req);
+            asked.push(scope);
         }
         (listed, complete)
     }
@@ -297,6 +338,41 @@ impl Collector {
             class: &class.name_any(),
             age,
         };
+        // A VM whose Node still runs pods is never terminated without a
+        // drain: it is held, and named.
+        let node = self
+            .shared
+            .caches
+            .indexes
+            .nodes_by_provider_id
+            .get(&self.shared.caches.nodes, &vm.provider_id)
+            .into_iter()
+            .next();
+        if let Some(node) = &node {
+            let name = node.name_any();
+            let pods: Vec<String> = self
+                .shared
+                .caches
+                .indexes
+                .pods_by_node
+                .get(&self.shared.caches.pods, &name)
+                .iter()
+                .filter(|p| decide::holds_vm(p))
+                .map(|p| format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any()))
+                .collect();
+            if !pods.is_empty() {
+                self.metrics.record_orphan(driver, OrphanOutcome::Held);
+                let why = format!(
+                    "its Node {name} still runs {} pods ({}): not deleted without a drain; \
+                     drain and delete the Node, or give the VM a Machine",
+                    pods.len(),
+                    pods.iter().take(5).cloned().collect::<Vec<_>>().join(", ")
+                );
+                fields.log(OrphanOutcome::Held, Some(&why));
+                self.tell(&fields, namesake, OrphanOutcome::Held, Some(&why));
+                return;
+            }
+        }
         if self.dry_run {
             self.metrics
                 .record_orphan(driver, OrphanOutcome::WouldCollect);
@@ -325,8 +401,33 @@ impl Collector {
             Err(e) => (OrphanOutcome::Failed, Some(e)),
         };
         self.metrics.record_orphan(driver, outcome);
-        fields.log(outcome, error.as_ref());
-        self.tell(&fields, namesake, outcome, error.as_ref());
+        let detail = error.as_ref().map(|e| e as &dyn std::fmt::Display);
+        fields.log(outcome, detail);
+        self.tell(&fields, namesake, outcome, detail);
+        // Its Node, empty, goes with it: pinned to the UID judged empty.
+        if outcome == OrphanOutcome::Collected
+            && let Some(node) = node
+        {
+            let pinned = kube::api::DeleteParams {
+                preconditions: Some(kube::api::Preconditions {
+                    uid: node.metadata.uid.clone(),
+                    resource_version: None,
+                }),
+                ..Default::default()
+            };
+            match kube::Api::<k8s_openapi::api::core::v1::Node>::all(self.shared.client.clone())
+                .delete(&node.name_any(), &pinned)
+                .await
+            {
+                Ok(_) => {
+                    tracing::info!(driver, node = %node.name_any(), provider_id = %vm.provider_id, "the collected orphan VM's Node deleted")
+                }
+                Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
+                Err(e) => {
+                    tracing::warn!(driver, node = %node.name_any(), error = %e, "could not delete the collected orphan VM's Node")
+                }
+            }
+        }
     }
 
     /// An Event on the Machine that now has the name the orphan's tags give
@@ -338,8 +439,10 @@ impl Collector {
         r: &Report<'_>,
         namesake: Option<String>,
         outcome: OrphanOutcome,
-        error: Option<&ProviderError>,
+        detail: Option<&dyn std::fmt::Display>,
     ) {
+        let error = detail.map(ToString::to_string);
+        let error = error.as_deref();
         let Some(uid) = namesake else {
             return;
         };
@@ -371,12 +474,17 @@ impl Collector {
                 "OrphanVmFound",
                 format!("{what}: not deleted (--orphan-dry-run)"),
             ),
+            (OrphanOutcome::Held, e) => (
+                EventType::Warning,
+                "OrphanVmHeld",
+                format!("{what}: {}", e.map(ToString::to_string).unwrap_or_default()),
+            ),
             (OrphanOutcome::Failed, e) => (
                 EventType::Warning,
                 "OrphanVmCollectFailed",
                 format!(
                     "{what}: its deletion failed ({}); tried again next round",
-                    e.map(ToString::to_string).unwrap_or_default()
+                    e.unwrap_or_default()
                 ),
             ),
         };
@@ -415,7 +523,9 @@ struct Report<'a> {
 }
 
 impl Report<'_> {
-    fn log(&self, outcome: OrphanOutcome, error: Option<&ProviderError>) {
+    fn log(&self, outcome: OrphanOutcome, detail: Option<&dyn std::fmt::Display>) {
+        let error = detail.map(ToString::to_string);
+        let error = error.as_deref();
         let age = humantime::format_duration(self.age);
         macro_rules! orphan {
             ($level:ident, $($rest:tt)+) => {
@@ -439,8 +549,13 @@ impl Report<'_> {
             }
             (OrphanOutcome::Failed, e) => orphan!(
                 warn,
-                error = %e.map(ToString::to_string).unwrap_or_default(),
+                error = %e.unwrap_or_default(),
                 "orphan VM not collected: its deletion failed; trying again next round"
+            ),
+            (OrphanOutcome::Held, e) => orphan!(
+                warn,
+                why = %e.unwrap_or_default(),
+                "orphan VM held"
             ),
         }
     }

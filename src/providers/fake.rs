@@ -348,6 +348,11 @@ impl Provider for FakeProvider {
             .ok_or(ProviderError::NotFound(name))
     }
 
+    /// The fake cloud has one region: every class lists the same VMs.
+    fn list_scope(&self, _: &ListRequest) -> String {
+        String::new()
+    }
+
     /// Every fake VM in the cluster: the fake cloud has one region.
     async fn list(&self, _: &ListRequest) -> Result<Vec<Vm>, ProviderError> {
         let cms = Api::<ConfigMap>::all(self.client.clone())

@@ -61,6 +61,9 @@ impl Provider for Gated {
     async fn list(&self, req: &ListRequest) -> Result<Vec<Vm>, ProviderError> {
         self.inner.list(req).await
     }
+    fn list_scope(&self, req: &ListRequest) -> String {
+        self.inner.list_scope(req)
+    }
 }
 
 #[cfg(test)]

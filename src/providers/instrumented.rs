@@ -66,4 +66,7 @@ impl Provider for Instrumented {
         self.observe("list", started, &result);
         result
     }
+    fn list_scope(&self, req: &ListRequest) -> String {
+        self.inner.list_scope(req)
+    }
 }

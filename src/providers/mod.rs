@@ -136,6 +136,17 @@ pub trait Provider: Send + Sync {
     /// own VMs from others' by the cluster's ownership mark, and never
     /// lists a VM without it).
     async fn list(&self, req: &ListRequest) -> Result<Vec<Vm>, ProviderError>;
+    /// Where `list` of `req` looks, as a key: two requests with the same
+    /// key list the same VMs, so a round of orphan collection lists once
+    /// per key, not once per class (classes that differ only in what a VM
+    /// is made of point to the same place). By default the whole request.
+    fn list_scope(&self, req: &ListRequest) -> String {
+        format!(
+            "{}\n{:?}",
+            req.provider_spec,
+            req.secret_ref.as_ref().map(|s| (&s.namespace, &s.name))
+        )
+    }
 }
 
 /// The drivers this process knows, by name.

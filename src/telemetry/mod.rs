@@ -111,14 +111,18 @@ pub(crate) enum OrphanOutcome {
     WouldCollect,
     /// The provider's delete failed; tried again next round.
     Failed,
+    /// Not deleted: its Node still runs pods, or the round found more
+    /// orphans than it may take of the fleet at once.
+    Held,
 }
 
 impl OrphanOutcome {
     /// Every variant, in a fixed order.
-    pub const ALL: [OrphanOutcome; 3] = [
+    pub const ALL: [OrphanOutcome; 4] = [
         OrphanOutcome::Collected,
         OrphanOutcome::WouldCollect,
         OrphanOutcome::Failed,
+        OrphanOutcome::Held,
     ];
 
     /// The label value.
@@ -127,6 +131,7 @@ impl OrphanOutcome {
             OrphanOutcome::Collected => "collected",
             OrphanOutcome::WouldCollect => "would_collect",
             OrphanOutcome::Failed => "failed",
+            OrphanOutcome::Held => "held",
         }
     }
 }
@@ -353,7 +358,7 @@ impl Metrics {
             provider_request_duration: r.histogram_vec("berth_provider_request_duration_seconds", "Latency of requests to the machine provider, by driver and operation (for aws, the EC2 action).", PROVIDER_BUCKETS, &["driver", "op"])?,
             node_not_ready_machines: r.gauge("berth_node_not_ready_machines", "Running Machines whose Node has been NotReady for longer than the health timeout.")?,
             leader: r.gauge("berth_leader", "1 while this replica holds the leader election Lease, 0 otherwise.")?,
-            orphan_vms: r.counter_vec("berth_orphan_vms_total", "Orphan VMs (tagged for a Machine of this cluster that no Machine has, older than --orphan-grace) found by orphan collection, once per round each, by driver and outcome: collected (deleted), would_collect (--orphan-dry-run), failed (the delete failed; tried again next round).", &["driver", "outcome"])?,
+            orphan_vms: r.counter_vec("berth_orphan_vms_total", "Orphan VMs (tagged for a Machine of this cluster that no Machine has, older than --orphan-grace) found by orphan collection, once per round each, by driver and outcome: collected (deleted), would_collect (--orphan-dry-run), failed (the delete failed; tried again next round), held (not deleted: its Node still runs pods, or the round found more orphans than it may take of the fleet at once).", &["driver", "outcome"])?,
             rollout_drains: r.gauge("berth_rollout_drains", "Old Machines that MachineDeployment rollouts are deleting now, across every deployment, counted against --max-concurrent-drains (deletions asked of a MachineSet and not yet begun included).")?,
             rollout_machines_replaced: r.counter("berth_rollout_machines_replaced_total", "Old Machines that MachineDeployment rollouts chose to delete (each one lowers its old MachineSet by one).")?,
             machinedeployments_stalled: r.gauge("berth_machinedeployments_stalled", "MachineDeployments whose Progressing condition is False: a new Machine failing (NewMachineFailed), no progress within progressDeadlineSeconds (ProgressDeadlineExceeded), or a template its selector does not match.")?,

@@ -180,7 +180,7 @@ pub async fn run(
         shutdown.clone(),
     );
     let machinedeployments = crate::machinedeployment::run(
-        client,
+        client.clone(),
         settings.namespace,
         caches.clone(),
         events.clone(),
@@ -194,6 +194,7 @@ pub async fn run(
     // cut short is asked again by the next leader.
     let orphans = {
         let shared = crate::orphans::Shared {
+            client,
             caches: caches.clone(),
             providers,
             events,

@@ -339,6 +339,18 @@ fn instance_id(provider_id: &str) -> Option<&str> {
     id.starts_with("i-").then_some(id)
 }
 
+/// Where a list looks: the class's region, with its credentials (the
+/// account).
+fn list_scope(req: &ListRequest) -> String {
+    let region = parse_spec(&req.provider_spec)
+        .map(|s| s.region)
+        .unwrap_or_else(|e| format!("(invalid: {e})"));
+    format!(
+        "{region}\n{:?}",
+        req.secret_ref.as_ref().map(|s| (&s.namespace, &s.name))
+    )
+}
+
 /// The region of the Machine's instance: that of its providerID's zone
 /// (`aws:///us-east-1a/i-…` is in `us-east-1`), else the class's.
 fn region_of(req: &MachineRequest, spec: &AwsSpec) -> String {
@@ -614,6 +626,13 @@ impl Provider for AwsProvider {
             })
     }
 
+    /// An aws class lists the instances of its region, with its
+    /// credentials (the account): classes that differ in image, type or
+    /// subnet list the same instances.
+    fn list_scope(&self, req: &ListRequest) -> String {
+        list_scope(req)
+    }
+
     async fn list(&self, req: &ListRequest) -> Result<Vec<Vm>, ProviderError> {
         let spec = parse_spec(&req.provider_spec)?;
         let cluster_tag = format!("tag:{}", tags::CLUSTER);
@@ -846,5 +865,32 @@ mod tests {
         ] {
             assert_eq!(region_of_zone(zone).as_deref(), region, "{zone}");
         }
+    }
+
+    #[test]
+    fn classes_of_one_region_and_account_list_once() {
+        let req = |spec: serde_json::Value, secret: Option<&str>| ListRequest {
+            provider_spec: spec,
+            secret_ref: secret.map(|n| SecretReference {
+                name: n.into(),
+                namespace: "ns".into(),
+            }),
+        };
+        let small = serde_json::json!({"region": "eu-west-1", "imageId": "ami-12345678", "instanceType": "t3.micro"});
+        let large = serde_json::json!({"region": "eu-west-1", "imageId": "ami-87654321", "instanceType": "m6i.large"});
+        let elsewhere = serde_json::json!({"region": "us-east-1", "imageId": "ami-12345678", "instanceType": "t3.micro"});
+        assert_eq!(
+            list_scope(&req(small.clone(), Some("a"))),
+            list_scope(&req(large, Some("a")))
+        );
+        assert_ne!(
+            list_scope(&req(small.clone(), Some("a"))),
+            list_scope(&req(elsewhere, Some("a")))
+        );
+        assert_ne!(
+            list_scope(&req(small.clone(), Some("a"))),
+            list_scope(&req(small, Some("b"))),
+            "another account"
+        );
     }
 }

@@ -202,10 +202,7 @@ pub async fn run(
         let round = crate::orphans::run(settings.orphans, shared, Arc::clone(&metrics));
         let shutdown = shutdown.clone();
         async move {
-            tokio::select! {
-                _ = round => {},
-                _ = shutdown => {},
-            }
+            futures::future::select(Box::pin(round), shutdown).await;
         }
     };
     let readiness = {

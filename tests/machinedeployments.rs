@@ -809,6 +809,70 @@ async fn old_goes_once_new_takes_pods(case: &str, ns: &str, taint: &str) {
     assert_no_request_loop_below(BED.bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
 }
 
+/// Editing the pool's MachineClass in place rolls the pool when what a VM
+/// is made of changes (its providerSpec: here the Node's labels, as an image
+/// would be), one Machine at a time, as a new template does; editing its
+/// drain settings first rolls nothing. By the audit log: the controller
+/// created exactly two MachineSets, the first and the rolled one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_class_edited_in_place_rolls_the_pool() {
+    let case = "a_class_edited_in_place_rolls_the_pool";
+    let ns = "mdep-class-edit";
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = BED.start(ns).await;
+    let (first_hash, old, timeline) = pool_of_two(&client, ns, rolling(1.into(), 0.into())).await;
+    let classes: Api<MachineClass> = Api::all(client.clone());
+    classes
+        .patch(
+            ns,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"drain": {"timeout": "6m"}}})),
+        )
+        .await
+        .expect("new drain settings");
+    let mut spec = classes
+        .get(ns)
+        .await
+        .expect("the class")
+        .spec
+        .provider_spec
+        .unwrap_or_default();
+    spec["nodeLabels"]["image"] = serde_json::json!("v2");
+    classes
+        .patch(
+            ns,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"providerSpec": spec}})),
+        )
+        .await
+        .expect("a new image");
+    let d = status_until(&client, ns, "pool", "a new hash", |_, s| {
+        s.template_hash.as_deref().is_some_and(|h| h != first_hash)
+    })
+    .await;
+    let new_hash = hash(&d);
+    rollout_is(&client, ns, "pool", "RolloutComplete", 2).await;
+    for m in &old {
+        gone(&client, ns, &m.name_any(), LONG).await;
+    }
+    let new = running_of(&client, ns, &new_hash, 2).await;
+    assert!(
+        new.iter()
+            .all(|m| !old.iter().any(|o| o.name_any() == m.name_any()))
+    );
+    timeline.assert_paced(&new_hash, TWO_ONE_AT_A_TIME);
+    let sets_created = support::audit::requests(BED.bed().await, ns)
+        .iter()
+        .filter(|r| r.verb == "create" && r.resource == "machinesets")
+        .count();
+    assert_eq!(
+        sets_created, 2,
+        "the first set and the rolled one, no other"
+    );
+    ctl.stop().await;
+    assert_no_request_loop_below(BED.bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
+}
+
 /// `berth run` killed (SIGKILL) twice in the middle of a rollout, each
 /// time while an old Machine drains: the next process picks the rollout up
 /// from the API, keeps its pace and each stateful pod still moves once.

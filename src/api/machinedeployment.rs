@@ -22,6 +22,11 @@ pub const TEMPLATE_HASH_LABEL: &str = "berth.dev/template-hash";
 /// one more for each template rolled out since (a rollback to an earlier
 /// template gives its set the next revision again).
 pub const REVISION_ANNOTATION: &str = "berth.dev/revision";
+/// On a deployment's MachineSet: the hash of what its MachineClass made
+/// VMs from when the set was made (provider, providerSpec, secretRef).
+/// When the class is edited in place, the hash differs, and the pool rolls
+/// to a new set as for a new template.
+pub const CLASS_HASH_ANNOTATION: &str = "berth.dev/class-hash";
 /// Put by a MachineDeployment on its old MachineSets (the value names the
 /// new one): such a set only scales down. A Machine of it that is deleted
 /// is replaced, if at all, by the new template.

@@ -18,9 +18,9 @@ use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use serde::{Deserialize, Serialize};
 
 pub use machinedeployment::{
-    MachineDeployment, MachineDeploymentSpec, MachineDeploymentStatus, REVISION_ANNOTATION,
-    ROLLOUT_TAINT_KEY, RollingUpdate, SUPERSEDED_ANNOTATION, Strategy, StrategyType,
-    TEMPLATE_HASH_LABEL,
+    CLASS_HASH_ANNOTATION, MachineDeployment, MachineDeploymentSpec, MachineDeploymentStatus,
+    REVISION_ANNOTATION, ROLLOUT_TAINT_KEY, RollingUpdate, SUPERSEDED_ANNOTATION, Strategy,
+    StrategyType, TEMPLATE_HASH_LABEL,
 };
 pub use machineset::{
     DELETE_PRIORITY_ANNOTATION, MachineSet, MachineSetSpec, MachineSetStatus, MachineTemplate,

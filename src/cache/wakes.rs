@@ -1,7 +1,8 @@
 //! Who wakes whom: the events that reach a controller from watches of
 //! other kinds. A Machine's event wakes its MachineSet and that set's
-//! MachineDeployment, a set's event its deployment, and only the Node
-//! events that can change a decision wake a Machine.
+//! MachineDeployment, a set's event its deployment, a MachineClass's event
+//! the deployments of the sets made from it, and only the Node events that
+//! can change a decision wake a Machine.
 
 use std::collections::HashMap;
 
@@ -11,7 +12,7 @@ use kube::ResourceExt;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 
-use crate::api::{Machine, MachineDeployment, MachineSet, owner_of, owner_ref};
+use crate::api::{Machine, MachineClass, MachineDeployment, MachineSet, owner_of, owner_ref};
 
 /// Feeds the set and deployment controllers from the Machine controller's
 /// watches: a Machine wakes the set that owns it, and that set's
@@ -79,6 +80,19 @@ impl Wakes {
                 self.machine(m)
             }
             watcher::Event::Init | watcher::Event::InitDone => {}
+        }
+    }
+
+    /// Wakes the deployment of every set made from `class` (its template's
+    /// class): an edit of what the class makes a VM from rolls the pool.
+    pub(crate) fn class(&self, class: &MachineClass) {
+        let name = class.name_any();
+        for set in self.set_store.state() {
+            if set.spec.template.spec.class_ref.name == name
+                && let Some(d) = owner_of(&set)
+            {
+                let _ = self.deployments.send(d);
+            }
         }
     }
 

@@ -53,6 +53,49 @@ pub(crate) fn template_hash(t: &MachineTemplate) -> String {
     digest.iter().take(5).map(|b| format!("{b:02x}")).collect()
 }
 
+/// The hash of what a MachineClass makes a VM from: its provider,
+/// `providerSpec` and `secretRef`. Its drain settings and timeouts are not
+/// in it: they apply to the Machines as they are, without a new VM.
+pub(crate) fn class_hash(c: &crate::api::MachineClassSpec) -> String {
+    let what = serde_json::json!({
+        "provider": c.provider,
+        "providerSpec": c.provider_spec,
+        "secretRef": c.secret_ref,
+    });
+    let json = serde_json::to_vec(&sorted(what)).unwrap_or_default();
+    let digest = Sha256::digest(&json);
+    digest.iter().take(5).map(|b| format!("{b:02x}")).collect()
+}
+
+/// The hash naming the set of template `template` (its [`template_hash`])
+/// made from a class whose [`class_hash`] is `class` (`None`: the class is
+/// not known), given the deployment's sets as (their template-hash label,
+/// their class-hash annotation). The template's own hash while a set of it
+/// was made from this class, or from a class not recorded (a set made
+/// before berth recorded classes: taken as made from this one, so an
+/// upgrade rolls nothing), or no set of it exists yet; once the class was
+/// edited since its set was made, a hash of both, so that the pool rolls
+/// to a new set (and back, if the class is edited back).
+pub(crate) fn wanted_hash(
+    template: &str,
+    class: Option<&str>,
+    sets: &[(Option<&str>, Option<&str>)],
+) -> String {
+    let Some(class) = class else {
+        return template.to_string();
+    };
+    let of_template: Vec<Option<&str>> = sets
+        .iter()
+        .filter(|(label, _)| *label == Some(template))
+        .map(|(_, c)| *c)
+        .collect();
+    if of_template.is_empty() || of_template.iter().any(|c| c.is_none_or(|c| c == class)) {
+        return template.to_string();
+    }
+    let digest = Sha256::digest(format!("{template}/{class}").as_bytes());
+    digest.iter().take(5).map(|b| format!("{b:02x}")).collect()
+}
+
 /// `v` with every object's keys in order (whatever map serde_json uses).
 fn sorted(v: serde_json::Value) -> serde_json::Value {
     match v {
@@ -476,6 +519,67 @@ fn progressing(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_class_edited_in_place_rolls_and_an_upgrade_does_not() {
+        use super::wanted_hash;
+        // No set yet, or the class not known: the template's hash.
+        assert_eq!(wanted_hash("t1", Some("c1"), &[]), "t1");
+        assert_eq!(wanted_hash("t1", None, &[(Some("t1"), Some("c0"))]), "t1");
+        // The set of this template was made from this class, or before
+        // classes were recorded (an upgrade): no roll.
+        assert_eq!(
+            wanted_hash("t1", Some("c1"), &[(Some("t1"), Some("c1"))]),
+            "t1"
+        );
+        assert_eq!(wanted_hash("t1", Some("c1"), &[(Some("t1"), None)]), "t1");
+        // The class was edited since: a new set, stable across reconciles.
+        let rolled = wanted_hash("t1", Some("c2"), &[(Some("t1"), Some("c1"))]);
+        assert_ne!(rolled, "t1");
+        assert_eq!(
+            rolled,
+            wanted_hash(
+                "t1",
+                Some("c2"),
+                &[
+                    (Some("t1"), Some("c1")),
+                    (Some(rolled.as_str()), Some("c2"))
+                ]
+            )
+        );
+        // Edited back: the first set is current again.
+        assert_eq!(
+            wanted_hash(
+                "t1",
+                Some("c1"),
+                &[
+                    (Some("t1"), Some("c1")),
+                    (Some(rolled.as_str()), Some("c2"))
+                ]
+            ),
+            "t1"
+        );
+        // A new template: its own hash, whatever the class did before.
+        assert_eq!(
+            wanted_hash("t2", Some("c2"), &[(Some("t1"), Some("c1"))]),
+            "t2"
+        );
+    }
+
+    #[test]
+    fn only_what_makes_a_vm_is_in_the_class_hash() {
+        let class = |spec: serde_json::Value| -> crate::api::MachineClassSpec {
+            serde_json::from_value(spec).expect("a class spec")
+        };
+        let a = class(serde_json::json!({"provider": "aws", "providerSpec": {"imageId": "ami-1"}}));
+        let b = class(serde_json::json!({"provider": "aws", "providerSpec": {"imageId": "ami-2"}}));
+        let a_drain = class(
+            serde_json::json!({"provider": "aws", "providerSpec": {"imageId": "ami-1"},
+            "drain": {"timeout": "5m"}, "creationTimeout": "30m"}),
+        );
+        assert_ne!(super::class_hash(&a), super::class_hash(&b));
+        assert_eq!(super::class_hash(&a), super::class_hash(&a_drain));
+    }
+
     use super::*;
 
     fn pace(surge: usize, unavailable: usize) -> Pace {

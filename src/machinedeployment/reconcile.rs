@@ -19,8 +19,8 @@ use super::decide::{self, Facts, Failing, Hold, Observed, Pace, SetCounts};
 use crate::api::conditions::READY;
 use crate::api::machinedeployment::conditions::PROGRESSING;
 use crate::api::{
-    Machine, MachineDeployment, MachineSet, MachineSetSpec, MachineTemplate, REVISION_ANNOTATION,
-    SUPERSEDED_ANNOTATION, TEMPLATE_HASH_LABEL,
+    CLASS_HASH_ANNOTATION, Machine, MachineDeployment, MachineSet, MachineSetSpec, MachineTemplate,
+    REVISION_ANNOTATION, SUPERSEDED_ANNOTATION, TEMPLATE_HASH_LABEL,
 };
 use crate::controller::status::{StatusWrite, write_status};
 use crate::machine::status::condition;
@@ -67,7 +67,11 @@ impl Member {
 
 /// What the deployment's spec asks for, read once per reconcile.
 struct Wanted {
+    /// The hash naming the set of the current template and class (see
+    /// [`decide::wanted_hash`]).
     hash: String,
+    /// The [`decide::class_hash`] of the template's class, if it is known.
+    class_hash: Option<String>,
     replicas: usize,
     pace: Pace,
     /// The template does not match the selector: nothing is made.
@@ -79,6 +83,7 @@ impl Wanted {
         let rolling = md.spec.strategy.rolling_update.as_ref();
         Wanted {
             hash: decide::template_hash(&md.spec.template),
+            class_hash: None,
             replicas: usize::try_from(md.spec.replicas).unwrap_or(0),
             pace: Pace::of(
                 md.spec.replicas,
@@ -107,11 +112,33 @@ pub(crate) async fn reconcile(
         return Ok(Action::await_change());
     }
     let now = Timestamp::now();
-    let wanted = Wanted::of(&md);
+    let mut wanted = Wanted::of(&md);
 
     // The decision and its writes, one deployment at a time.
     let mut ledger = ctx.ledger.lock().await;
     let members = members(&md, &ns, &uid, &ctx, &mut ledger, now);
+    // A class edited in place rolls the pool as a new template does.
+    wanted.class_hash = ctx
+        .caches
+        .classes
+        .get(&kube::runtime::reflector::ObjectRef::new(
+            &md.spec.template.spec.class_ref.name,
+        ))
+        .map(|c| decide::class_hash(&c.spec));
+    let recorded: Vec<(Option<&str>, Option<&str>)> = members
+        .iter()
+        .map(|m| {
+            (
+                m.set.labels().get(TEMPLATE_HASH_LABEL).map(String::as_str),
+                m.set
+                    .annotations()
+                    .get(CLASS_HASH_ANNOTATION)
+                    .map(String::as_str),
+            )
+        })
+        .collect();
+    wanted.hash = decide::wanted_hash(&wanted.hash, wanted.class_hash.as_deref(), &recorded);
+    record_class(&members, &wanted, &ns, &ctx).await?;
     let (mut new, mut old): (Vec<Member>, Vec<Member>) = members
         .into_iter()
         .partition(|m| m.set.labels().get(TEMPLATE_HASH_LABEL) == Some(&wanted.hash));
@@ -181,8 +208,7 @@ async fn roll(
         + 1;
     match new.first_mut() {
         None => {
-            let created =
-                create_set(md, ns, &wanted.hash, step.new_replicas, next_revision, ctx).await?;
+            let created = create_set(md, ns, wanted, step.new_replicas, next_revision, ctx).await?;
             ledger.wrote(&created);
             let note = if old.is_empty() {
                 format!(
@@ -439,6 +465,35 @@ fn drains_everywhere(ctx: &Context, ledger: &mut super::Ledger) -> usize {
         .sum()
 }
 
+/// Records the class on the current set when it does not say (a set
+/// made before berth recorded classes): from now on an edit of the class
+/// rolls the pool, and the upgrade itself rolled nothing.
+async fn record_class(
+    members: &[Member],
+    wanted: &Wanted,
+    ns: &str,
+    ctx: &Context,
+) -> Result<(), Error> {
+    let Some(class) = &wanted.class_hash else {
+        return Ok(());
+    };
+    for m in members {
+        if m.set.labels().get(TEMPLATE_HASH_LABEL) == Some(&wanted.hash)
+            && !m.set.annotations().contains_key(CLASS_HASH_ANNOTATION)
+        {
+            patch_set(
+                ctx,
+                ns,
+                &m.set.name_any(),
+                serde_json::json!({"metadata": {"annotations": {CLASS_HASH_ANNOTATION: class}}}),
+                "recording the class of",
+            )
+            .await?;
+        }
+    }
+    Ok(())
+}
+
 fn set_name(md: &MachineDeployment, hash: &str) -> String {
     format!("{}-{hash}", md.name_any())
 }
@@ -448,11 +503,12 @@ fn set_name(md: &MachineDeployment, hash: &str) -> String {
 async fn create_set(
     md: &MachineDeployment,
     ns: &str,
-    hash: &str,
+    wanted: &Wanted,
     replicas: usize,
     revision: i64,
     ctx: &Context,
 ) -> Result<MachineSet, Error> {
+    let hash = wanted.hash.as_str();
     let name = set_name(md, hash);
     let mut template: MachineTemplate = md.spec.template.clone();
     template
@@ -469,10 +525,17 @@ async fn create_set(
             name: Some(name.clone()),
             namespace: Some(ns.into()),
             labels: Some(template.metadata.labels.clone()),
-            annotations: Some(BTreeMap::from([(
-                REVISION_ANNOTATION.to_string(),
-                revision.to_string(),
-            )])),
+            annotations: Some(
+                [(REVISION_ANNOTATION.to_string(), revision.to_string())]
+                    .into_iter()
+                    .chain(
+                        wanted
+                            .class_hash
+                            .clone()
+                            .map(|c| (CLASS_HASH_ANNOTATION.to_string(), c)),
+                    )
+                    .collect(),
+            ),
             owner_references: md.controller_owner_ref(&()).map(|o| vec![o]),
             ..ObjectMeta::default()
         },

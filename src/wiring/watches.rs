@@ -21,7 +21,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
-use crate::api::{Machine, MachineDeployment, MachineSet, controlling_set};
+use crate::api::{Machine, MachineClass, MachineDeployment, MachineSet, controlling_set};
 use crate::cache::machines::MachinesByNode;
 use crate::cache::wakes::{NodeChanges, WakeStream, Wakes};
 use crate::cache::{Caches, Index, Indexes, trim};
@@ -147,7 +147,7 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
             listed_tx,
             gone_tx,
         ),
-        classes: woken_by(classes_w, Api::all(client.clone()), trim::metadata).boxed(),
+        classes: class_watch(classes_w, client, &wakes),
         nodes: node_watch(nodes_w, Api::all(client.clone()), &caches, &tracker, &wakes),
         pods: pod_watch(pods_w, Api::all(client.clone()), &caches, pod_changes_tx),
         attachments: attachment_watch(vas_w, Api::all(client.clone()), &caches, &tracker),
@@ -213,6 +213,24 @@ fn workloads(
         .boxed(),
     ])
     .boxed()
+}
+
+/// The MachineClasses, which wake the Machines of each (the Machine
+/// controller's feed) and the deployments made from each: a class edited in
+/// place rolls its pools.
+fn class_watch(
+    writer: reflector::store::Writer<MachineClass>,
+    client: &Client,
+    wakes: &Wakes,
+) -> Objects<MachineClass> {
+    let wakes = wakes.clone();
+    woken_by(writer, Api::all(client.clone()), trim::metadata)
+        .inspect(move |c| {
+            if let Ok(c) = c {
+                wakes.class(c);
+            }
+        })
+        .boxed()
 }
 
 /// A watch whose objects wake a controller, trimmed as they arrive.

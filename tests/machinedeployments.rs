@@ -269,6 +269,11 @@ async fn the_apiserver_refuses_an_invalid_strategy() {
         ),
         ("fraction", rolling("1.5%".into(), 0.into()), not_a_number),
         (
+            "over-everything",
+            rolling(1.into(), "150%".into()),
+            "must be a non-negative integer or a percentage from 0% to 100%",
+        ),
+        (
             "both-zero",
             rolling(0.into(), 0.into()),
             "maxSurge and maxUnavailable must not both be zero",
@@ -302,6 +307,18 @@ async fn the_apiserver_refuses_an_invalid_strategy() {
         )
         .await
         .expect("25% is taken");
+    api.create(
+        &PostParams::default(),
+        &machine_deployment(
+            "all-at-once",
+            "c",
+            4,
+            "md",
+            rolling(1.into(), "100%".into()),
+        ),
+    )
+    .await
+    .expect("maxUnavailable 100% is taken");
     let r = quarter
         .spec
         .strategy
@@ -871,6 +888,42 @@ async fn a_class_edited_in_place_rolls_the_pool() {
     );
     ctl.stop().await;
     assert_no_request_loop_below(BED.bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
+}
+
+/// A template changed and the deployment paused in the same edit: the
+/// rollout does not start, and no old Node is tainted for it. By the time
+/// the status says Paused the reconcile that saw the edit is over, and the
+/// old Nodes carry no rollout taint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_deployment_taints_no_node() {
+    let ns = "mdep-paused-taint";
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = BED.start(ns).await;
+    let (_, old, _timeline) = pool_of_two(&client, ns, rolling(1.into(), 0.into())).await;
+    let mut edit = image("v2");
+    edit["paused"] = serde_json::json!(true);
+    patch_spec(&client, ns, "pool", edit).await;
+    status_until(
+        &client,
+        ns,
+        "pool",
+        "Progressing Unknown, Paused",
+        |d, _| progressing(d).is_some_and(|c| c.status == "Unknown" && c.reason == "Paused"),
+    )
+    .await;
+    let nodes: Api<Node> = Api::all(client.clone());
+    for node in nodes_of(ns, &old) {
+        let n = nodes.get(&node).await.expect("an old Node");
+        assert!(
+            !n.spec
+                .as_ref()
+                .and_then(|s| s.taints.as_ref())
+                .is_some_and(|ts| ts.iter().any(|t| t.key == ROLLOUT_TAINT_KEY)),
+            "{node} tainted by a paused deployment"
+        );
+    }
+    ctl.stop().await;
+    BED.calm("mdep_paused_taint", ns).await;
 }
 
 /// `berth run` killed (SIGKILL) twice in the middle of a rollout, each

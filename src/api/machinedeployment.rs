@@ -167,7 +167,7 @@ pub struct RollingUpdate {
     /// is also how many old Machines are drained at once (at least one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "int_or_percent")]
-    #[x_kube(validation = Rule::new("type(self) == int ? self >= 0 : self.matches('^[0-9]+%$')").message("must be a non-negative integer or a percentage such as '25%'"))]
+    #[x_kube(validation = Rule::new("type(self) == int ? self >= 0 : self.matches('^([0-9]|[1-9][0-9]|100)%$')").message("must be a non-negative integer or a percentage from 0% to 100%"))]
     pub max_unavailable: Option<IntOrString>,
 }
 

@@ -142,12 +142,13 @@ pub(crate) async fn reconcile(
     let (mut new, mut old): (Vec<Member>, Vec<Member>) = members
         .into_iter()
         .partition(|m| m.set.labels().get(TEMPLATE_HASH_LABEL) == Some(&wanted.hash));
-    // The old Nodes are tainted before any old Machine is asked to go, so
-    // that no pod evicted in this rollout lands on one.
-    taint_old_nodes(&new, &old, &ctx).await;
-    // Paused, or nothing can be made: no set is touched. Drains in progress
-    // finish (they are the Machine controller's); nothing new starts.
+    // Paused, or nothing can be made: no set is touched, and no Node is
+    // tainted (a paused rollout does not start). Drains in progress finish
+    // (they are the Machine controller's); nothing new starts.
     let held = if !md.spec.paused && wanted.mismatch.is_none() {
+        // The old Nodes are tainted before any old Machine is asked to go,
+        // so that no pod evicted in this rollout lands on one.
+        taint_old_nodes(&new, &old, &ctx).await;
         roll(&md, &ns, &wanted, &mut new, &mut old, &ctx, &mut ledger).await?
     } else {
         None

@@ -48,8 +48,10 @@ struct Pending {
 
 /// How long an expectation is trusted: a create whose watch event never
 /// comes (the Machine deleted at once by someone else) must not hold a
-/// set forever. The ReplicaSet controller uses 5 minutes.
-const EXPECTATION_TTL: Duration = Duration::from_secs(60);
+/// set forever, and a watch that lags (a loaded API server, a re-list)
+/// must not make the set create twice. The ReplicaSet controller uses
+/// 5 minutes, and so does berth (it was 60 s, shorter than a watch can lag).
+const EXPECTATION_TTL: Duration = Duration::from_secs(300);
 
 impl Expectations {
     fn expect(&self, set: &str, create: Option<String>, delete: Option<String>) {

@@ -339,6 +339,20 @@ pub(crate) fn drain_skip_reason(pod: &Pod) -> Option<&'static str> {
     }
 }
 
+/// The longest pause between two asks of a VM the provider is still
+/// deleting.
+pub(crate) const DELETING_ASK_AT_MOST: Duration = Duration::from_secs(120);
+
+/// When to ask again about a VM the provider is still deleting
+/// (`retry_after`, as it asked), `deleting` after the Machine's deletion
+/// was requested: as asked at first, then a tenth of the time it has taken
+/// so far, up to [`DELETING_ASK_AT_MOST`]. An instance stuck in
+/// `shutting-down` for hours is asked about a few times an hour, not every
+/// 5 seconds.
+pub(crate) fn ask_again_in(retry_after: Duration, deleting: Duration) -> Duration {
+    retry_after.max((deleting / 10).min(DELETING_ASK_AT_MOST))
+}
+
 /// How often the provider is asked again while it does not find a deleted
 /// Machine's VM.
 pub(crate) const NOT_FOUND_ASK_EVERY: Duration = Duration::from_secs(10);
@@ -790,5 +804,18 @@ mod tests {
         );
         assert_eq!(ask_again_for_vm(grace, grace), None);
         assert_eq!(ask_again_for_vm(Duration::ZERO, Duration::ZERO), None);
+    }
+
+    #[test]
+    fn a_vm_that_stays_deleting_is_asked_about_less_and_less_often() {
+        let five = Duration::from_secs(5);
+        assert_eq!(ask_again_in(five, Duration::from_secs(20)), five);
+        assert_eq!(ask_again_in(five, 10 * MIN), MIN);
+        assert_eq!(ask_again_in(five, 300 * MIN), DELETING_ASK_AT_MOST);
+        assert_eq!(
+            ask_again_in(10 * MIN, MIN),
+            10 * MIN,
+            "as the provider asks"
+        );
     }
 }

@@ -747,7 +747,10 @@ async fn delete_vm(
         }
         Err(ProviderError::InProgress { what, retry_after }) => (
             deletion_record(step, &DeletionOutcome::VmDeleteInProgress(&what)),
-            retry_after,
+            decide::ask_again_in(
+                retry_after,
+                elapsed_since(m.metadata.deletion_timestamp.as_ref()),
+            ),
         ),
         Err(
             e @ (ProviderError::Permanent(_)

@@ -1901,6 +1901,53 @@ async fn a_node_that_took_the_name_of_the_machines_node_is_left_alone() {
     ctl.stop().await;
 }
 
+/// A Machine created with the providerID of another Machine's VM (written
+/// by hand: berth never requested a VM for it) runs on that Node, but
+/// deleting it never cordons, drains or deletes that Node, nor deletes the
+/// VM: the VM says it was made for the other Machine. By the audit log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_machine_pointing_at_another_machines_vm_leaves_it_alone() {
+    let client = BED.client().await;
+    let ns = "drain-foreign";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
+    let ctl = BED.start_as(ns, "drain-foreign").await;
+    let node = running_machine(&client, ns, "a", ns).await;
+    app_running_on(&client, ns, &node).await;
+    let mut b = support::machine("b", ns);
+    b.spec.provider_id = Some(format!("fake:///{ns}/a"));
+    support::pool::running(&client, ns, b).await;
+    let since = k8s_openapi::jiff::Timestamp::now();
+
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    machines
+        .delete("b", &DeleteParams::default())
+        .await
+        .expect("delete b");
+    wait::for_none(machines.clone(), LONG, "b gone", |m| m.name_any() == "b")
+        .await
+        .expect("b goes");
+    let touched: Vec<String> = support::audit::requests(BED.bed().await, ns)
+        .iter()
+        .filter(|r| r.received > since && r.is_write())
+        .filter(|r| {
+            (r.resource == "nodes" && r.name.as_deref() == Some(node.as_str()))
+                || r.resource == "pods"
+                || r.resource == "configmaps"
+        })
+        .map(|r| format!("{} {:?}", r.kind(), r.name))
+        .collect();
+    assert!(
+        touched.is_empty(),
+        "a's Node, pod and VM left alone: {touched:?}"
+    );
+    let a = machines.get("a").await.expect("a");
+    assert!(a.metadata.deletion_timestamp.is_none());
+    assert_eq!(support::phase(&a), Some("Running"));
+    BED.calm("drain_foreign", ns).await;
+    ctl.stop().await;
+}
+
 /// Deletes the Node object `node` by hand and waits until it is gone.
 async fn delete_node(client: &Client, node: &str) {
     Api::<Node>::all(client.clone())

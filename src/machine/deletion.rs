@@ -18,7 +18,9 @@ use kube::{Resource, ResourceExt};
 use super::Context;
 use super::decide::{self, DeletionFacts, DeletionStep, NodeFacts, next_deletion_step};
 use super::error::{Error, Step, at};
-use super::lookup::{Resolved, find_node, node_from_api, node_name_taken, resolve_machine};
+use super::lookup::{
+    Resolved, find_node, foreign_vm, node_from_api, node_name_taken, resolve_machine,
+};
 use super::node;
 use super::record::{
     DeletionOutcome, DrainView, OUT_OF_SERVICE_TAINT, StepRecord, Unresolved, VOLUMES_LEFT_REASONS,
@@ -127,6 +129,9 @@ async fn cleanup_step(
 
 /// Every fact a deletion step reads, gathered once per step.
 struct Observed {
+    /// Why the VM `spec.providerID` names is not this Machine's, if it is
+    /// not (see [`foreign_vm`]): its Node and VM are then left alone.
+    foreign: Option<String>,
     /// The Machine's class, driver and settings, or why they cannot be had.
     resolved: Result<Resolved, Unresolved>,
     /// The drain settings that apply (the Machine's own over the defaults
@@ -188,14 +193,19 @@ async fn observe(
         Err(_) => resolve(m.spec.drain.as_ref(), None, None, None).unwrap_or_default(),
     };
     let now = Timestamp::now();
+    let foreign = foreign_vm(m, &resolved).await;
     let node = match known_node.or_else(|| find_node(m, ctx)) {
+        _ if foreign.is_some() => None,
         Some(n) => Some(n),
         // Deleting needs certainty: a Node missing from the cache is asked
         // for once more before the deletion acts as if it were gone.
         None => node_from_api(m, ctx).await?,
     };
     let node_facts = node.as_deref().map(|n| decide::node_facts(n, now));
-    let node_gone = node_gone(m, ctx, &resolved, node_facts.as_ref()).await;
+    let node_gone = match foreign {
+        Some(_) => None,
+        None => node_gone(m, ctx, &resolved, node_facts.as_ref()).await,
+    };
     let node_name = node_facts
         .as_ref()
         .map(|n| n.name.clone())
@@ -231,6 +241,7 @@ async fn observe(
             .is_some_and(|w| w >= settings.volume_detach_timeout),
     };
     Ok(Observed {
+        foreign,
         progress: ctx.drainer.progress(&ObjectRef::from_obj(m)),
         resolved,
         settings,
@@ -602,6 +613,19 @@ async fn await_instance_termination(
         if let Some(next) = rerecord(ctx, &mut m, &rec).await? {
             return Ok(next);
         }
+    }
+    if let Some(why) = &o.foreign {
+        warn(
+            ctx,
+            &m,
+            "ForeignVm",
+            format!("{why}: its Node and VM are left alone, and the Machine goes"),
+        );
+        let rec = deletion_record(step, &DeletionOutcome::NoVm);
+        return Ok(match record(ctx, &m, &rec, Write::IfChanged).await? {
+            Recorded::Stale => Next::Stale,
+            _ => Next::Finished,
+        });
     }
     let vm_requested =
         m.spec.provider_id.is_some() || condition(m.status.as_ref(), VM_REQUESTED).is_some();

@@ -12,7 +12,9 @@ use super::Context;
 use super::error::{Error, Step, at};
 use super::record::Unresolved;
 use crate::api::Machine;
+use crate::api::conditions::VM_REQUESTED;
 use crate::api::settings::{ResolvedSettings, resolve};
+use crate::machine::status::condition;
 use crate::providers::{MachineRequest, Provider};
 
 /// A Machine's class, driver and settings, or why they cannot be had.
@@ -142,6 +144,36 @@ pub(super) fn find_node(m: &Machine, ctx: &Context) -> Option<Arc<Node>> {
         .get(&ctx.caches.nodes, id)
         .into_iter()
         .next()
+}
+
+/// Why the VM that `spec.providerID` names is not this Machine's, if it is
+/// not: berth never requested a VM for it (no `VMRequested` condition: the
+/// providerID was written by hand) and the provider says the VM was made
+/// for another Machine, or for none. Its Node is then another Machine's or
+/// nobody's: deleting this Machine never cordons, drains or deletes it,
+/// nor deletes the VM. Whatever cannot be asked (the class unresolved, the
+/// provider failing) leaves the deletion as it was.
+pub(super) async fn foreign_vm(
+    m: &Machine,
+    resolved: &Result<Resolved, Unresolved>,
+) -> Option<String> {
+    let pid = m.spec.provider_id.as_deref()?;
+    if condition(m.status.as_ref(), VM_REQUESTED).is_some() {
+        return None;
+    }
+    let r = resolved.as_ref().ok()?;
+    let vm = r.provider.get(&r.request).await.ok()?;
+    let uid = m.metadata.uid.as_deref().unwrap_or_default();
+    match vm.machine {
+        Some(t) if t.uid == uid => None,
+        Some(t) => Some(format!(
+            "the VM of providerID {pid} was made for Machine {}/{} (UID {}), not this one",
+            t.namespace, t.name, t.uid
+        )),
+        None => Some(format!(
+            "the VM of providerID {pid} carries no Machine tags: berth did not make it"
+        )),
+    }
 }
 
 #[cfg(test)]

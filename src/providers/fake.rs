@@ -337,9 +337,16 @@ impl Provider for FakeProvider {
         }
     }
 
+    /// The VM the providerID names (`fake:///<namespace>/<machine>`), else
+    /// the Machine's own.
     async fn get(&self, req: &MachineRequest) -> Result<Vm, ProviderError> {
-        let name = vm_name(&req.name);
-        self.vms(&req.namespace)
+        let named = req
+            .provider_id
+            .as_deref()
+            .and_then(|p| p.strip_prefix("fake:///")?.split_once('/'));
+        let (ns, machine) = named.unwrap_or((req.namespace.as_str(), req.name.as_str()));
+        let name = vm_name(machine);
+        self.vms(ns)
             .get_opt(&name)
             .await
             .map_err(transient)?

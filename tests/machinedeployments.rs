@@ -926,6 +926,74 @@ async fn a_paused_deployment_taints_no_node() {
     BED.calm("mdep_paused_taint", ns).await;
 }
 
+/// A MachineDeployment deleted with its sets orphaned (`--cascade=orphan`)
+/// and made again adopts its set: its Machines stay (none created, none
+/// deleted, by the audit log) and the rollout is complete with them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deployment_made_again_adopts_its_orphaned_set() {
+    let ns = "mdep-adopt";
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = BED.start(ns).await;
+    let (first_hash, old, _timeline) = pool_of_two(&client, ns, rolling(1.into(), 0.into())).await;
+    let api = deployments(&client, ns);
+    api.delete(
+        "pool",
+        &kube::api::DeleteParams {
+            propagation_policy: Some(kube::api::PropagationPolicy::Orphan),
+            ..Default::default()
+        },
+    )
+    .await
+    .expect("delete, orphaning the sets");
+    wait::for_none(api.clone(), LONG, "the deployment gone", |d| {
+        d.name_any() == "pool"
+    })
+    .await
+    .expect("the deployment goes");
+    // What the garbage collector does for --cascade=orphan, at once.
+    let sets: Api<MachineSet> = Api::namespaced(client.clone(), ns);
+    sets.patch(
+        &format!("pool-{first_hash}"),
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"metadata": {"ownerReferences": null}})),
+    )
+    .await
+    .expect("the set orphaned");
+    let since = k8s_openapi::jiff::Timestamp::now();
+
+    api.create(
+        &PostParams::default(),
+        &machine_deployment("pool", ns, 2, "md", rolling(1.into(), 0.into())),
+    )
+    .await
+    .expect("make the deployment again");
+    let d = rollout_is(&client, ns, "pool", "RolloutComplete", 2).await;
+    assert_eq!(hash(&d), first_hash);
+    let set = sets
+        .get(&format!("pool-{first_hash}"))
+        .await
+        .expect("the set");
+    assert!(
+        set.owner_references()
+            .iter()
+            .any(|o| o.controller == Some(true) && Some(&o.uid) == d.metadata.uid.as_ref()),
+        "adopted: {:?}",
+        set.owner_references()
+    );
+    let running = running_of(&client, ns, &first_hash, 2).await;
+    let names = |ms: &[Machine]| ms.iter().map(|m| m.name_any()).collect::<BTreeSet<_>>();
+    assert_eq!(names(&running), names(&old), "the same Machines");
+    let churn: Vec<String> = support::audit::requests(BED.bed().await, ns)
+        .iter()
+        .filter(|r| r.received > since && r.resource == "machines")
+        .filter(|r| r.verb == "create" || r.verb == "delete")
+        .map(|r| format!("{} {:?}", r.verb, r.name))
+        .collect();
+    assert!(churn.is_empty(), "no Machine made or deleted: {churn:?}");
+    ctl.stop().await;
+    BED.calm("mdep_adopt", ns).await;
+}
+
 /// `berth run` killed (SIGKILL) twice in the middle of a rollout, each
 /// time while an old Machine drains: the next process picks the rollout up
 /// from the API, keeps its pace and each stateful pod still moves once.

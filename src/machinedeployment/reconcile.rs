@@ -116,6 +116,10 @@ pub(crate) async fn reconcile(
 
     // The decision and its writes, one deployment at a time.
     let mut ledger = ctx.ledger.lock().await;
+    if adopt_orphaned_sets(&md, &ns, &ctx).await? > 0 {
+        // Their watch events bring them back as members.
+        return Ok(Action::await_change());
+    }
     let members = members(&md, &ns, &uid, &ctx, &mut ledger, now);
     // A class edited in place rolls the pool as a new template does.
     wanted.class_hash = ctx
@@ -464,6 +468,65 @@ fn drains_everywhere(ctx: &Context, ledger: &mut super::Ledger) -> usize {
             deleting + active.saturating_sub(ledger.replicas(s))
         })
         .sum()
+}
+
+/// Adopts the MachineSets of this namespace that no controller owns and
+/// that were made by a deployment of this selector (their labels match it,
+/// with a template hash): a deployment deleted with its sets orphaned and
+/// made again takes its sets and their Machines back, instead of stalling
+/// on a set name that is taken. The owner reference is written on the set
+/// as read (its resourceVersion), so a set another controller adopted in
+/// between is left to it. How many were adopted.
+async fn adopt_orphaned_sets(
+    md: &MachineDeployment,
+    ns: &str,
+    ctx: &Context,
+) -> Result<usize, Error> {
+    let Some(owner) = md.controller_owner_ref(&()) else {
+        return Ok(0);
+    };
+    let mut adopted = 0;
+    for set in ctx.caches.sets.state() {
+        if set.namespace().as_deref() != Some(ns)
+            || set.metadata.deletion_timestamp.is_some()
+            || set
+                .owner_references()
+                .iter()
+                .any(|o| o.controller == Some(true))
+            || !set.labels().contains_key(TEMPLATE_HASH_LABEL)
+            || !selects(&md.spec.selector, set.labels())
+        {
+            continue;
+        }
+        let mut owners = set.owner_references().to_vec();
+        owners.push(owner.clone());
+        let patch = serde_json::json!({"metadata": {
+            "ownerReferences": owners,
+            "resourceVersion": set.resource_version(),
+        }});
+        match patch_set(ctx, ns, &set.name_any(), patch, "adopting").await {
+            Ok(_) => {
+                adopted += 1;
+                ctx.events.normal(
+                    md.object_ref(&()),
+                    "Adopt",
+                    "AdoptedMachineSet",
+                    format!(
+                        "adopted MachineSet {}, which no controller owned and whose labels this deployment's selector matches",
+                        set.name_any()
+                    ),
+                    Some(set.object_ref(&())),
+                );
+            }
+            // Changed in between (another controller's now): left to it.
+            Err(Error::Set {
+                source: kube::Error::Api(e),
+                ..
+            }) if e.code == 409 => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(adopted)
 }
 
 /// Records the class on the current set when it does not say (a set

@@ -58,6 +58,20 @@ async fn running_on(client: &Client, ns: &str, name: &str) -> (Machine, String) 
     (m, node)
 }
 
+/// A case of its own: namespace `ns`, a cloud (behind the fault proxy when
+/// `proxied`) with a class named `ns`, and `berth run` with `flags`.
+async fn case(ns: &str, proxied: bool, flags: &[&str]) -> (Client, Cloud, support::process::Berth) {
+    let client = client().await;
+    support::namespace(&client, ns).await;
+    let cloud = Cloud::start(&client, ns, proxied).await;
+    cloud
+        .class(&client, ns, ns, cloud.spec(serde_json::json!({})))
+        .await;
+    let kubeconfig = &controller(bed().await).await.kubeconfig;
+    let berth = cloud.berth(kubeconfig, ns, flags);
+    (client, cloud, berth)
+}
+
 /// A Machine gets exactly one instance, tagged (instance and volumes) for
 /// this cluster and this Machine, with the providerID the Node registers
 /// with; deleting it drains its Node in a volume-aware order (the stateful
@@ -65,15 +79,8 @@ async fn running_on(client: &Client, ns: &str, name: &str) -> (Machine, String) 
 /// is terminated and the Node and Machine go.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machine_runs_on_one_tagged_instance_and_leaves_after_a_volume_aware_drain() {
-    let client = client().await;
     let ns = "aws-life";
-    support::namespace(&client, ns).await;
-    let cloud = Cloud::start(&client, ns, false).await;
-    cloud
-        .class(&client, ns, ns, cloud.spec(serde_json::json!({})))
-        .await;
-    let kubeconfig = &controller(bed().await).await.kubeconfig;
-    let berth = cloud.berth(kubeconfig, ns, &[]);
+    let (client, cloud, berth) = case(ns, false, &[]).await;
 
     create_machine(&client, ns, "a", ns).await;
     let (a, node_a) = running_on(&client, ns, "a").await;
@@ -253,15 +260,8 @@ async fn a_controller_killed_right_after_run_instances_adopts_the_instance_on_re
 /// unknown image fails the Machine with the reason.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_class_of_ec2_failure_is_named_retried_or_refused_as_it_should() {
-    let client = client().await;
     let ns = "aws-errors";
-    support::namespace(&client, ns).await;
-    let cloud = Cloud::start(&client, ns, true).await;
-    cloud
-        .class(&client, ns, ns, cloud.spec(serde_json::json!({})))
-        .await;
-    let kubeconfig = &controller(bed().await).await.kubeconfig;
-    let berth = cloud.berth(kubeconfig, ns, &[]);
+    let (client, cloud, berth) = case(ns, true, &[]).await;
     let proxy = cloud.proxy();
 
     // A load balancer's 502 page on the look-up by tag: retried at once
@@ -568,15 +568,8 @@ async fn orphan_instances_are_terminated_after_their_grace_and_no_other() {
 /// gone, and the proxy's count of EC2 calls).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_ec2_does_not_find_for_a_while_is_not_taken_for_gone() {
-    let client = client().await;
     let ns = "aws-notfound";
-    support::namespace(&client, ns).await;
-    let cloud = Cloud::start(&client, ns, true).await;
-    cloud
-        .class(&client, ns, ns, cloud.spec(serde_json::json!({})))
-        .await;
-    let kubeconfig = &controller(bed().await).await.kubeconfig;
-    let berth = cloud.berth(kubeconfig, ns, &["--vm-not-found-grace=2m"]);
+    let (client, cloud, berth) = case(ns, true, &["--vm-not-found-grace=2m"]).await;
     let proxy = cloud.proxy();
 
     create_machine(&client, ns, "a", ns).await;

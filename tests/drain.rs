@@ -26,8 +26,8 @@ use kube::{Client, ResourceExt};
 use support::audit::controller;
 use support::oracle::{self, Watches, accepted_evictions_of, evictions};
 use support::pool::{
-    Bed, POOL, create, events, first, json, log_of, on_node, pod_running, pool_class,
-    running_machine, stateful, stateful_in_pool,
+    Bed, POOL, create, delete_machine, events, first, gone, json, log_of, on_node, pod_running,
+    pool_class, running_machine, stateful, stateful_in_pool,
 };
 use support::{LONG, machine, phase};
 
@@ -1863,24 +1863,9 @@ async fn a_node_that_took_the_name_of_the_machines_node_is_left_alone() {
     app_running_on(&client, ns, &node).await;
     let since = k8s_openapi::jiff::Timestamp::now();
 
-    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
-    machines
-        .delete("a", &DeleteParams::default())
-        .await
-        .expect("delete a");
-    wait::for_none(machines, LONG, "a gone", |m| m.name_any() == "a")
-        .await
-        .expect("the Machine goes");
-
-    let touched: Vec<String> = support::audit::requests(BED.bed().await, ns)
-        .iter()
-        .filter(|r| r.received > since && r.is_write())
-        .filter(|r| {
-            (r.resource == "nodes" && r.name.as_deref() == Some(node.as_str()))
-                || r.resource == "pods"
-        })
-        .map(|r| format!("{} {:?}", r.kind(), r.name))
-        .collect();
+    delete_machine(&client, ns, "a").await;
+    gone(&client, ns, "a", LONG).await;
+    let touched = writes_since(ns, since, &node, &["pods"]).await;
     assert!(
         touched.is_empty(),
         "berth left the other Node and its pod alone: {touched:?}"
@@ -1919,24 +1904,10 @@ async fn a_machine_pointing_at_another_machines_vm_leaves_it_alone() {
     support::pool::running(&client, ns, b).await;
     let since = k8s_openapi::jiff::Timestamp::now();
 
+    delete_machine(&client, ns, "b").await;
+    gone(&client, ns, "b", LONG).await;
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
-    machines
-        .delete("b", &DeleteParams::default())
-        .await
-        .expect("delete b");
-    wait::for_none(machines.clone(), LONG, "b gone", |m| m.name_any() == "b")
-        .await
-        .expect("b goes");
-    let touched: Vec<String> = support::audit::requests(BED.bed().await, ns)
-        .iter()
-        .filter(|r| r.received > since && r.is_write())
-        .filter(|r| {
-            (r.resource == "nodes" && r.name.as_deref() == Some(node.as_str()))
-                || r.resource == "pods"
-                || r.resource == "configmaps"
-        })
-        .map(|r| format!("{} {:?}", r.kind(), r.name))
-        .collect();
+    let touched = writes_since(ns, since, &node, &["pods", "configmaps"]).await;
     assert!(
         touched.is_empty(),
         "a's Node, pod and VM left alone: {touched:?}"
@@ -1946,6 +1917,25 @@ async fn a_machine_pointing_at_another_machines_vm_leaves_it_alone() {
     assert_eq!(support::phase(&a), Some("Running"));
     BED.calm("drain_foreign", ns).await;
     ctl.stop().await;
+}
+
+/// The controller's writes in `ns` received after `since` to Node `node`
+/// or to objects of `resources`, as `verb resource name`.
+async fn writes_since(
+    ns: &str,
+    since: k8s_openapi::jiff::Timestamp,
+    node: &str,
+    resources: &[&str],
+) -> Vec<String> {
+    support::audit::requests(BED.bed().await, ns)
+        .iter()
+        .filter(|r| r.received > since && r.is_write())
+        .filter(|r| {
+            (r.resource == "nodes" && r.name.as_deref() == Some(node))
+                || resources.contains(&r.resource.as_str())
+        })
+        .map(|r| format!("{} {:?}", r.kind(), r.name))
+        .collect()
 }
 
 /// Deletes the Node object `node` by hand and waits until it is gone.

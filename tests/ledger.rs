@@ -77,6 +77,28 @@ fn spread_out(name: &str) -> k8s_openapi::api::core::v1::Affinity {
     }}))
 }
 
+/// Deletes the Machines `names` one right after the other, then waits
+/// until each is gone.
+async fn delete_at_once(client: &Client, ns: &str, names: &[&str]) {
+    for name in names {
+        delete_machine(client, ns, name).await;
+    }
+    for name in names {
+        gone(client, ns, name, Duration::from_secs(120)).await;
+    }
+}
+
+/// Two more Machines (`c`, `d`) for the replacements, a watch of the
+/// case's pods and attachments, then Machines `a` and `b` deleted at once
+/// and gone.
+async fn replace_a_and_b(client: &Client, ns: &str) -> Watches {
+    running_machine(client, ns, "c", ns).await;
+    running_machine(client, ns, "d", ns).await;
+    let watches = Watches::start(client, ns).await;
+    delete_at_once(client, ns, &["a", "b"]).await;
+    watches
+}
+
 /// Waits until `n` volumes are attached in namespace `ns`'s PVs.
 async fn attached(client: &Client, ns: &str, n: usize) {
     wait::until(
@@ -116,14 +138,7 @@ async fn two_machines_deleted_at_once_move_one_replica_at_a_time() {
     stateful(&client, ns, "db", 2, true).await;
     attached(&client, ns, 2).await;
     // Where the replacements go.
-    running_machine(&client, ns, "c", ns).await;
-    running_machine(&client, ns, "d", ns).await;
-    let watches = Watches::start(&client, ns).await;
-
-    delete_machine(&client, ns, "a").await;
-    delete_machine(&client, ns, "b").await;
-    gone(&client, ns, "a", Duration::from_secs(120)).await;
-    gone(&client, ns, "b", Duration::from_secs(120)).await;
+    let watches = replace_a_and_b(&client, ns).await;
 
     let all = evictions(BED.bed().await, ns);
     let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
@@ -646,12 +661,7 @@ async fn a_budget_of_two_lets_two_replicas_move_at_once() {
     }
     let watches = Watches::start(&client, ns).await;
 
-    for old in ["a", "b", "c"] {
-        delete_machine(&client, ns, old).await;
-    }
-    for old in ["a", "b", "c"] {
-        gone(&client, ns, old, Duration::from_secs(120)).await;
-    }
+    delete_at_once(&client, ns, &["a", "b", "c"]).await;
 
     let all = evictions(BED.bed().await, ns);
     let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
@@ -736,14 +746,7 @@ async fn a_deployment_that_asks_for_a_budget_moves_one_pod_at_a_time() {
     )
     .await
     .expect("the Deployment runs");
-    running_machine(&client, ns, "c", ns).await;
-    running_machine(&client, ns, "d", ns).await;
-    let watches = Watches::start(&client, ns).await;
-
-    delete_machine(&client, ns, "a").await;
-    delete_machine(&client, ns, "b").await;
-    gone(&client, ns, "a", Duration::from_secs(120)).await;
-    gone(&client, ns, "b", Duration::from_secs(120)).await;
+    let watches = replace_a_and_b(&client, ns).await;
 
     let all = evictions(BED.bed().await, ns);
     let log = format!("{}\n{}", oracle::log_of(&all), watches.log());

@@ -208,6 +208,15 @@ fn image(v: &str) -> serde_json::Value {
     serde_json::json!({"template": {"metadata": {"annotations": {"image": v}}}})
 }
 
+/// Waits until the pool's status says it is paused (`Progressing`
+/// Unknown, `Paused`): the reconcile that saw the pause is over.
+async fn paused(client: &Client, ns: &str) -> MachineDeployment {
+    status_until(client, ns, "pool", "Progressing Unknown, Paused", |d, _| {
+        progressing(d).is_some_and(|c| c.status == "Unknown" && c.reason == "Paused")
+    })
+    .await
+}
+
 /// The pace of a pool of two rolled one Machine at a time.
 const TWO_ONE_AT_A_TIME: Pace = Pace {
     replicas: 2,
@@ -516,14 +525,7 @@ async fn a_paused_rollout_finishes_its_drain_then_starts_nothing_until_resumed()
     .await
     .expect("the rollout deletes an old Machine");
     patch_spec(&client, ns, "pool", serde_json::json!({"paused": true})).await;
-    let d = status_until(
-        &client,
-        ns,
-        "pool",
-        "Progressing Unknown, Paused",
-        |d, _| progressing(d).is_some_and(|c| c.status == "Unknown" && c.reason == "Paused"),
-    )
-    .await;
+    let d = paused(&client, ns).await;
     let st = d.status.as_ref().expect("status");
     assert!(st.updated_replicas < 3, "paused mid-rollout: {st:?}");
     let sets: Api<MachineSet> = Api::namespaced(client.clone(), ns);
@@ -903,14 +905,7 @@ async fn a_paused_deployment_taints_no_node() {
     let mut edit = image("v2");
     edit["paused"] = serde_json::json!(true);
     patch_spec(&client, ns, "pool", edit).await;
-    status_until(
-        &client,
-        ns,
-        "pool",
-        "Progressing Unknown, Paused",
-        |d, _| progressing(d).is_some_and(|c| c.status == "Unknown" && c.reason == "Paused"),
-    )
-    .await;
+    paused(&client, ns).await;
     let nodes: Api<Node> = Api::all(client.clone());
     for node in nodes_of(ns, &old) {
         let n = nodes.get(&node).await.expect("an old Node");

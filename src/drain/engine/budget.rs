@@ -4,15 +4,12 @@
 
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::events::EventType;
-use tokio::time::Instant;
-
-use super::node_drain::NodeDrain;
-use super::refs::pod_ref_key;
 use kube::runtime::reflector::ObjectRef;
 
-use crate::drain::ledger::{
-    Answer, Ask, Budget, Permit, Workload, WorkloadTerms, budget_of, healthy,
-};
+use super::node_drain::NodeDrain;
+use super::reattach::Health;
+use super::refs::pod_ref_key;
+use crate::drain::ledger::{Answer, Ask, Budget, Permit, Workload, WorkloadTerms, budget_of};
 use crate::drain::plan::PlannedPod;
 use crate::drain::select::fmt_key;
 
@@ -59,18 +56,19 @@ impl NodeDrain {
     /// speaks).
     fn terms_of(&self, w: &Workload) -> WorkloadTerms {
         let caches = &self.deps.caches;
+        let (name, ns) = (w.name.as_str(), w.namespace.as_str());
         let terms = match w.kind.as_str() {
             "StatefulSet" => caches
                 .stateful_sets
-                .get(&ObjectRef::new(&w.name).within(&w.namespace))
+                .get(&ObjectRef::new(name).within(ns))
                 .map(|s| crate::drain::workload::stateful_set_terms(&s)),
             "Deployment" => caches
                 .deployments
-                .get(&ObjectRef::new(&w.name).within(&w.namespace))
+                .get(&ObjectRef::new(name).within(ns))
                 .map(|d| crate::drain::workload::deployment_terms(&d)),
             "ReplicaSet" => caches
                 .replica_sets
-                .get(&ObjectRef::new(&w.name).within(&w.namespace))
+                .get(&ObjectRef::new(name).within(ns))
                 .map(|r| crate::drain::workload::terms(&r.metadata, None)),
             _ => None,
         };
@@ -271,51 +269,42 @@ impl NodeDrain {
             .budget
             .healthy_deadline
             .unwrap_or(self.job.settings.volume_reattach_timeout);
-        let until = self.bounded(bound);
         let uid = p.uid.clone().unwrap_or_default();
-        let index = &self.deps.caches.indexes.pods_by_controller;
-        let mut changes = self.deps.caches.pod_changes.clone();
-        self.update(|pr| {
-            pr.waiting_for = Some(format!(
-                "a replacement of pod {key} ({}) to be Ready for {}",
-                gate.workload,
-                humantime::format_duration(min)
-            ));
-        });
-        loop {
-            changes.borrow_and_update();
-            let pods = index.get(&self.deps.caches.pods, controller);
-            let since = crate::drain::workload::replacement_ready_since(
+        let caches = &self.deps.caches;
+        let ready = || {
+            let pods = caches
+                .indexes
+                .pods_by_controller
+                .get(&caches.pods, controller);
+            vec![crate::drain::workload::replacement_ready_since(
                 pods.iter().map(AsRef::as_ref),
                 &uid,
                 &self.job.node,
                 gate.evicted_at,
+            )]
+        };
+        let waiting = || {
+            self.update(|pr| {
+                pr.waiting_for = Some(format!(
+                    "a replacement of pod {key} ({}) to be Ready for {}",
+                    gate.workload,
+                    humantime::format_duration(min)
+                ));
+            });
+        };
+        let until = self.bounded(bound);
+        if let Health::TimedOut = self.wait_healthy(min, until, ready, waiting).await {
+            self.event(
+                EventType::Warning,
+                "ReplacementNotHealthy",
+                format!(
+                    "no replacement of pod {key} ({}) Ready for {} within {}: its move ends, and the next pod of its workload may go",
+                    gate.workload,
+                    humantime::format_duration(min),
+                    humantime::format_duration(bound)
+                ),
+                Some(pod_ref_key(&p.pod)),
             );
-            let now = Timestamp::now();
-            let due = match healthy(&[since], min, now) {
-                Ok(()) => return,
-                Err(due) => due,
-            };
-            let wake = due
-                .and_then(|t| std::time::Duration::try_from(t.duration_since(now)).ok())
-                .map_or(until, |d| (Instant::now() + d).min(until));
-            tokio::select! {
-                r = changes.changed() => if r.is_err() { return },
-                () = tokio::time::sleep_until(wake) => if wake >= until {
-                    self.event(
-                        EventType::Warning,
-                        "ReplacementNotHealthy",
-                        format!(
-                            "no replacement of pod {key} ({}) Ready for {} within {}: its move ends, and the next pod of its workload may go",
-                            gate.workload,
-                            humantime::format_duration(min),
-                            humantime::format_duration(bound)
-                        ),
-                        Some(pod_ref_key(&p.pod)),
-                    );
-                    return;
-                }
-            }
         }
     }
 }

@@ -25,6 +25,15 @@ use crate::drain::select::{NamespacedName, fmt_key};
 use crate::drain::volume::Moved;
 use crate::volumes::{Registration, Signal, WaitError};
 
+/// How a wait for healthy replacements ended.
+pub(super) enum Health {
+    Healthy,
+    /// The bound came first.
+    TimedOut,
+    /// The pod watch went away (the process is stopping).
+    Closed,
+}
+
 /// One volume waited for to move.
 pub(super) struct Awaited<'v> {
     pub(super) pv: &'v str,
@@ -136,9 +145,8 @@ impl NodeDrain {
     /// Waits, until `until`, for the replacements `pods` to have been
     /// Ready for `min_healthy` (at once when they are Ready and it is
     /// zero): a replica whose volume is attached but whose database has not
-    /// started is still down. Woken by pod events, and by a timer for the
-    /// moment they will have been Ready long enough. A Warning naming them
-    /// when not in time; the move ends either way.
+    /// started is still down. A Warning naming them when not in time; the
+    /// move ends either way.
     pub(super) async fn await_healthy(
         &self,
         pods: &[NamespacedName],
@@ -146,51 +154,69 @@ impl NodeDrain {
         until: Instant,
     ) {
         let names = pods.iter().map(fmt_key).collect::<Vec<_>>().join(", ");
+        let ready = || {
+            pods.iter()
+                .map(|p| self.view().pod(p, None).and_then(|p| ready_since(&p)))
+                .collect()
+        };
+        let waiting = || {
+            let waiting = if min_healthy.is_zero() {
+                format!("replacement {names} to be Ready")
+            } else {
+                format!(
+                    "replacement {names} to be Ready for {}",
+                    humantime::format_duration(min_healthy)
+                )
+            };
+            self.update(|p| p.waiting_for = Some(waiting));
+        };
+        if let Health::TimedOut = self.wait_healthy(min_healthy, until, ready, waiting).await {
+            self.event(
+                EventType::Warning,
+                "ReplacementNotHealthy",
+                format!(
+                    "replacement {names} not Ready{} in time: its move ends, and the next pod of its workload may go",
+                    if min_healthy.is_zero() { String::new() } else { format!(" for {}", humantime::format_duration(min_healthy)) }
+                ),
+                pods.first().map(pod_ref_key),
+            );
+        }
+    }
+
+    /// Waits, until `until`, for the replacements `ready` reports (since
+    /// when each has been Ready, read again after every pod event; `None`:
+    /// not Ready) to have been Ready for `min_healthy`. Woken by pod
+    /// events, and by a timer for the moment they will have been Ready long
+    /// enough. `waiting` is called once, when a look finds them not
+    /// healthy yet.
+    pub(super) async fn wait_healthy(
+        &self,
+        min_healthy: std::time::Duration,
+        until: Instant,
+        ready: impl Fn() -> Vec<Option<Timestamp>>,
+        waiting: impl FnOnce(),
+    ) -> Health {
         let mut changes = self.deps.caches.pod_changes.clone();
-        let mut announced = false;
+        let mut waiting = Some(waiting);
         loop {
             changes.borrow_and_update();
-            let ready: Vec<_> = pods
-                .iter()
-                .map(|p| self.view().pod(p, None).and_then(|p| ready_since(&p)))
-                .collect();
             let now = Timestamp::now();
-            let due = match healthy(&ready, min_healthy, now) {
-                Ok(()) => return,
+            let due = match healthy(&ready(), min_healthy, now) {
+                Ok(()) => return Health::Healthy,
                 Err(due) => due,
             };
-            if !announced {
-                announced = true;
-                let waiting = if min_healthy.is_zero() {
-                    format!("replacement {names} to be Ready")
-                } else {
-                    format!(
-                        "replacement {names} to be Ready for {}",
-                        humantime::format_duration(min_healthy)
-                    )
-                };
-                self.update(|p| p.waiting_for = Some(waiting));
+            if let Some(w) = waiting.take() {
+                w();
             }
             // When they will have been Ready long enough, if they stay so.
             let wake = due
                 .and_then(|t| std::time::Duration::try_from(t.duration_since(now)).ok())
                 .map_or(until, |d| (Instant::now() + d).min(until));
             tokio::select! {
-                r = changes.changed() => if r.is_err() { return },
-                () = tokio::time::sleep_until(wake) => {
-                    if wake >= until {
-                        self.event(
-                            EventType::Warning,
-                            "ReplacementNotHealthy",
-                            format!(
-                                "replacement {names} not Ready{} in time: its move ends, and the next pod of its workload may go",
-                                if min_healthy.is_zero() { String::new() } else { format!(" for {}", humantime::format_duration(min_healthy)) }
-                            ),
-                            pods.first().map(pod_ref_key),
-                        );
-                        return;
-                    }
-                }
+                r = changes.changed() => if r.is_err() { return Health::Closed },
+                () = tokio::time::sleep_until(wake) => if wake >= until {
+                    return Health::TimedOut;
+                },
             }
         }
     }

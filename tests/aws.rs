@@ -21,18 +21,10 @@ use kube::{Client, ResourceExt};
 use support::audit::{assert_no_request_loop, controller};
 use support::aws::{CHAIN_CREDENTIALS, Cloud};
 use support::pool::{POOL, create, delete_machine, gone, on_node};
-use support::{LONG, bed, client, condition, machine, phase, wait_machine};
+use support::{LONG, bed, client, condition, last_operation, machine, phase, wait_machine};
 
 fn provider_id(m: &Machine) -> Option<String> {
     m.spec.provider_id.clone()
-}
-
-fn last_operation(m: &Machine) -> String {
-    m.status
-        .as_ref()
-        .and_then(|s| s.last_operation.as_ref())
-        .map(|o| o.description.clone())
-        .unwrap_or_default()
 }
 
 async fn create_machine(client: &Client, ns: &str, name: &str, class: &str) -> Machine {

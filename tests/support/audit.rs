@@ -106,6 +106,21 @@ pub fn requests_of(bed: &TestBed, ns: &str, user: &str) -> Vec<Request> {
     mine
 }
 
+/// The names of the objects of `resource` the controller deleted for the
+/// case in `ns` (each accepted DELETE, the collection's included),
+/// sorted: one deleted twice shows twice. What it did, by the API server's
+/// record, to count exactly where its Events only say what it announced.
+pub fn deleted(bed: &TestBed, ns: &str, resource: &str) -> Vec<String> {
+    let mut names: Vec<String> = requests(bed, ns)
+        .into_iter()
+        .filter(|r| r.verb == "delete" && r.resource == resource && r.subresource.is_none())
+        .filter(|r| r.code < 400)
+        .map(|r| r.name.unwrap_or_default())
+        .collect();
+    names.sort();
+    names
+}
+
 /// The controller's [`Load`] for the case in namespace `ns`.
 pub fn load(bed: &TestBed, ns: &str) -> Load {
     load_of(bed, ns, &controller_user())

@@ -92,6 +92,13 @@ pub async fn events_of(
     .collect()
 }
 
+/// The names of `objs`, sorted (to compare with [`audit::deleted`]).
+pub fn sorted_names<K: kube::Resource>(objs: &[K]) -> Vec<String> {
+    let mut names: Vec<String> = objs.iter().map(|o| o.name_any()).collect();
+    names.sort();
+    names
+}
+
 /// The notes of `evs`.
 pub fn notes(evs: &[Event]) -> Vec<String> {
     evs.iter()
@@ -232,6 +239,15 @@ pub async fn wait_machine(
 
 pub fn phase(m: &Machine) -> Option<&'static str> {
     m.status.as_ref().and_then(|s| s.phase).map(|p| p.as_str())
+}
+
+/// What `m`'s `status.lastOperation` says, in words (empty without one).
+pub fn last_operation(m: &Machine) -> String {
+    m.status
+        .as_ref()
+        .and_then(|s| s.last_operation.as_ref())
+        .map(|o| o.description.clone())
+        .unwrap_or_default()
 }
 
 /// Asserts that Machine `machine`'s VM (the fake provider's) and its Node

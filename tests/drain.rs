@@ -1930,6 +1930,61 @@ async fn a_machine_pointing_at_another_machines_vm_leaves_it_alone() {
     ctl.stop().await;
 }
 
+/// A Machine whose providerID was written by hand, deleted while its class
+/// cannot be resolved: whose VM that is cannot be asked, so the deletion
+/// touches no Node, pod or VM and says why. Once the class is back the
+/// provider says the VM is another Machine's, and the Machine goes leaving
+/// it alone. By the audit log: no write to that Node or its pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_machine_whose_vm_cannot_be_asked_about_touches_nothing_until_it_can() {
+    let client = BED.client().await;
+    let ns = "drain-owner-unknown";
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
+    let ctl = BED.start_as(ns, "drain-owner-unknown").await;
+    let node = running_machine(&client, ns, "a", ns).await;
+    app_running_on(&client, ns, &node).await;
+    let own = format!("{ns}-b");
+    let class = || berth_devkit::testbed::fixtures::pool_class(&own, ns, serde_json::json!({}));
+    let classes: Api<berth::api::MachineClass> = Api::all(client.clone());
+    create(classes.clone(), class()).await;
+    let mut b = support::machine("b", &own);
+    b.spec.provider_id = Some(format!("fake:///{ns}/a"));
+    support::pool::running(&client, ns, b).await;
+    classes
+        .delete(&own, &DeleteParams::default())
+        .await
+        .expect("delete b's class");
+    wait::for_none(classes.clone(), LONG, "b's class gone", |c| {
+        c.name_any() == own
+    })
+    .await
+    .expect("the class goes");
+    let since = k8s_openapi::jiff::Timestamp::now();
+
+    delete_machine(&client, ns, "b").await;
+    let held = support::wait_machine(&client, ns, "b", "held: owner unknown", |m| {
+        support::last_operation_step(m) == Some("VmOwnerUnknown")
+    })
+    .await;
+    let said = support::last_operation(&held);
+    assert!(said.contains("ClassNotFound"), "{said}");
+    create(classes, class()).await;
+    gone(&client, ns, "b", LONG).await;
+    let touched = writes_since(ns, since, &node, &["pods", "configmaps"]).await;
+    assert!(
+        touched.is_empty(),
+        "a's Node, pod and VM left alone: {touched:?}"
+    );
+    let a = Api::<Machine>::namespaced(client.clone(), ns)
+        .get("a")
+        .await
+        .expect("a");
+    assert_eq!(support::phase(&a), Some("Running"));
+    BED.calm("drain_owner_unknown", ns).await;
+    ctl.stop().await;
+}
+
 /// The controller's writes in `ns` received after `since` to Node `node`
 /// or to objects of `resources`, as `verb resource name`.
 async fn writes_since(

@@ -165,6 +165,18 @@ impl DeletionStep {
             DeletionStep::DeleteVmAndNode { .. } => "DeleteVm",
         }
     }
+
+    /// Whether the step acts on the Machine's Node, its pods or its VM
+    /// (all but marking the Machine and waiting for its hooks): what a
+    /// deletion that cannot tell whose the VM is must not take.
+    pub(crate) fn touches_node_or_vm(&self) -> bool {
+        !matches!(
+            self,
+            DeletionStep::MarkTerminating
+                | DeletionStep::WaitPreDrainHooks(_)
+                | DeletionStep::WaitPreTerminateHooks(_)
+        )
+    }
 }
 
 /// The deletion steps in order; the first one not done is returned.
@@ -817,5 +829,35 @@ mod tests {
             10 * MIN,
             "as the provider asks"
         );
+    }
+
+    #[test]
+    fn a_deletion_that_cannot_tell_whose_the_vm_is_only_marks_and_waits_for_hooks() {
+        let n = || "n".to_string();
+        for step in [
+            DeletionStep::MarkTerminating,
+            DeletionStep::WaitPreDrainHooks(vec!["h".into()]),
+            DeletionStep::WaitPreTerminateHooks(vec!["h".into()]),
+        ] {
+            assert!(!step.touches_node_or_vm(), "{step:?}");
+        }
+        for step in [
+            DeletionStep::Cordon { node: n() },
+            DeletionStep::ForceDeletePods {
+                node: n(),
+                pods: vec![],
+            },
+            DeletionStep::Drain {
+                node: n(),
+                pods: vec![],
+            },
+            DeletionStep::WaitVolumesDetached {
+                node: n(),
+                attachments: vec![],
+            },
+            DeletionStep::DeleteVmAndNode { node: None },
+        ] {
+            assert!(step.touches_node_or_vm(), "{step:?}");
+        }
     }
 }

@@ -2,6 +2,7 @@
 //! and its Node.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
 use kube::ResourceExt;
@@ -15,7 +16,7 @@ use crate::api::Machine;
 use crate::api::conditions::VM_REQUESTED;
 use crate::api::settings::{ResolvedSettings, resolve};
 use crate::machine::status::condition;
-use crate::providers::{MachineRequest, Provider};
+use crate::providers::{MachineRequest, Provider, ProviderError};
 
 /// A Machine's class, driver and settings, or why they cannot be had.
 pub(super) struct Resolved {
@@ -146,31 +147,73 @@ pub(super) fn find_node(m: &Machine, ctx: &Context) -> Option<Arc<Node>> {
         .next()
 }
 
-/// Why the VM that `spec.providerID` names is not this Machine's, if it is
-/// not: berth never requested a VM for it (no `VMRequested` condition: the
-/// providerID was written by hand) and the provider says the VM was made
-/// for another Machine, or for none. Its Node is then another Machine's or
-/// nobody's: deleting this Machine never cordons, drains or deletes it,
-/// nor deletes the VM. Whatever cannot be asked (the class unresolved, the
-/// provider failing) leaves the deletion as it was.
-pub(super) async fn foreign_vm(
-    m: &Machine,
-    resolved: &Result<Resolved, Unresolved>,
-) -> Option<String> {
-    let pid = m.spec.provider_id.as_deref()?;
+/// How long a deletion that cannot ask whose VM it is waits before it asks
+/// again, the provider having failed.
+pub(super) const OWNER_ASK_AGAIN: Duration = Duration::from_secs(30);
+
+/// Whose VM `spec.providerID` names, as far as a deletion can tell.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum VmOwner {
+    /// This Machine's: berth requested it (a `VMRequested` condition), its
+    /// tags name this Machine, there is no providerID, or the provider
+    /// does not find the VM (the deletion's own wait on a VM not found
+    /// applies).
+    Ours,
+    /// Another Machine's, or nobody's (the providerID was written by hand
+    /// for a VM berth did not make for this Machine): why. Its Node and VM
+    /// are left alone.
+    Foreign(String),
+    /// Not known: the class cannot be resolved, or the provider failed.
+    /// The deletion touches neither the Node nor the VM until it is, and
+    /// asks again after `ask_again` (or when the class changes).
+    Unknown {
+        why: String,
+        ask_again: Option<Duration>,
+    },
+}
+
+/// Whose VM `spec.providerID` names (see [`VmOwner`]). The provider is
+/// asked only for a Machine berth never requested a VM for.
+pub(super) async fn vm_owner(m: &Machine, resolved: &Result<Resolved, Unresolved>) -> VmOwner {
+    let Some(pid) = m.spec.provider_id.as_deref() else {
+        return VmOwner::Ours;
+    };
     if condition(m.status.as_ref(), VM_REQUESTED).is_some() {
-        return None;
+        return VmOwner::Ours;
     }
-    let r = resolved.as_ref().ok()?;
-    let vm = r.provider.get(&r.request).await.ok()?;
+    let r = match resolved {
+        Ok(r) => r,
+        Err(why) => {
+            return VmOwner::Unknown {
+                why: format!(
+                    "{} ({}): the provider cannot be asked whose VM providerID {pid} is",
+                    why.message, why.reason
+                ),
+                ask_again: None,
+            };
+        }
+    };
+    let vm = match r.provider.get(&r.request).await {
+        Ok(vm) => vm,
+        Err(ProviderError::NotFound(_)) => return VmOwner::Ours,
+        Err(e) => {
+            return VmOwner::Unknown {
+                why: format!(
+                    "provider {} could not say whose VM providerID {pid} is: {e}",
+                    r.provider.name()
+                ),
+                ask_again: Some(OWNER_ASK_AGAIN),
+            };
+        }
+    };
     let uid = m.metadata.uid.as_deref().unwrap_or_default();
     match vm.machine {
-        Some(t) if t.uid == uid => None,
-        Some(t) => Some(format!(
+        Some(t) if t.uid == uid => VmOwner::Ours,
+        Some(t) => VmOwner::Foreign(format!(
             "the VM of providerID {pid} was made for Machine {}/{} (UID {}), not this one",
             t.namespace, t.name, t.uid
         )),
-        None => Some(format!(
+        None => VmOwner::Foreign(format!(
             "the VM of providerID {pid} carries no Machine tags: berth did not make it"
         )),
     }

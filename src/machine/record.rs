@@ -131,6 +131,25 @@ pub(crate) fn unresolved_record(phase: Option<MachinePhase>, why: &Unresolved) -
         .condition(READY, false, why.reason, why.message.clone())
 }
 
+/// What a deletion held before `step` records when it cannot tell whose
+/// VM `spec.providerID` names (`why`), asked again after `ask_again` or
+/// when the class is fixed.
+pub(crate) fn owner_unknown_record(
+    step: &DeletionStep,
+    why: &str,
+    ask_again: Option<std::time::Duration>,
+) -> StepRecord {
+    let again = match ask_again {
+        Some(d) => format!("asked again every {}s", d.as_secs()),
+        None => "asked again when the class is fixed".to_string(),
+    };
+    let msg = format!(
+        "{why}; berth did not request this VM, so its Node is not cordoned or drained and the VM is not deleted until the provider says it is this Machine's ({again}; remove the finalizer by hand to let the Machine go without them): held before {}",
+        step.name()
+    );
+    StepRecord::report("Delete", "VmOwnerUnknown", State::Waiting, msg)
+}
+
 /// What is known, beyond the step, when a creation step is recorded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct CreationContext<'a> {

@@ -250,6 +250,14 @@ pub fn last_operation(m: &Machine) -> String {
         .unwrap_or_default()
 }
 
+/// The step of `m`'s `status.lastOperation`, if it has one.
+pub fn last_operation_step(m: &Machine) -> Option<&str> {
+    m.status
+        .as_ref()
+        .and_then(|s| s.last_operation.as_ref())
+        .map(|o| o.step.as_str())
+}
+
 /// Asserts that Machine `machine`'s VM (the fake provider's) and its Node
 /// `node` are gone.
 pub async fn assert_vm_and_node_gone(client: &Client, ns: &str, machine: &str, node: &str) {

@@ -597,3 +597,115 @@ async fn an_instance_ec2_does_not_find_for_a_while_is_not_taken_for_gone() {
     assert_no_request_loop(bed().await, "aws-notfound", ns);
     berth.terminate().await;
 }
+
+/// EC2 may keep an instance `shutting-down` for a long while (moto
+/// terminates at once: the proxy answers `shutting-down` where moto says
+/// `terminated`). The Machine and its Node stay while it shuts down, the
+/// Machine says so, and EC2 is asked at the provider's pace (every 5 s at
+/// first), not in a loop; once EC2 says `terminated`, the Node goes and the
+/// Machine with it. The truth: the proxy's count of EC2 calls, moto's
+/// state of the instance, and the Node object.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_that_stays_shutting_down_keeps_its_machine_and_node_until_terminated() {
+    let ns = "aws-shutting-down";
+    let (client, cloud, berth) = case(ns, true, &[]).await;
+    let proxy = cloud.proxy();
+
+    create_machine(&client, ns, "a", ns).await;
+    let (a, node_a) = running_on(&client, ns, "a").await;
+    let id = cloud.instances_of(&a).await[0].id.clone();
+    proxy.inject(
+        Fault::rewrite("*", "<name>terminated</name>", "<name>shutting-down</name>").forever(),
+    );
+    delete_machine(&client, ns, "a").await;
+    wait_machine(&client, ns, "a", "shutting down said", |m| {
+        last_operation(m).contains("shutting down")
+    })
+    .await;
+    cloud.wait_state_within(&id, "terminated", LONG).await;
+
+    proxy.reset_counts();
+    let window = Duration::from_secs(30);
+    tokio::time::sleep(window).await;
+    let asks = proxy.requests("DescribeInstances");
+    eprintln!("DescribeInstances while shutting down: {asks} in {window:?}");
+    assert!(
+        (3..=9).contains(&asks),
+        "{asks} DescribeInstances in {window:?} while shutting down: asked at the provider's pace, not in a loop"
+    );
+    assert_eq!(
+        proxy.requests("TerminateInstances"),
+        0,
+        "not terminated again"
+    );
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    assert!(machines.get_opt("a").await.expect("get").is_some());
+    let nodes: Api<Node> = Api::all(client.clone());
+    assert!(
+        nodes.get_opt(&node_a).await.expect("get").is_some(),
+        "the Node stays while its instance shuts down"
+    );
+
+    proxy.clear();
+    gone(&client, ns, "a", LONG).await;
+    assert!(nodes.get_opt(&node_a).await.expect("get").is_none());
+    assert_no_request_loop(bed().await, "aws-shutting-down", ns);
+    berth.terminate().await;
+}
+
+/// A Machine whose providerID was written by hand for another Machine's
+/// instance, deleted while EC2 fails: whose instance that is cannot be
+/// asked, so its Node is not cordoned and nothing is terminated, and the
+/// Machine says why. Once EC2 answers, the instance is the other Machine's:
+/// the Machine goes, leaving the instance and its Node alone. The truth:
+/// the audit log's writes to that Node, moto's state of the instance, the
+/// proxy's count of TerminateInstances.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_written_provider_id_is_left_alone_while_ec2_cannot_say_whose_it_is() {
+    let ns = "aws-owner";
+    let (client, cloud, berth) = case(ns, true, &[]).await;
+    let proxy = cloud.proxy();
+    create_machine(&client, ns, "a", ns).await;
+    let (a, node_a) = running_on(&client, ns, "a").await;
+    let id = cloud.instances_of(&a).await[0].id.clone();
+    let mut b = machine("b", ns);
+    b.spec.provider_id = provider_id(&a);
+    Api::<Machine>::namespaced(client.clone(), ns)
+        .create(&PostParams::default(), &b)
+        .await
+        .expect("create b");
+    let b = wait_machine(&client, ns, "b", "Running", |m| phase(m) == Some("Running")).await;
+    let on = b.status.and_then(|s| s.node_ref).map(|n| n.name);
+    assert_eq!(on, Some(node_a.clone()), "b runs on a's Node");
+    let since = k8s_openapi::jiff::Timestamp::now();
+
+    proxy.inject(Fault::unavailable("DescribeInstances").forever());
+    delete_machine(&client, ns, "b").await;
+    let held = wait_machine(&client, ns, "b", "held: owner unknown", |m| {
+        support::last_operation_step(m) == Some("VmOwnerUnknown")
+    })
+    .await;
+    assert!(
+        last_operation(&held).contains("Unavailable"),
+        "{}",
+        last_operation(&held)
+    );
+    proxy.clear();
+    gone(&client, ns, "b", LONG).await;
+
+    let user = support::audit::controller_user();
+    let touched: Vec<String> = support::oracle::cluster_requests(bed().await)
+        .into_iter()
+        .filter(|r| r.user == user && r.received > since && r.is_write())
+        .filter(|r| r.resource == "nodes" && r.name.as_deref() == Some(node_a.as_str()))
+        .map(|r| r.kind())
+        .collect();
+    assert!(touched.is_empty(), "a's Node left alone: {touched:?}");
+    assert_eq!(proxy.requests("TerminateInstances"), 0);
+    let state = cloud.ec2.instance_state(&id).await.expect("describe");
+    assert_eq!(state.as_deref(), Some("running"));
+    let a = wait_machine(&client, ns, "a", "a", |_| true).await;
+    assert_eq!(phase(&a), Some("Running"));
+    assert_no_request_loop(bed().await, "aws-owner", ns);
+    berth.terminate().await;
+}

@@ -333,6 +333,19 @@ async fn forever_faults_and_what_a_load_balancer_answers() {
     assert_eq!(proxy.passed("RunInstances"), 1);
     assert_eq!(proxy.faulted("RunInstances"), 0);
 
+    // An answer passed on with a part of it replaced.
+    proxy.inject(Fault::rewrite(
+        "DescribeInstances",
+        "<name>running</name>",
+        "<name>shutting-down</name>",
+    ));
+    let id = &launched[0].id;
+    let said = ec2.instance_state(id).await.expect("described");
+    assert_eq!(said.as_deref(), Some("shutting-down"));
+    let said = ec2.instance_state(id).await.expect("described");
+    assert_eq!(said.as_deref(), Some("running"), "rewritten once");
+    assert_eq!(proxy.passed("DescribeInstances"), 2 + 1);
+
     proxy.inject(Fault::delay("DescribeRegions", Duration::from_millis(700)));
     let started = std::time::Instant::now();
     ec2.call::<&str, &str>("DescribeRegions", &[])

@@ -68,6 +68,11 @@ pub enum Answer {
     /// the answer on: the call happened (an instance was launched) but the
     /// client cannot know.
     LoseAnswer,
+    /// Forwards the request and passes the answer on with every `from` in
+    /// its body replaced by `to`: a cloud that says something else of the
+    /// same state (an instance EC2 keeps `shutting-down`, which moto
+    /// terminates at once).
+    Rewrite { from: String, to: String },
 }
 
 /// A fault armed for one EC2 Action (`"*"`: any request).
@@ -182,6 +187,18 @@ impl Fault {
         }
     }
 
+    /// Forwards, then replaces `from` with `to` in the answer's body.
+    pub fn rewrite(action: &str, from: &str, to: &str) -> Self {
+        Fault {
+            action: action.into(),
+            times: Times::Count(1),
+            answer: Answer::Rewrite {
+                from: from.into(),
+                to: to.into(),
+            },
+        }
+    }
+
     /// Answers the next `n` requests for its Action.
     pub fn times(mut self, n: u32) -> Self {
         self.times = Times::Count(n);
@@ -221,7 +238,7 @@ impl Seen {
     fn passes(&self) -> bool {
         matches!(
             self.fault,
-            None | Some(Answer::Delay(_) | Answer::LoseAnswer)
+            None | Some(Answer::Delay(_) | Answer::LoseAnswer | Answer::Rewrite { .. })
         )
     }
 }
@@ -428,6 +445,15 @@ impl Shared {
                 Ok(self.forward(parts, body).await)
             }
             Some(Answer::Close) => Err(CloseConnection),
+            Some(Answer::Rewrite { from, to }) => {
+                let resp = self.forward(parts, body).await;
+                let (head, body) = resp.into_parts();
+                let body = match body.collect().await {
+                    Ok(b) => String::from_utf8_lossy(&b.to_bytes()).replace(&from, &to),
+                    Err(_) => return Err(CloseConnection),
+                };
+                Ok(Response::from_parts(head, Full::new(Bytes::from(body))))
+            }
             Some(Answer::LoseAnswer) => {
                 let _ = self.forward(parts, body).await;
                 Err(CloseConnection)

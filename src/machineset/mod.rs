@@ -159,4 +159,20 @@ mod tests {
         e.forget("u");
         assert!(e.settled("u", |_, _| false));
     }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_expectation_outlasts_a_lagging_watch_and_ends_after_its_ttl() {
+        let e = Expectations::default();
+        e.expect("u", Some("s-a".into()), None);
+        tokio::time::advance(Duration::from_secs(240)).await;
+        assert!(
+            !e.settled("u", |_, _| false),
+            "a watch 4 minutes late: the create is still awaited, none made again"
+        );
+        tokio::time::advance(EXPECTATION_TTL - Duration::from_secs(239)).await;
+        assert!(
+            e.settled("u", |_, _| false),
+            "never seen: let go after the TTL"
+        );
+    }
 }

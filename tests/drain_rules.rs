@@ -226,7 +226,14 @@ async fn a_skip_rule_leaves_a_pod_to_the_vm_and_a_rule_not_understood_is_named()
         first(&evs, "Evicted", &format!("{ns}/keep")).is_none(),
         "{log}"
     );
-    // Drained, and the skipped pod still runs on the Node until the VM goes.
+    // Drained, and the skipped pod still runs on the Node until the VM goes:
+    // never asked to go (the audit log), never going (its own state).
+    let all = evictions(BED.bed().await, ns);
+    assert!(
+        all.iter().all(|r| r.name.as_deref() != Some("keep")),
+        "keep never evicted: {}",
+        oracle::log_of(&all)
+    );
     let keep = pods.get("keep").await.expect("keep is still there");
     assert!(keep.metadata.deletion_timestamp.is_none(), "never evicted");
     assert!(

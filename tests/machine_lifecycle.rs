@@ -547,6 +547,18 @@ async fn the_force_deletion_label_skips_hooks_and_drain_and_force_deletes_pods()
     .await
     .expect("release the pod");
     support::assert_vm_and_node_gone(&client, ns, "m4", &node_name).await;
+    // What the controller did: no cordon (no change to the Node it made)
+    // and no eviction, by the audit log.
+    let done: Vec<String> = audit::requests(bed().await, ns)
+        .iter()
+        .filter(|r| {
+            (r.resource == "nodes" && matches!(r.verb.as_str(), "patch" | "update"))
+                || r.subresource.as_deref() == Some("eviction")
+        })
+        .map(|r| format!("{} {:?}", r.kind(), r.name))
+        .collect();
+    assert!(done.is_empty(), "no cordon, no eviction: {done:?}");
+    // What operators are told.
     let reasons: Vec<String> =
         reasons(&events_until(&client, ns, "m4", &["DeleteVmAndNode"]).await);
     assert!(

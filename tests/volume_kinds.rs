@@ -22,7 +22,7 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use support::pool::{
     Bed, HOOK, POOL, assert_contains, create, delete_machine, events, first, gone, json, log_of,
-    plan_text, pool_class, running_held, running_pods,
+    on_node, plan_text, pod_running, pool_class, running_held, running_pods,
 };
 use support::{LONG, condition};
 
@@ -177,6 +177,16 @@ async fn an_attach_free_stateful_set_drains_without_waiting_for_a_timeout() {
     }
     assert!(first(&evs, "VolumeReattachTimeout", "").is_none(), "{log}");
     assert!(first(&evs, "VolumeDetached", "").is_none(), "{log}");
+    // What the cluster did: both pods run on B, and nothing was attached.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    for name in ["share-0", "share-1"] {
+        let p = pods.get(name).await.expect("the replacement");
+        assert!(
+            on_node(&p, &node_b) && pod_running(&p),
+            "{name} runs on {node_b}: {:?}",
+            p.spec.and_then(|s| s.node_name)
+        );
+    }
     let vas = Api::<VolumeAttachment>::all(client.clone())
         .list(&Default::default())
         .await

@@ -19,7 +19,7 @@ use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
 use support::audit::{assert_no_request_loop, controller};
-use support::aws::{CHAIN_CREDENTIALS, Cloud};
+use support::aws::{CHAIN_CREDENTIALS, Cloud, CredentialsEndpoint};
 use support::pool::{POOL, create, delete_machine, gone, on_node};
 use support::{LONG, bed, client, condition, last_operation, machine, phase, wait_machine};
 
@@ -707,5 +707,56 @@ async fn a_hand_written_provider_id_is_left_alone_while_ec2_cannot_say_whose_it_
     let a = wait_machine(&client, ns, "a", "a", |_| true).await;
     assert_eq!(phase(&a), Some("Running"));
     assert_no_request_loop(bed().await, "aws-owner", ns);
+    berth.terminate().await;
+}
+
+/// A class without a secretRef signs with the AWS chain. A chain whose
+/// provider fails for a while (the container credentials endpoint answers
+/// 500, as an overloaded metadata service or STS can) is not taken for
+/// missing credentials: the Machine says it is retried with backoff (not a
+/// ProviderUnauthorized condition and its 5-minute retry), and gets its
+/// instance soon after the endpoint serves credentials. The truth: the
+/// endpoint's count of requests and moto's instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_credentials_chain_that_fails_for_a_while_is_retried_not_taken_for_unauthorized() {
+    let client = client().await;
+    let ns = "aws-chain";
+    support::namespace(&client, ns).await;
+    let cloud = Cloud::start(&client, ns, false).await;
+    cloud
+        .class_with(&client, ns, ns, cloud.spec(serde_json::json!({})), false)
+        .await;
+    let endpoint = CredentialsEndpoint::start().await;
+    let kubeconfig = &controller(bed().await).await.kubeconfig;
+    let berth = cloud.berth_with(kubeconfig, ns, &[], &endpoint.env());
+
+    create_machine(&client, ns, "m", ns).await;
+    let failing = wait_machine(&client, ns, "m", "the chain's failure said", |m| {
+        last_operation(m).contains("AWS credentials")
+    })
+    .await;
+    assert!(
+        condition(&failing, "Ready").is_none_or(|c| c.reason != "ProviderUnauthorized"),
+        "{:?}",
+        condition(&failing, "Ready")
+    );
+    let said = last_operation(&failing);
+    assert!(
+        said.contains("tried again with backoff") && said.contains("500"),
+        "{said}"
+    );
+    assert!(endpoint.asked() >= 1, "the chain asked the endpoint");
+
+    endpoint.serve();
+    let served = std::time::Instant::now();
+    let (m, _) = running_on(&client, ns, "m").await;
+    eprintln!("Running {:?} after the endpoint served", served.elapsed());
+    assert_eq!(cloud.instances_of(&m).await.len(), 1);
+    assert!(
+        !berth.logs_contain("berth-container-secret-key")
+            && !berth.logs_contain("berth-container-token"),
+        "no secret in logs"
+    );
+    assert_no_request_loop(bed().await, "aws-chain", ns);
     berth.terminate().await;
 }

@@ -214,3 +214,105 @@ impl Cloud {
         }
     }
 }
+
+/// A stand-in for the container credentials endpoint of the AWS chain
+/// (`AWS_CONTAINER_CREDENTIALS_FULL_URI`, as on ECS or EKS Pod Identity):
+/// answers 500 until [`CredentialsEndpoint::serve`], then credentials moto
+/// takes. It counts the requests it gets.
+pub struct CredentialsEndpoint {
+    pub url: String,
+    serving: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    asked: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl CredentialsEndpoint {
+    pub async fn start() -> Self {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("a loopback port");
+        let url = format!(
+            "http://{}/credentials",
+            listener.local_addr().expect("its address")
+        );
+        let serving = Arc::new(AtomicBool::new(false));
+        let asked = Arc::new(AtomicUsize::new(0));
+        let (s, a) = (serving.clone(), asked.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let (serving, asked) = (s.clone(), a.clone());
+                tokio::spawn(async move {
+                    let (mut got, mut buf) = (Vec::new(), [0u8; 2048]);
+                    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match conn.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => got.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    asked.fetch_add(1, Ordering::Relaxed);
+                    let (status, body) = if serving.load(Ordering::Relaxed) {
+                        (
+                            "200 OK",
+                            serde_json::json!({
+                                "AccessKeyId": "AKIDBERTHCONTAINER",
+                                "SecretAccessKey": "berth-container-secret-key",
+                                "Token": "berth-container-token",
+                                "Expiration": "2099-01-01T00:00:00Z",
+                            })
+                            .to_string(),
+                        )
+                    } else {
+                        ("500 Internal Server Error", "{}".to_string())
+                    };
+                    let answer = format!(
+                        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\n\
+                         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = conn.write_all(answer.as_bytes()).await;
+                    let _ = conn.shutdown().await;
+                });
+            }
+        });
+        Self {
+            url,
+            serving,
+            asked,
+            task,
+        }
+    }
+
+    /// From now on, answers with credentials.
+    pub fn serve(&self) {
+        self.serving
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// How many requests it got.
+    pub fn asked(&self) -> usize {
+        self.asked.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The environment of a `berth run` whose AWS chain has this endpoint
+    /// and nothing else (no instance metadata, no profile files).
+    pub fn env(&self) -> Vec<(&str, &str)> {
+        vec![
+            ("AWS_CONTAINER_CREDENTIALS_FULL_URI", self.url.as_str()),
+            ("AWS_EC2_METADATA_DISABLED", "true"),
+            ("AWS_CONFIG_FILE", "/nonexistent/berth/aws-config"),
+            (
+                "AWS_SHARED_CREDENTIALS_FILE",
+                "/nonexistent/berth/aws-credentials",
+            ),
+        ]
+    }
+}
+
+impl Drop for CredentialsEndpoint {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

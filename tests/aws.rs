@@ -64,6 +64,19 @@ async fn case(ns: &str, proxied: bool, flags: &[&str]) -> (Client, Cloud, suppor
     (client, cloud, berth)
 }
 
+/// A case of its own whose class has no secretRef (berth signs with the
+/// AWS chain of its own environment), on moto without the proxy; `berth
+/// run` is the case's to start, with the chain's environment.
+async fn chain_case(ns: &str) -> (Client, Cloud) {
+    let client = client().await;
+    support::namespace(&client, ns).await;
+    let cloud = Cloud::start(&client, ns, false).await;
+    cloud
+        .class_with(&client, ns, ns, cloud.spec(serde_json::json!({})), false)
+        .await;
+    (client, cloud)
+}
+
 /// A Machine gets exactly one instance, tagged (instance and volumes) for
 /// this cluster and this Machine, with the providerID the Node registers
 /// with; deleting it drains its Node in a volume-aware order (the stateful
@@ -192,15 +205,10 @@ async fn a_machine_runs_on_one_tagged_instance_and_leaves_after_a_volume_aware_d
 /// instance, never two.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_controller_killed_right_after_run_instances_adopts_the_instance_on_restart() {
-    let client = client().await;
     let ns = "aws-crash";
-    support::namespace(&client, ns).await;
-    let cloud = Cloud::start(&client, ns, false).await;
     // No secretRef: these processes sign with the standard chain's
     // credentials, from their environment.
-    cloud
-        .class_with(&client, ns, ns, cloud.spec(serde_json::json!({})), false)
-        .await;
+    let (client, cloud) = chain_case(ns).await;
     let kubeconfig = &controller(bed().await).await.kubeconfig;
     let mut crash_env = CHAIN_CREDENTIALS.to_vec();
     crash_env.push(("BERTH_FAULT_ABORT_AFTER_RUN_INSTANCES", "1"));
@@ -719,13 +727,8 @@ async fn a_hand_written_provider_id_is_left_alone_while_ec2_cannot_say_whose_it_
 /// endpoint's count of requests and moto's instance.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_credentials_chain_that_fails_for_a_while_is_retried_not_taken_for_unauthorized() {
-    let client = client().await;
     let ns = "aws-chain";
-    support::namespace(&client, ns).await;
-    let cloud = Cloud::start(&client, ns, false).await;
-    cloud
-        .class_with(&client, ns, ns, cloud.spec(serde_json::json!({})), false)
-        .await;
+    let (client, cloud) = chain_case(ns).await;
     let endpoint = CredentialsEndpoint::start().await;
     let kubeconfig = &controller(bed().await).await.kubeconfig;
     let berth = cloud.berth_with(kubeconfig, ns, &[], &endpoint.env());

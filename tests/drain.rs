@@ -1586,13 +1586,8 @@ async fn a_machine_whose_class_is_gone_keeps_its_own_drain_settings() {
 /// and deletes the VM only after.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machine_whose_node_object_is_gone_is_still_drained_before_its_vm_goes() {
-    let client = BED.client().await;
     let ns = "drain-nodegone";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = BED.start_as(ns, "drain-nodegone").await;
-    let node = running_machine(&client, ns, "a", ns).await;
-    app_running_on(&client, ns, &node).await;
+    let (client, ctl, node) = machine_a_with_app(ns).await;
 
     delete_node(&client, &node).await;
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
@@ -1772,13 +1767,8 @@ async fn a_volume_left_attached_at_vm_deletion_is_named_and_released_out_of_serv
 /// Node's name and lets the Machine go.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machine_whose_node_and_vm_are_both_gone_goes_without_a_drain() {
-    let client = BED.client().await;
     let ns = "drain-allgone";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = BED.start_as(ns, "drain-allgone").await;
-    let node = running_machine(&client, ns, "a", ns).await;
-    app_running_on(&client, ns, &node).await;
+    let (client, ctl, node) = machine_a_with_app(ns).await;
     // The fake provider's VM is a ConfigMap: both go, by hand.
     Api::<ConfigMap>::namespaced(client.clone(), ns)
         .delete("fake-vm-a", &DeleteParams::default())
@@ -1815,6 +1805,18 @@ async fn a_machine_whose_node_and_vm_are_both_gone_goes_without_a_drain() {
     )
     .await;
     ctl.stop().await;
+}
+
+/// A case of its own in `ns`: its pool class, the controller, Machine `a`
+/// running with a bare pod `app` on its Node; the Node's name.
+async fn machine_a_with_app(ns: &str) -> (Client, support::Running, String) {
+    let client = BED.client().await;
+    support::namespace(&client, ns).await;
+    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
+    let ctl = BED.start_as(ns, ns).await;
+    let node = running_machine(&client, ns, "a", ns).await;
+    app_running_on(&client, ns, &node).await;
+    (client, ctl, node)
 }
 
 /// A bare pod `app` on `node`, Running.
@@ -1903,13 +1905,8 @@ async fn a_node_that_took_the_name_of_the_machines_node_is_left_alone() {
 /// VM: the VM says it was made for the other Machine. By the audit log.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machine_pointing_at_another_machines_vm_leaves_it_alone() {
-    let client = BED.client().await;
     let ns = "drain-foreign";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = BED.start_as(ns, "drain-foreign").await;
-    let node = running_machine(&client, ns, "a", ns).await;
-    app_running_on(&client, ns, &node).await;
+    let (client, ctl, node) = machine_a_with_app(ns).await;
     let mut b = support::machine("b", ns);
     b.spec.provider_id = Some(format!("fake:///{ns}/a"));
     support::pool::running(&client, ns, b).await;
@@ -1937,13 +1934,8 @@ async fn a_machine_pointing_at_another_machines_vm_leaves_it_alone() {
 /// it alone. By the audit log: no write to that Node or its pod.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machine_whose_vm_cannot_be_asked_about_touches_nothing_until_it_can() {
-    let client = BED.client().await;
     let ns = "drain-owner-unknown";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = BED.start_as(ns, "drain-owner-unknown").await;
-    let node = running_machine(&client, ns, "a", ns).await;
-    app_running_on(&client, ns, &node).await;
+    let (client, ctl, node) = machine_a_with_app(ns).await;
     let own = format!("{ns}-b");
     let class = || berth_devkit::testbed::fixtures::pool_class(&own, ns, serde_json::json!({}));
     let classes: Api<berth::api::MachineClass> = Api::all(client.clone());

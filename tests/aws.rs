@@ -667,7 +667,8 @@ async fn an_instance_that_stays_shutting_down_keeps_its_machine_and_node_until_t
 /// Machine says why. Once EC2 answers, the instance is the other Machine's:
 /// the Machine goes, leaving the instance and its Node alone. The truth:
 /// the audit log's writes to that Node, moto's state of the instance, the
-/// proxy's count of TerminateInstances.
+/// proxy's counts of DescribeInstances (no loop while held) and
+/// TerminateInstances.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hand_written_provider_id_is_left_alone_while_ec2_cannot_say_whose_it_is() {
     let ns = "aws-owner";
@@ -697,6 +698,15 @@ async fn a_hand_written_provider_id_is_left_alone_while_ec2_cannot_say_whose_it_
         last_operation(&held).contains("Unavailable"),
         "{}",
         last_operation(&held)
+    );
+    // Held, EC2 is asked again at the hold's pace, not at each status write.
+    proxy.reset_counts();
+    let window = Duration::from_secs(20);
+    tokio::time::sleep(window).await;
+    let asks = proxy.requests("DescribeInstances");
+    assert!(
+        asks <= 6,
+        "{asks} DescribeInstances in {window:?} while held: asked every 30 s (each ask retried by the client), not in a loop"
     );
     proxy.clear();
     gone(&client, ns, "b", LONG).await;

@@ -203,7 +203,7 @@ async fn observe(
         Err(_) => resolve(m.spec.drain.as_ref(), None, None, None).unwrap_or_default(),
     };
     let now = Timestamp::now();
-    let owner = vm_owner(m, &resolved).await;
+    let owner = vm_owner(m, &resolved, ctx).await;
     let foreign = matches!(owner, VmOwner::Foreign(_));
     let node = match known_node.or_else(|| find_node(m, ctx)) {
         _ if foreign => None,

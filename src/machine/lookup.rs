@@ -173,12 +173,17 @@ pub(super) enum VmOwner {
 }
 
 /// Whose VM `spec.providerID` names (see [`VmOwner`]). The provider is
-/// asked only for a Machine berth never requested a VM for.
-pub(super) async fn vm_owner(m: &Machine, resolved: &Result<Resolved, Unresolved>) -> VmOwner {
+/// asked only for a Machine berth never requested a VM for, and only until
+/// it says the VM is this Machine's (remembered in `ctx`).
+pub(super) async fn vm_owner(
+    m: &Machine,
+    resolved: &Result<Resolved, Unresolved>,
+    ctx: &Context,
+) -> VmOwner {
     let Some(pid) = m.spec.provider_id.as_deref() else {
         return VmOwner::Ours;
     };
-    if condition(m.status.as_ref(), VM_REQUESTED).is_some() {
+    if condition(m.status.as_ref(), VM_REQUESTED).is_some() || ctx.vm_owned(m) {
         return VmOwner::Ours;
     }
     let r = match resolved {
@@ -208,7 +213,10 @@ pub(super) async fn vm_owner(m: &Machine, resolved: &Result<Resolved, Unresolved
     };
     let uid = m.metadata.uid.as_deref().unwrap_or_default();
     match vm.machine {
-        Some(t) if t.uid == uid => VmOwner::Ours,
+        Some(t) if t.uid == uid => {
+            ctx.set_vm_owned(m, true);
+            VmOwner::Ours
+        }
         Some(t) => VmOwner::Foreign(format!(
             "the VM of providerID {pid} was made for Machine {}/{} (UID {}), not this one",
             t.namespace, t.name, t.uid

@@ -28,7 +28,7 @@ mod recorder;
 pub(crate) mod status;
 pub mod write;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -73,6 +73,11 @@ pub(crate) struct Context {
     vm_not_found: Mutex<HashMap<ObjectRef<Machine>, tokio::time::Instant>>,
     /// How long that may last before the VM counts as gone.
     pub(crate) vm_not_found_grace: std::time::Duration,
+    /// The UIDs of Machines whose hand-written providerID the provider
+    /// said is theirs (see `lookup::vm_owner`): a VM's tags do not change,
+    /// so each deletion asks once, not at every step. Forgotten when the
+    /// deletion ends; a restart asks again.
+    vm_owned: Mutex<HashSet<String>>,
 }
 
 /// The watches that wake the Machine controller
@@ -100,6 +105,7 @@ impl Context {
         Self {
             vm_not_found: Mutex::new(HashMap::new()),
             vm_not_found_grace,
+            vm_owned: Mutex::new(HashSet::new()),
             client,
             providers,
             events,
@@ -276,6 +282,25 @@ impl Context {
     pub(crate) fn vm_not_found_cleared(&self, m: &Machine) {
         if let Ok(mut map) = self.vm_not_found.lock() {
             map.remove(&ObjectRef::from_obj(m));
+        }
+    }
+
+    /// Whether the provider said `m`'s VM is `m`'s during this deletion.
+    pub(crate) fn vm_owned(&self, m: &Machine) -> bool {
+        let uid = m.metadata.uid.as_deref().unwrap_or_default();
+        self.vm_owned.lock().is_ok_and(|set| set.contains(uid))
+    }
+
+    /// Remembers that the provider said `m`'s VM is `m`'s (`owned`), or
+    /// forgets it, the deletion over.
+    pub(crate) fn set_vm_owned(&self, m: &Machine, owned: bool) {
+        let uid = m.metadata.uid.clone().unwrap_or_default();
+        if let Ok(mut set) = self.vm_owned.lock() {
+            if owned {
+                set.insert(uid);
+            } else {
+                set.remove(&uid);
+            }
         }
     }
 

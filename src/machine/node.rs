@@ -1,12 +1,12 @@
 //! Every write berth makes to a Node: the cordon, the out-of-service taint
-//! once its VM is gone, and the rollout taint of a MachineDeployment's old
-//! Nodes. Each is a merge patch with the Node's resourceVersion in it, a
+//! once its VM is gone, the rollout taint of a MachineDeployment's old
+//! Nodes, and the deletion of a Node whose VM is gone. Each is a merge patch with the Node's resourceVersion in it, a
 //! compare-and-swap: a taint another writer added in between is never
 //! lost, the write is refused (409) and taken again on the newer copy.
 
 use k8s_openapi::api::core::v1::{Node, Taint};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
 use kube::{Client, ResourceExt};
 
 use super::record::OUT_OF_SERVICE_TAINT;
@@ -137,4 +137,27 @@ async fn patch(
             &Patch::Merge(patch),
         )
         .await
+}
+
+/// Deletes `node`, pinned to its UID: a Node that took its name since it
+/// was read (a reused IP or hostname) is never deleted in its place. False
+/// when that happened (the API server answered 409) and the Node was left;
+/// true when it was deleted, or was gone already.
+pub(crate) async fn delete_pinned(client: &Client, node: &Node) -> Result<bool, kube::Error> {
+    let pinned = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: node.metadata.uid.clone(),
+            resource_version: None,
+        }),
+        ..DeleteParams::default()
+    };
+    match Api::<Node>::all(client.clone())
+        .delete(&node.name_any(), &pinned)
+        .await
+    {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(true),
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
+        Err(e) => Err(e),
+    }
 }

@@ -62,6 +62,7 @@ async fn reconcile_inner(machine: &Arc<Machine>, ctx: &Context) -> Result<Next, 
             Ok(Next::Finished) => {
                 ctx.drainer.forget(&ObjectRef::from_obj(&**machine));
                 ctx.provider_answered(machine);
+                ctx.set_vm_owned(machine, false);
                 // Every step is done: kube's helper removes the finalizer.
                 kube_finalizer(&api, machine).await.map(Next::Wait)
             }

@@ -164,6 +164,14 @@ pub(crate) struct CreationContext<'a> {
     pub(crate) last_operation: &'a str,
 }
 
+/// A creation that did not end within the creation timeout, at `step`:
+/// the Machine fails, and `Ready` says why.
+fn creation_timed_out(step: &'static str, msg: String) -> StepRecord {
+    StepRecord::report("Create", step, State::Failed, msg.clone())
+        .phase(MachinePhase::Failed)
+        .condition(READY, false, "CreationTimeout", msg)
+}
+
 /// What a creation step records, before its action (for `CreateVm`: the VM
 /// is about to be requested). `StayFailed` records nothing.
 pub(crate) fn creation_record(step: &CreationStep, c: &CreationContext<'_>) -> Option<StepRecord> {
@@ -202,9 +210,7 @@ pub(crate) fn creation_record(step: &CreationStep, c: &CreationContext<'_>) -> O
                 "the Node did not register and become Ready within the creation timeout ({})",
                 humantime::format_duration(c.creation_timeout)
             );
-            StepRecord::report("Create", "WaitForNode", State::Failed, msg.clone())
-                .phase(MachinePhase::Failed)
-                .condition(READY, false, "CreationTimeout", msg)
+            creation_timed_out("WaitForNode", msg)
         }
         CreationStep::VmNotCreated { .. } => {
             let msg = format!(
@@ -213,9 +219,7 @@ pub(crate) fn creation_record(step: &CreationStep, c: &CreationContext<'_>) -> O
                 humantime::format_duration(c.creation_timeout),
                 c.last_operation
             );
-            StepRecord::report("Create", "CreateVm", State::Failed, msg.clone())
-                .phase(MachinePhase::Failed)
-                .condition(READY, false, "CreationTimeout", msg)
+            creation_timed_out("CreateVm", msg)
         }
         CreationStep::Running { node } => {
             let msg = format!("Node {node} is Ready");

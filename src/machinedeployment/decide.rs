@@ -47,9 +47,17 @@ pub(crate) const DEFAULT_HISTORY: i32 = 1;
 /// serialize with sorted keys, so the same template always gives the same
 /// hash, on any version of berth that reads it the same way.
 pub(crate) fn template_hash(t: &MachineTemplate) -> String {
-    let json = serde_json::to_vec(&sorted(serde_json::to_value(t).unwrap_or_default()))
-        .unwrap_or_default();
-    let digest = Sha256::digest(&json);
+    json_hash(serde_json::to_value(t).unwrap_or_default())
+}
+
+/// 10 hex digits of the SHA-256 of `v` as JSON with sorted keys.
+fn json_hash(v: serde_json::Value) -> String {
+    short_hash(&serde_json::to_vec(&sorted(v)).unwrap_or_default())
+}
+
+/// 10 hex digits of the SHA-256 of `bytes`.
+fn short_hash(bytes: &[u8]) -> String {
+    let digest = Sha256::digest(bytes);
     digest.iter().take(5).map(|b| format!("{b:02x}")).collect()
 }
 
@@ -62,9 +70,7 @@ pub(crate) fn class_hash(c: &crate::api::MachineClassSpec) -> String {
         "providerSpec": c.provider_spec,
         "secretRef": c.secret_ref,
     });
-    let json = serde_json::to_vec(&sorted(what)).unwrap_or_default();
-    let digest = Sha256::digest(&json);
-    digest.iter().take(5).map(|b| format!("{b:02x}")).collect()
+    json_hash(what)
 }
 
 /// The hash naming the set of template `template` (its [`template_hash`])
@@ -92,8 +98,7 @@ pub(crate) fn wanted_hash(
     if of_template.is_empty() || of_template.iter().any(|c| c.is_none_or(|c| c == class)) {
         return template.to_string();
     }
-    let digest = Sha256::digest(format!("{template}/{class}").as_bytes());
-    digest.iter().take(5).map(|b| format!("{b:02x}")).collect()
+    short_hash(format!("{template}/{class}").as_bytes())
 }
 
 /// `v` with every object's keys in order (whatever map serde_json uses).

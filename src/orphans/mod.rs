@@ -408,21 +408,11 @@ impl Collector {
         if outcome == OrphanOutcome::Collected
             && let Some(node) = node
         {
-            let pinned = kube::api::DeleteParams {
-                preconditions: Some(kube::api::Preconditions {
-                    uid: node.metadata.uid.clone(),
-                    resource_version: None,
-                }),
-                ..Default::default()
-            };
-            match kube::Api::<k8s_openapi::api::core::v1::Node>::all(self.shared.client.clone())
-                .delete(&node.name_any(), &pinned)
-                .await
-            {
-                Ok(_) => {
+            match crate::machine::node::delete_pinned(&self.shared.client, &node).await {
+                Ok(true) => {
                     tracing::info!(driver, node = %node.name_any(), provider_id = %vm.provider_id, "the collected orphan VM's Node deleted")
                 }
-                Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
+                Ok(false) => {}
                 Err(e) => {
                     tracing::warn!(driver, node = %node.name_any(), error = %e, "could not delete the collected orphan VM's Node")
                 }
@@ -477,7 +467,7 @@ impl Collector {
             (OrphanOutcome::Held, e) => (
                 EventType::Warning,
                 "OrphanVmHeld",
-                format!("{what}: {}", e.map(ToString::to_string).unwrap_or_default()),
+                format!("{what}: {}", e.unwrap_or_default()),
             ),
             (OrphanOutcome::Failed, e) => (
                 EventType::Warning,

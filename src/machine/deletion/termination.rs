@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, Preconditions};
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
 
@@ -298,20 +297,9 @@ async fn release_and_delete_node(
     }
     // Pinned to the UID of the Node found to be this Machine's: a Node
     // that took its name meanwhile is never deleted for it.
-    let pinned = DeleteParams {
-        preconditions: Some(Preconditions {
-            uid: n.metadata.uid.clone(),
-            resource_version: None,
-        }),
-        ..DeleteParams::default()
-    };
-    match Api::<Node>::all(ctx.client.clone())
-        .delete(&name, &pinned)
-        .await
-    {
-        Ok(_) => Ok(None),
-        Err(kube::Error::Api(e)) if e.code == 404 => Ok(None),
-        Err(kube::Error::Api(e)) if e.code == 409 => {
+    match node::delete_pinned(&ctx.client, n).await {
+        Ok(true) => Ok(None),
+        Ok(false) => {
             tracing::warn!(node = %name, "the Node was replaced by one of the same name before its deletion: left alone");
             Ok(None)
         }

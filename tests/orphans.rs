@@ -191,15 +191,22 @@ async fn orphans_counted(berth: &Berth, outcome: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {series} in /metrics:\n{body}"))
 }
 
+/// A case of its own: namespace `ns` and its classes (no extra
+/// providerSpec); berth is the case's to start.
+async fn case(ns: &str) -> Client {
+    let client = client().await;
+    namespace(&client, ns).await;
+    classes(&client, ns, serde_json::json!({})).await;
+    client
+}
+
 /// A VM whose Machine is gone is kept while it is younger than the grace
 /// period, then deleted; when a new Machine has taken the old one's name,
 /// it is told in an Event.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tagged_orphan_is_kept_while_young_then_collected() {
-    let client = client().await;
     let ns = "orphans-collect";
-    namespace(&client, ns).await;
-    classes(&client, ns, serde_json::json!({})).await;
+    let client = case(ns).await;
     let again = machine_without_vm(&client, ns, "again").await;
     let berth = start(ns, &[]).await;
 
@@ -389,10 +396,8 @@ async fn a_vm_whose_machine_exists_by_uid_is_kept() {
 /// Machine has its name) and deletes nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dry_run_reports_orphans_and_deletes_nothing() {
-    let client = client().await;
     let ns = "orphans-dry";
-    namespace(&client, ns).await;
-    classes(&client, ns, serde_json::json!({})).await;
+    let client = case(ns).await;
     machine_without_vm(&client, ns, "again").await;
     fake_vm(&client, ns, "ghost", Some("uid-ghost-gone")).await;
     fake_vm(&client, ns, "again", Some("uid-again-earlier")).await;
@@ -441,10 +446,8 @@ async fn node_of_vm(client: &Client, name: &str, provider_id: &str) -> Node {
 /// One whose Node runs nothing is collected, and its Node deleted with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_orphan_whose_node_runs_pods_is_held_and_an_empty_ones_node_goes_with_it() {
-    let client = client().await;
     let ns = "orphans-node";
-    namespace(&client, ns).await;
-    classes(&client, ns, serde_json::json!({})).await;
+    let client = case(ns).await;
     let berth = start(ns, &[]).await;
     fake_vm(&client, ns, "busy", Some("uid-busy-gone")).await;
     let busy = node_of_vm(&client, &format!("{ns}-busy"), &provider_id(ns, "busy")).await;
@@ -507,10 +510,8 @@ async fn an_orphan_whose_node_runs_pods_is_held_and_an_empty_ones_node_goes_with
 /// rest is collected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_round_that_finds_too_many_orphans_collects_none() {
-    let client = client().await;
     let ns = "orphans-bound";
-    namespace(&client, ns).await;
-    classes(&client, ns, serde_json::json!({})).await;
+    let client = case(ns).await;
     let berth = start(ns, &[]).await;
     let names: Vec<String> = (0..6).map(|i| format!("lost-{i}")).collect();
     for n in &names {

@@ -285,8 +285,8 @@ async fn scenario(
     .await?;
     let took = started.elapsed();
     let _ = follow_stop.send(());
-    let log = events.await.unwrap_or_default();
-    summary(client, &log, took, metrics).await;
+    let (log, warnings) = events.await.unwrap_or_default();
+    summary(client, &log, &warnings, took, metrics).await;
     if args.rollout {
         rollout(client, clock, args.stateful).await?;
     }
@@ -446,12 +446,12 @@ async fn rollout(client: &Client, clock: &Clock, stateful: u32) -> anyhow::Resul
 }
 
 /// Prints the Machine's Events and drain progress as they come; returns
-/// what it printed (reason, note).
+/// what it printed (reason, note) and the reasons of its Warnings.
 async fn follow(
     client: Client,
     started: Instant,
     mut stop: tokio::sync::oneshot::Receiver<()>,
-) -> Vec<(String, String)> {
+) -> (Vec<(String, String)>, Vec<String>) {
     let evs = watcher(
         Api::<Event>::namespaced(client.clone(), NS),
         watcher::Config::default(),
@@ -467,6 +467,7 @@ async fn follow(
     let mut seen = std::collections::BTreeSet::new();
     let mut last_progress = String::new();
     let mut log = Vec::new();
+    let mut warnings = Vec::new();
     let mut evs = std::pin::pin!(evs);
     let mut ms = std::pin::pin!(ms);
     // After `stop`, Events still on their way are shown for one more second.
@@ -479,7 +480,7 @@ async fn follow(
             _ = &mut stop, if until.is_none() => {
                 until = Some(tokio::time::Instant::now() + Duration::from_secs(1));
             }
-            _ = grace, if until.is_some() => return log,
+            _ = grace, if until.is_some() => return (log, warnings),
             Some(Ok(e)) = evs.next() => {
                 if e.regarding.as_ref().and_then(|r| r.name.as_deref()) != Some("machine-a") {
                     continue;
@@ -490,6 +491,9 @@ async fn follow(
                     continue;
                 }
                 println!("[{:>6.1}s] {reason:<22} {note}", started.elapsed().as_secs_f64());
+                if e.type_.as_deref() == Some("Warning") {
+                    warnings.push(reason.clone());
+                }
                 log.push((reason, note));
             }
             Some(Ok(m)) = ms.next() => {
@@ -507,7 +511,7 @@ async fn follow(
                     last_progress = line;
                 }
             }
-            else => return log,
+            else => return (log, warnings),
         }
     }
 }
@@ -533,7 +537,15 @@ fn bar(done: u32, total: u32) -> String {
     format!("[{}{}]", "#".repeat(filled), ".".repeat(width - filled))
 }
 
-async fn summary(client: &Client, log: &[(String, String)], took: Duration, metrics: &Metrics) {
+/// The drain's summary: `log` holds every Event's (reason, note), and
+/// `warnings` the reasons of those of type Warning.
+async fn summary(
+    client: &Client,
+    log: &[(String, String)],
+    warnings: &[String],
+    took: Duration,
+    metrics: &Metrics,
+) {
     let count = |r: &str| log.iter().filter(|(reason, _)| reason == r).count();
     let evicted: usize = log
         .iter()
@@ -561,10 +573,11 @@ async fn summary(client: &Client, log: &[(String, String)], took: Duration, metr
         evicted,
         count("VolumeDetached"),
         count("VolumeAttached"),
-        log.iter()
-            .filter(|(r, _)| r.ends_with("Timeout") || r == "EvictionBlocked")
-            .count()
+        warnings.len()
     );
+    if !warnings.is_empty() {
+        println!("warnings: {}", warnings.join(", "));
+    }
     println!("pods now: {by_node:?}");
     let text = metrics.encode();
     for line in text.lines().filter(|l| {

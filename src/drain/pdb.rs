@@ -13,12 +13,18 @@
 //!
 //! - **Misconfigured** (the rule of Gardener MCM): the disruption controller
 //!   has observed the current generation, `expectedPods > 0`,
-//!   `currentHealthy >= expectedPods` and yet `disruptionsAllowed == 0`.
+//!   `currentHealthy >= expectedPods` and yet `disruptionsAllowed == 0`,
+//!   with no disruption in flight (`status.disruptedPods` empty).
 //!   Every expected pod is healthy and still nothing may go (for example
 //!   `minAvailable` equal to the replica count), so retrying an eviction can
 //!   never succeed; the drain reports it instead of retrying forever.
+//!   A PDB with disruptions in flight only looks so: the Eviction API
+//!   lowers `disruptionsAllowed` and records the pod in `disruptedPods` at
+//!   once, and the disruption controller recounts `currentHealthy` only
+//!   later, so right after evictions up to the budget every pod still
+//!   counts as healthy. That budget is waiting, not misconfigured.
 //! - **Blocking**: no disruption is allowed now, but may be later (pods not
-//!   yet healthy). Also when the controller has not yet observed the
+//!   yet healthy, or disruptions in flight not yet counted). Also when the controller has not yet observed the
 //!   current generation (`status.observedGeneration < metadata.generation`):
 //!   the Eviction API refuses every eviction under such a PDB until it has.
 //! - **Allows**: `disruptionsAllowed > 0` on an observed generation.
@@ -108,7 +114,7 @@ impl fmt::Display for PdbFinding {
 /// MCM's misconfiguration rule; see the module documentation.
 pub fn is_misconfigured(pdb: &PodDisruptionBudget) -> bool {
     let n = Numbers::of(pdb);
-    n.observed() && n.expected > 0 && n.healthy >= n.expected && n.allowed == 0
+    n.observed() && n.expected > 0 && n.healthy >= n.expected && n.allowed == 0 && n.in_flight == 0
 }
 
 /// The verdict on one PDB, with its description.
@@ -145,7 +151,15 @@ pub fn classify_pdb(pdb: &PodDisruptionBudget) -> PdbFinding {
             ),
         )
     } else if n.allowed <= 0 {
-        let why = if n.expected > 0 {
+        let in_flight;
+        let why = if n.in_flight > 0 {
+            in_flight = format!(
+                "blocking: {} disruption{} in flight, not yet counted by the disruption controller",
+                n.in_flight,
+                if n.in_flight == 1 { "" } else { "s" }
+            );
+            in_flight.as_str()
+        } else if n.expected > 0 {
             "blocking: waits until more covered pods are healthy"
         } else {
             "blocking: no covered pod is counted yet"
@@ -187,6 +201,9 @@ struct Numbers {
     expected: i32,
     healthy: i32,
     allowed: i32,
+    /// Pods the Eviction API let go that the disruption controller has not
+    /// yet seen deleted (`status.disruptedPods`).
+    in_flight: usize,
 }
 
 impl Numbers {
@@ -198,6 +215,9 @@ impl Numbers {
             expected: status.and_then(|s| s.expected_pods).unwrap_or(0),
             healthy: status.and_then(|s| s.current_healthy).unwrap_or(0),
             allowed: status.and_then(|s| s.disruptions_allowed).unwrap_or(0),
+            in_flight: status
+                .and_then(|s| s.disrupted_pods.as_ref())
+                .map_or(0, BTreeMap::len),
         }
     }
 
@@ -447,6 +467,39 @@ mod tests {
             allows.description,
             "PDB db/pg allows 1 disruption with 3/3 healthy"
         );
+    }
+
+    #[test]
+    fn a_budget_spent_by_evictions_in_flight_waits_and_is_not_misconfigured() {
+        // 6/6 healthy, maxUnavailable 2, just after two evictions: the
+        // Eviction API lowered disruptionsAllowed and recorded both pods,
+        // the disruption controller has not recounted yet.
+        let mut p = pdb(
+            "demo",
+            "web",
+            Some(LabelSelector::default()),
+            (1, 1, 6, 6, 0),
+        );
+        let at = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+        );
+        p.status.as_mut().expect("status").disrupted_pods = Some(
+            [("web-1".to_string(), at.clone()), ("web-2".to_string(), at)]
+                .into_iter()
+                .collect(),
+        );
+        assert!(!is_misconfigured(&p));
+        let got = classify_pdb(&p);
+        assert_eq!(got.verdict, PdbVerdict::Blocking);
+        assert_eq!(
+            got.description,
+            "PDB demo/web allows 0 disruptions with 6/6 healthy (blocking: 2 disruptions in flight, \
+             not yet counted by the disruption controller)"
+        );
+        // Once the controller has seen them go (no disruption in flight),
+        // the same numbers are a misconfiguration again.
+        p.status.as_mut().expect("status").disrupted_pods = Some(BTreeMap::new());
+        assert!(is_misconfigured(&p));
     }
 
     #[test]

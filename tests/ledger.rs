@@ -10,8 +10,8 @@ use std::time::Duration;
 use berth_devkit::testbed::wait;
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
-use kube::Client;
 use kube::api::Api;
+use kube::{Client, ResourceExt};
 use support::LONG;
 use support::oracle::{self, Watches, accepted_evictions_of, evicted_once, evictions, in_order};
 use support::pool::{Bed, delete_machine, gone, json, running_machine};
@@ -779,4 +779,126 @@ async fn a_deployment_that_asks_for_a_budget_moves_one_pod_at_a_time() {
     );
     BED.calm("ledger_web", ns).await;
     ctl.stop().await;
+}
+
+/// A workload already degraded before the drain: a StatefulSet of three
+/// spread over Machines `a`, `b` and `c`, whose `db-2` is recreated held
+/// unready for 25 s (the test bed's readiness hold, `OnDelete` so that
+/// nothing else rolls). Machine `a` is deleted meanwhile: `db-0` is not
+/// evicted while `db-2` is down (its owner counts one of three
+/// unavailable, the whole budget of one), and is once `db-2` is Ready (by
+/// the audit log and the pod's Ready condition); the drain says what it
+/// waits for, naming the replica that is down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workload_already_degraded_moves_nothing_until_it_is_whole() {
+    use berth_devkit::testbed::stages::READY_AFTER_ANNOTATION;
+    use k8s_openapi::api::core::v1::Pod;
+    let ns = "ledger-degraded";
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = BED.start(ns).await;
+    for m in ["a", "b", "c"] {
+        running_machine(&client, ns, m, ns).await;
+    }
+    stateful_set_with(&client, ns, "db", 3, true, |sts| {
+        if let Some(spec) = sts.spec.as_mut() {
+            spec.update_strategy = Some(json(serde_json::json!({"type": "OnDelete"})));
+        }
+    })
+    .await;
+    attached(&client, ns, 3).await;
+    // The Node db-0's replacement goes to.
+    running_machine(&client, ns, "d", ns).await;
+
+    // db-2 crashes: recreated from a template that holds it unready.
+    let sts: Api<StatefulSet> = Api::namespaced(client.clone(), ns);
+    sts.patch(
+        "db",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(serde_json::json!({"spec": {"template": {"metadata": {
+            "annotations": {(READY_AFTER_ANNOTATION): "25s"}}}}})),
+    )
+    .await
+    .expect("patch the template");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let old = pods.get("db-2").await.expect("db-2").metadata.uid;
+    pods.delete("db-2", &Default::default())
+        .await
+        .expect("delete db-2");
+    wait::for_one(sts.clone(), LONG, "db counts one unavailable", |s| {
+        s.status
+            .as_ref()
+            .is_some_and(|s| s.available_replicas == Some(2))
+    })
+    .await
+    .expect("the StatefulSet counts db-2 down");
+    wait::until(pods.clone(), LONG, "the new db-2 Running", |ps| {
+        ps.iter().any(|p| {
+            p.name_any() == "db-2" && p.metadata.uid != old && support::pool::pod_running(p)
+        })
+    })
+    .await
+    .expect("db-2 comes back, not Ready");
+
+    let watches = Watches::start(&client, ns).await;
+    delete_machine(&client, ns, "a").await;
+    // What operators are told while it waits: the workload, how many of
+    // how many are down, and which.
+    let machines: Api<berth::api::Machine> = Api::namespaced(client.clone(), ns);
+    let told = wait::for_one(machines, LONG, "a waits for db to be whole", |m| {
+        m.status
+            .as_ref()
+            .and_then(|s| s.drain.as_ref())
+            .and_then(|d| d.waiting_for_budget.as_deref())
+            .is_some_and(|w| w.contains("db-2 not Ready"))
+    })
+    .await
+    .expect("the drain names what it waits for");
+    let why = told
+        .status
+        .as_ref()
+        .and_then(|s| s.drain.as_ref())
+        .and_then(|d| d.waiting_for_budget.clone())
+        .unwrap_or_default();
+    assert!(
+        why.contains(&format!(
+            "pod {ns}/db-0 waits: StatefulSet {ns}/db has 1 of 3 replicas unavailable"
+        )),
+        "{why}"
+    );
+    gone(&client, ns, "a", Duration::from_secs(120)).await;
+
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let evicted = evicted_once(&all, "db-0", &log);
+    assert!(
+        accepted_evictions_of(&all, "db-1").is_empty()
+            && accepted_evictions_of(&all, "db-2").is_empty(),
+        "only a's replica moved: {log}"
+    );
+    // The cluster's word for when db-2 turned Ready (whole seconds).
+    let db2 = pods.get("db-2").await.expect("db-2");
+    let ready = db2
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready" && c.status == "True"))
+        .and_then(|c| c.last_transition_time.as_ref())
+        .map(|t| t.0)
+        .unwrap_or_else(|| panic!("db-2 Ready: {log}"));
+    assert_eq!(db2.metadata.uid, watches_uid(&watches, "db-2"), "{log}");
+    assert!(
+        evicted.received >= ready,
+        "db-0 was evicted at {} while db-2 was down (Ready at {ready}): {log}",
+        evicted.received
+    );
+    BED.calm("ledger_degraded", ns).await;
+    ctl.stop().await;
+}
+
+/// The UID of the pod `name` the watches saw Ready.
+fn watches_uid(watches: &Watches, name: &str) -> Option<String> {
+    watches.seen().into_iter().find_map(|(_, s)| match s {
+        oracle::Seen::PodReady { name: n, uid } if n == name => Some(uid),
+        _ => None,
+    })
 }

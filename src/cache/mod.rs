@@ -71,6 +71,10 @@ pub(crate) struct Caches {
     pub(crate) pod_changes: watch::Receiver<u64>,
     /// Bumped after every PodDisruptionBudget event.
     pub(crate) pdb_changes: watch::Receiver<u64>,
+    /// Bumped after every StatefulSet or Deployment event: how many of a
+    /// workload's replicas are available changed, which a drain waiting
+    /// for its move budget asks again on.
+    pub(crate) workload_changes: watch::Receiver<u64>,
     /// Bumped after a Machine left the store (deleted, its finalizer
     /// removed): what it held across Machines (its moves' permits) is free.
     pub(crate) machines_gone: watch::Receiver<u64>,

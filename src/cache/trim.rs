@@ -9,7 +9,9 @@
 //! trimmed and untrimmed pods. A decision that starts reading another field
 //! must keep it here too.
 
-use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, StatefulSet, StatefulSetSpec};
+use k8s_openapi::api::apps::v1::{
+    Deployment, DeploymentSpec, DeploymentStatus, StatefulSet, StatefulSetSpec, StatefulSetStatus,
+};
 use k8s_openapi::api::core::v1::{EmptyDirVolumeSource, Node, Pod, PodSpec, PodStatus};
 use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec};
 use kube::Resource;
@@ -129,21 +131,31 @@ pub fn stateful_set(sts: &mut StatefulSet) {
             ..StatefulSetSpec::default()
         };
     }
-    sts.status = None;
+    // How many of its replicas are available: the move budget counts
+    // those down for any reason.
+    sts.status = sts.status.take().map(|s| StatefulSetStatus {
+        replicas: s.replicas,
+        available_replicas: s.available_replicas,
+        ..StatefulSetStatus::default()
+    });
 }
 
-/// A Deployment keeps its metadata (the move budget's annotations) and
-/// its `minReadySeconds`.
+/// A Deployment keeps its metadata (the move budget's annotations), its
+/// `minReadySeconds`, and the replicas it wants and has available.
 pub fn deployment(d: &mut Deployment) {
     metadata(d);
     d.metadata.labels = None;
     if let Some(spec) = d.spec.as_mut() {
         *spec = DeploymentSpec {
+            replicas: spec.replicas,
             min_ready_seconds: spec.min_ready_seconds,
             ..DeploymentSpec::default()
         };
     }
-    d.status = None;
+    d.status = d.status.take().map(|s| DeploymentStatus {
+        available_replicas: s.available_replicas,
+        ..DeploymentStatus::default()
+    });
 }
 
 #[cfg(test)]
@@ -413,7 +425,8 @@ mod tests {
                 "template": {"metadata": {"labels": {"app": "db"}},
                     "spec": {"containers": [{"name": "db", "image": "postgres"}]}},
                 "volumeClaimTemplates": [{"metadata": {"name": "data"}}]},
-            "status": {"replicas": 3}
+            "status": {"replicas": 3, "readyReplicas": 3, "availableReplicas": 2,
+                "currentRevision": "db-1", "conditions": []}
         }))
         .expect("a StatefulSet");
         stateful_set(&mut sts);
@@ -424,12 +437,22 @@ mod tests {
         assert_eq!(terms.annotations.len(), 1);
         let spec = sts.spec.as_ref().expect("spec");
         assert!(spec.template.spec.is_none() && spec.volume_claim_templates.is_none());
-        assert!(sts.status.is_none() && sts.metadata.managed_fields.is_none());
+        assert_eq!(
+            terms.availability,
+            Some(crate::drain::ledger::Availability {
+                replicas: 3,
+                unavailable: 1
+            })
+        );
+        let status = sts.status.as_ref().expect("status");
+        assert!(status.current_revision.is_none() && status.conditions.is_none());
+        assert!(sts.metadata.managed_fields.is_none());
 
         let mut d: Deployment = serde_json::from_value(serde_json::json!({
             "metadata": {"name": "web", "annotations": {"berth.dev/min-healthy-time": "5s"}},
-            "spec": {"minReadySeconds": 7, "selector": {},
-                "template": {"spec": {"containers": [{"name": "web", "image": "nginx"}]}}}
+            "spec": {"replicas": 4, "minReadySeconds": 7, "selector": {},
+                "template": {"spec": {"containers": [{"name": "web", "image": "nginx"}]}}},
+            "status": {"replicas": 4, "availableReplicas": 4, "conditions": []}
         }))
         .expect("a Deployment");
         deployment(&mut d);
@@ -437,5 +460,13 @@ mod tests {
         assert_eq!(terms.min_ready, std::time::Duration::from_secs(7));
         assert_eq!(terms.annotations.len(), 1);
         assert!(d.spec.as_ref().expect("spec").template.spec.is_none());
+        assert_eq!(
+            terms.availability,
+            Some(crate::drain::ledger::Availability {
+                replicas: 4,
+                unavailable: 0
+            })
+        );
+        assert!(d.status.as_ref().expect("status").conditions.is_none());
     }
 }

@@ -28,6 +28,8 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
 use crate::api::{Machine, VolumeMove};
+use crate::drain::plan::PlannedPod;
+use crate::drain::select::fmt_key;
 
 /// The most pods of the workload moving at once, across every Machine: a
 /// whole number from 1 (`unbounded` lifts the limit).
@@ -107,12 +109,27 @@ impl fmt::Display for BadAnnotation {
 }
 
 /// What a workload object says of its moves: its own annotations (which
-/// win over its pod template's) and its `minReadySeconds` (a replacement
-/// is available, and so healthy, only once Ready that long).
+/// win over its pod template's), its `minReadySeconds` (a replacement
+/// is available, and so healthy, only once Ready that long), and how many
+/// of its replicas its owner counts unavailable now, whatever took them
+/// down.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WorkloadTerms {
     pub annotations: BTreeMap<String, String>,
     pub min_ready: Duration,
+    /// The replicas it wants and those of them not available, as its
+    /// owner's status says (`spec.replicas` less `status.availableReplicas`);
+    /// `None` when its owner does not say (no status yet, or a kind berth
+    /// does not read).
+    pub availability: Option<Availability>,
+}
+
+/// How many replicas a workload wants, and how many of them are not
+/// available now, by its owner's status.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Availability {
+    pub replicas: u32,
+    pub unavailable: u32,
 }
 
 /// The budget a workload asks for, over the default: each of its
@@ -235,6 +252,15 @@ pub struct Permit {
     pub volumes: bool,
 }
 
+/// The drain that asks: its Machine (`namespace/name`), when its deletion
+/// was requested, and whether it is past its deadline.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Asker {
+    pub machine: String,
+    pub requested: Timestamp,
+    pub past_deadline: bool,
+}
+
 /// A drain's ask for a permit to move one pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ask {
@@ -252,9 +278,43 @@ pub struct Ask {
     pub past_deadline: bool,
     /// The pod has volumes that move (see [`Permit::volumes`]).
     pub volumes: bool,
+    /// The workload's replicas not available now, whatever took them down
+    /// (its owner's status): each of berth's moves in flight takes at most
+    /// one down, so at least this many less the moves in flight are down
+    /// for another reason, and count against the budget as moves do. 0
+    /// for a pod that is not Ready itself (see [`Ask::new`]).
+    pub unavailable: u32,
 }
 
 impl Ask {
+    /// The ask of `drain` to move `pod` (`ready`: the pod is Ready now)
+    /// of `workload`, whose object says `terms`. The engine and `berth
+    /// plan` ask alike.
+    pub fn new(
+        workload: Workload,
+        terms: &WorkloadTerms,
+        pod: &PlannedPod,
+        ready: bool,
+        drain: &Asker,
+    ) -> Self {
+        let key = fmt_key(&pod.pod);
+        let unavailable = terms.availability.map_or(0, |a| a.unavailable);
+        Self {
+            workload,
+            uid: pod.uid.clone().unwrap_or_else(|| key.clone()),
+            pod: key,
+            machine: drain.machine.clone(),
+            priority: pod.priority,
+            requested: drain.requested,
+            past_deadline: drain.past_deadline,
+            volumes: !pod.volumes.is_empty(),
+            // A pod already down takes nothing more down when it moves:
+            // the workload's other replicas down are not held against it,
+            // only berth's moves in flight are.
+            unavailable: if ready { unavailable } else { 0 },
+        }
+    }
+
     /// The order of asks for one workload: higher priority first, then the
     /// Machine whose deletion was requested first, then names.
     fn order(&self) -> (Reverse<i32>, Timestamp, &str, &str) {
@@ -276,11 +336,14 @@ pub enum Answer {
     /// move, counted beyond the budget; `moving` are the moves it joins.
     Bypassed { permit: Permit, moving: Vec<Permit> },
     /// Not now: `moving` hold the workload's budget, and `ahead` (pods, by
-    /// `namespace/name`) come first when a permit frees. The ask is kept
-    /// until it is granted or withdrawn.
+    /// `namespace/name`) come first when a permit frees. `degraded`: the
+    /// workload's replicas down for other reasons than berth's moves
+    /// (its unavailable replicas less its moves in flight), which hold the
+    /// budget too. The ask is kept until it is granted or withdrawn.
     Wait {
         moving: Vec<Permit>,
         ahead: Vec<String>,
+        degraded: u32,
     },
     /// Not now: the workload's budget has room, but `in_flight` moves of
     /// every workload fill the controller's cap. The ask is kept, as for
@@ -338,9 +401,13 @@ impl Ledger {
             return Answer::Granted(p.clone());
         }
         let moving = self.moving_of(&ask.workload);
+        // Replicas down whatever took them down: berth's moves, or more
+        // when its owner counts more unavailable.
+        let down = moving.len().max(ask.unavailable as usize);
+        let degraded = u32::try_from(down - moving.len()).unwrap_or(u32::MAX);
         let free = budget
             .max_moving
-            .map_or(usize::MAX, |n| (n as usize).saturating_sub(moving.len()));
+            .map_or(usize::MAX, |n| (n as usize).saturating_sub(down));
         let ahead: Vec<&Ask> = self
             .waiting
             .get(&ask.workload)
@@ -382,7 +449,11 @@ impl Ledger {
             );
             return match capped {
                 Some(cap) if within_budget => Answer::Capped { in_flight, cap },
-                _ => Answer::Wait { moving, ahead },
+                _ => Answer::Wait {
+                    moving,
+                    ahead,
+                    degraded,
+                },
             };
         };
         let permit = match &answer {
@@ -582,6 +653,7 @@ mod tests {
             requested: t(requested),
             past_deadline: false,
             volumes: true,
+            unavailable: 0,
         }
     }
 
@@ -595,7 +667,7 @@ mod tests {
         let one = Budget::default_for(true);
         assert!(granted(&l.ask(&ask("db-0", "a", 0), &one, t(1))));
         let b = l.ask(&ask("db-1", "b", 0), &one, t(2));
-        let Answer::Wait { moving, ahead } = b else {
+        let Answer::Wait { moving, ahead, .. } = b else {
             panic!("db-1 must wait: {b:?}")
         };
         assert_eq!(moving.len(), 1);
@@ -608,6 +680,126 @@ mod tests {
         assert!(l.end(&db(), "uid-db-0"));
         assert!(granted(&l.ask(&ask("db-1", "b", 0), &one, t(4))));
         assert_eq!(l.waiting(), 0);
+    }
+
+    #[test]
+    fn a_replica_down_for_another_reason_holds_the_budget_as_a_move_does() {
+        let mut l = Ledger::default();
+        let one = Budget::default_for(true);
+        let two = Budget {
+            max_moving: Some(2),
+            ..Budget::default_for(true)
+        };
+        // db-2 crash-loops (its owner counts one unavailable): with one
+        // move at a time, nothing else of db moves while it is down.
+        let degraded = Ask {
+            unavailable: 1,
+            ..ask("db-0", "a", 0)
+        };
+        let Answer::Wait {
+            moving, degraded, ..
+        } = l.ask(&degraded, &one, t(1))
+        else {
+            panic!("a degraded workload waits")
+        };
+        assert!(moving.is_empty());
+        assert_eq!(degraded, 1);
+        // With a budget of two, one more may go down.
+        let mut l = Ledger::default();
+        let first = Ask {
+            unavailable: 1,
+            ..ask("db-0", "a", 0)
+        };
+        assert!(granted(&l.ask(&first, &two, t(1))));
+        // Right after: db-0 evicted, its owner now counts two down (db-0
+        // and db-2), of which one is berth's move.
+        let second = Ask {
+            unavailable: 2,
+            ..ask("db-1", "b", 0)
+        };
+        let Answer::Wait {
+            moving, degraded, ..
+        } = l.ask(&second, &two, t(2))
+        else {
+            panic!("two down of a budget of two")
+        };
+        assert_eq!((moving.len(), degraded), (1, 1));
+        // An owner whose status lags (still none down) does not hide the
+        // move in flight.
+        let lagging = Ask {
+            unavailable: 0,
+            ..ask("db-1", "b", 0)
+        };
+        assert!(granted(&l.ask(&lagging, &two, t(3))));
+        // Past its deadline a drain goes beyond, as for moves.
+        let mut l = Ledger::default();
+        let late = Ask {
+            unavailable: 1,
+            past_deadline: true,
+            ..ask("db-0", "a", 0)
+        };
+        assert!(matches!(l.ask(&late, &one, t(1)), Answer::Bypassed { .. }));
+    }
+
+    #[test]
+    fn an_ask_discounts_the_pods_own_unavailability() {
+        let terms = WorkloadTerms {
+            availability: Some(Availability {
+                replicas: 3,
+                unavailable: 1,
+            }),
+            ..WorkloadTerms::default()
+        };
+        let pod = PlannedPod {
+            pod: ("ns".into(), "db-2".into()),
+            uid: Some("uid-db-2".into()),
+            priority: 7,
+            order: 0,
+            order_source: None,
+            grace: Duration::from_secs(30),
+            bounds: crate::drain::deadline::StepBounds {
+                pod_gone: Duration::from_secs(40),
+                detach: None,
+                reattach: None,
+            },
+            volumes: Vec::new(),
+            pdbs: Vec::new(),
+            notes: Vec::new(),
+            scratch: Vec::new(),
+            held: None,
+            controller: Some("StatefulSet/db".into()),
+        };
+        let drain = Asker {
+            machine: "ns/a".into(),
+            requested: t(5),
+            past_deadline: false,
+        };
+        let ready = Ask::new(db(), &terms, &pod, true, &drain);
+        assert_eq!(
+            (
+                ready.pod.as_str(),
+                ready.uid.as_str(),
+                ready.priority,
+                ready.unavailable
+            ),
+            ("ns/db-2", "uid-db-2", 7, 1)
+        );
+        assert_eq!(ready.machine, "ns/a");
+        assert!(!ready.volumes);
+        // db-2 is a replica that is down: moving it takes nothing more
+        // down, however many others are (a workload none of whose pods
+        // turns Ready still moves, one at a time).
+        let all_down = WorkloadTerms {
+            availability: Some(Availability {
+                replicas: 3,
+                unavailable: 3,
+            }),
+            ..WorkloadTerms::default()
+        };
+        let down = Ask::new(db(), &all_down, &pod, false, &drain);
+        assert_eq!(down.unavailable, 0);
+        let mut l = Ledger::default();
+        assert!(granted(&l.ask(&down, &Budget::default_for(true), t(6))));
     }
 
     #[test]
@@ -941,6 +1133,7 @@ mod tests {
         let workload = WorkloadTerms {
             annotations: a(&[(MAX_MOVING_ANNOTATION, "2")]),
             min_ready: Duration::from_secs(20),
+            availability: None,
         };
         let (b, bad) = budget_of(Some(&template), &workload, true);
         assert!(bad.is_empty(), "{bad:?}");
@@ -960,6 +1153,7 @@ mod tests {
         let bad_workload = WorkloadTerms {
             annotations: a(&[(MAX_MOVING_ANNOTATION, "many")]),
             min_ready: Duration::ZERO,
+            availability: None,
         };
         let (b, bad) = budget_of(Some(&template), &bad_workload, true);
         assert_eq!(b.max_moving, Some(1));

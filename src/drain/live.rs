@@ -15,7 +15,9 @@ use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet, StatefulSet};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
 use super::class::{VolumeContext, allows_data_loss};
-use super::ledger::{Answer, Ask, Ledger, Workload, WorkloadTerms, budget_of, recorded_moves};
+use super::ledger::{
+    Answer, Ask, Asker, Ledger, Workload, WorkloadTerms, budget_of, recorded_moves,
+};
 use super::plan::{DrainPlan, plan};
 use super::select::{fmt_key, pod_key};
 use super::workload::{controller, workload_of};
@@ -121,16 +123,13 @@ pub fn budget_lines(
             !p.volumes.is_empty(),
         );
         let key = fmt_key(&p.pod);
-        let ask = Ask {
-            workload: workload.clone(),
-            pod: key.clone(),
-            uid: p.uid.clone().unwrap_or_else(|| key.clone()),
+        let drain = Asker {
             machine: machine.to_string(),
-            priority: p.priority,
             requested,
             past_deadline: false,
-            volumes: !p.volumes.is_empty(),
         };
+        let ready = crate::drain::ledger::ready_since(pod).is_some();
+        let ask = Ask::new(workload.clone(), terms, p, ready, &drain);
         let limit = budget
             .max_moving
             .map_or_else(|| "no limit".to_string(), |n| format!("at most {n} moving"));
@@ -139,8 +138,12 @@ pub fn budget_lines(
                 format!("moving now (since {})", permit.since)
             }
             Answer::Granted(_) | Answer::Bypassed { .. } => "may move now".to_string(),
-            Answer::Wait { moving, ahead } => {
-                let by: Vec<String> = moving
+            Answer::Wait {
+                moving,
+                ahead,
+                degraded,
+            } => {
+                let mut by: Vec<String> = moving
                     .iter()
                     .map(|m| {
                         if m.machine == machine {
@@ -150,6 +153,13 @@ pub fn budget_lines(
                         }
                     })
                     .collect();
+                if degraded > 0 {
+                    let a = terms.availability.unwrap_or_default();
+                    by.push(format!(
+                        "{} of {} replicas unavailable, {degraded} down besides berth's moves",
+                        a.unavailable, a.replicas
+                    ));
+                }
                 let mut v = format!("would wait: {}", by.join(", "));
                 if !ahead.is_empty() {
                     v.push_str(&format!("; {} go first", ahead.join(", ")));
@@ -484,6 +494,7 @@ mod tests {
                         "2".to_string(),
                     )]),
                     min_ready: std::time::Duration::ZERO,
+                    availability: None,
                 },
             )]),
         };

@@ -13,7 +13,7 @@ use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 
-use super::ledger::{Workload, WorkloadTerms};
+use super::ledger::{Availability, Workload, WorkloadTerms};
 
 /// The controller reference among `owners`.
 pub fn controller(owners: Option<&[OwnerReference]>) -> Option<&OwnerReference> {
@@ -73,23 +73,49 @@ pub fn terms(meta: &ObjectMeta, min_ready_seconds: Option<i32>) -> WorkloadTerms
         min_ready: Duration::from_secs(
             min_ready_seconds.map_or(0, |s| u64::try_from(s).unwrap_or(0)),
         ),
+        availability: None,
     }
+}
+
+/// The replicas a workload wants (`spec.replicas`, 1 when unset) and how
+/// many of them are not available by its status (`availableReplicas`);
+/// `None` without a status, which its controller has not written yet.
+fn availability(replicas: Option<i32>, available: Option<Option<i32>>) -> Option<Availability> {
+    let available = available?;
+    let replicas = u32::try_from(replicas.unwrap_or(1)).unwrap_or(0);
+    let available = u32::try_from(available.unwrap_or(0)).unwrap_or(0);
+    Some(Availability {
+        replicas,
+        unavailable: replicas.saturating_sub(available),
+    })
 }
 
 /// The terms of a StatefulSet.
 pub fn stateful_set_terms(sts: &StatefulSet) -> WorkloadTerms {
-    terms(
-        &sts.metadata,
-        sts.spec.as_ref().and_then(|s| s.min_ready_seconds),
-    )
+    WorkloadTerms {
+        availability: availability(
+            sts.spec.as_ref().and_then(|s| s.replicas),
+            sts.status.as_ref().map(|s| s.available_replicas),
+        ),
+        ..terms(
+            &sts.metadata,
+            sts.spec.as_ref().and_then(|s| s.min_ready_seconds),
+        )
+    }
 }
 
 /// The terms of a Deployment.
 pub fn deployment_terms(d: &Deployment) -> WorkloadTerms {
-    terms(
-        &d.metadata,
-        d.spec.as_ref().and_then(|s| s.min_ready_seconds),
-    )
+    WorkloadTerms {
+        availability: availability(
+            d.spec.as_ref().and_then(|s| s.replicas),
+            d.status.as_ref().map(|s| s.available_replicas),
+        ),
+        ..terms(
+            &d.metadata,
+            d.spec.as_ref().and_then(|s| s.min_ready_seconds),
+        )
+    }
 }
 
 /// Since when the replacement of an evicted pod without volumes has been

@@ -103,6 +103,7 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
     let (deployments, deployments_w) = reflector::store();
     let (pod_changes_tx, pod_changes) = tokio::sync::watch::channel(0u64);
     let (pdb_changes_tx, pdb_changes) = tokio::sync::watch::channel(0u64);
+    let (workload_changes_tx, workload_changes) = tokio::sync::watch::channel(0u64);
     let (listed_tx, machines_listed) = tokio::sync::watch::channel(false);
     let (gone_tx, machines_gone) = tokio::sync::watch::channel(0u64);
     let (synced_tx, synced) = tokio::sync::watch::channel(false);
@@ -125,6 +126,7 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         machines_by_set: Index::new(controlling_set),
         pod_changes,
         pdb_changes,
+        workload_changes,
         machines_gone,
         machines_listed,
         synced,
@@ -173,7 +175,13 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         quiet(pvcs_w, Api::all(client.clone()), trim::metadata).boxed(),
         quiet(pvs_w, Api::all(client.clone()), trim::metadata).boxed(),
         quiet(csi_drivers_w, Api::all(client.clone()), trim::csi_driver).boxed(),
-        workloads(client, replica_sets_w, stateful_sets_w, deployments_w),
+        workloads(
+            client,
+            replica_sets_w,
+            stateful_sets_w,
+            deployments_w,
+            workload_changes_tx,
+        ),
         sync(caches.clone(), synced_tx).into_stream().boxed(),
     ])
     .boxed();
@@ -190,16 +198,27 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
 
 /// The watches of the workloads the move ledger reads: ReplicaSets'
 /// metadata (whose Deployment a pod's ReplicaSet is), StatefulSets and
-/// Deployments (their budgets, `minReadySeconds`, wanted replicas).
+/// Deployments (their budgets, `minReadySeconds`, wanted and available
+/// replicas; each event bumps `changes`).
 fn workloads(
     client: &Client,
     replica_sets: reflector::store::Writer<PartialObjectMeta<ReplicaSet>>,
     stateful_sets: reflector::store::Writer<StatefulSet>,
     deployments: reflector::store::Writer<Deployment>,
+    changes: tokio::sync::watch::Sender<u64>,
 ) -> BoxStream<'static, ()> {
+    let changes = std::sync::Arc::new(changes);
+    let bump = move || {
+        let changes = std::sync::Arc::clone(&changes);
+        move |_: &()| changes.send_modify(|n| *n = n.wrapping_add(1))
+    };
     futures::stream::select_all([
-        quiet(stateful_sets, Api::all(client.clone()), trim::stateful_set).boxed(),
-        quiet(deployments, Api::all(client.clone()), trim::deployment).boxed(),
+        quiet(stateful_sets, Api::all(client.clone()), trim::stateful_set)
+            .inspect(bump())
+            .boxed(),
+        quiet(deployments, Api::all(client.clone()), trim::deployment)
+            .inspect(bump())
+            .boxed(),
         reflector::reflector(
             replica_sets,
             watcher(

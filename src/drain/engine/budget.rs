@@ -9,7 +9,9 @@ use kube::runtime::reflector::ObjectRef;
 use super::node_drain::NodeDrain;
 use super::reattach::Health;
 use super::refs::pod_ref_key;
-use crate::drain::ledger::{Answer, Ask, Budget, Permit, Workload, WorkloadTerms, budget_of};
+use crate::drain::ledger::{
+    Answer, Ask, Asker, Budget, Permit, Workload, WorkloadTerms, budget_of, ready_since,
+};
 use crate::drain::plan::PlannedPod;
 use crate::drain::select::fmt_key;
 
@@ -80,7 +82,7 @@ impl NodeDrain {
     /// else its pod template's, ask, and at least the workload's
     /// `minReadySeconds` of health; each value berth cannot read warned
     /// about once.
-    pub(super) fn workload_of(&self, p: &PlannedPod) -> (Workload, Budget) {
+    pub(super) fn workload_of(&self, p: &PlannedPod) -> (Workload, Budget, WorkloadTerms) {
         let pod = self.view().pod(&p.pod, p.uid.as_deref());
         let workload = match &pod {
             Some(pod) => {
@@ -120,7 +122,7 @@ impl NodeDrain {
                 );
             }
         }
-        (workload, budget)
+        (workload, budget, terms)
     }
 
     /// Asks the move ledger for a permit to move `p` now, for its workload
@@ -129,16 +131,18 @@ impl NodeDrain {
     /// `status.drain` and an Event (once per pod and what it waits for)
     /// say.
     pub(super) fn permit(&self, p: &PlannedPod) -> Result<Workload, String> {
-        let (workload, budget) = self.workload_of(p);
-        self.permit_for(p, workload, &budget)
+        let (workload, budget, terms) = self.workload_of(p);
+        self.permit_for(p, workload, &budget, &terms)
     }
 
-    /// [`NodeDrain::permit`] for `p` of `workload`, under `budget`.
+    /// [`NodeDrain::permit`] for `p` of `workload`, whose object says
+    /// `terms`, under `budget`.
     fn permit_for(
         &self,
         p: &PlannedPod,
         workload: Workload,
         budget: &Budget,
+        terms: &WorkloadTerms,
     ) -> Result<Workload, String> {
         let key = fmt_key(&p.pod);
         // A Machine deleted while it held a permit (its finalizer removed
@@ -151,16 +155,16 @@ impl NodeDrain {
                     .is_some()
             })
         });
-        let ask = Ask {
-            workload: workload.clone(),
-            pod: key.clone(),
-            uid: p.uid.clone().unwrap_or_else(|| key.clone()),
+        let ready = self
+            .view()
+            .pod(&p.pod, p.uid.as_deref())
+            .is_some_and(|pod| ready_since(&pod).is_some());
+        let drain = Asker {
             machine: self.machine_key(),
-            priority: p.priority,
             requested: self.job.deadline.started,
             past_deadline: self.expired(),
-            volumes: !p.volumes.is_empty(),
         };
+        let ask = Ask::new(workload.clone(), terms, p, ready, &drain);
         let others = |moving: &[Permit]| {
             moving
                 .iter()
@@ -188,12 +192,29 @@ impl NodeDrain {
                 );
                 return Ok(workload);
             }
-            Answer::Wait { moving, ahead } => {
-                let mut why = format!("pod {key} waits: {workload} is moving {}", others(&moving));
+            Answer::Wait {
+                moving,
+                ahead,
+                degraded,
+            } => {
+                let mut why = if moving.is_empty() {
+                    format!("pod {key} waits: {workload}")
+                } else {
+                    format!("pod {key} waits: {workload} is moving {}", others(&moving))
+                };
+                if degraded > 0 {
+                    if !moving.is_empty() {
+                        why.push(',');
+                    }
+                    why.push_str(&format!(" {}", self.degraded(&workload, terms, degraded)));
+                }
                 if !ahead.is_empty() {
                     why.push_str(&format!(", and {} go first", ahead.join(", ")));
                 }
-                let holders: Vec<&str> = moving.iter().map(|m| m.uid.as_str()).collect();
+                let mut holders: Vec<&str> = moving.iter().map(|m| m.uid.as_str()).collect();
+                if degraded > 0 {
+                    holders.push("degraded");
+                }
                 (why, holders.join(","))
             }
             Answer::Capped { in_flight, cap } => (
@@ -215,13 +236,73 @@ impl NodeDrain {
         Err(why)
     }
 
+    /// `workload` in words when `degraded` of its replicas are down for
+    /// other reasons than berth's moves: how many of how many its owner
+    /// counts unavailable, and for a StatefulSet which of its pods are not
+    /// Ready and since when (e.g. `has 1 of 3 replicas unavailable (db-2
+    /// not Ready for 4m)`).
+    fn degraded(&self, workload: &Workload, terms: &WorkloadTerms, degraded: u32) -> String {
+        let a = terms.availability.unwrap_or_default();
+        let mut words = format!(
+            "has {} of {} replica{} unavailable, {degraded} down besides berth's moves",
+            a.unavailable,
+            a.replicas,
+            if a.replicas == 1 { "" } else { "s" }
+        );
+        let caches = &self.deps.caches;
+        let uid = (workload.kind == "StatefulSet")
+            .then(|| {
+                caches
+                    .stateful_sets
+                    .get(&ObjectRef::new(&workload.name).within(&workload.namespace))
+            })
+            .flatten()
+            .and_then(|s| s.metadata.uid.clone());
+        if let Some(uid) = uid {
+            let now = Timestamp::now();
+            let mut down: Vec<String> = caches
+                .indexes
+                .pods_by_controller
+                .get(&caches.pods, &uid)
+                .iter()
+                .filter(|p| ready_since(p).is_none())
+                .map(|p| {
+                    let name = p.metadata.name.clone().unwrap_or_default();
+                    let since = p
+                        .status
+                        .as_ref()
+                        .and_then(|s| s.conditions.as_ref())
+                        .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
+                        .and_then(|c| c.last_transition_time.as_ref())
+                        .or(p.metadata.creation_timestamp.as_ref())
+                        .and_then(|t| {
+                            let d = now.duration_since(t.0).as_secs();
+                            u64::try_from(d).ok()
+                        });
+                    match since {
+                        Some(s) => format!(
+                            "{name} not Ready for {}",
+                            humantime::format_duration(std::time::Duration::from_secs(s))
+                        ),
+                        None => format!("{name} not Ready"),
+                    }
+                })
+                .collect();
+            down.sort();
+            if !down.is_empty() {
+                words.push_str(&format!(" ({})", down.join(", ")));
+            }
+        }
+        words
+    }
+
     /// The gate of a pod without volumes: when its workload bounds how many
     /// of its pods move (its `berth.dev/max-moving`; unbounded by default
     /// for pods without volumes, where PodDisruptionBudgets alone govern),
     /// a permit of the ledger, as a stateful pod's. `Ok(None)`: no gate;
     /// `Err`: what it waits for (the pod is left to a later pass).
     pub(super) fn stateless_gate(&self, p: &PlannedPod) -> Result<Option<Gate>, String> {
-        let (workload, budget) = self.workload_of(p);
+        let (workload, budget, terms) = self.workload_of(p);
         if budget.max_moving.is_none() {
             return Ok(None);
         }
@@ -229,7 +310,7 @@ impl NodeDrain {
             crate::drain::workload::controller(pod.metadata.owner_references.as_deref())
                 .map(|c| c.uid.clone())
         });
-        let workload = self.permit_for(p, workload, &budget)?;
+        let workload = self.permit_for(p, workload, &budget, &terms)?;
         Ok(Some(Gate {
             workload,
             budget,

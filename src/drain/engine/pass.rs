@@ -395,6 +395,8 @@ impl NodeDrain {
         freed.borrow_and_update();
         let mut gone = self.deps.caches.machines_gone.clone();
         gone.borrow_and_update();
+        let mut workloads = self.deps.caches.workload_changes.clone();
+        workloads.borrow_and_update();
         let terminating = futures::future::join_all(
             plan.terminating
                 .iter()
@@ -432,7 +434,7 @@ impl NodeDrain {
             };
             tokio::join!(evictions, terminating).0
         };
-        self.wait_for_budget(waits.into(), &mut freed, &mut gone)
+        self.wait_for_budget(waits.into(), &mut freed, &mut gone, &mut workloads)
             .await;
     }
 
@@ -441,14 +443,16 @@ impl NodeDrain {
     /// them only, `status.drain` names them, and unless a stateful move of
     /// this pass stalled (`halted`), the pass waits until a permit of this
     /// process frees or an ask is withdrawn (then the next pass asks
-    /// again), a Machine that may have held a permit is gone, a stalled
-    /// move of this drain can go on (its volumes are off the Node), or the
-    /// deadline.
+    /// again), a Machine that may have held a permit is gone, a workload's
+    /// availability may have changed (a replica down for another reason
+    /// holds its budget too), a stalled move of this drain can go on (its
+    /// volumes are off the Node), or the deadline.
     async fn wait_for_budget(
         &self,
         waits: BudgetWaits,
         freed: &mut watch::Receiver<u64>,
         gone: &mut watch::Receiver<u64>,
+        workloads: &mut watch::Receiver<u64>,
     ) {
         let uids: Vec<String> = waits.pods.iter().map(|(uid, _)| uid.clone()).collect();
         self.deps.permits.keep_waiting(&self.machine_key(), &uids);
@@ -465,6 +469,7 @@ impl NodeDrain {
         tokio::select! {
             _ = freed.changed() => {}
             _ = gone.changed() => {}
+            _ = workloads.changed() => {}
             () = self.stalled_detached(self.deadline()) => {}
             () = tokio::time::sleep_until(self.deadline()) => {}
         }

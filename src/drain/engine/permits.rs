@@ -69,6 +69,7 @@ impl Permits {
             return Answer::Wait {
                 moving: Vec::new(),
                 ahead: Vec::new(),
+                degraded: 0,
             };
         };
         let now = Timestamp::now();
@@ -200,6 +201,7 @@ mod tests {
             requested: Timestamp::UNIX_EPOCH,
             past_deadline: false,
             volumes: true,
+            unavailable: 0,
         }
     }
 

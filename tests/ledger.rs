@@ -902,3 +902,116 @@ fn watches_uid(watches: &Watches, name: &str) -> Option<String> {
         _ => None,
     })
 }
+
+/// Two `berth run` processes of different scopes (`--namespace a`,
+/// `--namespace b`, as two releases or one per tenant), and a StatefulSet
+/// whose two replicas run on a Machine of each scope: both Machines
+/// deleted at once, one replica moves at a time (by the audit log and the
+/// VolumeAttachments: the second is evicted only once the first one's
+/// volume is attached where its replacement runs). The permit is in the
+/// API server, where both processes take it: a watch of the MovePermits
+/// sees at most one at a time, named by its workload's slot, naming the
+/// pod and its Machine; none is left at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_of_different_scopes_share_a_workloads_permit() {
+    use berth::api::MovePermit;
+    use futures::StreamExt;
+    use kube::runtime::watcher;
+    use support::process::Berth;
+    let (ns, other) = ("ledger-scope-a", "ledger-scope-b");
+    // The pool is ns's class; Machines of both namespaces are of it.
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    support::namespace(&client, other).await;
+    let kubeconfig = &support::audit::controller(BED.bed().await).await.kubeconfig;
+    let first = Berth::spawn(kubeconfig, &["--namespace", ns, "--leader-elect=false"]);
+    let second = Berth::spawn(kubeconfig, &["--namespace", other, "--leader-elect=false"]);
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    let node_b = running_machine(&client, other, "b", ns).await;
+    stateful(&client, ns, "db", 2, true).await;
+    attached(&client, ns, 2).await;
+    // Where the replacements go, one Machine in each scope.
+    running_machine(&client, ns, "c", ns).await;
+    running_machine(&client, other, "d", ns).await;
+    let watches = Watches::start(&client, ns).await;
+    // Every permit seen, and how many at once.
+    let seen: std::sync::Arc<std::sync::Mutex<(Vec<MovePermit>, usize)>> = Default::default();
+    let permits = {
+        let seen = std::sync::Arc::clone(&seen);
+        let api: Api<MovePermit> = Api::namespaced(client.clone(), ns);
+        tokio::spawn(async move {
+            let mut live = std::collections::BTreeSet::new();
+            let mut stream = watcher::watcher(api, watcher::Config::default()).boxed();
+            while let Some(ev) = stream.next().await {
+                let mut s = seen.lock().expect("lock");
+                match ev {
+                    Ok(watcher::Event::Apply(p) | watcher::Event::InitApply(p)) => {
+                        live.insert(p.name_any());
+                        s.1 = s.1.max(live.len());
+                        s.0.push(p);
+                    }
+                    Ok(watcher::Event::Delete(p)) => {
+                        live.remove(&p.name_any());
+                    }
+                    _ => {}
+                }
+            }
+        })
+    };
+
+    delete_machine(&client, ns, "a").await;
+    delete_machine(&client, other, "b").await;
+    gone(&client, ns, "a", Duration::from_secs(120)).await;
+    gone(&client, other, "b", Duration::from_secs(120)).await;
+    permits.abort();
+
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let ((name, _), (_, later)) = in_order(&all, ("db-0", "db-1"), &log);
+    let pv = format!("{ns}-{name}");
+    let from = node_of(&watches, &pv, &node_a, &node_b);
+    watches
+        .assert_after_moved(BED.bed().await, later, &pv, &from, &log)
+        .await;
+    let (permits_seen, most) = seen.lock().expect("lock").clone();
+    let named: Vec<(String, String, String)> = permits_seen
+        .iter()
+        .map(|p| (p.name_any(), p.spec.pod.clone(), p.spec.machine.clone()))
+        .collect();
+    assert_eq!(most, 1, "one permit of db at a time: {named:?}\n{log}");
+    let machine_of = |pod: &str| {
+        if node_of(&watches, &format!("{ns}-{pod}"), &node_a, &node_b) == node_a {
+            format!("{ns}/a")
+        } else {
+            format!("{other}/b")
+        }
+    };
+    for pod in ["db-0", "db-1"] {
+        let want = (
+            "statefulset.db.0".to_string(),
+            pod.to_string(),
+            machine_of(pod),
+        );
+        assert!(named.contains(&want), "{want:?} among {named:?}");
+    }
+    assert!(
+        permits_seen
+            .iter()
+            .all(|p| p.spec.workload == "StatefulSet/db"
+                && p.metadata
+                    .owner_references
+                    .as_ref()
+                    .is_some_and(|o| o[0].name == "db")),
+        "each permit names and is owned by its workload: {permits_seen:?}"
+    );
+    let left = wait::until(
+        Api::<MovePermit>::namespaced(client.clone(), ns),
+        Duration::from_secs(30),
+        "no permit left",
+        |ps| ps.is_empty(),
+    )
+    .await;
+    assert!(left.is_ok(), "no permit is left once both moves ended");
+    BED.calm("ledger_scopes", ns).await;
+    first.terminate().await;
+    second.terminate().await;
+}

@@ -1,5 +1,7 @@
 //! The `berth.dev/v1alpha1` API: `MachineClass` (cluster-scoped),
-//! `Machine`, `MachineSet` and `MachineDeployment` (namespaced).
+//! `Machine`, `MachineSet` and `MachineDeployment` (namespaced), and the
+//! move ledger's `MovePermit` (namespaced, beside its workload; berth's
+//! own record, not for operators to write).
 //!
 //! The CRD YAML in `deploy/crds.yaml` and `charts/berth/templates/crds.yaml` is generated
 //! from these types by `berth crd` and checked for drift by a test. What can
@@ -11,6 +13,7 @@
 pub mod machinedeployment;
 pub mod machineset;
 pub mod owners;
+pub mod permit;
 pub mod settings;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, Time};
@@ -27,6 +30,7 @@ pub use machineset::{
     TemplateMetadata,
 };
 pub use owners::{controlling_set, owner_of, owner_ref, set_owner};
+pub use permit::{MovePermit, MovePermitSpec, permit_name};
 pub use settings::{DrainSettings, NodeLocalVolumes, ResolvedSettings, SettingsError};
 
 pub const GROUP: &str = "berth.dev";
@@ -385,6 +389,7 @@ pub fn crds_yaml() -> Result<String, serde_yaml_ng::Error> {
         Machine::crd(),
         MachineSet::crd(),
         MachineDeployment::crd(),
+        MovePermit::crd(),
     ] {
         out.push_str("---\n");
         out.push_str(&serde_yaml_ng::to_string(&crd)?);
@@ -408,6 +413,7 @@ pub async fn install_crds(
         Machine::crd(),
         MachineSet::crd(),
         MachineDeployment::crd(),
+        MovePermit::crd(),
     ] {
         let name = crd.metadata.name.clone().unwrap_or_default();
         api.patch(

@@ -32,7 +32,7 @@ use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::Store;
 use tokio::sync::watch;
 
-use crate::api::{Machine, MachineClass, MachineSet};
+use crate::api::{Machine, MachineClass, MachineSet, MovePermit};
 
 /// Every cache the controllers read instead of the API server, with the
 /// indexes over them and the signals of their progress. Cheap to clone:
@@ -57,9 +57,12 @@ pub(crate) struct Caches {
     /// budget's annotations, `minReadySeconds`, the replicas and ordinals
     /// it wants (see `trim::stateful_set`).
     pub(crate) stateful_sets: Store<StatefulSet>,
-    /// Deployments, trimmed to the budget's annotations and
-    /// `minReadySeconds`.
+    /// Deployments, trimmed to the budget's annotations,
+    /// `minReadySeconds` and their available replicas.
     pub(crate) deployments: Store<Deployment>,
+    /// The move ledger's permits in use, of every namespace and every
+    /// berth process (see [`MovePermit`]).
+    pub(crate) move_permits: Store<MovePermit>,
     /// Lookups by Node, claim, PV and providerID.
     pub(crate) indexes: Indexes,
     /// Machines by `status.nodeRef` and by providerID.
@@ -75,6 +78,9 @@ pub(crate) struct Caches {
     /// workload's replicas are available changed, which a drain waiting
     /// for its move budget asks again on.
     pub(crate) workload_changes: watch::Receiver<u64>,
+    /// Bumped after every MovePermit event: a permit taken or ended, by
+    /// this process or another.
+    pub(crate) permit_changes: watch::Receiver<u64>,
     /// Bumped after a Machine left the store (deleted, its finalizer
     /// removed): what it held across Machines (its moves' permits) is free.
     pub(crate) machines_gone: watch::Receiver<u64>,

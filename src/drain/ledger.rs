@@ -27,7 +27,7 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
-use crate::api::{Machine, VolumeMove};
+use crate::api::{Machine, MovePermit, VolumeMove};
 use crate::drain::plan::PlannedPod;
 use crate::drain::select::fmt_key;
 
@@ -349,6 +349,12 @@ pub enum Answer {
     /// every workload fill the controller's cap. The ask is kept, as for
     /// [`Answer::Wait`].
     Capped { in_flight: usize, cap: usize },
+    /// Not now: the permit was granted here but its `MovePermit` could not
+    /// be taken in the API server: another berth process took that slot
+    /// at the same moment (`error` is `None`), or the write failed. Said
+    /// by the process's permit store, never by [`Ledger::ask`]; the pod
+    /// asks again when permits change.
+    Contended { error: Option<String> },
 }
 
 /// An ask that waits, and since when.
@@ -361,8 +367,13 @@ struct Waiting {
 /// Every move in flight and every ask waiting, by workload.
 #[derive(Debug, Default, Clone)]
 pub struct Ledger {
-    /// By workload, then by pod UID.
+    /// By workload, then by pod UID: the moves this process granted or
+    /// rebuilt.
     moving: BTreeMap<Workload, BTreeMap<String, Permit>>,
+    /// By workload, then by pod UID: the permits the API server holds, of
+    /// every process, as last [set](Ledger::set_held). A move in both is
+    /// counted once.
+    held: BTreeMap<Workload, BTreeMap<String, Permit>>,
     /// By workload, then by pod UID.
     waiting: BTreeMap<Workload, BTreeMap<String, Waiting>>,
     /// The most moves in flight at once, of every workload together
@@ -397,7 +408,9 @@ impl Ledger {
     /// budget is free, no ask better ordered waits for it, and the cap on
     /// moves in flight has room.
     pub fn ask(&mut self, ask: &Ask, budget: &Budget, now: Timestamp) -> Answer {
-        if let Some(p) = self.moving.get(&ask.workload).and_then(|m| m.get(&ask.uid)) {
+        let mine = self.moving.get(&ask.workload).and_then(|m| m.get(&ask.uid));
+        let held = self.held.get(&ask.workload).and_then(|m| m.get(&ask.uid));
+        if let Some(p) = mine.or(held) {
             return Answer::Granted(p.clone());
         }
         let moving = self.moving_of(&ask.workload);
@@ -458,7 +471,9 @@ impl Ledger {
         };
         let permit = match &answer {
             Answer::Granted(p) | Answer::Bypassed { permit: p, .. } => p.clone(),
-            Answer::Wait { .. } | Answer::Capped { .. } => unreachable!("returned above"),
+            Answer::Wait { .. } | Answer::Capped { .. } | Answer::Contended { .. } => {
+                unreachable!("returned above")
+            }
         };
         self.withdraw(&ask.workload, &ask.uid);
         self.moving
@@ -527,23 +542,49 @@ impl Ledger {
         ended
     }
 
+    /// The permits the API server holds now (of every process), each with
+    /// its workload: they count as moves in flight until the next call.
+    pub fn set_held(&mut self, held: impl IntoIterator<Item = (Workload, Permit)>) {
+        self.held.clear();
+        for (w, p) in held {
+            self.held.entry(w).or_default().insert(p.uid.clone(), p);
+        }
+    }
+
+    /// Every move in flight, this process's and those the API server
+    /// holds, once each, by workload then pod UID.
+    fn all_moving(&self) -> BTreeMap<&Workload, BTreeMap<&str, &Permit>> {
+        let mut all: BTreeMap<&Workload, BTreeMap<&str, &Permit>> = BTreeMap::new();
+        for (w, m) in self.held.iter().chain(&self.moving) {
+            let of = all.entry(w).or_default();
+            for (uid, p) in m {
+                of.insert(uid.as_str(), p);
+            }
+        }
+        all
+    }
+
     /// The moves of `workload` in flight, oldest first.
     pub fn moving_of(&self, workload: &Workload) -> Vec<Permit> {
-        let mut moving: Vec<Permit> = self
-            .moving
-            .get(workload)
-            .into_iter()
-            .flat_map(|m| m.values().cloned())
-            .collect();
+        let of = |m: Option<&BTreeMap<String, Permit>>| -> Vec<Permit> {
+            m.into_iter().flat_map(|m| m.values().cloned()).collect()
+        };
+        let mut moving = of(self.held.get(workload));
+        for p in of(self.moving.get(workload)) {
+            if !moving.iter().any(|h| h.uid == p.uid) {
+                moving.push(p);
+            }
+        }
         moving.sort_by(|a, b| (a.since, &a.pod).cmp(&(b.since, &b.pod)));
         moving
     }
 
     /// Every move in flight, by workload.
-    pub fn moves(&self) -> impl Iterator<Item = (&Workload, &Permit)> {
-        self.moving
-            .iter()
-            .flat_map(|(w, m)| m.values().map(move |p| (w, p)))
+    pub fn moves(&self) -> Vec<(Workload, Permit)> {
+        self.all_moving()
+            .into_iter()
+            .flat_map(|(w, m)| m.into_values().map(move |p| (w.clone(), p.clone())))
+            .collect()
     }
 
     /// How many asks wait, for the metrics.
@@ -553,7 +594,7 @@ impl Ledger {
 
     /// How many moves of volumes are in flight, of every workload.
     pub fn in_flight(&self) -> usize {
-        self.moving
+        self.all_moving()
             .values()
             .flat_map(BTreeMap::values)
             .filter(|p| p.volumes)
@@ -562,10 +603,8 @@ impl Ledger {
 
     /// The Machines that hold a permit or wait for one.
     pub fn machines(&self) -> BTreeSet<String> {
-        let moving = self
-            .moving
-            .values()
-            .flat_map(|m| m.values().map(|p| &p.machine));
+        let all = self.all_moving();
+        let moving = all.values().flat_map(|m| m.values().map(|p| &p.machine));
         let waiting = self
             .waiting
             .values()
@@ -614,6 +653,25 @@ fn recorded(machine: &str, mv: &VolumeMove) -> Option<(Workload, Permit)> {
             since: mv.since.as_ref().map_or_else(Timestamp::now, |t| t.0),
             past_budget: false,
             volumes: true,
+        },
+    ))
+}
+
+/// What a `MovePermit` in the API server says, as the ledger counts it:
+/// its workload and the permit; `None` for one that does not name its
+/// workload as `Kind/name`.
+pub fn held_permit(o: &MovePermit) -> Option<(Workload, Permit)> {
+    let ns = o.metadata.namespace.as_deref().unwrap_or_default();
+    let (kind, name) = o.spec.workload.split_once('/')?;
+    Some((
+        Workload::new(kind, ns, name),
+        Permit {
+            pod: format!("{ns}/{}", o.spec.pod),
+            uid: o.spec.pod_uid.clone(),
+            machine: o.spec.machine.clone(),
+            since: o.spec.since.0,
+            past_budget: o.spec.past_budget,
+            volumes: o.spec.volumes,
         },
     ))
 }
@@ -1022,6 +1080,52 @@ mod tests {
     }
 
     #[test]
+    fn permits_the_api_server_holds_count_once_with_this_processs_own() {
+        let one = Budget::default_for(true);
+        let two = Budget {
+            max_moving: Some(2),
+            ..one.clone()
+        };
+        let theirs = Permit {
+            pod: "ns/db-0".into(),
+            uid: "uid-db-0".into(),
+            machine: "other/x".into(),
+            since: t(0),
+            past_budget: false,
+            volumes: true,
+        };
+        let mut l = Ledger::default();
+        // Another process's move holds db's one permit.
+        l.set_held([(db(), theirs.clone())]);
+        let Answer::Wait { moving, .. } = l.ask(&ask("db-1", "b", 0), &one, t(1)) else {
+            panic!("held by the other process")
+        };
+        assert_eq!(moving, vec![theirs.clone()]);
+        assert_eq!(l.machines(), ["ns/b", "other/x"].map(String::from).into());
+        // This process's grant, also in the API server by the next ask:
+        // counted once.
+        let Answer::Granted(mine) = l.ask(&ask("db-1", "b", 0), &two, t(2)) else {
+            panic!("a second permit of two")
+        };
+        l.set_held([(db(), theirs.clone()), (db(), mine.clone())]);
+        assert_eq!(l.moving_of(&db()).len(), 2);
+        assert_eq!(l.in_flight(), 2);
+        assert_eq!(l.moves().len(), 2);
+        assert!(!granted(&l.ask(&ask("db-2", "c", 0), &two, t(3))));
+        // The other process ended its move: the next snapshot drops it.
+        l.set_held([(db(), mine)]);
+        assert!(granted(&l.ask(&ask("db-2", "c", 0), &two, t(4))));
+        // A pod whose permit the API server holds gets it again.
+        let mut resumed = Ledger::default();
+        resumed.set_held([(db(), theirs.clone())]);
+        let again = Ask {
+            machine: "other/x".into(),
+            ..ask("db-0", "x", 0)
+        };
+        assert_eq!(resumed.ask(&again, &one, t(5)), Answer::Granted(theirs));
+    }
+
+    #[test]
     fn a_rebuilt_ledger_holds_what_the_machines_recorded() {
         let one = Budget::default_for(true);
         let permit = Permit {
@@ -1033,7 +1137,7 @@ mod tests {
             volumes: true,
         };
         let mut l = Ledger::rebuild([(db(), permit.clone())]);
-        assert_eq!(l.moves().count(), 1);
+        assert_eq!(l.moves().len(), 1);
         assert!(!granted(&l.ask(&ask("db-1", "b", 0), &one, t(1))));
         // The recorded move resumes under its own permit.
         assert_eq!(

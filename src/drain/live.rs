@@ -16,7 +16,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
 use super::class::{VolumeContext, allows_data_loss};
 use super::ledger::{
-    Answer, Ask, Asker, Ledger, Workload, WorkloadTerms, budget_of, recorded_moves,
+    Answer, Ask, Asker, Ledger, Workload, WorkloadTerms, budget_of, held_permit, recorded_moves,
 };
 use super::plan::{DrainPlan, plan};
 use super::select::{fmt_key, pod_key};
@@ -70,7 +70,7 @@ impl LivePlan {
             return String::new();
         }
         let mut out = String::from(
-            "\nMove budgets, across every Machine's drain (the move ledger, rebuilt from every Machine's status.drain.moves):\n",
+            "\nMove budgets, across every Machine's drain (the move ledger: the MovePermits every berth process holds, and every Machine's status.drain.moves):\n",
         );
         for line in &self.budgets {
             out.push_str(&format!("  {line}\n"));
@@ -169,6 +169,8 @@ pub fn budget_lines(
             Answer::Capped { in_flight, cap } => {
                 format!("would wait: {in_flight} volume moves in flight, berth's cap of {cap}")
             }
+            // Said by a process's permit store only, never by the ledger.
+            Answer::Contended { .. } => "would wait: its permit is being taken".to_string(),
         };
         let mut line = format!("{key}: {workload}, {limit}: {verdict}");
         for b in bad {
@@ -318,7 +320,13 @@ async fn ledger_view(
         .list(&ListParams::default())
         .await?
         .items;
-    let ledger = Ledger::rebuild(recorded_moves(&machines));
+    let mut ledger = Ledger::rebuild(recorded_moves(&machines));
+    // The permits every berth process holds in the API server.
+    let permits = Api::<crate::api::MovePermit>::all(client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items;
+    ledger.set_held(permits.iter().filter_map(held_permit));
     let known = known_workloads(client, pods).await?;
     let key = format!(
         "{}/{}",

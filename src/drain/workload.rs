@@ -43,6 +43,24 @@ pub fn workload_of<'a>(
     Workload::new(&c.kind, ns, &c.name)
 }
 
+/// The owner reference of the workload of `pod` (see [`workload_of`]):
+/// its controller, or a ReplicaSet's controlling Deployment; `None` for a
+/// pod without a controller (it is its own workload).
+pub fn workload_owner(
+    pod: &Pod,
+    owners_of_replica_set: impl Fn(&str) -> Option<Vec<OwnerReference>>,
+) -> Option<OwnerReference> {
+    let c = controller(pod.metadata.owner_references.as_deref())?;
+    if c.kind == "ReplicaSet"
+        && c.api_version.starts_with("apps/")
+        && let Some(owners) = owners_of_replica_set(&c.name)
+        && let Some(d) = controller(Some(&owners))
+    {
+        return Some(d.clone());
+    }
+    Some(c.clone())
+}
+
 /// Whether StatefulSet `sts` still wants pod `pod` (a name of its,
 /// `<sts>-<ordinal>`): its ordinal is within the replicas it wants now
 /// (from `spec.ordinals.start`, 0 by default). `None` when the name is not

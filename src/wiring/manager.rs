@@ -16,7 +16,7 @@ use kube::runtime::events::{Recorder, Reporter};
 
 use super::watches::{Watches, watches};
 use crate::controller::AbortOnDrop;
-use crate::drain::engine::{Deps as DrainDeps, Drainer, Permits};
+use crate::drain::engine::{Deps as DrainDeps, Drainer, PermitStore, Permits};
 use crate::providers::Registry;
 use crate::telemetry::Metrics;
 use crate::telemetry::events::EventSink;
@@ -105,6 +105,23 @@ impl From<Client> for Clients {
     }
 }
 
+/// The move ledger every drain of this process asks: its permits of
+/// bounded budgets written with `client` and read from the cache of every
+/// process's, for the Machines of `settings.namespace`.
+fn move_ledger(
+    client: &Client,
+    caches: &crate::cache::Caches,
+    settings: &Settings,
+    metrics: &Arc<Metrics>,
+) -> Permits {
+    let store = PermitStore::new(
+        client.clone(),
+        caches.move_permits.clone(),
+        settings.namespace.clone(),
+    );
+    Permits::new(settings.max_volume_moves, Arc::clone(metrics), store)
+}
+
 /// Runs the controllers until `shutdown` resolves, then lets reconciles in
 /// flight finish (orphan collection stops at once). `ready` is called once
 /// every cache has synced. Provider calls, reconciles, drains and Machine
@@ -145,13 +162,14 @@ pub async fn run(
         Arc::clone(&metrics),
         crate::telemetry::events::QUEUE,
     );
+    let permits = move_ledger(&client, &caches, &settings, &metrics);
     let (drainer, drains_done) = Drainer::new(DrainDeps {
         drain_client: per_drain,
         caches: caches.clone(),
         tracker,
         metrics: Arc::clone(&metrics),
         events: events.clone(),
-        permits: Permits::new(settings.max_volume_moves, Arc::clone(&metrics)),
+        permits,
     });
 
     // One shutdown for every controller.

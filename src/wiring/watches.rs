@@ -21,7 +21,9 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
-use crate::api::{Machine, MachineClass, MachineDeployment, MachineSet, controlling_set};
+use crate::api::{
+    Machine, MachineClass, MachineDeployment, MachineSet, MovePermit, controlling_set,
+};
 use crate::cache::machines::MachinesByNode;
 use crate::cache::wakes::{NodeChanges, WakeStream, Wakes};
 use crate::cache::{Caches, Index, Indexes, trim};
@@ -104,6 +106,9 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
     let (pod_changes_tx, pod_changes) = tokio::sync::watch::channel(0u64);
     let (pdb_changes_tx, pdb_changes) = tokio::sync::watch::channel(0u64);
     let (workload_changes_tx, workload_changes) = tokio::sync::watch::channel(0u64);
+    // The move ledger's permits, of every namespace and process.
+    let (permit_changes_tx, permit_changes) = tokio::sync::watch::channel(0u64);
+    let (move_permits, move_permits_w) = reflector::store();
     let (listed_tx, machines_listed) = tokio::sync::watch::channel(false);
     let (gone_tx, machines_gone) = tokio::sync::watch::channel(0u64);
     let (synced_tx, synced) = tokio::sync::watch::channel(false);
@@ -121,12 +126,14 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         replica_sets,
         stateful_sets,
         deployments,
+        move_permits,
         indexes: Indexes::default(),
         machines_by_node: MachinesByNode::default(),
         machines_by_set: Index::new(controlling_set),
         pod_changes,
         pdb_changes,
         workload_changes,
+        permit_changes,
         machines_gone,
         machines_listed,
         synced,
@@ -177,10 +184,9 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         quiet(csi_drivers_w, Api::all(client.clone()), trim::csi_driver).boxed(),
         workloads(
             client,
-            replica_sets_w,
-            stateful_sets_w,
-            deployments_w,
+            (replica_sets_w, stateful_sets_w, deployments_w),
             workload_changes_tx,
+            (move_permits_w, permit_changes_tx),
         ),
         sync(caches.clone(), synced_tx).into_stream().boxed(),
     ])
@@ -196,16 +202,23 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
     }
 }
 
-/// The watches of the workloads the move ledger reads: ReplicaSets'
-/// metadata (whose Deployment a pod's ReplicaSet is), StatefulSets and
-/// Deployments (their budgets, `minReadySeconds`, wanted and available
-/// replicas; each event bumps `changes`).
+/// The watches the move ledger reads: ReplicaSets' metadata (whose
+/// Deployment a pod's ReplicaSet is), StatefulSets and Deployments (their
+/// budgets, `minReadySeconds`, wanted and available replicas; each event
+/// bumps `changes`), and the permits in the API server (each event bumps
+/// their own signal).
 fn workloads(
     client: &Client,
-    replica_sets: reflector::store::Writer<PartialObjectMeta<ReplicaSet>>,
-    stateful_sets: reflector::store::Writer<StatefulSet>,
-    deployments: reflector::store::Writer<Deployment>,
+    (replica_sets, stateful_sets, deployments): (
+        reflector::store::Writer<PartialObjectMeta<ReplicaSet>>,
+        reflector::store::Writer<StatefulSet>,
+        reflector::store::Writer<Deployment>,
+    ),
     changes: tokio::sync::watch::Sender<u64>,
+    (permits, permit_changes): (
+        reflector::store::Writer<MovePermit>,
+        tokio::sync::watch::Sender<u64>,
+    ),
 ) -> BoxStream<'static, ()> {
     let changes = std::sync::Arc::new(changes);
     let bump = move || {
@@ -218,6 +231,9 @@ fn workloads(
             .boxed(),
         quiet(deployments, Api::all(client.clone()), trim::deployment)
             .inspect(bump())
+            .boxed(),
+        quiet(permits, Api::all(client.clone()), trim::metadata)
+            .inspect(move |_| permit_changes.send_modify(|n| *n = n.wrapping_add(1)))
             .boxed(),
         reflector::reflector(
             replica_sets,
@@ -416,6 +432,7 @@ async fn sync(c: Caches, synced: tokio::sync::watch::Sender<bool>) {
         c.replica_sets.wait_until_ready(),
         c.stateful_sets.wait_until_ready(),
         c.deployments.wait_until_ready(),
+        c.move_permits.wait_until_ready(),
     );
     let _ = synced.send(true);
     // Keeps the sender, so that `synced` never reads as closed.

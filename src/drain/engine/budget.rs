@@ -2,6 +2,7 @@
 //! budget of each pod it moves, its asks for permits, and the permits it
 //! gives back when a move never began or the drain ends.
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::events::EventType;
 use kube::runtime::reflector::ObjectRef;
@@ -130,14 +131,26 @@ impl NodeDrain {
     /// past the deadline, which is warned); `Err`: what it waits for, which
     /// `status.drain` and an Event (once per pod and what it waits for)
     /// say.
-    pub(super) fn permit(&self, p: &PlannedPod) -> Result<Workload, String> {
+    pub(super) async fn permit(&self, p: &PlannedPod) -> Result<Workload, String> {
         let (workload, budget, terms) = self.workload_of(p);
-        self.permit_for(p, workload, &budget, &terms)
+        self.permit_for(p, workload, &budget, &terms).await
+    }
+
+    /// The owner reference of `p`'s workload, from the caches, if the pod
+    /// is still there: what its `MovePermit` is owned by.
+    fn workload_owner(&self, p: &PlannedPod) -> Option<OwnerReference> {
+        let pod = self.view().pod(&p.pod, p.uid.as_deref())?;
+        let replica_sets = &self.deps.caches.replica_sets;
+        crate::drain::workload::workload_owner(&pod, |rs| {
+            replica_sets
+                .get(&ObjectRef::new(rs).within(&p.pod.0))
+                .map(|m| m.metadata.owner_references.clone().unwrap_or_default())
+        })
     }
 
     /// [`NodeDrain::permit`] for `p` of `workload`, whose object says
     /// `terms`, under `budget`.
-    fn permit_for(
+    async fn permit_for(
         &self,
         p: &PlannedPod,
         workload: Workload,
@@ -172,7 +185,8 @@ impl NodeDrain {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
-        let (why, holders) = match self.deps.permits.ask(&ask, budget) {
+        let owner = self.workload_owner(p);
+        let (why, holders) = match self.deps.permits.ask(&ask, budget, owner.as_ref()).await {
             Answer::Granted(_) => return Ok(workload),
             Answer::Bypassed { moving, .. } => {
                 let beyond = match budget.max_moving {
@@ -217,6 +231,16 @@ impl NodeDrain {
                 }
                 (why, holders.join(","))
             }
+            Answer::Contended { error: None } => (
+                format!(
+                    "pod {key} waits: {workload}'s permit was taken by another berth process at the same moment"
+                ),
+                "contended".to_string(),
+            ),
+            Answer::Contended { error: Some(e) } => (
+                format!("pod {key} waits: its permit of {workload} cannot be written: {e}"),
+                "unwritten".to_string(),
+            ),
             Answer::Capped { in_flight, cap } => (
                 format!(
                     "pod {key} waits: {in_flight} volume moves are in flight across every drain, berth's cap (--max-volume-moves {cap})"
@@ -301,7 +325,7 @@ impl NodeDrain {
     /// for pods without volumes, where PodDisruptionBudgets alone govern),
     /// a permit of the ledger, as a stateful pod's. `Ok(None)`: no gate;
     /// `Err`: what it waits for (the pod is left to a later pass).
-    pub(super) fn stateless_gate(&self, p: &PlannedPod) -> Result<Option<Gate>, String> {
+    pub(super) async fn stateless_gate(&self, p: &PlannedPod) -> Result<Option<Gate>, String> {
         let (workload, budget, terms) = self.workload_of(p);
         if budget.max_moving.is_none() {
             return Ok(None);
@@ -310,7 +334,7 @@ impl NodeDrain {
             crate::drain::workload::controller(pod.metadata.owner_references.as_deref())
                 .map(|c| c.uid.clone())
         });
-        let workload = self.permit_for(p, workload, &budget, &terms)?;
+        let workload = self.permit_for(p, workload, &budget, &terms).await?;
         Ok(Some(Gate {
             workload,
             budget,

@@ -145,6 +145,16 @@ struct BudgetWaits {
     halted: bool,
 }
 
+/// What wakes a pass that waits for a permit, each subscribed before the
+/// pass asked: a permit of this process freed, a Machine gone, a
+/// workload's availability changed, a permit changed in the API server.
+struct BudgetWakes {
+    freed: watch::Receiver<u64>,
+    gone: watch::Receiver<u64>,
+    workloads: watch::Receiver<u64>,
+    permits: watch::Receiver<u64>,
+}
+
 impl From<(BudgetWaits, BudgetWaits)> for BudgetWaits {
     fn from((a, b): (BudgetWaits, BudgetWaits)) -> Self {
         let mut pods = a.pods;
@@ -397,6 +407,8 @@ impl NodeDrain {
         gone.borrow_and_update();
         let mut workloads = self.deps.caches.workload_changes.clone();
         workloads.borrow_and_update();
+        let mut permits = self.deps.caches.permit_changes.clone();
+        permits.borrow_and_update();
         let terminating = futures::future::join_all(
             plan.terminating
                 .iter()
@@ -434,8 +446,13 @@ impl NodeDrain {
             };
             tokio::join!(evictions, terminating).0
         };
-        self.wait_for_budget(waits.into(), &mut freed, &mut gone, &mut workloads)
-            .await;
+        let mut wakes = BudgetWakes {
+            freed,
+            gone,
+            workloads,
+            permits,
+        };
+        self.wait_for_budget(waits.into(), &mut wakes).await;
     }
 
     /// The pods of this pass that wait for their workload's permit (`uid`,
@@ -443,17 +460,12 @@ impl NodeDrain {
     /// them only, `status.drain` names them, and unless a stateful move of
     /// this pass stalled (`halted`), the pass waits until a permit of this
     /// process frees or an ask is withdrawn (then the next pass asks
-    /// again), a Machine that may have held a permit is gone, a workload's
+    /// again) or one of another process's permits changed, a Machine that
+    /// may have held a permit is gone, a workload's
     /// availability may have changed (a replica down for another reason
     /// holds its budget too), a stalled move of this drain can go on (its
     /// volumes are off the Node), or the deadline.
-    async fn wait_for_budget(
-        &self,
-        waits: BudgetWaits,
-        freed: &mut watch::Receiver<u64>,
-        gone: &mut watch::Receiver<u64>,
-        workloads: &mut watch::Receiver<u64>,
-    ) {
+    async fn wait_for_budget(&self, waits: BudgetWaits, wakes: &mut BudgetWakes) {
         let uids: Vec<String> = waits.pods.iter().map(|(uid, _)| uid.clone()).collect();
         self.deps.permits.keep_waiting(&self.machine_key(), &uids);
         let why = (!waits.pods.is_empty()).then(|| {
@@ -467,9 +479,10 @@ impl NodeDrain {
         }
         self.update(|p| p.waiting_for = Some(why));
         tokio::select! {
-            _ = freed.changed() => {}
-            _ = gone.changed() => {}
-            _ = workloads.changed() => {}
+            _ = wakes.freed.changed() => {}
+            _ = wakes.gone.changed() => {}
+            _ = wakes.workloads.changed() => {}
+            _ = wakes.permits.changed() => {}
             () = self.stalled_detached(self.deadline()) => {}
             () = tokio::time::sleep_until(self.deadline()) => {}
         }
@@ -486,7 +499,7 @@ impl NodeDrain {
         let mut waits = BudgetWaits::default();
         let mut going = Vec::new();
         for p in &plan.stateless {
-            match self.stateless_gate(p) {
+            match self.stateless_gate(p).await {
                 Ok(gate) => going.push((p, gate)),
                 Err(why) => waits
                     .pods
@@ -611,7 +624,7 @@ impl NodeDrain {
                     // The workload's budget across every drain: a pod that
                     // must wait for it is left to a later pass, and the
                     // chain goes on with other workloads.
-                    let workload = match self.permit(p) {
+                    let workload = match self.permit(p).await {
                         Ok(workload) => workload,
                         Err(why) => {
                             if let Ok(mut w) = waiting.lock() {

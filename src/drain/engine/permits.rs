@@ -1,41 +1,65 @@
-//! The move ledger of this controller process, shared by every drain (one
-//! per leadership term: a new leader starts with a new one).
+//! The move ledger of this controller process, shared by every drain, and
+//! its permits kept in the API server, shared by every berth process.
 //!
-//! The decisions are the pure [`Ledger`]'s; this holds it behind a lock,
-//! rebuilds it from the moves every Machine recorded in `status.drain.moves`
-//! before the first drain asks anything (a restart or a new leader finds
-//! the moves in flight there), tells the drains that wait when a move ends
-//! or an ask is withdrawn, so that they ask again, and keeps the metrics of
-//! the moves in flight and of the time asks waited.
+//! The decisions are the pure [`Ledger`]'s; this holds it behind a lock.
+//! A permit of a workload whose budget is bounded is a
+//! [`MovePermit`](crate::api::MovePermit) object beside the workload,
+//! taken by creating it (the API server grants a name to one creator, so
+//! two processes, whatever their scope, never hold the same permit) and
+//! ended by deleting it; before each ask the ledger is told every permit
+//! the cache of those objects holds (with this process's own writes the
+//! cache has not shown yet). A move of a workload without a bound, and the
+//! line of asks that wait, stay in this process. The moves every Machine
+//! recorded in `status.drain.moves` are read once, before the first drain
+//! asks anything (a restart, a new leader, or an upgrade from a release
+//! that kept permits in the process only). Drains that wait are told when
+//! a move ends or an ask is withdrawn, here or in another process (the
+//! permits' watch), so that they ask again; the metrics of the moves in
+//! flight and of the time asks waited are kept here.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
 use k8s_openapi::jiff::Timestamp;
+use kube::Client;
+use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use kube::runtime::reflector::Store;
 use tokio::sync::watch;
 
-use crate::api::Machine;
-use crate::drain::ledger::{Answer, Ask, Budget, Ledger, Workload, recorded_moves};
+use crate::api::{Machine, MovePermit, MovePermitSpec, permit_name};
+use crate::drain::ledger::{
+    Answer, Ask, Budget, Ledger, Permit, Workload, held_permit, recorded_moves,
+};
 use crate::telemetry::{Metrics, WORKLOAD_KINDS};
+
+/// How long after a permit could not be written the drains that wait ask
+/// again (nothing else would wake them: no permit changed).
+const RETRY_WRITE_AFTER: Duration = Duration::from_secs(5);
 
 pub(crate) struct Permits {
     ledger: Mutex<Ledger>,
+    /// The permits in the API server.
+    store: PermitStore,
     /// The cap on moves in flight, of every workload together.
     cap: Option<usize>,
     /// Bumped on every end and withdrawal: a waiting drain asks again.
-    freed: watch::Sender<u64>,
+    freed: Arc<watch::Sender<u64>>,
     /// Set once the ledger was rebuilt from the Machines' records.
     rebuilt: OnceLock<()>,
     metrics: Arc<Metrics>,
 }
 
 impl Permits {
-    /// An empty ledger whose moves in flight are at most `cap` (`None`: no
-    /// cap), until it is rebuilt.
-    pub(crate) fn new(cap: Option<usize>, metrics: Arc<Metrics>) -> Self {
+    /// A ledger whose moves in flight are at most `cap` (`None`: no cap),
+    /// with its permits in `store`, until it is rebuilt.
+    pub(crate) fn new(cap: Option<usize>, metrics: Arc<Metrics>, store: PermitStore) -> Self {
         Self {
             ledger: Mutex::new(Ledger::default().with_cap(cap)),
+            store,
             cap,
-            freed: watch::channel(0).0,
+            freed: Arc::new(watch::channel(0).0),
             rebuilt: OnceLock::new(),
             metrics,
         }
@@ -60,30 +84,78 @@ impl Permits {
         });
     }
 
-    /// Asks the ledger (see [`Ledger::ask`]); a grant after a wait is
-    /// counted in the time asks waited.
-    pub(crate) fn ask(&self, ask: &Ask, budget: &Budget) -> Answer {
-        let Ok(mut l) = self.ledger.lock() else {
-            // A poisoned ledger cannot say who moves: nobody does until the
-            // next leadership term builds a new one.
-            return Answer::Wait {
-                moving: Vec::new(),
-                ahead: Vec::new(),
-                degraded: 0,
-            };
-        };
+    /// Asks the ledger (see [`Ledger::ask`]) with every permit the API
+    /// server holds; a grant of a bounded budget is taken there as a
+    /// `MovePermit` owned by `owner` (the workload object, if known)
+    /// before it is answered. A grant after a wait is counted in the time
+    /// asks waited.
+    pub(crate) async fn ask(
+        &self,
+        ask: &Ask,
+        budget: &Budget,
+        owner: Option<&OwnerReference>,
+    ) -> Answer {
+        let held = self.store.held();
         let now = Timestamp::now();
-        let since = l.waiting_since(&ask.workload, &ask.uid);
-        let answer = l.ask(ask, budget, now);
-        if let (Answer::Granted(_) | Answer::Bypassed { .. }, Some(since)) = (&answer, since) {
+        let (answer, since) = {
+            let Ok(mut l) = self.ledger.lock() else {
+                // A poisoned ledger cannot say who moves: nobody does until
+                // the next leadership term builds a new one.
+                return Answer::Contended {
+                    error: Some("the move ledger is poisoned".into()),
+                };
+            };
+            l.set_held(held.iter().map(|h| (h.workload.clone(), h.permit.clone())));
+            let since = l.waiting_since(&ask.workload, &ask.uid);
+            let answer = l.ask(ask, budget, now);
+            self.publish(&l);
+            (answer, since)
+        };
+        let permit = match &answer {
+            Answer::Granted(p) | Answer::Bypassed { permit: p, .. } => p.clone(),
+            _ => return answer,
+        };
+        let in_store = held
+            .iter()
+            .any(|h| h.workload == ask.workload && h.permit.uid == ask.uid);
+        if budget.max_moving.is_some() && !in_store {
+            let slots: BTreeSet<u32> = self.store.slots_of(&ask.workload);
+            let beyond = matches!(answer, Answer::Bypassed { .. });
+            let taken = match free_slot(&slots, budget.max_moving, beyond) {
+                Some(slot) => {
+                    let object = permit_object(&ask.workload, &permit, slot, owner);
+                    self.store.take(object).await
+                }
+                None => Err(None),
+            };
+            if let Err(error) = taken {
+                if let Ok(mut l) = self.ledger.lock() {
+                    l.end(&ask.workload, &ask.uid);
+                    self.publish(&l);
+                }
+                if error.is_some() {
+                    self.retry_later();
+                }
+                return Answer::Contended { error };
+            }
+        }
+        if let Some(since) = since {
             let waited = now.duration_since(since).as_secs_f64().max(0.0);
             self.metrics
                 .move_budget_wait
                 .with_label_values(&[kind_label(&ask.workload)])
                 .observe(waited);
         }
-        self.publish(&l);
         answer
+    }
+
+    /// Wakes the drains that wait after [`RETRY_WRITE_AFTER`].
+    fn retry_later(&self) {
+        let freed = Arc::clone(&self.freed);
+        tokio::spawn(async move {
+            tokio::time::sleep(RETRY_WRITE_AFTER).await;
+            freed.send_modify(|n| *n += 1);
+        });
     }
 
     /// The cap on moves in flight, if there is one.
@@ -91,14 +163,18 @@ impl Permits {
         self.cap
     }
 
-    /// The move of `uid` ended (or never began): its permit is free.
+    /// The move of `uid` ended (or never began): its permit is free, here
+    /// and in the API server.
     pub(crate) fn end(&self, workload: &Workload, uid: &str) {
         let ended = self.ledger.lock().is_ok_and(|mut l| {
             let ended = l.end(workload, uid);
             self.publish(&l);
             ended
         });
-        if ended {
+        let stored = self
+            .store
+            .end(|h| h.workload == *workload && h.permit.uid == uid);
+        if ended || stored > 0 {
             self.freed.send_modify(|n| *n += 1);
         }
     }
@@ -117,20 +193,26 @@ impl Permits {
                 ended
             })
             .unwrap_or(0);
-        if ended > 0 {
+        let stored = self
+            .store
+            .end(|h| h.permit.machine == machine && !keep.contains(&h.permit.uid));
+        if ended + stored > 0 {
             self.freed.send_modify(|n| *n += 1);
         }
     }
 
-    /// Ends the moves and withdraws the asks of every Machine that no
-    /// longer `exists` (deleted while its drain held a permit: its finalizer
-    /// removed by hand, or the object gone while this process was away).
+    /// Ends the moves and withdraws the asks of every Machine of this
+    /// process's scope that no longer `exists` (deleted while its drain
+    /// held a permit: its finalizer removed by hand, or the object gone
+    /// while this process was away). A Machine of another scope is another
+    /// process's to judge.
     pub(crate) fn release_vanished(&self, exists: impl Fn(&str) -> bool) {
-        let gone: Vec<String> = self
+        let mut gone: BTreeSet<String> = self
             .ledger
             .lock()
             .map(|l| l.machines().into_iter().filter(|m| !exists(m)).collect())
             .unwrap_or_default();
+        gone.retain(|m| self.store.in_scope(m));
         for machine in gone {
             tracing::info!(%machine, "the Machine is gone: its moves' permits are free");
             self.release_machine(&machine, &[]);
@@ -152,7 +234,8 @@ impl Permits {
         }
     }
 
-    /// Bumped whenever a permit may have freed.
+    /// Bumped whenever a permit of this process may have freed (the
+    /// permits' watch says when another process's did).
     pub(crate) fn freed(&self) -> watch::Receiver<u64> {
         self.freed.subscribe()
     }
@@ -160,15 +243,258 @@ impl Permits {
     /// The moves in flight per workload kind, for the metrics.
     fn publish(&self, l: &Ledger) {
         let gauge = &self.metrics.volume_moves_in_flight;
-        let mut by_kind: std::collections::BTreeMap<&str, i64> = Default::default();
-        for (w, _) in l.moves().filter(|(_, p)| p.volumes) {
-            *by_kind.entry(kind_label(w)).or_default() += 1;
-        }
+        let by_kind = by_kind(&l.moves());
         for kind in WORKLOAD_KINDS {
             gauge
                 .with_label_values(&[kind])
                 .set(by_kind.get(kind).copied().unwrap_or(0));
         }
+    }
+}
+
+/// The moves of volumes among `moves`, counted by workload kind label.
+fn by_kind(moves: &[(Workload, Permit)]) -> BTreeMap<&'static str, i64> {
+    let mut by_kind = BTreeMap::new();
+    for (w, _) in moves.iter().filter(|(_, p)| p.volumes) {
+        *by_kind.entry(kind_label(w)).or_default() += 1;
+    }
+    by_kind
+}
+
+/// A permit the API server holds (or this process wrote and the cache has
+/// not shown yet).
+#[derive(Debug, Clone, PartialEq)]
+struct Held {
+    workload: Workload,
+    permit: Permit,
+    /// The object's namespace and name, and its UID (for the deletion's
+    /// precondition).
+    key: (String, String),
+    uid: Option<String>,
+}
+
+/// The `MovePermit` objects of every process, read from their cache, and
+/// this process's writes of them.
+pub(crate) struct PermitStore {
+    client: Client,
+    cache: Store<MovePermit>,
+    /// The namespace of this process's Machines (`None`: every namespace).
+    scope: Option<String>,
+    /// Permits taken here that the cache does not show yet.
+    taken: Mutex<BTreeMap<(String, String), MovePermit>>,
+    /// Permits ended here whose object the cache still shows.
+    ended: Mutex<BTreeSet<(String, String)>>,
+}
+
+impl PermitStore {
+    /// Permits written with `client` and read from `cache`, for a process
+    /// whose Machines are those of `scope` (`None`: all).
+    pub(crate) fn new(client: Client, cache: Store<MovePermit>, scope: Option<String>) -> Self {
+        Self {
+            client,
+            cache,
+            scope,
+            taken: Mutex::default(),
+            ended: Mutex::default(),
+        }
+    }
+
+    /// Whether Machine `machine` (`namespace/name`) is of this process's
+    /// scope.
+    fn in_scope(&self, machine: &str) -> bool {
+        self.scope
+            .as_deref()
+            .is_none_or(|ns| machine.split_once('/').is_some_and(|(m, _)| m == ns))
+    }
+
+    /// Every permit held now: the cache's, less those ended here, with
+    /// those taken here that it does not show yet. What the cache has
+    /// caught up with is forgotten here.
+    fn held(&self) -> Vec<Held> {
+        let objects = self.cache.state();
+        let keys: BTreeSet<(String, String)> = objects.iter().map(|o| key_of(o)).collect();
+        let mut taken = self.taken.lock().map(|t| t.clone()).unwrap_or_default();
+        if let Ok(mut t) = self.taken.lock() {
+            t.retain(|k, _| !keys.contains(k));
+            taken.retain(|k, _| !keys.contains(k));
+        }
+        let ended = match self.ended.lock() {
+            Ok(mut e) => {
+                e.retain(|k| keys.contains(k));
+                e.clone()
+            }
+            Err(_) => BTreeSet::new(),
+        };
+        objects
+            .iter()
+            .map(|o| &**o)
+            .filter(|o| !ended.contains(&key_of(o)))
+            .chain(taken.values())
+            .filter_map(held_of)
+            .collect()
+    }
+
+    /// The slots of `workload` whose object exists, ended or not (a name
+    /// still there cannot be created again).
+    fn slots_of(&self, workload: &Workload) -> BTreeSet<u32> {
+        let taken = self.taken.lock().map(|t| t.clone()).unwrap_or_default();
+        self.cache
+            .state()
+            .iter()
+            .map(|o| (**o).clone())
+            .chain(taken.into_values())
+            .filter(|o| held_of(o).is_some_and(|h| h.workload == *workload))
+            .filter_map(|o| slot_of(o.metadata.name.as_deref()?))
+            .collect()
+    }
+
+    /// Creates `object`: `Err(None)` when its name is taken (another
+    /// process's permit), `Err(Some(why))` when the write failed.
+    async fn take(&self, object: MovePermit) -> Result<(), Option<String>> {
+        let ns = object.metadata.namespace.clone().unwrap_or_default();
+        let api: Api<MovePermit> = Api::namespaced(self.client.clone(), &ns);
+        match api.create(&PostParams::default(), &object).await {
+            Ok(created) => {
+                if let Ok(mut t) = self.taken.lock() {
+                    t.insert(key_of(&created), created);
+                }
+                Ok(())
+            }
+            Err(kube::Error::Api(s)) if s.code == 409 => Err(None),
+            Err(e) => {
+                tracing::warn!(error = %e, permit = ?key_of(&object), "cannot take a move permit");
+                Err(Some(e.to_string()))
+            }
+        }
+    }
+
+    /// Ends every permit held that `which` picks: forgotten here at once,
+    /// its object deleted in the background (pinned to its UID, retried
+    /// with backoff; gone or replaced counts as done). How many.
+    fn end(&self, which: impl Fn(&Held) -> bool) -> usize {
+        let ending: Vec<Held> = self.held().into_iter().filter(|h| which(h)).collect();
+        for h in &ending {
+            if let Ok(mut t) = self.taken.lock() {
+                t.remove(&h.key);
+            }
+            if let Ok(mut e) = self.ended.lock() {
+                e.insert(h.key.clone());
+            }
+            let api: Api<MovePermit> = Api::namespaced(self.client.clone(), &h.key.0);
+            let (name, uid) = (h.key.1.clone(), h.uid.clone());
+            tokio::spawn(async move { delete_permit(api, name, uid).await });
+        }
+        ending.len()
+    }
+}
+
+/// Deletes permit `name` (UID `uid`), retried with backoff for about ten
+/// minutes: a permit left behind holds its workload until its Machine's
+/// drain or its Machine's end releases it again.
+async fn delete_permit(api: Api<MovePermit>, name: String, uid: Option<String>) {
+    use backon::BackoffBuilder;
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid,
+            resource_version: None,
+        }),
+        ..DeleteParams::default()
+    };
+    let mut backoff = backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(200))
+        .with_max_delay(Duration::from_secs(60))
+        .with_jitter()
+        .with_max_times(15)
+        .build();
+    loop {
+        match api.delete(&name, &params).await {
+            Ok(_) => return,
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => return,
+            Err(e) => match backoff.next() {
+                Some(pause) => {
+                    tracing::debug!(error = %e, permit = %name, "deleting a move permit failed; retrying");
+                    tokio::time::sleep(pause).await;
+                }
+                None => {
+                    tracing::error!(error = %e, permit = %name, "cannot delete a move permit: it holds its workload until its Machine's drain releases it again");
+                    return;
+                }
+            },
+        }
+    }
+}
+
+/// An object's namespace and name.
+fn key_of(o: &MovePermit) -> (String, String) {
+    (
+        o.metadata.namespace.clone().unwrap_or_default(),
+        o.metadata.name.clone().unwrap_or_default(),
+    )
+}
+
+/// The slot of a permit's name (`<kind>.<name>.<slot>`).
+fn slot_of(name: &str) -> Option<u32> {
+    name.rsplit_once('.')?.1.parse().ok()
+}
+
+/// What a `MovePermit` says, as the ledger counts it, with its object's
+/// name and UID.
+fn held_of(o: &MovePermit) -> Option<Held> {
+    let (workload, permit) = held_permit(o)?;
+    Some(Held {
+        workload,
+        permit,
+        key: key_of(o),
+        uid: o.metadata.uid.clone(),
+    })
+}
+
+/// The lowest slot not in `taken`: below `budget` (`None`: unbounded)
+/// unless `beyond` (a drain past its deadline), where any slot will do.
+fn free_slot(taken: &BTreeSet<u32>, budget: Option<u32>, beyond: bool) -> Option<u32> {
+    let limit = if beyond { None } else { budget };
+    (0..limit.unwrap_or(u32::MAX)).find(|s| !taken.contains(s))
+}
+
+/// The `MovePermit` of `permit`, of `workload`, in `slot`, owned by `owner`.
+fn permit_object(
+    workload: &Workload,
+    permit: &Permit,
+    slot: u32,
+    owner: Option<&OwnerReference>,
+) -> MovePermit {
+    let pod = permit
+        .pod
+        .split_once('/')
+        .map_or(permit.pod.as_str(), |(_, name)| name);
+    MovePermit {
+        metadata: ObjectMeta {
+            name: Some(permit_name(&workload.kind, &workload.name, slot)),
+            namespace: Some(workload.namespace.clone()),
+            labels: Some(BTreeMap::from([(
+                "app.kubernetes.io/managed-by".to_string(),
+                "berth".to_string(),
+            )])),
+            // Not blocking the owner's deletion: that would need the right
+            // to update its finalizers.
+            owner_references: owner.map(|o| {
+                vec![OwnerReference {
+                    controller: None,
+                    block_owner_deletion: None,
+                    ..o.clone()
+                }]
+            }),
+            ..ObjectMeta::default()
+        },
+        spec: MovePermitSpec {
+            workload: workload_name(workload),
+            pod: pod.to_string(),
+            pod_uid: permit.uid.clone(),
+            machine: permit.machine.clone(),
+            since: Time(permit.since),
+            past_budget: permit.past_budget,
+            volumes: permit.volumes,
+        },
     }
 }
 
@@ -191,62 +517,96 @@ pub(super) fn workload_name(w: &Workload) -> String {
 mod tests {
     use super::*;
 
-    fn ask(pod: &str, kind: &str, machine: &str) -> Ask {
-        Ask {
-            workload: Workload::new(kind, "ns", "w"),
-            pod: format!("ns/{pod}"),
+    fn permit(pod: &str, machine: &str) -> Permit {
+        Permit {
+            pod: format!("db/{pod}"),
             uid: format!("uid-{pod}"),
-            machine: format!("ns/{machine}"),
-            priority: 0,
-            requested: Timestamp::UNIX_EPOCH,
-            past_deadline: false,
+            machine: machine.into(),
+            since: Timestamp::from_second(1_700_000_000).expect("time"),
+            past_budget: false,
             volumes: true,
-            unavailable: 0,
         }
     }
 
     #[test]
-    fn a_vanished_machine_frees_its_permits_and_wakes_the_waiting() {
-        let metrics = Arc::new(Metrics::new().expect("metrics"));
-        let permits = Permits::new(Some(10), Arc::clone(&metrics));
-        let mut freed = permits.freed();
-        let one = Budget::default_for(true);
-        let gauge = |kind: &str| {
-            metrics
-                .volume_moves_in_flight
-                .with_label_values(&[kind])
-                .get()
+    fn a_permit_object_says_whose_move_holds_it_and_reads_back_the_same() {
+        let db = Workload::new("StatefulSet", "db", "pg");
+        let owner = OwnerReference {
+            api_version: "apps/v1".into(),
+            kind: "StatefulSet".into(),
+            name: "pg".into(),
+            uid: "uid-pg".into(),
+            controller: Some(true),
+            block_owner_deletion: Some(true),
         };
-        assert!(matches!(
-            permits.ask(&ask("db-0", "StatefulSet", "a"), &one),
-            Answer::Granted(_)
-        ));
-        assert!(matches!(
-            permits.ask(&ask("x-0", "CustomDatabase", "a"), &one),
-            Answer::Granted(_)
-        ));
-        assert_eq!((gauge("StatefulSet"), gauge("other")), (1, 1));
-        assert!(matches!(
-            permits.ask(&ask("db-1", "StatefulSet", "b"), &one),
-            Answer::Wait { .. }
-        ));
-        freed.borrow_and_update();
-        // Machine b still exists: nothing changes.
-        permits.release_vanished(|m| m != "ns/c");
-        assert!(!freed.has_changed().expect("open"));
-        // Machine a is gone: its permits are free, the waiting drain is
-        // woken, and db-1 goes, counted as having waited.
-        permits.release_vanished(|m| m != "ns/a");
-        assert!(freed.has_changed().expect("open"));
-        assert_eq!((gauge("StatefulSet"), gauge("other")), (0, 0));
-        assert!(matches!(
-            permits.ask(&ask("db-1", "StatefulSet", "b"), &one),
-            Answer::Granted(_)
-        ));
-        let waited = metrics
-            .move_budget_wait
-            .with_label_values(&["StatefulSet"])
-            .get_sample_count();
-        assert_eq!(waited, 1);
+        let p = permit("pg-0", "pool/a");
+        let mut o = permit_object(&db, &p, 0, Some(&owner));
+        assert_eq!(o.metadata.name.as_deref(), Some("statefulset.pg.0"));
+        assert_eq!(o.metadata.namespace.as_deref(), Some("db"));
+        let owners = o.metadata.owner_references.clone().expect("owned");
+        assert_eq!(owners[0].uid, "uid-pg");
+        assert_eq!(
+            (owners[0].controller, owners[0].block_owner_deletion),
+            (None, None),
+            "neither controls nor blocks its workload"
+        );
+        assert_eq!(
+            (o.spec.workload.as_str(), o.spec.pod.as_str()),
+            ("StatefulSet/pg", "pg-0")
+        );
+        o.metadata.uid = Some("uid-permit".into());
+        let held = held_of(&o).expect("reads back");
+        assert_eq!(held.workload, db);
+        assert_eq!(held.permit, p);
+        assert_eq!(held.key, ("db".to_string(), "statefulset.pg.0".to_string()));
+        assert_eq!(held.uid.as_deref(), Some("uid-permit"));
+        assert_eq!(slot_of("statefulset.pg.12"), Some(12));
+        assert_eq!(slot_of("statefulset.pg"), None);
+        // Without a known owner it is owned by nothing (a bare pod's).
+        assert!(
+            permit_object(&db, &p, 1, None)
+                .metadata
+                .owner_references
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn a_permit_takes_the_lowest_free_slot_of_its_budget() {
+        let taken = |s: &[u32]| s.iter().copied().collect::<BTreeSet<u32>>();
+        assert_eq!(free_slot(&taken(&[]), Some(1), false), Some(0));
+        assert_eq!(free_slot(&taken(&[0]), Some(1), false), None);
+        assert_eq!(free_slot(&taken(&[0, 2]), Some(3), false), Some(1));
+        // Past the deadline, beyond the budget.
+        assert_eq!(free_slot(&taken(&[0]), Some(1), true), Some(1));
+        assert_eq!(free_slot(&taken(&[1]), Some(1), true), Some(0));
+        // A budget lowered while its permits are held: the high slots still
+        // exist and count; no slot below the new budget is free.
+        assert_eq!(free_slot(&taken(&[0, 1]), Some(1), false), None);
+    }
+
+    #[test]
+    fn moves_of_volumes_are_counted_by_workload_kind() {
+        let moves = vec![
+            (
+                Workload::new("StatefulSet", "db", "pg"),
+                permit("pg-0", "a"),
+            ),
+            (
+                Workload::new("CustomDatabase", "db", "x"),
+                permit("x-0", "a"),
+            ),
+            (
+                Workload::new("Deployment", "db", "web"),
+                Permit {
+                    volumes: false,
+                    ..permit("web-0", "a")
+                },
+            ),
+        ];
+        let counted = by_kind(&moves);
+        assert_eq!(counted.get("StatefulSet"), Some(&1));
+        assert_eq!(counted.get("other"), Some(&1));
+        assert_eq!(counted.get("Deployment"), None, "no volumes");
     }
 }

@@ -1,0 +1,118 @@
+//! `MovePermit`: one permit of a workload's move budget in use, kept in
+//! the API server so that every berth process (two `--namespace` scopes,
+//! two releases, a new leader) sees the same ones.
+//!
+//! A workload whose budget is `n` has `n` permits, named
+//! `<kind>.<name>.<slot>` in its namespace for the slots `0` to `n - 1`
+//! (`statefulset.db.0`): taking one is creating its object, which the API
+//! server grants to one creator only, so two processes never hold the
+//! same permit. A drain past its deadline takes a slot from `n` on (its
+//! `pastBudget` is true), counted like any other. A permit is ended by
+//! deleting its object; its owner reference is the workload, so a workload
+//! deleted takes its permits with it.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::{CustomResource, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+/// One permit of a workload's move budget, held by one pod's move.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[kube(
+    group = "berth.dev",
+    version = "v1alpha1",
+    kind = "MovePermit",
+    namespaced,
+    shortname = "mvp",
+    category = "berth",
+    printcolumn = r#"{"name":"Workload","type":"string","jsonPath":".spec.workload"}"#,
+    printcolumn = r#"{"name":"Pod","type":"string","jsonPath":".spec.pod"}"#,
+    printcolumn = r#"{"name":"Machine","type":"string","jsonPath":".spec.machine"}"#,
+    printcolumn = r#"{"name":"Past-Budget","type":"boolean","jsonPath":".spec.pastBudget"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct MovePermitSpec {
+    /// The workload whose budget the permit is of, `Kind/name` in this
+    /// namespace (a Deployment, a StatefulSet, any controller; a pod
+    /// without one is its own workload).
+    pub workload: String,
+    /// The pod whose move holds it (its name, in this namespace).
+    pub pod: String,
+    /// That pod's UID: a pod of the same name with another UID is its
+    /// replacement.
+    pub pod_uid: String,
+    /// The Machine whose drain moves the pod, `namespace/name`.
+    pub machine: String,
+    /// When the permit was granted, just before the eviction.
+    pub since: Time,
+    /// Granted beyond the budget, to a drain past its deadline.
+    #[serde(default)]
+    pub past_budget: bool,
+    /// The pod has volumes that move with it.
+    #[serde(default)]
+    pub volumes: bool,
+}
+
+/// The name of permit `slot` of workload `kind`/`name`:
+/// `<kind>.<name>.<slot>`, lower-case. A name that would be longer than an
+/// object name may be keeps the kind and the slot and shortens the rest
+/// to a hash of it.
+pub fn permit_name(kind: &str, name: &str, slot: u32) -> String {
+    let kind = kind.to_ascii_lowercase();
+    let full = format!("{kind}.{name}.{slot}");
+    if full.len() <= 253 && is_subdomain(&full) {
+        return full;
+    }
+    // A stable hash: the same name in every process and every release.
+    let hash = fnv1a(name.as_bytes());
+    let kind: String = kind
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric())
+        .take(63)
+        .collect();
+    format!("{kind}.{hash:016x}.{slot}")
+}
+
+/// Whether `s` is a DNS subdomain as object names must be.
+fn is_subdomain(s: &str) -> bool {
+    s.split('.').all(|label| {
+        !label.is_empty()
+            && label.len() <= 63
+            && label
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !label.starts_with('-')
+            && !label.ends_with('-')
+    })
+}
+
+/// FNV-1a of `bytes`, written out: `std`'s hasher may change between
+/// releases, and a permit's name must not.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_permit_is_named_by_its_workload_and_slot() {
+        assert_eq!(permit_name("StatefulSet", "db", 0), "statefulset.db.0");
+        assert_eq!(
+            permit_name("Deployment", "web-api", 3),
+            "deployment.web-api.3"
+        );
+        let long = "x".repeat(250);
+        let name = permit_name("StatefulSet", &long, 1);
+        assert!(name.len() <= 253 && is_subdomain(&name), "{name}");
+        assert!(name.starts_with("statefulset.") && name.ends_with(".1"));
+        assert_eq!(name, permit_name("StatefulSet", &long, 1), "stable");
+        assert_ne!(name, permit_name("StatefulSet", &"y".repeat(250), 1));
+        // A custom kind's name with a character a label may not hold.
+        let odd = permit_name("CassandraDatacenter", "dc1_a", 0);
+        assert!(is_subdomain(&odd), "{odd}");
+    }
+}

@@ -238,6 +238,11 @@ const CLUSTER_GRANTS: &[(&str, &[&str], &[&str])] = &[
     ),
     ("apps", &["replicasets"], &["list", "watch"]),
     ("apps", &["statefulsets", "deployments"], &["list", "watch"]),
+    (
+        "berth.dev",
+        &["movepermits"],
+        &["list", "watch", "create", "delete"],
+    ),
     ("events.k8s.io", &["events"], &["create", "patch"]),
 ];
 
@@ -378,7 +383,7 @@ fn the_default_render_is_hardened_labelled_and_least_privilege() {
             [
                 ("ClusterRole", 1),
                 ("ClusterRoleBinding", 1),
-                ("CustomResourceDefinition", 4),
+                ("CustomResourceDefinition", 5),
                 ("Deployment", 1),
                 ("Role", 1),
                 ("RoleBinding", 1),
@@ -656,8 +661,8 @@ fn the_crd_template_renders_exactly_the_generated_crds() {
     assert_eq!(rendered.len(), generated.len());
     assert_eq!(
         rendered.len(),
-        4,
-        "MachineClass, Machine, MachineSet, MachineDeployment"
+        5,
+        "MachineClass, Machine, MachineSet, MachineDeployment, MovePermit"
     );
     for (mut r, g) in rendered.into_iter().zip(generated) {
         let meta = r["metadata"].as_object_mut().expect("metadata");

@@ -1015,3 +1015,233 @@ async fn two_processes_of_different_scopes_share_a_workloads_permit() {
     first.terminate().await;
     second.terminate().await;
 }
+
+/// A replica that takes longer to turn Ready than any of the drain's
+/// bounds (a database replaying its log): the replacement of the first
+/// replica is held unready for 150 s (the test bed's readiness hold, on
+/// the template once the originals run, `OnDelete`), past the default
+/// reattach timeout (90 s) that ends the drain's own wait for it. The next
+/// replica is evicted only once that replacement is Ready (the audit log,
+/// the pod's Ready condition): its StatefulSet counts it unavailable until
+/// then, and that holds the workload's budget of one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replacement_slower_than_every_timeout_still_holds_the_next_replica() {
+    use berth_devkit::testbed::stages::READY_AFTER_ANNOTATION;
+    use k8s_openapi::api::core::v1::Pod;
+    let ns = "ledger-slow-replica";
+    let client = BED.case(ns, serde_json::json!({"timeout": "10m"})).await;
+    let ctl = BED.start(ns).await;
+    running_machine(&client, ns, "a", ns).await;
+    stateful_set_with(&client, ns, "db", 2, false, |sts| {
+        if let Some(spec) = sts.spec.as_mut() {
+            spec.update_strategy = Some(json(serde_json::json!({"type": "OnDelete"})));
+        }
+    })
+    .await;
+    attached(&client, ns, 2).await;
+    running_machine(&client, ns, "b", ns).await;
+    Api::<StatefulSet>::namespaced(client.clone(), ns)
+        .patch(
+            "db",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"spec": {"template": {"metadata": {
+                "annotations": {(READY_AFTER_ANNOTATION): "150s"}}}}})),
+        )
+        .await
+        .expect("hold the replacements unready");
+    let watches = Watches::start(&client, ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    // Both replicas evicted (the second once the first is whole again),
+    // read from the audit log for at most four minutes.
+    let until = std::time::Instant::now() + Duration::from_secs(240);
+    while accepted_evictions_of(&evictions(BED.bed().await, ns), "db-*").len() < 2
+        && std::time::Instant::now() < until
+    {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let ((first, evicted), (_, second)) = in_order(&all, ("db-0", "db-1"), &log);
+    // The first replica's replacement and when it turned Ready (whole
+    // seconds), by the cluster.
+    let replacement = Api::<Pod>::namespaced(client.clone(), ns)
+        .get(first)
+        .await
+        .expect("the replacement");
+    let ready = replacement
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready" && c.status == "True"))
+        .and_then(|c| c.last_transition_time.as_ref())
+        .map(|t| t.0)
+        .unwrap_or_else(|| panic!("{first}'s replacement Ready: {log}"));
+    assert!(
+        second.received >= ready,
+        "the next replica went at {} before {first}'s replacement was Ready at {ready}: {log}",
+        second.received
+    );
+    let held = second.received.duration_since(evicted.received);
+    assert!(
+        held >= k8s_openapi::jiff::SignedDuration::from_secs(140),
+        "held {held}, not the 150 s the replacement took: {log}"
+    );
+    BED.calm("ledger_slow_replica", ns).await;
+    ctl.stop().await;
+}
+
+/// A Machine whose finalizer is removed by hand while its drain moves a
+/// replica of `db` and another workload (`solo`, pinned to its Node)
+/// waits behind it: its drain stops at once (no drain is left running in
+/// the process, `solo-0` is never evicted and nothing is sent about the
+/// Machine once it is gone; before, the drain spun on a move record it
+/// could no longer write), and the move keeps its
+/// permit (the MovePermit is still there once Machine `b`'s drain has
+/// asked for `db`) until the workload is whole: `b`'s replica is evicted
+/// only once the first one's replacement (held unready for 30 s) is Ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_machine_removed_by_hand_stops_its_drain_and_its_move_keeps_the_permit() {
+    use berth::api::MovePermit;
+    use berth_devkit::testbed::stages::READY_AFTER_ANNOTATION;
+    use k8s_openapi::api::core::v1::Pod;
+    let ns = "ledger-vanished";
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = BED.start(ns).await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    running_machine(&client, ns, "b", ns).await;
+    stateful_set_with(&client, ns, "db", 2, true, |sts| {
+        if let Some(spec) = sts.spec.as_mut() {
+            spec.update_strategy = Some(json(serde_json::json!({"type": "OnDelete"})));
+        }
+    })
+    .await;
+    let pinned = node_a.clone();
+    stateful_with(&client, ns, "solo", 1, false, move |t| {
+        if let Some(spec) = t.spec.as_mut() {
+            spec.node_selector = Some([("kubernetes.io/hostname".to_string(), pinned)].into());
+        }
+    })
+    .await;
+    attached(&client, ns, 3).await;
+    running_machine(&client, ns, "c", ns).await;
+    running_machine(&client, ns, "d", ns).await;
+    Api::<StatefulSet>::namespaced(client.clone(), ns)
+        .patch(
+            "db",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"spec": {"template": {"metadata": {
+                "annotations": {(READY_AFTER_ANNOTATION): "30s"}}}}})),
+        )
+        .await
+        .expect("hold the replacements unready");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let on_a = |ps: &[Pod]| {
+        ps.iter()
+            .find(|p| support::pool::on_node(p, &node_a) && p.name_any().starts_with("db-"))
+            .map(|p| (p.name_any(), p.metadata.uid.clone()))
+    };
+    let (first, old) = on_a(&pods.list(&Default::default()).await.expect("pods").items)
+        .expect("a replica of db on a");
+    let watches = Watches::start(&client, ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    // The replica of db on a was evicted and its replacement runs, not
+    // Ready; solo-0 waits behind it.
+    wait::until(pods.clone(), LONG, "the replacement runs", |ps| {
+        ps.iter().any(|p| {
+            p.name_any() == first && p.metadata.uid != old && support::pool::pod_running(p)
+        })
+    })
+    .await
+    .expect("the replacement is placed");
+    let machines: Api<berth::api::Machine> = Api::namespaced(client.clone(), ns);
+    machines
+        .patch(
+            "a",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"metadata": {"finalizers": null}})),
+        )
+        .await
+        .expect("remove a's finalizer by hand");
+    gone(&client, ns, "a", LONG).await;
+    let vanished = k8s_openapi::jiff::Timestamp::now();
+
+    // b's drain asks for db's permit while db is not whole: the permit of
+    // a's move is still there.
+    delete_machine(&client, ns, "b").await;
+    wait::for_one(machines.clone(), LONG, "b waits for db", |m| {
+        m.name_any() == "b"
+            && m.status
+                .as_ref()
+                .and_then(|s| s.drain.as_ref())
+                .and_then(|d| d.waiting_for_budget.as_deref())
+                .is_some_and(|w| w.contains("StatefulSet ledger-vanished/db"))
+    })
+    .await
+    .expect("b's drain asks for db");
+    let permit = Api::<MovePermit>::namespaced(client.clone(), ns)
+        .get_opt("statefulset.db.0")
+        .await
+        .expect("read the permit");
+    assert!(
+        permit
+            .as_ref()
+            .is_some_and(|p| p.spec.pod == first && p.spec.machine == format!("{ns}/a")),
+        "the move keeps its permit after its Machine is gone: {permit:?}"
+    );
+    gone(&client, ns, "b", Duration::from_secs(120)).await;
+
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let later = evicted_once(&all, if first == "db-0" { "db-1" } else { "db-0" }, &log);
+    let replacement = pods.get(&first).await.expect("the replacement");
+    let ready = replacement
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready" && c.status == "True"))
+        .and_then(|c| c.last_transition_time.as_ref())
+        .map(|t| t.0)
+        .unwrap_or_else(|| panic!("{first}'s replacement Ready: {log}"));
+    assert!(
+        later.received >= ready,
+        "the next replica went at {} before {first}'s replacement was Ready at {ready}: {log}",
+        later.received
+    );
+    // a's drain stopped: solo-0 was never evicted, and nothing more was
+    // sent about Machine a once it was gone (a write in flight at that
+    // moment aside).
+    assert!(
+        accepted_evictions_of(&all, "solo-0").is_empty(),
+        "a's drain went on after a was gone: {log}"
+    );
+    let after = vanished
+        .checked_add(k8s_openapi::jiff::SignedDuration::from_secs(2))
+        .expect("a time");
+    let about_a: Vec<String> = support::audit::requests(BED.bed().await, ns)
+        .into_iter()
+        .filter(|r| r.resource == "machines" && r.name.as_deref() == Some("a"))
+        .filter(|r| r.received > after)
+        .map(|r| {
+            format!(
+                "{} {} {:?} -> {}",
+                r.received, r.verb, r.subresource, r.code
+            )
+        })
+        .collect();
+    assert!(about_a.is_empty(), "the drain of a stopped: {about_a:#?}");
+    // And no drain is left running in the process (a's would spin on its
+    // record, which it can no longer write).
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while ctl.metrics().drains_in_progress.get() > 0 && std::time::Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        ctl.metrics().drains_in_progress.get(),
+        0,
+        "a's drain still runs after a is gone"
+    );
+    BED.calm("ledger_vanished", ns).await;
+    ctl.stop().await;
+}

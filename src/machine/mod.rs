@@ -196,6 +196,18 @@ pub(crate) async fn run(
         }
     };
     let readiness = AbortOnDrop(tokio::spawn(readiness));
+    // A Machine that left the cache while its drain ran (its finalizer
+    // removed by hand): its drain stops at once.
+    let vanished = {
+        let ctx = Arc::clone(&ctx);
+        let mut gone = ctx.caches.machines_gone.clone();
+        async move {
+            while gone.changed().await.is_ok() {
+                ctx.drainer.stop_vanished();
+            }
+        }
+    };
+    let vanished = AbortOnDrop(tokio::spawn(vanished));
 
     let metrics = Arc::clone(&ctx.metrics);
     crate::controller::skeleton::run(
@@ -208,6 +220,7 @@ pub(crate) async fn run(
     )
     .await;
     drop(readiness);
+    drop(vanished);
     // Drains stop at a resumable point: the next leader re-plans from the
     // cluster's state.
     ctx.drainer.stop_all();

@@ -10,6 +10,7 @@ use kube::runtime::reflector::ObjectRef;
 use super::node_drain::NodeDrain;
 use super::reattach::Health;
 use super::refs::pod_ref_key;
+use crate::cache::Caches;
 use crate::drain::ledger::{
     Answer, Ask, Asker, Budget, Permit, Workload, WorkloadTerms, budget_of, ready_since,
 };
@@ -53,29 +54,9 @@ impl NodeDrain {
     }
 
     /// What the object of workload `w` says of its moves (see
-    /// [`WorkloadTerms`]), from the caches: a StatefulSet's or a
-    /// Deployment's annotations and `minReadySeconds`, a ReplicaSet's
-    /// annotations; nothing for other kinds (their pod template alone
-    /// speaks).
+    /// [`terms_in`]).
     fn terms_of(&self, w: &Workload) -> WorkloadTerms {
-        let caches = &self.deps.caches;
-        let (name, ns) = (w.name.as_str(), w.namespace.as_str());
-        let terms = match w.kind.as_str() {
-            "StatefulSet" => caches
-                .stateful_sets
-                .get(&ObjectRef::new(name).within(ns))
-                .map(|s| crate::drain::workload::stateful_set_terms(&s)),
-            "Deployment" => caches
-                .deployments
-                .get(&ObjectRef::new(name).within(ns))
-                .map(|d| crate::drain::workload::deployment_terms(&d)),
-            "ReplicaSet" => caches
-                .replica_sets
-                .get(&ObjectRef::new(name).within(ns))
-                .map(|r| crate::drain::workload::terms(&r.metadata, None)),
-            _ => None,
-        };
-        terms.unwrap_or_default()
+        terms_in(&self.deps.caches, w)
     }
 
     /// The workload of `p` and its move budget: the default for a pod
@@ -161,13 +142,17 @@ impl NodeDrain {
         // A Machine deleted while it held a permit (its finalizer removed
         // by hand) holds it no more.
         let machines = &self.deps.caches.machines;
-        self.deps.permits.release_vanished(|m| {
-            m.split_once('/').is_some_and(|(ns, name)| {
-                machines
-                    .get(&kube::runtime::reflector::ObjectRef::new(name).within(ns))
-                    .is_some()
-            })
-        });
+        let caches = &self.deps.caches;
+        self.deps.permits.release_vanished(
+            |m| {
+                m.split_once('/').is_some_and(|(ns, name)| {
+                    machines
+                        .get(&kube::runtime::reflector::ObjectRef::new(name).within(ns))
+                        .is_some()
+                })
+            },
+            |w, p| move_done(caches, w, p),
+        );
         let ready = self
             .view()
             .pod(&p.pod, p.uid.as_deref())
@@ -403,7 +388,7 @@ impl NodeDrain {
                 EventType::Warning,
                 "ReplacementNotHealthy",
                 format!(
-                    "no replacement of pod {key} ({}) Ready for {} within {}: its move ends, and the next pod of its workload may go",
+                    "no replacement of pod {key} ({}) Ready for {} within {}: this drain goes on, and the next pod of its workload goes only while its workload's replicas down stay within its move budget",
                     gate.workload,
                     humantime::format_duration(min),
                     humantime::format_duration(bound)
@@ -412,6 +397,52 @@ impl NodeDrain {
             );
         }
     }
+}
+
+/// What the object of workload `w` says of its moves (see
+/// [`WorkloadTerms`]), from `caches`: a StatefulSet's or a Deployment's
+/// annotations, `minReadySeconds` and availability, a ReplicaSet's
+/// annotations; nothing for other kinds (their pod template alone speaks).
+fn terms_in(caches: &Caches, w: &Workload) -> WorkloadTerms {
+    let (name, ns) = (w.name.as_str(), w.namespace.as_str());
+    let terms = match w.kind.as_str() {
+        "StatefulSet" => caches
+            .stateful_sets
+            .get(&ObjectRef::new(name).within(ns))
+            .map(|s| crate::drain::workload::stateful_set_terms(&s)),
+        "Deployment" => caches
+            .deployments
+            .get(&ObjectRef::new(name).within(ns))
+            .map(|d| crate::drain::workload::deployment_terms(&d)),
+        "ReplicaSet" => caches
+            .replica_sets
+            .get(&ObjectRef::new(name).within(ns))
+            .map(|r| crate::drain::workload::terms(&r.metadata, None)),
+        _ => None,
+    };
+    terms.unwrap_or_default()
+}
+
+/// Whether the move that holds `p`, of workload `w`, is over for a Machine
+/// whose drain no longer watches it (ended, or gone): it never began (its
+/// pod is still there and not being deleted), or its workload is whole
+/// again by its owner's status (none of its replicas unavailable), or
+/// berth cannot tell (a kind whose availability it does not read: the
+/// permit goes with its drain, as the ledger knows no better).
+pub(super) fn move_done(caches: &Caches, w: &Workload, p: &Permit) -> bool {
+    let never_began = p.pod.split_once('/').is_some_and(|(ns, name)| {
+        caches
+            .pods
+            .get(&ObjectRef::new(name).within(ns))
+            .is_some_and(|pod| {
+                pod.metadata.uid.as_deref() == Some(p.uid.as_str())
+                    && pod.metadata.deletion_timestamp.is_none()
+            })
+    });
+    never_began
+        || terms_in(caches, w)
+            .availability
+            .is_none_or(|a| a.unavailable == 0)
 }
 
 /// A pod without volumes that holds a permit of the move ledger.

@@ -195,13 +195,37 @@ impl Drainer {
         {
             r.task.abort();
         }
-        // Its moves end with it.
+        // Its moves that never began, or whose workload is whole again,
+        // end with it; the others keep their permits until their workload
+        // is whole (see `Permits::release_vanished`).
         let key = format!(
             "{}/{}",
             machine.namespace.as_deref().unwrap_or_default(),
             machine.name
         );
-        self.deps.permits.release_machine(&key, &[]);
+        let caches = &self.deps.caches;
+        self.deps
+            .permits
+            .release_done(&key, |w, p| super::budget::move_done(caches, w, p));
+    }
+
+    /// Stops the drains of Machines that left the cache (their finalizer
+    /// removed by hand, or deleted while this process was away): nothing
+    /// of theirs is written any more. Their moves keep their permits until
+    /// their workload is whole.
+    pub(crate) fn stop_vanished(&self) {
+        let Ok(mut running) = self.running.lock() else {
+            return;
+        };
+        let machines = &self.deps.caches.machines;
+        running.retain(|key, r| {
+            let exists = machines.get(key).is_some();
+            if !exists {
+                tracing::info!(machine = %key.name, namespace = key.namespace.as_deref().unwrap_or(""), "the Machine is gone: its drain stops");
+                r.task.abort();
+            }
+            exists
+        });
     }
 
     /// Stops every drain (shutdown or lost leadership). Every step resumes

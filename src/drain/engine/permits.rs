@@ -201,12 +201,43 @@ impl Permits {
         }
     }
 
-    /// Ends the moves and withdraws the asks of every Machine of this
-    /// process's scope that no longer `exists` (deleted while its drain
-    /// held a permit: its finalizer removed by hand, or the object gone
-    /// while this process was away). A Machine of another scope is another
-    /// process's to judge.
-    pub(crate) fn release_vanished(&self, exists: impl Fn(&str) -> bool) {
+    /// Ends the moves of `machine` whose move `done` says is over (it never
+    /// began, or its workload is whole again) and withdraws its asks: what
+    /// a Machine whose drain is over or that is gone held. The others keep
+    /// their permits, here and in the API server, until a later call finds
+    /// them done.
+    pub(crate) fn release_done(&self, machine: &str, done: impl Fn(&Workload, &Permit) -> bool) {
+        let mut keep: Vec<String> = self
+            .ledger
+            .lock()
+            .map(|l| {
+                l.moves()
+                    .into_iter()
+                    .filter(|(w, p)| p.machine == machine && !done(w, p))
+                    .map(|(_, p)| p.uid)
+                    .collect()
+            })
+            .unwrap_or_default();
+        keep.extend(
+            self.store
+                .held()
+                .into_iter()
+                .filter(|h| h.permit.machine == machine && !done(&h.workload, &h.permit))
+                .map(|h| h.permit.uid),
+        );
+        self.release_machine(machine, &keep);
+    }
+
+    /// What every Machine of this process's scope that no longer `exists`
+    /// held (deleted while its drain held a permit: its finalizer removed
+    /// by hand, or the object gone while this process was away), where
+    /// `done` says its move is over (see [`Permits::release_done`]). A
+    /// Machine of another scope is another process's to judge.
+    pub(crate) fn release_vanished(
+        &self,
+        exists: impl Fn(&str) -> bool,
+        done: impl Fn(&Workload, &Permit) -> bool,
+    ) {
         let mut gone: BTreeSet<String> = self
             .ledger
             .lock()
@@ -214,8 +245,8 @@ impl Permits {
             .unwrap_or_default();
         gone.retain(|m| self.store.in_scope(m));
         for machine in gone {
-            tracing::info!(%machine, "the Machine is gone: its moves' permits are free");
-            self.release_machine(&machine, &[]);
+            tracing::debug!(%machine, "the Machine is gone: the permits of its moves that are over are free");
+            self.release_done(&machine, &done);
         }
     }
 

@@ -175,7 +175,7 @@ impl NodeDrain {
                 EventType::Warning,
                 "ReplacementNotHealthy",
                 format!(
-                    "replacement {names} not Ready{} in time: its move ends, and the next pod of its workload may go",
+                    "replacement {names} not Ready{} in time: this drain goes on, and the next pod of its workload goes only while its workload's replicas down stay within its move budget",
                     if min_healthy.is_zero() { String::new() } else { format!(" for {}", humantime::format_duration(min_healthy)) }
                 ),
                 pods.first().map(pod_ref_key),

@@ -1245,3 +1245,64 @@ async fn a_machine_removed_by_hand_stops_its_drain_and_its_move_keeps_the_permit
     BED.calm("ledger_vanished", ns).await;
     ctl.stop().await;
 }
+
+/// One application over two controllers (an Elasticsearch with a
+/// StatefulSet per zone): `db` (two replicas) and `solo` name one move
+/// group (`berth.dev/move-group: app`), all on Machine `a`, whose class
+/// moves two volumes at once (`maxParallelVolumeMigrations: 2`). Without
+/// the group, `solo-0` moves beside `db-0` (the case above); in it, the
+/// group has one budget: `solo-0` is evicted only once the first replica's
+/// volume is attached where its replacement runs (the audit log, the
+/// VolumeAttachments).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_group_moves_one_replica_of_its_workloads_at_a_time() {
+    use berth::drain::ledger::MOVE_GROUP_ANNOTATION;
+    let ns = "ledger-group";
+    let client = BED
+        .case(
+            ns,
+            serde_json::json!({"timeout": "5m", "maxParallelVolumeMigrations": 2}),
+        )
+        .await;
+    let ctl = BED.start(ns).await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    for (name, replicas) in [("db", 2), ("solo", 1)] {
+        stateful_set_with(&client, ns, name, replicas, false, |sts| {
+            sts.metadata.annotations =
+                Some([(MOVE_GROUP_ANNOTATION.to_string(), "app".to_string())].into());
+        })
+        .await;
+    }
+    attached(&client, ns, 3).await;
+    running_machine(&client, ns, "b", ns).await;
+    let watches = Watches::start(&client, ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    gone(&client, ns, "a", Duration::from_secs(120)).await;
+
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let first = all
+        .iter()
+        .filter(|r| r.code < 300)
+        .min_by_key(|r| r.received)
+        .and_then(|r| r.name.clone())
+        .unwrap_or_else(|| panic!("an eviction: {log}"));
+    for later in ["db-0", "db-1", "solo-0"]
+        .into_iter()
+        .filter(|p| *p != first)
+    {
+        let second = evicted_once(&all, later, &log);
+        watches
+            .assert_after_moved(
+                BED.bed().await,
+                second,
+                &format!("{ns}-{first}"),
+                &node_a,
+                &log,
+            )
+            .await;
+    }
+    BED.calm("ledger_group", ns).await;
+    ctl.stop().await;
+}

@@ -41,6 +41,12 @@ pub const MIN_HEALTHY_ANNOTATION: &str = "berth.dev/min-healthy-time";
 /// healthy before the move ends anyway, with a Warning that names it, as
 /// Nomad's `healthy_deadline`.
 pub const HEALTHY_DEADLINE_ANNOTATION: &str = "berth.dev/healthy-deadline";
+/// On a workload object: the name of a group of workloads of its namespace
+/// that share one move budget (one application split over several
+/// controllers: a StatefulSet per zone, Kafka node pools).
+pub const MOVE_GROUP_ANNOTATION: &str = "berth.dev/move-group";
+/// The kind of a move group's [`Workload`].
+pub const MOVE_GROUP_KIND: &str = "MoveGroup";
 
 /// The object operators think in that a pod belongs to: its controller
 /// followed up (a ReplicaSet's Deployment), or the pod itself when it has
@@ -188,6 +194,63 @@ pub fn budget_of(
     }
     budget.min_healthy = budget.min_healthy.max(workload.min_ready);
     (budget, bad)
+}
+
+/// The workload whose budget a move of `member`'s pod counts against, and
+/// what it says: `member` itself, or the move group its object names
+/// ([`MOVE_GROUP_ANNOTATION`], in its namespace), whose availability is
+/// that of every member together (`members`: the terms of every workload
+/// object of the namespace that names the group) and whose other terms are
+/// `member`'s own. A group name that cannot name an object is named back
+/// (the member then stands alone).
+pub fn grouped(
+    member: Workload,
+    terms: WorkloadTerms,
+    members: impl FnOnce(&str) -> Vec<WorkloadTerms>,
+) -> (Workload, WorkloadTerms, Option<BadAnnotation>) {
+    let Some(group) = terms
+        .annotations
+        .get(MOVE_GROUP_ANNOTATION)
+        .map(|g| g.trim())
+    else {
+        return (member, terms, None);
+    };
+    let valid = !group.is_empty()
+        && group.len() <= 63
+        && group
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !group.starts_with('-')
+        && !group.ends_with('-');
+    if !valid {
+        let bad = BadAnnotation {
+            key: MOVE_GROUP_ANNOTATION,
+            value: group.to_string(),
+            why: "not a name of lower-case letters, digits and '-' of at most 63".into(),
+        };
+        return (member, terms, Some(bad));
+    }
+    let workload = Workload::new(MOVE_GROUP_KIND, &member.namespace, group);
+    (
+        workload,
+        WorkloadTerms {
+            availability: availability_of(&members(group)),
+            ..terms
+        },
+        None,
+    )
+}
+
+/// The availability of several workloads together: their replicas and
+/// those unavailable, summed; `None` when none of them says.
+pub fn availability_of(members: &[WorkloadTerms]) -> Option<Availability> {
+    let mut sum: Option<Availability> = None;
+    for a in members.iter().filter_map(|t| t.availability) {
+        let s = sum.get_or_insert_default();
+        s.replicas += a.replicas;
+        s.unavailable += a.unavailable;
+    }
+    sum
 }
 
 /// Since when `pod` has been Ready (its Ready condition's last
@@ -858,6 +921,66 @@ mod tests {
         assert_eq!(down.unavailable, 0);
         let mut l = Ledger::default();
         assert!(granted(&l.ask(&down, &Budget::default_for(true), t(6))));
+    }
+
+    #[test]
+    fn a_move_group_shares_one_budget_and_counts_every_members_replicas() {
+        let with = |pairs: &[(&str, &str)], replicas: u32, unavailable: u32| WorkloadTerms {
+            annotations: pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            min_ready: Duration::from_secs(5),
+            availability: Some(Availability {
+                replicas,
+                unavailable,
+            }),
+        };
+        let es_a = Workload::new("StatefulSet", "search", "es-a");
+        let member = with(&[(MOVE_GROUP_ANNOTATION, "es")], 3, 0);
+        let others = vec![member.clone(), with(&[(MOVE_GROUP_ANNOTATION, "es")], 3, 1)];
+        let (w, terms, bad) = grouped(es_a.clone(), member.clone(), |g| {
+            assert_eq!(g, "es");
+            others.clone()
+        });
+        assert_eq!(w, Workload::new(MOVE_GROUP_KIND, "search", "es"));
+        assert!(bad.is_none());
+        assert_eq!(
+            terms.availability,
+            Some(Availability {
+                replicas: 6,
+                unavailable: 1
+            }),
+            "every member's replicas"
+        );
+        assert_eq!(
+            terms.min_ready,
+            Duration::from_secs(5),
+            "the member's own terms"
+        );
+        // Without a group, the member stands alone.
+        let alone = with(&[], 3, 0);
+        let (w, terms, bad) = grouped(es_a.clone(), alone.clone(), |_| panic!("no group"));
+        assert_eq!((w, terms, bad), (es_a.clone(), alone, None));
+        // A name that cannot name an object is named back.
+        let odd = with(&[(MOVE_GROUP_ANNOTATION, "Elastic Search")], 3, 0);
+        let (w, _, bad) = grouped(es_a.clone(), odd, |_| panic!("not a group"));
+        assert_eq!(w, es_a);
+        assert_eq!(bad.map(|b| b.key), Some(MOVE_GROUP_ANNOTATION));
+        // Two members of one group wait for each other's moves.
+        let mut l = Ledger::default();
+        let group = Workload::new(MOVE_GROUP_KIND, "search", "es");
+        let one = Budget::default_for(true);
+        let a = Ask {
+            workload: group.clone(),
+            ..ask("es-a-0", "a", 0)
+        };
+        let b = Ask {
+            workload: group,
+            ..ask("es-b-0", "b", 0)
+        };
+        assert!(granted(&l.ask(&a, &one, t(1))));
+        assert!(!granted(&l.ask(&b, &one, t(1))));
     }
 
     #[test]

@@ -16,7 +16,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
 use super::class::{VolumeContext, allows_data_loss};
 use super::ledger::{
-    Answer, Ask, Asker, Ledger, Workload, WorkloadTerms, budget_of, held_permit, recorded_moves,
+    Answer, Ask, Asker, Ledger, MOVE_GROUP_ANNOTATION, Workload, WorkloadTerms, budget_of, grouped,
+    held_permit, recorded_moves,
 };
 use super::plan::{DrainPlan, plan};
 use super::select::{fmt_key, pod_key};
@@ -87,6 +88,9 @@ pub struct KnownWorkloads {
     pub rs_owners: BTreeMap<(String, String), Vec<OwnerReference>>,
     /// What each workload object says of its moves.
     pub terms: BTreeMap<Workload, WorkloadTerms>,
+    /// The terms of every member of each move group, by namespace and
+    /// group.
+    pub groups: BTreeMap<(String, String), Vec<WorkloadTerms>>,
 }
 
 /// What the move ledger would answer for each stateful pod of `plan`, in
@@ -115,13 +119,21 @@ pub fn budget_lines(
         let workload = workload_of(pod, |rs| {
             rs_owners.get(&(ns.clone(), rs.to_string())).cloned()
         });
-        let none = WorkloadTerms::default();
-        let terms = known.terms.get(&workload).unwrap_or(&none);
-        let (budget, bad) = budget_of(
+        let terms = known.terms.get(&workload).cloned().unwrap_or_default();
+        let (budget, mut bad) = budget_of(
             pod.metadata.annotations.as_ref(),
-            terms,
+            &terms,
             !p.volumes.is_empty(),
         );
+        let (workload, terms, odd) = grouped(workload, terms, |group| {
+            known
+                .groups
+                .get(&(ns.clone(), group.to_string()))
+                .cloned()
+                .unwrap_or_default()
+        });
+        bad.extend(odd);
+        let terms = &terms;
         let key = fmt_key(&p.pod);
         let drain = Asker {
             machine: machine.to_string(),
@@ -388,10 +400,50 @@ async fn known_workloads(client: &Client, pods: &[Pod]) -> Result<KnownWorkloads
             _ => None,
         };
         if let Some(t) = terms {
+            if let Some(group) = t.annotations.get(MOVE_GROUP_ANNOTATION) {
+                let key = (ns.clone(), group.trim().to_string());
+                if let std::collections::btree_map::Entry::Vacant(e) = known.groups.entry(key) {
+                    let members = group_members(client, &ns, &e.key().1).await?;
+                    e.insert(members);
+                }
+            }
             known.terms.insert(w, t);
         }
     }
     Ok(known)
+}
+
+/// The terms of every StatefulSet and Deployment of namespace `ns` whose
+/// object names move group `group`.
+async fn group_members(
+    client: &Client,
+    ns: &str,
+    group: &str,
+) -> Result<Vec<WorkloadTerms>, PlanError> {
+    let named = |a: Option<&BTreeMap<String, String>>| {
+        a.and_then(|a| a.get(MOVE_GROUP_ANNOTATION))
+            .is_some_and(|g| g.trim() == group)
+    };
+    let sets = Api::<StatefulSet>::namespaced(client.clone(), ns)
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let deployments = Api::<Deployment>::namespaced(client.clone(), ns)
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let mut members: Vec<WorkloadTerms> = sets
+        .iter()
+        .filter(|s| named(s.metadata.annotations.as_ref()))
+        .map(super::workload::stateful_set_terms)
+        .collect();
+    members.extend(
+        deployments
+            .iter()
+            .filter(|d| named(d.metadata.annotations.as_ref()))
+            .map(super::workload::deployment_terms),
+    );
+    Ok(members)
 }
 
 #[cfg(test)]
@@ -505,6 +557,7 @@ mod tests {
                     availability: None,
                 },
             )]),
+            groups: BTreeMap::new(),
         };
         let lines = budget_lines(
             &plan,

@@ -61,6 +61,29 @@ pub fn workload_owner(
     Some(c.clone())
 }
 
+/// How many of a workload's replicas are unavailable by its `pods` (those
+/// of its controllers) as the drain's own cache sees them: of the
+/// `replicas` it wants, those without a pod that is Ready for at least
+/// `min_ready` at `now` and not being deleted. The owner's status says the
+/// same a moment later: read from the pods, the count agrees with the
+/// drain's own view of a move that just ended.
+pub fn unavailable_by_pods<'p>(
+    replicas: u32,
+    pods: impl IntoIterator<Item = &'p Pod>,
+    min_ready: Duration,
+    now: k8s_openapi::jiff::Timestamp,
+) -> u32 {
+    let min = k8s_openapi::jiff::SignedDuration::try_from(min_ready)
+        .unwrap_or(k8s_openapi::jiff::SignedDuration::MAX);
+    let available = pods
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter_map(super::ledger::ready_since)
+        .filter(|since| since.checked_add(min).is_ok_and(|at| at <= now))
+        .count();
+    replicas.saturating_sub(u32::try_from(available).unwrap_or(u32::MAX))
+}
+
 /// Whether StatefulSet `sts` still wants pod `pod` (a name of its,
 /// `<sts>-<ordinal>`): its ordinal is within the replicas it wants now
 /// (from `spec.ordinals.start`, 0 by default). `None` when the name is not
@@ -170,6 +193,41 @@ pub fn replacement_ready_since<'p>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn replicas_are_available_once_ready_long_enough_and_not_going() {
+        let now: k8s_openapi::jiff::Timestamp = "2026-11-26T12:00:30Z".parse().expect("time");
+        let pod = |ready: Option<&str>, deleting: bool| -> Pod {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {
+                    "name": "p",
+                    "deletionTimestamp": deleting.then_some("2026-11-26T12:00:29Z"),
+                },
+                "status": {"conditions": [{
+                    "type": "Ready",
+                    "status": if ready.is_some() { "True" } else { "False" },
+                    "lastTransitionTime": ready.unwrap_or("2026-11-26T12:00:00Z"),
+                }]}
+            }))
+            .expect("a pod")
+        };
+        let pods = [
+            pod(Some("2026-11-26T12:00:00Z"), false),
+            pod(Some("2026-11-26T12:00:25Z"), false),
+            pod(None, false),
+            pod(Some("2026-11-26T12:00:00Z"), true),
+        ];
+        // Three wanted: two Ready and not going, one not Ready, one going.
+        assert_eq!(unavailable_by_pods(3, &pods, Duration::ZERO, now), 1);
+        // Ready for 10 s at least: the one Ready for 5 s is not yet.
+        assert_eq!(
+            unavailable_by_pods(3, &pods, Duration::from_secs(10), now),
+            2
+        );
+        // A replica with no pod at all is unavailable too.
+        assert_eq!(unavailable_by_pods(4, &pods, Duration::ZERO, now), 2);
+        assert_eq!(unavailable_by_pods(1, &pods, Duration::ZERO, now), 0);
+    }
 
     fn owner(kind: &str, api_version: &str, name: &str) -> OwnerReference {
         OwnerReference {

@@ -12,7 +12,8 @@ use super::reattach::Health;
 use super::refs::pod_ref_key;
 use crate::cache::Caches;
 use crate::drain::ledger::{
-    Answer, Ask, Asker, Budget, Permit, Workload, WorkloadTerms, budget_of, ready_since,
+    Answer, Ask, Asker, Budget, MOVE_GROUP_ANNOTATION, MOVE_GROUP_KIND, Permit, Workload,
+    WorkloadTerms, availability_of, budget_of, grouped, ready_since,
 };
 use crate::drain::plan::PlannedPod;
 use crate::drain::select::fmt_key;
@@ -93,7 +94,13 @@ impl NodeDrain {
             .as_ref()
             .and_then(|p| p.metadata.annotations.as_ref());
         let terms = self.terms_of(&workload);
-        let (budget, bad) = budget_of(annotations, &terms, !p.volumes.is_empty());
+        let (budget, mut bad) = budget_of(annotations, &terms, !p.volumes.is_empty());
+        // One application over several controllers: their move group.
+        let caches = &self.deps.caches;
+        let (workload, terms, odd) = grouped(workload, terms, |group| {
+            group_members(caches, &p.pod.0, group)
+        });
+        bad.extend(odd);
         for b in bad {
             if self.first_report(format!("budget/{workload}/{}", b.key)) {
                 self.event(
@@ -170,7 +177,10 @@ impl NodeDrain {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
-        let owner = self.workload_owner(p);
+        // A group has no one object to be owned by.
+        let owner = (workload.kind != MOVE_GROUP_KIND)
+            .then(|| self.workload_owner(p))
+            .flatten();
         let (why, holders) = match self.deps.permits.ask(&ask, budget, owner.as_ref()).await {
             Answer::Granted(_) => return Ok(workload),
             Answer::Bypassed { moving, .. } => {
@@ -409,18 +419,123 @@ fn terms_in(caches: &Caches, w: &Workload) -> WorkloadTerms {
         "StatefulSet" => caches
             .stateful_sets
             .get(&ObjectRef::new(name).within(ns))
-            .map(|s| crate::drain::workload::stateful_set_terms(&s)),
+            .map(|s| {
+                by_pods(
+                    caches,
+                    crate::drain::workload::stateful_set_terms(&s),
+                    &s.metadata,
+                    false,
+                )
+            }),
         "Deployment" => caches
             .deployments
             .get(&ObjectRef::new(name).within(ns))
-            .map(|d| crate::drain::workload::deployment_terms(&d)),
+            .map(|d| {
+                by_pods(
+                    caches,
+                    crate::drain::workload::deployment_terms(&d),
+                    &d.metadata,
+                    true,
+                )
+            }),
         "ReplicaSet" => caches
             .replica_sets
             .get(&ObjectRef::new(name).within(ns))
             .map(|r| crate::drain::workload::terms(&r.metadata, None)),
+        MOVE_GROUP_KIND => Some(WorkloadTerms {
+            availability: availability_of(&group_members(caches, ns, name)),
+            ..WorkloadTerms::default()
+        }),
         _ => None,
     };
     terms.unwrap_or_default()
+}
+
+/// `terms` of the workload object `meta` with its availability counted
+/// from the pod cache (see
+/// [`unavailable_by_pods`](crate::drain::workload::unavailable_by_pods)):
+/// the pods it controls, or, for a Deployment (`through_sets`), those of
+/// the ReplicaSets it controls. Its owner's status lags the pods it counts
+/// by a moment; the drain's own view of a move that just ended must not.
+fn by_pods(
+    caches: &Caches,
+    mut terms: WorkloadTerms,
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    through_sets: bool,
+) -> WorkloadTerms {
+    let (Some(a), Some(uid)) = (terms.availability, meta.uid.as_deref()) else {
+        return terms;
+    };
+    let controllers: Vec<String> = if through_sets {
+        caches
+            .replica_sets
+            .state()
+            .iter()
+            .filter(|rs| rs.metadata.namespace == meta.namespace)
+            .filter(|rs| {
+                crate::drain::workload::controller(rs.metadata.owner_references.as_deref())
+                    .is_some_and(|o| o.uid == uid)
+            })
+            .filter_map(|rs| rs.metadata.uid.clone())
+            .collect()
+    } else {
+        vec![uid.to_string()]
+    };
+    let pods: Vec<_> = controllers
+        .iter()
+        .flat_map(|c| caches.indexes.pods_by_controller.get(&caches.pods, c))
+        .collect();
+    let unavailable = crate::drain::workload::unavailable_by_pods(
+        a.replicas,
+        pods.iter().map(AsRef::as_ref),
+        terms.min_ready,
+        Timestamp::now(),
+    );
+    terms.availability = Some(crate::drain::ledger::Availability {
+        replicas: a.replicas,
+        unavailable,
+    });
+    terms
+}
+
+/// The terms of every StatefulSet and Deployment of namespace `ns` whose
+/// object names move group `group`.
+fn group_members(caches: &Caches, ns: &str, group: &str) -> Vec<WorkloadTerms> {
+    let of_group = |meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
+        meta.namespace.as_deref() == Some(ns)
+            && meta
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(MOVE_GROUP_ANNOTATION))
+                .is_some_and(|g| g.trim() == group)
+    };
+    let sets = caches
+        .stateful_sets
+        .state()
+        .into_iter()
+        .filter(|s| of_group(&s.metadata))
+        .map(|s| {
+            by_pods(
+                caches,
+                crate::drain::workload::stateful_set_terms(&s),
+                &s.metadata,
+                false,
+            )
+        });
+    let deployments = caches
+        .deployments
+        .state()
+        .into_iter()
+        .filter(|d| of_group(&d.metadata))
+        .map(|d| {
+            by_pods(
+                caches,
+                crate::drain::workload::deployment_terms(&d),
+                &d.metadata,
+                true,
+            )
+        });
+    sets.chain(deployments).collect()
 }
 
 /// Whether the move that holds `p`, of workload `w`, is over for a Machine

@@ -791,7 +791,6 @@ async fn a_deployment_that_asks_for_a_budget_moves_one_pod_at_a_time() {
 /// waits for, naming the replica that is down.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_workload_already_degraded_moves_nothing_until_it_is_whole() {
-    use berth_devkit::testbed::stages::READY_AFTER_ANNOTATION;
     use k8s_openapi::api::core::v1::Pod;
     let ns = "ledger-degraded";
     let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
@@ -799,26 +798,14 @@ async fn a_workload_already_degraded_moves_nothing_until_it_is_whole() {
     for m in ["a", "b", "c"] {
         running_machine(&client, ns, m, ns).await;
     }
-    stateful_set_with(&client, ns, "db", 3, true, |sts| {
-        if let Some(spec) = sts.spec.as_mut() {
-            spec.update_strategy = Some(json(serde_json::json!({"type": "OnDelete"})));
-        }
-    })
-    .await;
+    stateful_set_with(&client, ns, "db", 3, true, on_delete).await;
     attached(&client, ns, 3).await;
     // The Node db-0's replacement goes to.
     running_machine(&client, ns, "d", ns).await;
 
     // db-2 crashes: recreated from a template that holds it unready.
+    hold_replacements_unready(&client, ns, "db", "25s").await;
     let sts: Api<StatefulSet> = Api::namespaced(client.clone(), ns);
-    sts.patch(
-        "db",
-        &kube::api::PatchParams::default(),
-        &kube::api::Patch::Merge(serde_json::json!({"spec": {"template": {"metadata": {
-            "annotations": {(READY_AFTER_ANNOTATION): "25s"}}}}})),
-    )
-    .await
-    .expect("patch the template");
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     let old = pods.get("db-2").await.expect("db-2").metadata.uid;
     pods.delete("db-2", &Default::default())
@@ -877,14 +864,7 @@ async fn a_workload_already_degraded_moves_nothing_until_it_is_whole() {
     );
     // The cluster's word for when db-2 turned Ready (whole seconds).
     let db2 = pods.get("db-2").await.expect("db-2");
-    let ready = db2
-        .status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready" && c.status == "True"))
-        .and_then(|c| c.last_transition_time.as_ref())
-        .map(|t| t.0)
-        .unwrap_or_else(|| panic!("db-2 Ready: {log}"));
+    let ready = ready_at(&db2).unwrap_or_else(|| panic!("db-2 Ready: {log}"));
     assert_eq!(db2.metadata.uid, watches_uid(&watches, "db-2"), "{log}");
     assert!(
         evicted.received >= ready,
@@ -1026,29 +1006,15 @@ async fn two_processes_of_different_scopes_share_a_workloads_permit() {
 /// then, and that holds the workload's budget of one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replacement_slower_than_every_timeout_still_holds_the_next_replica() {
-    use berth_devkit::testbed::stages::READY_AFTER_ANNOTATION;
     use k8s_openapi::api::core::v1::Pod;
     let ns = "ledger-slow-replica";
     let client = BED.case(ns, serde_json::json!({"timeout": "10m"})).await;
     let ctl = BED.start(ns).await;
     running_machine(&client, ns, "a", ns).await;
-    stateful_set_with(&client, ns, "db", 2, false, |sts| {
-        if let Some(spec) = sts.spec.as_mut() {
-            spec.update_strategy = Some(json(serde_json::json!({"type": "OnDelete"})));
-        }
-    })
-    .await;
+    stateful_set_with(&client, ns, "db", 2, false, on_delete).await;
     attached(&client, ns, 2).await;
     running_machine(&client, ns, "b", ns).await;
-    Api::<StatefulSet>::namespaced(client.clone(), ns)
-        .patch(
-            "db",
-            &kube::api::PatchParams::default(),
-            &kube::api::Patch::Merge(serde_json::json!({"spec": {"template": {"metadata": {
-                "annotations": {(READY_AFTER_ANNOTATION): "150s"}}}}})),
-        )
-        .await
-        .expect("hold the replacements unready");
+    hold_replacements_unready(&client, ns, "db", "150s").await;
     let watches = Watches::start(&client, ns).await;
 
     delete_machine(&client, ns, "a").await;
@@ -1069,14 +1035,8 @@ async fn a_replacement_slower_than_every_timeout_still_holds_the_next_replica() 
         .get(first)
         .await
         .expect("the replacement");
-    let ready = replacement
-        .status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready" && c.status == "True"))
-        .and_then(|c| c.last_transition_time.as_ref())
-        .map(|t| t.0)
-        .unwrap_or_else(|| panic!("{first}'s replacement Ready: {log}"));
+    let ready =
+        ready_at(&replacement).unwrap_or_else(|| panic!("{first}'s replacement Ready: {log}"));
     assert!(
         second.received >= ready,
         "the next replica went at {} before {first}'s replacement was Ready at {ready}: {log}",
@@ -1103,19 +1063,13 @@ async fn a_replacement_slower_than_every_timeout_still_holds_the_next_replica() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machine_removed_by_hand_stops_its_drain_and_its_move_keeps_the_permit() {
     use berth::api::MovePermit;
-    use berth_devkit::testbed::stages::READY_AFTER_ANNOTATION;
     use k8s_openapi::api::core::v1::Pod;
     let ns = "ledger-vanished";
     let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
     let ctl = BED.start(ns).await;
     let node_a = running_machine(&client, ns, "a", ns).await;
     running_machine(&client, ns, "b", ns).await;
-    stateful_set_with(&client, ns, "db", 2, true, |sts| {
-        if let Some(spec) = sts.spec.as_mut() {
-            spec.update_strategy = Some(json(serde_json::json!({"type": "OnDelete"})));
-        }
-    })
-    .await;
+    stateful_set_with(&client, ns, "db", 2, true, on_delete).await;
     let pinned = node_a.clone();
     stateful_with(&client, ns, "solo", 1, false, move |t| {
         if let Some(spec) = t.spec.as_mut() {
@@ -1126,15 +1080,7 @@ async fn a_machine_removed_by_hand_stops_its_drain_and_its_move_keeps_the_permit
     attached(&client, ns, 3).await;
     running_machine(&client, ns, "c", ns).await;
     running_machine(&client, ns, "d", ns).await;
-    Api::<StatefulSet>::namespaced(client.clone(), ns)
-        .patch(
-            "db",
-            &kube::api::PatchParams::default(),
-            &kube::api::Patch::Merge(serde_json::json!({"spec": {"template": {"metadata": {
-                "annotations": {(READY_AFTER_ANNOTATION): "30s"}}}}})),
-        )
-        .await
-        .expect("hold the replacements unready");
+    hold_replacements_unready(&client, ns, "db", "30s").await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     let on_a = |ps: &[Pod]| {
         ps.iter()
@@ -1196,14 +1142,8 @@ async fn a_machine_removed_by_hand_stops_its_drain_and_its_move_keeps_the_permit
     let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
     let later = evicted_once(&all, if first == "db-0" { "db-1" } else { "db-0" }, &log);
     let replacement = pods.get(&first).await.expect("the replacement");
-    let ready = replacement
-        .status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready" && c.status == "True"))
-        .and_then(|c| c.last_transition_time.as_ref())
-        .map(|t| t.0)
-        .unwrap_or_else(|| panic!("{first}'s replacement Ready: {log}"));
+    let ready =
+        ready_at(&replacement).unwrap_or_else(|| panic!("{first}'s replacement Ready: {log}"));
     assert!(
         later.received >= ready,
         "the next replica went at {} before {first}'s replacement was Ready at {ready}: {log}",
@@ -1305,4 +1245,42 @@ async fn a_move_group_moves_one_replica_of_its_workloads_at_a_time() {
     }
     BED.calm("ledger_group", ns).await;
     ctl.stop().await;
+}
+
+/// A StatefulSet that its controller does not roll on a template change
+/// (`OnDelete`): a change reaches only the pods made after it.
+fn on_delete(sts: &mut StatefulSet) {
+    if let Some(spec) = sts.spec.as_mut() {
+        spec.update_strategy = Some(json(serde_json::json!({"type": "OnDelete"})));
+    }
+}
+
+/// The pods StatefulSet `name` makes from now on are held unready for
+/// `hold` (the test bed's readiness hold on its template; with `OnDelete`
+/// the pods it runs are left alone).
+async fn hold_replacements_unready(client: &Client, ns: &str, name: &str, hold: &str) {
+    use berth_devkit::testbed::stages::READY_AFTER_ANNOTATION;
+    Api::<StatefulSet>::namespaced(client.clone(), ns)
+        .patch(
+            name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"spec": {"template": {"metadata": {
+                "annotations": {(READY_AFTER_ANNOTATION): hold}}}}})),
+        )
+        .await
+        .expect("hold the replacements unready");
+}
+
+/// When `pod` turned Ready, by its Ready condition (whole seconds), if it
+/// is.
+fn ready_at(pod: &k8s_openapi::api::core::v1::Pod) -> Option<k8s_openapi::jiff::Timestamp> {
+    pod.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "Ready" && c.status == "True")?
+        .last_transition_time
+        .as_ref()
+        .map(|t| t.0)
 }

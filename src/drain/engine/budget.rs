@@ -228,7 +228,7 @@ impl NodeDrain {
             }
             Answer::Contended { error: None } => (
                 format!(
-                    "pod {key} waits: {workload}'s permit was taken by another berth process at the same moment"
+                    "pod {key} waits: {workload}'s permit was taken at the same moment (by another drain or berth process)"
                 ),
                 "contended".to_string(),
             ),
@@ -419,25 +419,11 @@ fn terms_in(caches: &Caches, w: &Workload) -> WorkloadTerms {
         "StatefulSet" => caches
             .stateful_sets
             .get(&ObjectRef::new(name).within(ns))
-            .map(|s| {
-                by_pods(
-                    caches,
-                    crate::drain::workload::stateful_set_terms(&s),
-                    &s.metadata,
-                    false,
-                )
-            }),
+            .map(|s| stateful_set_terms_in(caches, &s)),
         "Deployment" => caches
             .deployments
             .get(&ObjectRef::new(name).within(ns))
-            .map(|d| {
-                by_pods(
-                    caches,
-                    crate::drain::workload::deployment_terms(&d),
-                    &d.metadata,
-                    true,
-                )
-            }),
+            .map(|d| deployment_terms_in(caches, &d)),
         "ReplicaSet" => caches
             .replica_sets
             .get(&ObjectRef::new(name).within(ns))
@@ -449,6 +435,25 @@ fn terms_in(caches: &Caches, w: &Workload) -> WorkloadTerms {
         _ => None,
     };
     terms.unwrap_or_default()
+}
+
+/// A StatefulSet's terms, its availability counted from its pods.
+fn stateful_set_terms_in(
+    caches: &Caches,
+    s: &k8s_openapi::api::apps::v1::StatefulSet,
+) -> WorkloadTerms {
+    let terms = crate::drain::workload::stateful_set_terms(s);
+    by_pods(caches, terms, &s.metadata, false)
+}
+
+/// A Deployment's terms, its availability counted from the pods of its
+/// ReplicaSets.
+fn deployment_terms_in(
+    caches: &Caches,
+    d: &k8s_openapi::api::apps::v1::Deployment,
+) -> WorkloadTerms {
+    let terms = crate::drain::workload::deployment_terms(d);
+    by_pods(caches, terms, &d.metadata, true)
 }
 
 /// `terms` of the workload object `meta` with its availability counted
@@ -514,27 +519,13 @@ fn group_members(caches: &Caches, ns: &str, group: &str) -> Vec<WorkloadTerms> {
         .state()
         .into_iter()
         .filter(|s| of_group(&s.metadata))
-        .map(|s| {
-            by_pods(
-                caches,
-                crate::drain::workload::stateful_set_terms(&s),
-                &s.metadata,
-                false,
-            )
-        });
+        .map(|s| stateful_set_terms_in(caches, &s));
     let deployments = caches
         .deployments
         .state()
         .into_iter()
         .filter(|d| of_group(&d.metadata))
-        .map(|d| {
-            by_pods(
-                caches,
-                crate::drain::workload::deployment_terms(&d),
-                &d.metadata,
-                true,
-            )
-        });
+        .map(|d| deployment_terms_in(caches, &d));
     sets.chain(deployments).collect()
 }
 

@@ -21,6 +21,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+use futures::FutureExt;
+use futures::future::{BoxFuture, Shared};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
@@ -37,6 +39,10 @@ use crate::telemetry::{Metrics, WORKLOAD_KINDS};
 /// How long after a permit could not be written the drains that wait ask
 /// again (nothing else would wake them: no permit changed).
 const RETRY_WRITE_AFTER: Duration = Duration::from_secs(5);
+
+/// How long a permit waits for this process's own deletion of the one
+/// before it of the same name.
+const DELETION_WAIT: Duration = Duration::from_secs(10);
 
 pub(crate) struct Permits {
     ledger: Mutex<Ledger>,
@@ -304,6 +310,9 @@ struct Held {
     uid: Option<String>,
 }
 
+/// A permit's deletion under way, which several may wait for.
+type Deletion = Shared<BoxFuture<'static, ()>>;
+
 /// The `MovePermit` objects of every process, read from their cache, and
 /// this process's writes of them.
 pub(crate) struct PermitStore {
@@ -311,10 +320,14 @@ pub(crate) struct PermitStore {
     cache: Store<MovePermit>,
     /// The namespace of this process's Machines (`None`: every namespace).
     scope: Option<String>,
-    /// Permits taken here that the cache does not show yet.
-    taken: Mutex<BTreeMap<(String, String), MovePermit>>,
-    /// Permits ended here whose object the cache still shows.
-    ended: Mutex<BTreeSet<(String, String)>>,
+    /// Permits taken here that the cache does not show yet, by UID.
+    taken: Mutex<BTreeMap<String, MovePermit>>,
+    /// The UIDs of the permits ended here whose object the cache still
+    /// shows.
+    ended: Mutex<BTreeSet<String>>,
+    /// The deletions of the permits ended here, by name: a permit of the
+    /// same name is taken once its deletion is done, not refused by it.
+    deleting: Mutex<BTreeMap<(String, String), Deletion>>,
 }
 
 impl PermitStore {
@@ -327,6 +340,7 @@ impl PermitStore {
             scope,
             taken: Mutex::default(),
             ended: Mutex::default(),
+            deleting: Mutex::default(),
         }
     }
 
@@ -340,18 +354,21 @@ impl PermitStore {
 
     /// Every permit held now: the cache's, less those ended here, with
     /// those taken here that it does not show yet. What the cache has
-    /// caught up with is forgotten here.
+    /// caught up with is forgotten here. Objects are told apart by UID: a
+    /// slot's name is taken again by the next move of its workload.
     fn held(&self) -> Vec<Held> {
         let objects = self.cache.state();
-        let keys: BTreeSet<(String, String)> = objects.iter().map(|o| key_of(o)).collect();
-        let mut taken = self.taken.lock().map(|t| t.clone()).unwrap_or_default();
-        if let Ok(mut t) = self.taken.lock() {
-            t.retain(|k, _| !keys.contains(k));
-            taken.retain(|k, _| !keys.contains(k));
-        }
+        let uids: BTreeSet<String> = objects.iter().map(|o| uid_of(o)).collect();
+        let taken: Vec<MovePermit> = match self.taken.lock() {
+            Ok(mut t) => {
+                t.retain(|uid, _| !uids.contains(uid));
+                t.values().cloned().collect()
+            }
+            Err(_) => Vec::new(),
+        };
         let ended = match self.ended.lock() {
             Ok(mut e) => {
-                e.retain(|k| keys.contains(k));
+                e.retain(|uid| uids.contains(uid));
                 e.clone()
             }
             Err(_) => BTreeSet::new(),
@@ -359,35 +376,42 @@ impl PermitStore {
         objects
             .iter()
             .map(|o| &**o)
-            .filter(|o| !ended.contains(&key_of(o)))
-            .chain(taken.values())
+            .filter(|o| !ended.contains(&uid_of(o)))
+            .chain(taken.iter())
             .filter_map(held_of)
             .collect()
     }
 
-    /// The slots of `workload` whose object exists, ended or not (a name
-    /// still there cannot be created again).
+    /// The slots of `workload` whose object exists and is not ended here
+    /// (one ended here is taken again once its deletion is done: see
+    /// [`PermitStore::take`]).
     fn slots_of(&self, workload: &Workload) -> BTreeSet<u32> {
-        let taken = self.taken.lock().map(|t| t.clone()).unwrap_or_default();
-        self.cache
-            .state()
-            .iter()
-            .map(|o| (**o).clone())
-            .chain(taken.into_values())
-            .filter(|o| held_of(o).is_some_and(|h| h.workload == *workload))
-            .filter_map(|o| slot_of(o.metadata.name.as_deref()?))
+        self.held()
+            .into_iter()
+            .filter(|h| h.workload == *workload)
+            .filter_map(|h| slot_of(&h.key.1))
             .collect()
     }
 
-    /// Creates `object`: `Err(None)` when its name is taken (another
-    /// process's permit), `Err(Some(why))` when the write failed.
+    /// Creates `object`, once this process's own deletion of an earlier
+    /// permit of that name is done (for at most [`DELETION_WAIT`]):
+    /// `Err(None)` when its name is taken (a permit of another drain or
+    /// process), `Err(Some(why))` when the write failed.
     async fn take(&self, object: MovePermit) -> Result<(), Option<String>> {
+        let pending = self
+            .deleting
+            .lock()
+            .ok()
+            .and_then(|d| d.get(&key_of(&object)).cloned());
+        if let Some(deleted) = pending {
+            let _ = tokio::time::timeout(DELETION_WAIT, deleted).await;
+        }
         let ns = object.metadata.namespace.clone().unwrap_or_default();
         let api: Api<MovePermit> = Api::namespaced(self.client.clone(), &ns);
         match api.create(&PostParams::default(), &object).await {
             Ok(created) => {
                 if let Ok(mut t) = self.taken.lock() {
-                    t.insert(key_of(&created), created);
+                    t.insert(uid_of(&created), created);
                 }
                 Ok(())
             }
@@ -405,15 +429,24 @@ impl PermitStore {
     fn end(&self, which: impl Fn(&Held) -> bool) -> usize {
         let ending: Vec<Held> = self.held().into_iter().filter(|h| which(h)).collect();
         for h in &ending {
+            let uid = h.uid.clone().unwrap_or_else(|| h.key.1.clone());
             if let Ok(mut t) = self.taken.lock() {
-                t.remove(&h.key);
+                t.remove(&uid);
             }
             if let Ok(mut e) = self.ended.lock() {
-                e.insert(h.key.clone());
+                e.insert(uid);
             }
             let api: Api<MovePermit> = Api::namespaced(self.client.clone(), &h.key.0);
             let (name, uid) = (h.key.1.clone(), h.uid.clone());
-            tokio::spawn(async move { delete_permit(api, name, uid).await });
+            let deleted = tokio::spawn(async move { delete_permit(api, name, uid).await })
+                .map(|_| ())
+                .boxed()
+                .shared();
+            if let Ok(mut d) = self.deleting.lock() {
+                // Those done are forgotten.
+                d.retain(|_, f| f.peek().is_none());
+                d.insert(h.key.clone(), deleted);
+            }
         }
         ending.len()
     }
@@ -453,6 +486,14 @@ async fn delete_permit(api: Api<MovePermit>, name: String, uid: Option<String>) 
             },
         }
     }
+}
+
+/// An object's UID (its name, for one that has none yet).
+fn uid_of(o: &MovePermit) -> String {
+    o.metadata
+        .uid
+        .clone()
+        .unwrap_or_else(|| o.metadata.name.clone().unwrap_or_default())
 }
 
 /// An object's namespace and name.
@@ -600,6 +641,48 @@ mod tests {
                 .owner_references
                 .is_none()
         );
+    }
+
+    /// The next move of a workload takes the slot its last move ended: the
+    /// permits are told apart by UID, so the one ended is not counted and
+    /// the new one of the same name is, whatever the cache shows yet.
+    #[tokio::test]
+    async fn a_slot_ended_and_taken_again_is_counted_once_by_its_new_permit() {
+        use kube::runtime::watcher::Event;
+        let (cache, mut writer) = kube::runtime::reflector::store::<MovePermit>();
+        let client = Client::try_from(kube::Config::new(
+            "https://127.0.0.1:1".parse().expect("a uri"),
+        ))
+        .expect("a client that is never reached");
+        let store = PermitStore::new(client, cache, None);
+        let db = Workload::new("StatefulSet", "db", "pg");
+        let object = |pod: &str, uid: &str| {
+            let mut o = permit_object(&db, &permit(pod, "db/a"), 0, None);
+            o.metadata.uid = Some(uid.into());
+            o
+        };
+        let first = object("pg-0", "u1");
+        writer.apply_watcher_event(&Event::Apply(first.clone()));
+        assert_eq!(store.slots_of(&db), BTreeSet::from([0]));
+        // Its move ends: gone here at once, its deletion on its way.
+        assert_eq!(store.end(|h| h.permit.pod == "db/pg-0"), 1);
+        assert!(store.held().is_empty());
+        assert!(store.slots_of(&db).is_empty(), "slot 0 is free again");
+        // The next move takes slot 0 before the cache has seen the first
+        // go: the new permit counts, the old one does not.
+        let second = object("pg-1", "u2");
+        if let Ok(mut t) = store.taken.lock() {
+            t.insert("u2".into(), second.clone());
+        }
+        let held: Vec<String> = store.held().into_iter().map(|h| h.permit.pod).collect();
+        assert_eq!(held, ["db/pg-1"]);
+        // The cache catches up: still the one permit, and it ends.
+        writer.apply_watcher_event(&Event::Delete(first));
+        writer.apply_watcher_event(&Event::Apply(second));
+        let held: Vec<String> = store.held().into_iter().map(|h| h.permit.pod).collect();
+        assert_eq!(held, ["db/pg-1"]);
+        assert_eq!(store.end(|h| h.permit.pod == "db/pg-1"), 1);
+        assert!(store.held().is_empty());
     }
 
     #[test]

@@ -298,3 +298,27 @@ pub fn csi_driver(name: &str, attach_required: bool) -> k8s_openapi::api::storag
         },
     }
 }
+
+/// A stateful pod of the plan without volumes, PDBs or notes: priority
+/// `priority`, `ns/name`, a 30 s grace period and a 60 s pod-gone bound.
+pub fn planned(priority: i32, ns: &str, name: &str) -> crate::drain::plan::PlannedPod {
+    crate::drain::plan::PlannedPod {
+        pod: (ns.to_string(), name.to_string()),
+        uid: None,
+        priority,
+        order: 0,
+        order_source: None,
+        grace: std::time::Duration::from_secs(30),
+        bounds: crate::drain::deadline::StepBounds {
+            pod_gone: std::time::Duration::from_secs(60),
+            detach: None,
+            reattach: None,
+        },
+        volumes: Vec::new(),
+        pdbs: Vec::new(),
+        notes: Vec::new(),
+        scratch: Vec::new(),
+        held: None,
+        controller: None,
+    }
+}

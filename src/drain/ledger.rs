@@ -872,23 +872,9 @@ mod tests {
             ..WorkloadTerms::default()
         };
         let pod = PlannedPod {
-            pod: ("ns".into(), "db-2".into()),
             uid: Some("uid-db-2".into()),
-            priority: 7,
-            order: 0,
-            order_source: None,
-            grace: Duration::from_secs(30),
-            bounds: crate::drain::deadline::StepBounds {
-                pod_gone: Duration::from_secs(40),
-                detach: None,
-                reattach: None,
-            },
-            volumes: Vec::new(),
-            pdbs: Vec::new(),
-            notes: Vec::new(),
-            scratch: Vec::new(),
-            held: None,
             controller: Some("StatefulSet/db".into()),
+            ..crate::drain::fixtures::planned(7, "ns", "db-2")
         };
         let drain = Asker {
             machine: "ns/a".into(),

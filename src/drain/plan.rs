@@ -769,6 +769,7 @@ fn volume_wait(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::drain::fixtures::planned;
     use crate::drain::fixtures::{
         NODE, PodFixture, bare_pv, csi_pv, ephemeral_pvc, host_pv, match_labels, pdb, pod, pvc, ts,
         va,
@@ -802,28 +803,6 @@ mod tests {
             &ctx(),
             &ResolvedSettings::default(),
         )
-    }
-
-    fn planned(priority: i32, ns: &str, name: &str) -> PlannedPod {
-        PlannedPod {
-            pod: key(ns, name),
-            uid: None,
-            priority,
-            order: 0,
-            order_source: None,
-            grace: secs(30),
-            bounds: StepBounds {
-                pod_gone: secs(60),
-                detach: None,
-                reattach: None,
-            },
-            volumes: Vec::new(),
-            pdbs: Vec::new(),
-            notes: Vec::new(),
-            scratch: Vec::new(),
-            held: None,
-            controller: None,
-        }
     }
 
     #[test]

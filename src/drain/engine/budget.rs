@@ -169,6 +169,7 @@ impl NodeDrain {
             requested: self.job.deadline.started,
             past_deadline: self.expired(),
         };
+        let terms = &counted(caches, &workload, terms.clone());
         let ask = Ask::new(workload.clone(), terms, p, ready, &drain);
         let others = |moving: &[Permit]| {
             moving
@@ -411,19 +412,21 @@ impl NodeDrain {
 
 /// What the object of workload `w` says of its moves (see
 /// [`WorkloadTerms`]), from `caches`: a StatefulSet's or a Deployment's
-/// annotations, `minReadySeconds` and availability, a ReplicaSet's
-/// annotations; nothing for other kinds (their pod template alone speaks).
+/// annotations, `minReadySeconds` and availability by its status (see
+/// [`counted`] for the pods' count), a ReplicaSet's annotations; a move
+/// group's members' availability; nothing for other kinds (their pod
+/// template alone speaks).
 fn terms_in(caches: &Caches, w: &Workload) -> WorkloadTerms {
     let (name, ns) = (w.name.as_str(), w.namespace.as_str());
     let terms = match w.kind.as_str() {
         "StatefulSet" => caches
             .stateful_sets
             .get(&ObjectRef::new(name).within(ns))
-            .map(|s| stateful_set_terms_in(caches, &s)),
+            .map(|s| crate::drain::workload::stateful_set_terms(&s)),
         "Deployment" => caches
             .deployments
             .get(&ObjectRef::new(name).within(ns))
-            .map(|d| deployment_terms_in(caches, &d)),
+            .map(|d| crate::drain::workload::deployment_terms(&d)),
         "ReplicaSet" => caches
             .replica_sets
             .get(&ObjectRef::new(name).within(ns))
@@ -437,23 +440,24 @@ fn terms_in(caches: &Caches, w: &Workload) -> WorkloadTerms {
     terms.unwrap_or_default()
 }
 
-/// A StatefulSet's terms, its availability counted from its pods.
-fn stateful_set_terms_in(
-    caches: &Caches,
-    s: &k8s_openapi::api::apps::v1::StatefulSet,
-) -> WorkloadTerms {
-    let terms = crate::drain::workload::stateful_set_terms(s);
-    by_pods(caches, terms, &s.metadata, false)
-}
-
-/// A Deployment's terms, its availability counted from the pods of its
-/// ReplicaSets.
-fn deployment_terms_in(
-    caches: &Caches,
-    d: &k8s_openapi::api::apps::v1::Deployment,
-) -> WorkloadTerms {
-    let terms = crate::drain::workload::deployment_terms(d);
-    by_pods(caches, terms, &d.metadata, true)
+/// `terms` of workload `w` (see [`terms_in`]) with its replicas down
+/// counted from the pods (see [`by_pods`]): done only where a permit is
+/// asked for or a move's end judged, not for every pod a pass plans (a
+/// Deployment's count reads every ReplicaSet of the cache). A move group's
+/// members are counted already.
+fn counted(caches: &Caches, w: &Workload, terms: WorkloadTerms) -> WorkloadTerms {
+    let (name, ns) = (w.name.as_str(), w.namespace.as_str());
+    match w.kind.as_str() {
+        "StatefulSet" => match caches.stateful_sets.get(&ObjectRef::new(name).within(ns)) {
+            Some(s) => by_pods(caches, terms, &s.metadata, false),
+            None => terms,
+        },
+        "Deployment" => match caches.deployments.get(&ObjectRef::new(name).within(ns)) {
+            Some(d) => by_pods(caches, terms, &d.metadata, true),
+            None => terms,
+        },
+        _ => terms,
+    }
 }
 
 /// `terms` of the workload object `meta` with its availability counted
@@ -519,13 +523,19 @@ fn group_members(caches: &Caches, ns: &str, group: &str) -> Vec<WorkloadTerms> {
         .state()
         .into_iter()
         .filter(|s| of_group(&s.metadata))
-        .map(|s| stateful_set_terms_in(caches, &s));
+        .map(|s| {
+            let terms = crate::drain::workload::stateful_set_terms(&s);
+            by_pods(caches, terms, &s.metadata, false)
+        });
     let deployments = caches
         .deployments
         .state()
         .into_iter()
         .filter(|d| of_group(&d.metadata))
-        .map(|d| deployment_terms_in(caches, &d));
+        .map(|d| {
+            let terms = crate::drain::workload::deployment_terms(&d);
+            by_pods(caches, terms, &d.metadata, true)
+        });
     sets.chain(deployments).collect()
 }
 
@@ -546,7 +556,7 @@ pub(super) fn move_done(caches: &Caches, w: &Workload, p: &Permit) -> bool {
             })
     });
     never_began
-        || terms_in(caches, w)
+        || counted(caches, w, terms_in(caches, w))
             .availability
             .is_none_or(|a| a.unavailable == 0)
 }

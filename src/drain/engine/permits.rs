@@ -125,7 +125,7 @@ impl Permits {
             .iter()
             .any(|h| h.workload == ask.workload && h.permit.uid == ask.uid);
         if budget.max_moving.is_some() && !in_store {
-            let slots: BTreeSet<u32> = self.store.slots_of(&ask.workload);
+            let slots = slots_of(&held, &ask.workload);
             let beyond = matches!(answer, Answer::Bypassed { .. });
             let taken = match free_slot(&slots, budget.max_moving, beyond) {
                 Some(slot) => {
@@ -382,17 +382,6 @@ impl PermitStore {
             .collect()
     }
 
-    /// The slots of `workload` whose object exists and is not ended here
-    /// (one ended here is taken again once its deletion is done: see
-    /// [`PermitStore::take`]).
-    fn slots_of(&self, workload: &Workload) -> BTreeSet<u32> {
-        self.held()
-            .into_iter()
-            .filter(|h| h.workload == *workload)
-            .filter_map(|h| slot_of(&h.key.1))
-            .collect()
-    }
-
     /// Creates `object`, once this process's own deletion of an earlier
     /// permit of that name is done (for at most [`DELETION_WAIT`]):
     /// `Err(None)` when its name is taken (a permit of another drain or
@@ -502,6 +491,16 @@ fn key_of(o: &MovePermit) -> (String, String) {
         o.metadata.namespace.clone().unwrap_or_default(),
         o.metadata.name.clone().unwrap_or_default(),
     )
+}
+
+/// The slots of `workload` among `held` (the permits held now: one ended
+/// here is taken again once its deletion is done, see
+/// [`PermitStore::take`]).
+fn slots_of(held: &[Held], workload: &Workload) -> BTreeSet<u32> {
+    held.iter()
+        .filter(|h| h.workload == *workload)
+        .filter_map(|h| slot_of(&h.key.1))
+        .collect()
 }
 
 /// The slot of a permit's name (`<kind>.<name>.<slot>`).
@@ -663,11 +662,14 @@ mod tests {
         };
         let first = object("pg-0", "u1");
         writer.apply_watcher_event(&Event::Apply(first.clone()));
-        assert_eq!(store.slots_of(&db), BTreeSet::from([0]));
+        assert_eq!(slots_of(&store.held(), &db), BTreeSet::from([0]));
         // Its move ends: gone here at once, its deletion on its way.
         assert_eq!(store.end(|h| h.permit.pod == "db/pg-0"), 1);
         assert!(store.held().is_empty());
-        assert!(store.slots_of(&db).is_empty(), "slot 0 is free again");
+        assert!(
+            slots_of(&store.held(), &db).is_empty(),
+            "slot 0 is free again"
+        );
         // The next move takes slot 0 before the cache has seen the first
         // go: the new permit counts, the old one does not.
         let second = object("pg-1", "u2");

@@ -268,6 +268,107 @@ async fn a_permit_survives_a_killed_controller() {
     berth.terminate().await;
 }
 
+/// A leader hand-over while a permit is held across two Machines. Two
+/// leader-elected `berth run` processes (a 3 s Lease); Machines `a` and
+/// `b` each run one replica of db, whose replacements are held unready for
+/// 20 s. Both are deleted; once the first replica is evicted, the leader
+/// is killed (SIGKILL). The standby takes the Lease and reads the permit
+/// back from the API server: the second replica is evicted once, and
+/// only after the first one's replacement is Ready (by the audit log of
+/// both identities and the pod's Ready condition).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_holds_the_permit_the_killed_one_took() {
+    use k8s_openapi::api::core::v1::Pod;
+    use support::process::Berth;
+    let ns = "ledger-leader";
+    let client = BED.case(ns, serde_json::json!({"timeout": "10m"})).await;
+    let flags = |id: &'static str| {
+        [
+            "--identity",
+            id,
+            "--lease-namespace",
+            ns,
+            "--lease-duration=3s",
+            "--namespace",
+            ns,
+        ]
+    };
+    let first_id = support::audit::controller(BED.bed().await).await;
+    let standby = BED
+        .bed()
+        .await
+        .identity(&client, "kube-system", "berth-standby")
+        .await
+        .expect("a second identity");
+    let leader = Berth::spawn(&first_id.kubeconfig, &flags("replica-a"));
+    leader.wait_log("caches synced").await;
+    let other = Berth::spawn(&standby.kubeconfig, &flags("replica-b"));
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    let node_b = running_machine(&client, ns, "b", ns).await;
+    stateful_set_with(&client, ns, "db", 2, true, on_delete).await;
+    attached(&client, ns, 2).await;
+    running_machine(&client, ns, "c", ns).await;
+    running_machine(&client, ns, "d", ns).await;
+    hold_replacements_unready(&client, ns, "db", "20s").await;
+    let watches = Watches::start(&client, ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    delete_machine(&client, ns, "b").await;
+    let first = oracle::requests_once(BED.bed().await, ns, |rs| {
+        !accepted_evictions_of(rs, "db-*").is_empty()
+    })
+    .await;
+    let moved: Vec<String> = accepted_evictions_of(&first, "db-*")
+        .iter()
+        .filter_map(|r| r.name.clone())
+        .collect();
+    assert_eq!(
+        moved.len(),
+        1,
+        "one replica moves: {}",
+        oracle::log_of(&first)
+    );
+    leader.kill().await;
+    gone(&client, ns, "a", Duration::from_secs(180)).await;
+    gone(&client, ns, "b", Duration::from_secs(180)).await;
+
+    // The standby's requests are not audited: when the next replica went
+    // is when the watch saw its pod start terminating (its eviction a
+    // moment before).
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let held = moved[0].as_str();
+    let next = if held == "db-0" { "db-1" } else { "db-0" };
+    evicted_once(&all, held, &log);
+    let old = watches_uid(&watches, next).expect("the next replica's first pod");
+    let went = watches
+        .first(
+            |s| matches!(s, oracle::Seen::PodDeleting { name, uid } if name == next && *uid == old),
+        )
+        .unwrap_or_else(|| panic!("{next} evicted by the new leader: {log}"));
+    let replacement = Api::<Pod>::namespaced(client.clone(), ns)
+        .get(held)
+        .await
+        .expect("the replacement");
+    let ready =
+        ready_at(&replacement).unwrap_or_else(|| panic!("{held}'s replacement Ready: {log}"));
+    assert!(
+        went >= ready,
+        "{next} went at {went} before {held}'s replacement was Ready at {ready}, across the hand-over: {log}"
+    );
+    let pv = format!("{ns}-{held}");
+    let from = node_of(&watches, &pv, &node_a, &node_b);
+    let moved_at = watches
+        .attached_elsewhere(BED.bed().await, &pv, &from)
+        .await
+        .unwrap_or_else(|| panic!("{pv} attached elsewhere than {from}: {log}"));
+    assert!(
+        went > moved_at,
+        "{next} went at {went} before {pv} was attached where its replacement runs ({moved_at}): {log}"
+    );
+    other.terminate().await;
+}
+
 /// A StatefulSet with `minReadySeconds: 5` (and no annotation): a
 /// replacement is available only once Ready that long, so the next
 /// replica is evicted only then (by the audit log and a watch of the pods;
@@ -410,6 +511,102 @@ async fn a_detach_that_times_out_keeps_its_workload_permit() {
         .assert_after_moved(BED.bed().await, later, &db0, &node_a, &log)
         .await;
     BED.calm("ledger_stuck", ns).await;
+    ctl.stop().await;
+}
+
+/// A detach that stalls to the end (case 5 of issue 36): Machine `a` runs
+/// only db-0, whose VolumeAttachment the test holds. Its detach wait ends
+/// after `volumeDetachTimeout` (2 s), nothing else is left, and `a`'s
+/// drain ends and its VM goes (its Node tainted out of service, the
+/// Machine kept until the volume is released); its move keeps db's permit, the replacement running
+/// elsewhere (Ready, as the test bed's pods are, before any attach) but
+/// its volume still held on `a`'s Node. Machine `b`, deleted then, does
+/// not evict db-1 while the volume is held; once it is let go, db-1 goes
+/// only after db-0's volume is attached where its replacement runs (the
+/// audit log, the VolumeAttachments). Before, the permit went with `a`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_detach_stalled_past_its_machine_keeps_the_permit_until_the_volume_moved() {
+    let ns = "ledger-stalled";
+    let client = BED
+        .case(
+            ns,
+            serde_json::json!({"timeout": "5m", "volumeDetachTimeout": "2s"}),
+        )
+        .await;
+    let ctl = BED.start(ns).await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    running_machine(&client, ns, "b", ns).await;
+    stateful(&client, ns, "db", 2, true).await;
+    attached(&client, ns, 2).await;
+    running_machine(&client, ns, "c", ns).await;
+    running_machine(&client, ns, "d", ns).await;
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), ns);
+    let first = pods
+        .list(&Default::default())
+        .await
+        .expect("pods")
+        .items
+        .into_iter()
+        .find(|p| support::pool::on_node(p, &node_a))
+        .map(|p| p.name_any())
+        .expect("a replica of db on a");
+    let second = if first == "db-0" { "db-1" } else { "db-0" };
+    let pv = format!("{ns}-{first}");
+    hold_attachment(&client, &pv, &node_a, true).await;
+    let watches = Watches::start(&client, ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    // a's drain ended and its VM is gone: its Node is tainted out of
+    // service so that the volume is released (a itself goes once it is).
+    wait::for_one(
+        Api::<k8s_openapi::api::core::v1::Node>::all(client.clone()),
+        LONG,
+        "a's Node out of service",
+        |n| {
+            n.name_any() == node_a
+                && n.spec
+                    .as_ref()
+                    .and_then(|s| s.taints.as_ref())
+                    .is_some_and(|t| {
+                        t.iter()
+                            .any(|t| t.key == "node.kubernetes.io/out-of-service")
+                    })
+        },
+    )
+    .await
+    .expect("a's VM goes with the volume still held");
+    delete_machine(&client, ns, "b").await;
+    // b's drain has asked for db (what it reports is only the moment to
+    // look); the volume is still held on a's Node.
+    let machines: Api<berth::api::Machine> = Api::namespaced(client.clone(), ns);
+    wait::for_one(machines, LONG, "b waits for db", |m| {
+        m.name_any() == "b"
+            && m.status
+                .as_ref()
+                .and_then(|s| s.drain.as_ref())
+                .and_then(|d| d.waiting_for_budget.as_deref())
+                .is_some_and(|w| w.contains("StatefulSet ledger-stalled/db"))
+    })
+    .await
+    .expect("b's drain asks for db");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let now = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&now), watches.log());
+    assert!(
+        accepted_evictions_of(&now, second).is_empty(),
+        "{second} is not evicted while {first}'s volume is held on a's Node: {log}"
+    );
+    hold_attachment(&client, &pv, &node_a, false).await;
+    gone(&client, ns, "a", LONG).await;
+    gone(&client, ns, "b", Duration::from_secs(120)).await;
+
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let later = evicted_once(&all, second, &log);
+    watches
+        .assert_after_moved(BED.bed().await, later, &pv, &node_a, &log)
+        .await;
+    BED.calm("ledger_stalled", ns).await;
     ctl.stop().await;
 }
 
@@ -577,15 +774,18 @@ async fn past_its_deadline_a_drain_moves_beyond_the_budget() {
     ctl.stop().await;
 }
 
-/// A move held for a replacement the scheduler cannot place has not
-/// ended, even when nothing else is left on its Node. Machines `a` and `b`
-/// each run one replica of db, and the pool has no other Node: a's replica
-/// goes first, its replacement cannot be placed, and a's drain keeps the
-/// move (and its permit) instead of ending with it; b's replica stays. Once
-/// Nodes come, the first replica's volume attaches where its replacement
-/// runs, and only then does the second go.
+/// A move held for a replacement the scheduler cannot place does not pin
+/// its Machine (case 3 of issue 36: with `maxSurge: 0` each old Machine
+/// waited its whole drain deadline). Machines `a` and `b` each run one
+/// replica of db, and the pool has no other Node: the first replica goes,
+/// its replacement cannot be placed, and with nothing else on its Node its
+/// Machine is gone well before its 10-minute deadline, while its move's
+/// `MovePermit` stays and the other replica stays too. Once Nodes come,
+/// the first replica's volume attaches where its replacement runs, only
+/// then does the second go, and no permit is left at the end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_move_held_for_placement_keeps_its_permit_to_the_end() {
+async fn a_move_held_for_placement_lets_its_machine_go_and_keeps_its_permit() {
+    use berth::api::MovePermit;
     let ns = "ledger-held";
     let client = BED.case(ns, serde_json::json!({"timeout": "10m"})).await;
     let ctl = BED.start(ns).await;
@@ -597,39 +797,51 @@ async fn a_move_held_for_placement_keeps_its_permit_to_the_end() {
 
     delete_machine(&client, ns, "a").await;
     delete_machine(&client, ns, "b").await;
-    // The drain that moved first has nothing left but its held move, and
-    // waits for it (what it reports is only the moment to look).
+    // The Machine whose replica moved first goes, its move held.
     let machines: Api<berth::api::Machine> = Api::namespaced(client.clone(), ns);
-    let holding = wait::for_one(machines, LONG, "a drain waiting for its held move", |m| {
-        m.status
-            .as_ref()
-            .and_then(|s| s.drain.as_ref())
-            .and_then(|d| d.waiting_for.as_deref())
-            .is_some_and(|w| w.contains("to be placed: its move holds"))
+    let left = wait::until(machines.clone(), LONG, "one of a and b gone", |ms| {
+        ms.len() == 1
     })
     .await
-    .expect("the drain keeps its held move");
+    .expect("the Machine of the held move goes before its deadline");
+    let stays = left[0].name_any();
+    let went = if stays == "a" { "b" } else { "a" };
     let now = evictions(BED.bed().await, ns);
     let log = format!("{}\n{}", oracle::log_of(&now), watches.log());
+    let moved = accepted_evictions_of(&now, "db-*");
     assert_eq!(
-        accepted_evictions_of(&now, "db-*").len(),
+        moved.len(),
         1,
-        "one replica moves while its replacement cannot be placed ({} waits): {log}",
-        holding.metadata.name.as_deref().unwrap_or_default()
+        "one replica moves while its replacement cannot be placed: {log}"
+    );
+    let first = moved[0].name.clone().unwrap_or_default();
+    let permits: Api<MovePermit> = Api::namespaced(client.clone(), ns);
+    let permit = permits
+        .get_opt("statefulset.db.0")
+        .await
+        .expect("read the permit");
+    assert!(
+        permit
+            .as_ref()
+            .is_some_and(|p| p.spec.pod == first && p.spec.machine == format!("{ns}/{went}")),
+        "the held move keeps its permit after its Machine {went} is gone: {permit:?}"
     );
     running_machine(&client, ns, "c", ns).await;
     running_machine(&client, ns, "d", ns).await;
-    gone(&client, ns, "a", Duration::from_secs(120)).await;
-    gone(&client, ns, "b", Duration::from_secs(120)).await;
+    gone(&client, ns, &stays, Duration::from_secs(120)).await;
 
     let all = evictions(BED.bed().await, ns);
     let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
-    let ((first, _), (_, second)) = in_order(&all, ("db-0", "db-1"), &log);
+    let ((earlier, _), (_, later)) = in_order(&all, ("db-0", "db-1"), &log);
+    assert_eq!(earlier, first, "{log}");
     let first_pv = format!("{ns}-{first}");
     let first_node = node_of(&watches, &first_pv, &node_a, &node_b);
     watches
-        .assert_after_moved(BED.bed().await, second, &first_pv, &first_node, &log)
+        .assert_after_moved(BED.bed().await, later, &first_pv, &first_node, &log)
         .await;
+    wait::for_none(permits, LONG, "no permit left", |_| true)
+        .await
+        .expect("every move ended and freed its permit");
     BED.calm("ledger_held", ns).await;
     ctl.stop().await;
 }
@@ -1183,6 +1395,174 @@ async fn a_machine_removed_by_hand_stops_its_drain_and_its_move_keeps_the_permit
         "a's drain still runs after a is gone"
     );
     BED.calm("ledger_vanished", ns).await;
+    ctl.stop().await;
+}
+
+/// A forced deletion (case 2 of issue 36) skips PodDisruptionBudgets and
+/// the deadline, not the move ledger. Machine `a`, labelled for forced
+/// deletion, runs one replica of db (whose replacements are held unready
+/// for 30 s) and is deleted: its replica is deleted at once, and its move
+/// takes db's permit (a `MovePermit` naming `a`, read while it is
+/// there). Machine `b`, deleted next the usual way, evicts the other
+/// replica only once the first one's replacement is Ready (by the audit
+/// log and the pod's Ready condition); the permit is gone at the end.
+/// Without the ledger on the forced path, b's replica went at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forced_deletion_takes_its_workloads_permit_and_holds_the_next_replica() {
+    use berth::api::MovePermit;
+    use k8s_openapi::api::core::v1::Pod;
+    let ns = "ledger-forced";
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = BED.start(ns).await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    running_machine(&client, ns, "b", ns).await;
+    stateful_set_with(&client, ns, "db", 2, true, on_delete).await;
+    attached(&client, ns, 2).await;
+    running_machine(&client, ns, "c", ns).await;
+    running_machine(&client, ns, "d", ns).await;
+    hold_replacements_unready(&client, ns, "db", "30s").await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let first = pods
+        .list(&Default::default())
+        .await
+        .expect("pods")
+        .items
+        .into_iter()
+        .find(|p| support::pool::on_node(p, &node_a))
+        .map(|p| p.name_any())
+        .expect("a replica of db on a");
+    let watches = Watches::start(&client, ns).await;
+    let machines: Api<berth::api::Machine> = Api::namespaced(client.clone(), ns);
+    machines
+        .patch(
+            "a",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({
+                "metadata": {"labels": {berth::api::FORCE_DELETION_LABEL: "true"}}
+            })),
+        )
+        .await
+        .expect("label a for forced deletion");
+    delete_machine(&client, ns, "a").await;
+    let permits: Api<MovePermit> = Api::namespaced(client.clone(), ns);
+    let permit = wait::for_one(permits.clone(), LONG, "the forced move's permit", |p| {
+        p.spec.machine == format!("{ns}/a")
+    })
+    .await
+    .expect("the forced deletion takes db's permit");
+    assert_eq!(permit.spec.pod, first, "{permit:?}");
+    gone(&client, ns, "a", LONG).await;
+
+    delete_machine(&client, ns, "b").await;
+    gone(&client, ns, "b", Duration::from_secs(120)).await;
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let later = evicted_once(&all, if first == "db-0" { "db-1" } else { "db-0" }, &log);
+    let replacement = pods.get(&first).await.expect("the replacement");
+    let ready =
+        ready_at(&replacement).unwrap_or_else(|| panic!("{first}'s replacement Ready: {log}"));
+    assert!(
+        later.received >= ready,
+        "the next replica went at {} before the forced {first}'s replacement was Ready at {ready}: {log}",
+        later.received
+    );
+    wait::for_none(permits, LONG, "no permit left", |_| true)
+        .await
+        .expect("the forced move's permit ends once db is whole");
+    BED.calm("ledger_forced", ns).await;
+    ctl.stop().await;
+}
+
+/// A drain busy elsewhere keeps no place in line (case 8 of issue 36).
+/// Machines `a`, `b` and `c` each run one replica of db, and `b` also runs
+/// `other-0`, whose replacement is held unready for 40 s; they are deleted
+/// in that order, so `b` is ahead of `c` in db's line. While `a`'s replica
+/// moves, `b`'s drain asks for db, waits, and goes on moving `other-0`,
+/// which keeps its pass busy for 40 s; `c`'s drain has nothing else to do
+/// and waits. When `a`'s move ends, db's permit goes to `c` at once: its
+/// replica is evicted before `b`'s, and before `other-0`'s replacement is
+/// Ready (by the audit log and the pod's Ready condition). Before, `b`
+/// kept its place until its pass ended, and db's permit sat idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_busy_elsewhere_keeps_no_place_in_line() {
+    use berth_devkit::testbed::stages::READY_AFTER_ANNOTATION;
+    use k8s_openapi::api::core::v1::Pod;
+    let ns = "ledger-line";
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = BED.start(ns).await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    let node_b = running_machine(&client, ns, "b", ns).await;
+    let node_c = running_machine(&client, ns, "c", ns).await;
+    stateful(&client, ns, "db", 3, true).await;
+    let pinned = node_b.clone();
+    stateful_set_with(&client, ns, "other", 1, false, move |sts| {
+        on_delete(sts);
+        if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+            spec.node_selector
+                .get_or_insert_default()
+                .insert("kubernetes.io/hostname".to_string(), pinned);
+        }
+    })
+    .await;
+    attached(&client, ns, 4).await;
+    // Its replacement may go anywhere in the pool, and is Ready only after
+    // 40 s.
+    Api::<StatefulSet>::namespaced(client.clone(), ns)
+        .patch(
+            "other",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"spec": {"template": {
+                "metadata": {"annotations": {(READY_AFTER_ANNOTATION): "40s"}},
+                "spec": {"nodeSelector": {"kubernetes.io/hostname": null}}}}})),
+        )
+        .await
+        .expect("free other's replacement, held unready");
+    for m in ["d", "e", "f"] {
+        running_machine(&client, ns, m, ns).await;
+    }
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let listed = pods.list(&Default::default()).await.expect("pods").items;
+    let on = |node: &str| {
+        listed
+            .iter()
+            .find(|p| support::pool::on_node(p, node) && p.name_any().starts_with("db-"))
+            .map(|p| p.name_any())
+            .expect("a replica of db on each Machine")
+    };
+    let (on_b, on_c) = (on(&node_b), on(&node_c));
+    let first = on(&node_a);
+    let watches = Watches::start(&client, ns).await;
+
+    for m in ["a", "b", "c"] {
+        delete_machine(&client, ns, m).await;
+    }
+    for m in ["a", "b", "c"] {
+        gone(&client, ns, m, Duration::from_secs(180)).await;
+    }
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let went_first = evicted_once(&all, &first, &log);
+    let from_b = evicted_once(&all, &on_b, &log);
+    let from_c = evicted_once(&all, &on_c, &log);
+    evicted_once(&all, "other-0", &log);
+    assert!(
+        went_first.received < from_c.received && from_c.received < from_b.received,
+        "the permit went to c's parked drain, not to b's busy one: {log}"
+    );
+    let other = pods.get("other-0").await.expect("other's replacement");
+    let ready = ready_at(&other).unwrap_or_else(|| panic!("other-0's replacement Ready: {log}"));
+    assert!(
+        from_c.received < ready,
+        "{on_c} went at {}, only once b's pass ended (other-0's replacement Ready at {ready}): {log}",
+        from_c.received
+    );
+    // Six Machines and three drains within seconds: a rollout's burst.
+    support::audit::assert_no_request_loop_below(
+        BED.bed().await,
+        "ledger_line",
+        ns,
+        support::audit::ROLLOUT_PEAK_10S_CEILING,
+    );
     ctl.stop().await;
 }
 

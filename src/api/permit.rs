@@ -28,6 +28,7 @@ use serde::{Deserialize, Serialize};
     printcolumn = r#"{"name":"Pod","type":"string","jsonPath":".spec.pod"}"#,
     printcolumn = r#"{"name":"Machine","type":"string","jsonPath":".spec.machine"}"#,
     printcolumn = r#"{"name":"Past-Budget","type":"boolean","jsonPath":".spec.pastBudget"}"#,
+    printcolumn = r#"{"name":"Expires","type":"date","jsonPath":".spec.expires"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -51,6 +52,19 @@ pub struct MovePermitSpec {
     /// The pod has volumes that move with it.
     #[serde(default)]
     pub volumes: bool,
+    /// The move's healthy deadline: once its drain no longer watches it
+    /// (the drain ended, or its Machine is gone), the permit goes when its
+    /// workload is whole again, or at this time, whichever comes first (a
+    /// Warning names it then). Its workload's `berth.dev/healthy-deadline`
+    /// after `since`, else the deadline of the drain that began the move
+    /// (at least the reattach timeout after `since`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires: Option<Time>,
+    /// The attachable PVs that move with the pod: once no drain watches
+    /// the move, it is over only when each is attached where the pod that
+    /// replaced it runs (and its workload has no replica down).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub attach: Vec<String>,
 }
 
 /// The name of permit `slot` of workload `kind`/`name`:

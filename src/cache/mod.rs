@@ -78,6 +78,9 @@ pub(crate) struct Caches {
     /// workload's replicas are available changed, which a drain waiting
     /// for its move budget asks again on.
     pub(crate) workload_changes: watch::Receiver<u64>,
+    /// Bumped after every VolumeAttachment event, once its store and
+    /// indexes applied it.
+    pub(crate) attachment_changes: watch::Receiver<u64>,
     /// Bumped after every MovePermit event: a permit taken or ended, by
     /// this process or another.
     pub(crate) permit_changes: watch::Receiver<u64>,

@@ -313,6 +313,10 @@ pub struct Permit {
     /// moves in flight (the cloud's attach API). A pod without volumes
     /// holds a permit only when its workload bounds its moves.
     pub volumes: bool,
+    /// The attachable PVs that move with it: once its drain no longer
+    /// watches the move, it is over only when each is attached where a pod
+    /// that replaced this one runs.
+    pub attach: Vec<String>,
 }
 
 /// The drain that asks: its Machine (`namespace/name`), when its deletion
@@ -347,6 +351,8 @@ pub struct Ask {
     /// for another reason, and count against the budget as moves do. 0
     /// for a pod that is not Ready itself (see [`Ask::new`]).
     pub unavailable: u32,
+    /// Its attachable PVs (see [`Permit::attach`]).
+    pub attach: Vec<String>,
 }
 
 impl Ask {
@@ -371,6 +377,12 @@ impl Ask {
             requested: drain.requested,
             past_deadline: drain.past_deadline,
             volumes: !pod.volumes.is_empty(),
+            attach: pod
+                .volumes
+                .iter()
+                .filter(|v| v.class == crate::drain::class::VolumeClass::Attachable)
+                .map(|v| v.volume.pv.clone())
+                .collect(),
             // A pod already down takes nothing more down when it moves:
             // the workload's other replicas down are not held against it,
             // only berth's moves in flight are.
@@ -420,11 +432,16 @@ pub enum Answer {
     Contended { error: Option<String> },
 }
 
-/// An ask that waits, and since when.
+/// An ask that waits, since when, and whether its drain is parked on it:
+/// done with its pass and waiting for a permit to free (see
+/// [`Ledger::keep_waiting`]). Only a parked ask holds its place in line: a
+/// drain busy elsewhere (a PodDisruptionBudget, a long chain of moves)
+/// would keep a freed permit idle until its pass ends.
 #[derive(Debug, Clone)]
 struct Waiting {
     ask: Ask,
     since: Timestamp,
+    parked: bool,
 }
 
 /// Every move in flight and every ask waiting, by workload.
@@ -489,6 +506,7 @@ impl Ledger {
             .get(&ask.workload)
             .into_iter()
             .flat_map(|w| w.values())
+            .filter(|w| w.parked)
             .map(|w| &w.ask)
             .filter(|w| w.uid != ask.uid && w.order() < ask.order())
             .collect();
@@ -501,6 +519,7 @@ impl Ledger {
             since: now,
             past_budget,
             volumes: ask.volumes,
+            attach: ask.attach.clone(),
         };
         let within_budget = ahead.len() < free;
         let answer = if within_budget && capped.is_none() {
@@ -521,6 +540,8 @@ impl Ledger {
                 Waiting {
                     ask: ask.clone(),
                     since,
+                    // Its drain goes on with its pass; it parks at the end.
+                    parked: false,
                 },
             );
             return match capped {
@@ -576,13 +597,17 @@ impl Ledger {
 
     /// Keeps of `machine`'s waiting asks only those of the pods `uids`:
     /// those its drain asked for again in its last pass (a pod gone, or
-    /// moved another way, no longer holds the line).
-    /// How many were withdrawn.
+    /// moved another way, no longer holds the line), and parks them: its
+    /// pass is over and it waits for a permit to free, so they hold their
+    /// place in line until it asks again. How many were withdrawn.
     pub fn keep_waiting(&mut self, machine: &str, uids: &[String]) -> usize {
         let mut withdrawn = 0;
         self.waiting.retain(|_, w| {
             let before = w.len();
             w.retain(|uid, a| a.ask.machine != machine || uids.contains(uid));
+            for (_, a) in w.iter_mut().filter(|(_, a)| a.ask.machine == machine) {
+                a.parked = true;
+            }
             withdrawn += before - w.len();
             !w.is_empty()
         });
@@ -716,6 +741,8 @@ fn recorded(machine: &str, mv: &VolumeMove) -> Option<(Workload, Permit)> {
             since: mv.since.as_ref().map_or_else(Timestamp::now, |t| t.0),
             past_budget: false,
             volumes: true,
+            // Its drain watches the move to its end.
+            attach: Vec::new(),
         },
     ))
 }
@@ -735,8 +762,33 @@ pub fn held_permit(o: &MovePermit) -> Option<(Workload, Permit)> {
             since: o.spec.since.0,
             past_budget: o.spec.past_budget,
             volumes: o.spec.volumes,
+            attach: o.spec.attach.clone(),
         },
     ))
+}
+
+/// When a permit granted at `since` expires once its drain no longer
+/// watches its move: the workload's healthy deadline after `since` if it
+/// has one, else the deadline of the drain that began the move, and never
+/// sooner than `reattach` after `since` (a drain past its deadline bypasses
+/// the budget, but its move still holds its permit while its replacement
+/// comes up).
+pub fn permit_expires(
+    since: Timestamp,
+    healthy_deadline: Option<Duration>,
+    drain_deadline: Timestamp,
+    reattach: Duration,
+) -> Timestamp {
+    let after = |d: Duration| {
+        SignedDuration::try_from(d)
+            .ok()
+            .and_then(|d| since.checked_add(d).ok())
+            .unwrap_or(Timestamp::MAX)
+    };
+    match healthy_deadline {
+        Some(d) => after(d),
+        None => drain_deadline.max(after(reattach)),
+    }
 }
 
 /// The workload a move record names (`Kind/name`, in the pod's
@@ -760,6 +812,20 @@ mod tests {
         Workload::new("StatefulSet", "ns", "db")
     }
 
+    #[test]
+    fn a_permit_expires_at_its_healthy_deadline_else_its_drains_deadline() {
+        let reattach = Duration::from_secs(90);
+        // The workload's healthy deadline, from the move's start.
+        assert_eq!(
+            permit_expires(t(0), Some(Duration::from_secs(600)), t(7200), reattach),
+            t(600)
+        );
+        // Else the drain's deadline...
+        assert_eq!(permit_expires(t(0), None, t(7200), reattach), t(7200));
+        // ...but a move begun past it still has the reattach timeout.
+        assert_eq!(permit_expires(t(7300), None, t(7200), reattach), t(7390));
+    }
+
     fn t(s: i64) -> Timestamp {
         Timestamp::from_second(1_700_000_000 + s).expect("time")
     }
@@ -775,6 +841,7 @@ mod tests {
             past_deadline: false,
             volumes: true,
             unavailable: 0,
+            attach: vec![],
         }
     }
 
@@ -1010,6 +1077,8 @@ mod tests {
         d.priority = 100;
         for x in [&b, &c, &d] {
             assert!(!granted(&l.ask(x, &one, t(2))));
+            // Each drain's pass ends, and it parks on its ask.
+            l.keep_waiting(&x.machine, std::slice::from_ref(&x.uid));
         }
         l.end(&db(), "uid-db-0");
         // The first to ask again after the end is not the first in line.
@@ -1025,6 +1094,34 @@ mod tests {
         assert!(granted(&l.ask(&b, &one, t(5))));
     }
 
+    /// Case 8 of issue 36: a drain busy elsewhere (its pass not over) does
+    /// not keep its place in line; once parked, it does, until it asks
+    /// again.
+    #[test]
+    fn a_drain_busy_elsewhere_keeps_no_place_in_line() {
+        let one = Budget::default_for(true);
+        let mut l = Ledger::default();
+        assert!(granted(&l.ask(&ask("db-0", "a", 0), &one, t(1))));
+        // b was deleted first, but its pass is still busy elsewhere.
+        let busy = ask("db-1", "b", 0);
+        let parked = ask("db-2", "c", 5);
+        assert!(!granted(&l.ask(&busy, &one, t(2))));
+        assert!(!granted(&l.ask(&parked, &one, t(2))));
+        l.keep_waiting("ns/c", &["uid-db-2".to_string()]);
+        l.end(&db(), "uid-db-0");
+        assert!(
+            granted(&l.ask(&parked, &one, t(3))),
+            "the freed permit is not kept for b's busy drain"
+        );
+        l.end(&db(), "uid-db-2");
+        // Parked first, b holds its place against c's later ask, even
+        // though c asks before b does.
+        l.keep_waiting("ns/b", &["uid-db-1".to_string()]);
+        let again = ask("db-3", "c", 5);
+        assert!(!granted(&l.ask(&again, &one, t(4))), "b is parked ahead");
+        assert!(granted(&l.ask(&busy, &one, t(4))));
+    }
+
     #[test]
     fn a_withdrawn_ask_no_longer_holds_the_line() {
         let one = Budget::default_for(true);
@@ -1034,6 +1131,7 @@ mod tests {
         let second = ask("db-2", "c", 5);
         assert!(!granted(&l.ask(&first, &one, t(2))));
         assert!(!granted(&l.ask(&second, &one, t(2))));
+        l.keep_waiting("ns/b", &["uid-db-1".to_string()]);
         l.end(&db(), "uid-db-0");
         l.withdraw(&db(), "uid-db-1");
         assert!(granted(&l.ask(&second, &one, t(3))));
@@ -1202,6 +1300,7 @@ mod tests {
             since: t(0),
             past_budget: false,
             volumes: true,
+            attach: vec![],
         };
         let mut l = Ledger::default();
         // Another process's move holds db's one permit.
@@ -1244,6 +1343,7 @@ mod tests {
             since: t(0),
             past_budget: false,
             volumes: true,
+            attach: vec![],
         };
         let mut l = Ledger::rebuild([(db(), permit.clone())]);
         assert_eq!(l.moves().len(), 1);

@@ -530,6 +530,7 @@ mod tests {
                 since: crate::drain::fixtures::ts(1_700_000_000),
                 past_budget: false,
                 volumes: true,
+                attach: vec![],
             },
         )]);
         let owners = BTreeMap::from([(

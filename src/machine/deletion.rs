@@ -118,7 +118,14 @@ async fn cleanup_step(
         }
         DeletionStep::Cordon { .. } => cordon(ctx, m, &as_decided, o.node).await,
         DeletionStep::ForceDeletePods { pods, .. } => {
-            force_delete_pods(ctx, m, pods, &as_decided).await
+            force_delete_pods(
+                ctx,
+                m,
+                pods,
+                &as_decided,
+                o.settings.volume_reattach_timeout,
+            )
+            .await
         }
         DeletionStep::Drain { node, pods } => {
             Ok(await_drain(ctx, m, &o, &step, node, !pods.is_empty())
@@ -473,8 +480,19 @@ async fn force_delete_pods(
     m: &Machine,
     pods: &[String],
     rec: &StepRecord,
+    reattach: Duration,
 ) -> Result<Stepped, Error> {
     ctx.drainer.forget(&ObjectRef::from_obj(m));
+    let _forcing = ctx.drainer.forcing(&ObjectRef::from_obj(m));
+    // Every deletion path goes through the move ledger: each move is
+    // asked for (taken past the budget with a Warning) and recorded
+    // before its pod goes.
+    let forced: Vec<Arc<Pod>> = pods
+        .iter()
+        .filter_map(|p| p.split_once('/'))
+        .filter_map(|(ns, name)| ctx.caches.pods.get(&ObjectRef::new(name).within(ns)))
+        .collect();
+    ctx.drainer.force_permits(m, &forced, reattach).await;
     for p in pods {
         let Some((ns, name)) = p.split_once('/') else {
             continue;

@@ -208,6 +208,13 @@ pub(crate) async fn run(
         }
     };
     let vanished = AbortOnDrop(tokio::spawn(vanished));
+    // The permits of moves whose drain ended or whose Machine went: kept
+    // until their workload is whole or their healthy deadline.
+    let keeper = {
+        let ctx = Arc::clone(&ctx);
+        async move { ctx.drainer.keep_permits().await }
+    };
+    let keeper = AbortOnDrop(tokio::spawn(keeper));
 
     let metrics = Arc::clone(&ctx.metrics);
     crate::controller::skeleton::run(
@@ -221,6 +228,7 @@ pub(crate) async fn run(
     .await;
     drop(readiness);
     drop(vanished);
+    drop(keeper);
     // Drains stop at a resumable point: the next leader re-plans from the
     // cluster's state.
     ctx.drainer.stop_all();

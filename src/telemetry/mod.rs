@@ -223,6 +223,9 @@ pub struct Metrics {
     /// `berth_move_budget_wait_seconds{kind}`: how long a pod waited for a
     /// permit before its move began, by workload kind.
     pub move_budget_wait: HistogramVec,
+    /// `berth_move_permits_expired_total{kind}`: permits ended at their
+    /// healthy deadline with their workload not whole, by workload kind.
+    pub move_permits_expired: IntCounterVec,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -363,6 +366,7 @@ impl Metrics {
             rollout_machines_replaced: r.counter("berth_rollout_machines_replaced_total", "Old Machines that MachineDeployment rollouts chose to delete (each one lowers its old MachineSet by one).")?,
             machinedeployments_stalled: r.gauge("berth_machinedeployments_stalled", "MachineDeployments whose Progressing condition is False: a new Machine failing (NewMachineFailed), no progress within progressDeadlineSeconds (ProgressDeadlineExceeded), or a template its selector does not match.")?,
             volume_moves_in_flight: r.gauge_vec("berth_volume_moves_in_flight", "Volume moves holding a permit of the move ledger (evicted, and not yet attached where a healthy replacement runs), across every drain of this replica, by workload kind (StatefulSet, Deployment, ReplicaSet, Job, Pod for a pod without a controller, other). Bounded by --max-volume-moves and, per workload, by its berth.dev/max-moving.", &["kind"])?,
+            move_permits_expired: r.counter_vec("berth_move_permits_expired_total", "Move permits ended at their healthy deadline (berth.dev/healthy-deadline, else the deadline of the drain that began the move) while their workload still had replicas unavailable, after the drain that held them ended or its Machine went: the next pod of that workload may move with the workload not whole. By workload kind.", &["kind"])?,
             move_budget_wait: r.histogram_vec("berth_move_budget_wait_seconds", "Time a stateful pod waited for its workload's move budget (another replica moving, on any Machine) or for a place under --max-volume-moves before its eviction, by workload kind.", DRAIN_BUCKETS, &["kind"])?,
             registry: r.registry,
             names: r.names,
@@ -377,6 +381,7 @@ impl Metrics {
         for kind in WORKLOAD_KINDS {
             metrics.volume_moves_in_flight.with_label_values(&[kind]);
             metrics.move_budget_wait.with_label_values(&[kind]);
+            metrics.move_permits_expired.with_label_values(&[kind]);
         }
         Ok(metrics)
     }
@@ -595,7 +600,7 @@ impl Drop for GaugeHold {
 mod tests {
     use super::*;
 
-    const ALL_NAMES: [&str; 22] = [
+    const ALL_NAMES: [&str; 23] = [
         "berth_machines",
         "berth_reconcile_total",
         "berth_reconcile_duration_seconds",
@@ -618,6 +623,7 @@ mod tests {
         "berth_machinedeployments_stalled",
         "berth_volume_moves_in_flight",
         "berth_move_budget_wait_seconds",
+        "berth_move_permits_expired_total",
     ];
 
     fn count(m: &Metrics, result: &str) -> u64 {

@@ -106,6 +106,7 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
     let (pod_changes_tx, pod_changes) = tokio::sync::watch::channel(0u64);
     let (pdb_changes_tx, pdb_changes) = tokio::sync::watch::channel(0u64);
     let (workload_changes_tx, workload_changes) = tokio::sync::watch::channel(0u64);
+    let (attachment_changes_tx, attachment_changes) = tokio::sync::watch::channel(0u64);
     // The move ledger's permits, of every namespace and process.
     let (permit_changes_tx, permit_changes) = tokio::sync::watch::channel(0u64);
     let (move_permits, move_permits_w) = reflector::store();
@@ -133,6 +134,7 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         pod_changes,
         pdb_changes,
         workload_changes,
+        attachment_changes,
         permit_changes,
         machines_gone,
         machines_listed,
@@ -159,22 +161,15 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         classes: class_watch(classes_w, client, &wakes),
         nodes: node_watch(nodes_w, Api::all(client.clone()), &caches, &tracker, &wakes),
         pods: pod_watch(pods_w, Api::all(client.clone()), &caches, pod_changes_tx),
-        attachments: attachment_watch(vas_w, Api::all(client.clone()), &caches, &tracker),
+        attachments: attachment_watch(
+            vas_w,
+            Api::all(client.clone()),
+            &caches,
+            &tracker,
+            attachment_changes_tx,
+        ),
     };
-    let sets = {
-        let wakes = wakes.clone();
-        reflector::reflector(
-            sets_w,
-            watcher(api(client, namespace), watcher::Config::default()),
-        )
-        .inspect(move |ev| {
-            if let Ok(ev) = ev {
-                wakes.set_event(ev);
-            }
-        })
-        .applied_objects()
-        .boxed()
-    };
+    let sets = set_watch(sets_w, api(client, namespace), &wakes);
     let background = futures::stream::select_all([
         quiet(pdbs_w, Api::all(client.clone()), trim::metadata)
             .inspect(move |_| pdb_changes_tx.send_modify(|n| *n = n.wrapping_add(1)))
@@ -200,6 +195,24 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         deployment_wakes,
         background,
     }
+}
+
+/// The MachineSet watch, which wakes the sets' controller and the
+/// deployments of the sets it changes.
+fn set_watch(
+    writer: reflector::store::Writer<MachineSet>,
+    api: Api<MachineSet>,
+    wakes: &Wakes,
+) -> Objects<MachineSet> {
+    let wakes = wakes.clone();
+    reflector::reflector(writer, watcher(api, watcher::Config::default()))
+        .inspect(move |ev| {
+            if let Ok(ev) = ev {
+                wakes.set_event(ev);
+            }
+        })
+        .applied_objects()
+        .boxed()
 }
 
 /// The watches the move ledger reads: ReplicaSets' metadata (whose
@@ -378,18 +391,21 @@ fn node_watch(
 }
 
 /// The VolumeAttachment watch, which feeds the index by PV and Node and
-/// the volume tracker.
+/// the volume tracker, and bumps `changes` (the moves no drain watches
+/// any more end once their volumes are attached where they went).
 fn attachment_watch(
     writer: reflector::store::Writer<VolumeAttachment>,
     api: Api<VolumeAttachment>,
     caches: &Caches,
     tracker: &Tracker,
+    changes: tokio::sync::watch::Sender<u64>,
 ) -> Objects<VolumeAttachment> {
     let (tracker, index) = (tracker.clone(), caches.indexes.clone());
     observed(writer, api, trim::metadata, move |ev| {
         if let Ok(ev) = ev {
             index.observe_attachment(ev);
             tracker.observe_attachment_event(ev);
+            changes.send_modify(|n| *n = n.wrapping_add(1));
         }
     })
     .touched_objects()

@@ -13,7 +13,7 @@ use super::refs::pod_ref_key;
 use crate::cache::Caches;
 use crate::drain::ledger::{
     Answer, Ask, Asker, Budget, MOVE_GROUP_ANNOTATION, MOVE_GROUP_KIND, Permit, Workload,
-    WorkloadTerms, availability_of, budget_of, grouped, ready_since,
+    WorkloadTerms, availability_of, budget_of, grouped, permit_expires, ready_since,
 };
 use crate::drain::plan::PlannedPod;
 use crate::drain::select::fmt_key;
@@ -31,18 +31,24 @@ impl NodeDrain {
         }
     }
 
-    /// Ends the permits of this Machine that its move records do not hold.
+    /// Ends the permits of this Machine that its move records do not hold
+    /// and whose move is over (see [`move_done`]): a permit granted to an
+    /// earlier run that stopped before it evicted, or a gated move that
+    /// ended. A move handed over (see `NodeDrain::hand_over_held`), or
+    /// one an earlier run began without recording (a pod without volumes),
+    /// keeps its permit until its workload is whole again.
     pub(super) fn release_unrecorded_permits(&self) {
-        let keep: Vec<String> = self
+        let recorded: Vec<String> = self
             .progress
             .borrow()
             .moves
             .values()
             .map(|m| m.uid.clone().unwrap_or_else(|| m.pod.clone()))
             .collect();
-        self.deps
-            .permits
-            .release_machine(&self.machine_key(), &keep);
+        let caches = &self.deps.caches;
+        self.deps.permits.release_done(&self.machine_key(), |w, p| {
+            !recorded.contains(&p.uid) && move_done(caches, w, p)
+        });
     }
 
     /// This drain's Machine as the ledger names it, `namespace/name`.
@@ -146,20 +152,7 @@ impl NodeDrain {
         terms: &WorkloadTerms,
     ) -> Result<Workload, String> {
         let key = fmt_key(&p.pod);
-        // A Machine deleted while it held a permit (its finalizer removed
-        // by hand) holds it no more.
-        let machines = &self.deps.caches.machines;
         let caches = &self.deps.caches;
-        self.deps.permits.release_vanished(
-            |m| {
-                m.split_once('/').is_some_and(|(ns, name)| {
-                    machines
-                        .get(&kube::runtime::reflector::ObjectRef::new(name).within(ns))
-                        .is_some()
-                })
-            },
-            |w, p| move_done(caches, w, p),
-        );
         let ready = self
             .view()
             .pod(&p.pod, p.uid.as_deref())
@@ -171,18 +164,26 @@ impl NodeDrain {
         };
         let terms = &counted(caches, &workload, terms.clone());
         let ask = Ask::new(workload.clone(), terms, p, ready, &drain);
-        let others = |moving: &[Permit]| {
-            moving
-                .iter()
-                .map(|m| format!("{} (from Machine {})", m.pod, m.machine))
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
+        let others = moving_names;
         // A group has no one object to be owned by.
         let owner = (workload.kind != MOVE_GROUP_KIND)
             .then(|| self.workload_owner(p))
             .flatten();
-        let (why, holders) = match self.deps.permits.ask(&ask, budget, owner.as_ref()).await {
+        let now = Timestamp::now();
+        let deadline = self
+            .job
+            .deadline
+            .started
+            .checked_add(self.job.deadline.timeout)
+            .unwrap_or(Timestamp::MAX);
+        let expires = permit_expires(
+            now,
+            budget.healthy_deadline,
+            deadline,
+            self.job.settings.volume_reattach_timeout,
+        );
+        let asked = self.deps.permits.ask(&ask, budget, owner.as_ref(), expires);
+        let (why, holders) = match asked.await {
             Answer::Granted(_) => return Ok(workload),
             Answer::Bypassed { moving, .. } => {
                 let beyond = match budget.max_moving {
@@ -410,13 +411,22 @@ impl NodeDrain {
     }
 }
 
+/// The pods of `moving`, with their Machines, in words.
+pub(super) fn moving_names(moving: &[Permit]) -> String {
+    moving
+        .iter()
+        .map(|m| format!("{} (from Machine {})", m.pod, m.machine))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// What the object of workload `w` says of its moves (see
 /// [`WorkloadTerms`]), from `caches`: a StatefulSet's or a Deployment's
 /// annotations, `minReadySeconds` and availability by its status (see
 /// [`counted`] for the pods' count), a ReplicaSet's annotations; a move
 /// group's members' availability; nothing for other kinds (their pod
 /// template alone speaks).
-fn terms_in(caches: &Caches, w: &Workload) -> WorkloadTerms {
+pub(super) fn terms_in(caches: &Caches, w: &Workload) -> WorkloadTerms {
     let (name, ns) = (w.name.as_str(), w.namespace.as_str());
     let terms = match w.kind.as_str() {
         "StatefulSet" => caches
@@ -445,7 +455,7 @@ fn terms_in(caches: &Caches, w: &Workload) -> WorkloadTerms {
 /// asked for or a move's end judged, not for every pod a pass plans (a
 /// Deployment's count reads every ReplicaSet of the cache). A move group's
 /// members are counted already.
-fn counted(caches: &Caches, w: &Workload, terms: WorkloadTerms) -> WorkloadTerms {
+pub(super) fn counted(caches: &Caches, w: &Workload, terms: WorkloadTerms) -> WorkloadTerms {
     let (name, ns) = (w.name.as_str(), w.namespace.as_str());
     match w.kind.as_str() {
         "StatefulSet" => match caches.stateful_sets.get(&ObjectRef::new(name).within(ns)) {
@@ -509,7 +519,7 @@ fn by_pods(
 
 /// The terms of every StatefulSet and Deployment of namespace `ns` whose
 /// object names move group `group`.
-fn group_members(caches: &Caches, ns: &str, group: &str) -> Vec<WorkloadTerms> {
+pub(super) fn group_members(caches: &Caches, ns: &str, group: &str) -> Vec<WorkloadTerms> {
     let of_group = |meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
         meta.namespace.as_deref() == Some(ns)
             && meta
@@ -542,8 +552,8 @@ fn group_members(caches: &Caches, ns: &str, group: &str) -> Vec<WorkloadTerms> {
 /// Whether the move that holds `p`, of workload `w`, is over for a Machine
 /// whose drain no longer watches it (ended, or gone): it never began (its
 /// pod is still there and not being deleted), or its workload is whole
-/// again by its owner's status (none of its replicas unavailable), or
-/// berth cannot tell (a kind whose availability it does not read: the
+/// again (none of its replicas unavailable, and its attachable volumes
+/// attached where the replacement runs), or berth cannot tell (a kind whose availability it does not read: the
 /// permit goes with its drain, as the ledger knows no better).
 pub(super) fn move_done(caches: &Caches, w: &Workload, p: &Permit) -> bool {
     let never_began = p.pod.split_once('/').is_some_and(|(ns, name)| {
@@ -556,9 +566,37 @@ pub(super) fn move_done(caches: &Caches, w: &Workload, p: &Permit) -> bool {
             })
     });
     never_began
-        || counted(caches, w, terms_in(caches, w))
+        || (counted(caches, w, terms_in(caches, w))
             .availability
             .is_none_or(|a| a.unavailable == 0)
+            && volumes_moved(caches, p))
+}
+
+/// Whether each attachable PV of the move that holds `p` is attached
+/// where a pod that replaced it runs (see
+/// [`volume_moved`](crate::drain::volume::volume_moved)): a pod can be
+/// Ready before its volume is attached, on a node that does not mount it
+/// first. A PV that is gone, or no longer bound, has nothing to wait for.
+fn volumes_moved(caches: &Caches, p: &Permit) -> bool {
+    let view = super::view::View::new(caches, "");
+    let none = std::collections::BTreeSet::new();
+    p.attach.iter().all(|pv| {
+        let claim = caches
+            .pvs
+            .get(&ObjectRef::new(pv))
+            .and_then(|v| v.spec.as_ref()?.claim_ref.clone())
+            .and_then(|c| Some((c.namespace?, c.name?)));
+        claim.is_none_or(|claim| {
+            view.volume_moved(
+                pv,
+                &claim,
+                crate::drain::class::VolumeClass::Attachable,
+                &p.uid,
+                &none,
+            )
+            .is_ok()
+        })
+    })
 }
 
 /// A pod without volumes that holds a permit of the move ledger.

@@ -23,8 +23,8 @@ pub(crate) const RETRY_FAILED_AFTER: Duration = Duration::from_secs(30);
 /// drain each this often, never a loop on the API server.
 pub(crate) const RESTART_ENDED_AFTER: Duration = Duration::from_secs(5);
 
-struct Running {
-    progress: watch::Receiver<Progress>,
+pub(super) struct Running {
+    pub(super) progress: watch::Receiver<Progress>,
     /// The Machine as the drain's last `status.drain` write returned it.
     written: watch::Receiver<Option<Machine>>,
     /// The Machine's permission to lose node-local data, as last seen.
@@ -37,10 +37,32 @@ struct Running {
 /// The drains of this replica, by Machine. Public only because the
 /// reconciler's `Context` holds it in a public field.
 pub struct Drainer {
-    deps: Arc<Deps>,
-    running: Mutex<HashMap<ObjectRef<Machine>, Running>>,
+    pub(super) deps: Arc<Deps>,
+    pub(super) running: Mutex<HashMap<ObjectRef<Machine>, Running>>,
     /// Wakes the reconciler of a Machine whose drain finished.
     done: mpsc::UnboundedSender<ObjectRef<Machine>>,
+    /// Bumped when a drain ends: the moves it leaves in flight are the
+    /// keeper's (see [`keeper`](super::keeper)).
+    pub(super) drains_ended: Arc<watch::Sender<u64>>,
+    /// The Machines (`namespace/name`) whose pods a forced deletion is
+    /// deleting now: their permits are not judged before the pods go.
+    pub(super) forcing: Mutex<std::collections::BTreeSet<String>>,
+}
+
+/// A forced deletion under way (see [`Drainer::forcing`]); dropped when
+/// its deletes are sent, or it failed.
+pub(crate) struct Forcing<'d> {
+    drainer: &'d Drainer,
+    machine: String,
+}
+
+impl Drop for Forcing<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut f) = self.drainer.forcing.lock() {
+            f.remove(&self.machine);
+        }
+        self.drainer.drains_ended.send_modify(|n| *n += 1);
+    }
 }
 
 impl Drainer {
@@ -52,6 +74,8 @@ impl Drainer {
             deps: Arc::new(deps),
             running: Mutex::new(HashMap::new()),
             done,
+            drains_ended: Arc::new(watch::channel(0).0),
+            forcing: Mutex::default(),
         };
         (drainer, finished)
     }
@@ -65,6 +89,16 @@ impl Drainer {
         let Ok(mut running) = self.running.lock() else {
             return Progress::default();
         };
+        // A reconcile that read its Machine just before it left the cache
+        // (its finalizer removed by hand) starts nothing: the Machine
+        // leaves the cache before `stop_vanished` runs, and this is read
+        // under the same lock, so no drain of a Machine gone is left.
+        if self.deps.caches.machines.get(&job.machine).is_none() {
+            return running
+                .get(&job.machine)
+                .map(|r| r.progress.borrow().clone())
+                .unwrap_or_default();
+        }
         if let Some(r) = running.get(&job.machine) {
             r.data_loss_allowed.send_if_modified(|a| {
                 let changed = *a != job.data_loss_allowed;
@@ -104,10 +138,12 @@ impl Drainer {
             node = %job.node
         );
         let kept = Arc::clone(&memory);
+        let ended = Arc::clone(&self.drains_ended);
         let task = tokio::spawn(
             async move {
                 let key = job.machine.clone();
                 run(deps, job, tx, written_tx, allowed, kept, done.clone()).await;
+                ended.send_modify(|n| *n += 1);
                 let _ = done.send(key);
             }
             .instrument(span),
@@ -126,6 +162,25 @@ impl Drainer {
             old.task.abort();
         }
         progress
+    }
+
+    /// Marks Machine `machine` as being forced until the guard is dropped:
+    /// the moves it asked for are judged only once its pods' deletions are
+    /// sent (before, their pods still there would read as moves that never
+    /// began).
+    pub(crate) fn forcing(&self, machine: &ObjectRef<Machine>) -> Forcing<'_> {
+        let key = format!(
+            "{}/{}",
+            machine.namespace.as_deref().unwrap_or_default(),
+            machine.name
+        );
+        if let Ok(mut f) = self.forcing.lock() {
+            f.insert(key.clone());
+        }
+        Forcing {
+            drainer: self,
+            machine: key,
+        }
     }
 
     /// Asks for a reconcile of `machine` (through the same trigger stream

@@ -59,6 +59,8 @@
 //! | `migration` | one stateful pod's move, step by step |
 //! | `budget` | a drain's use of the ledger: each pod's workload and budget, its asks |
 //! | `permits` | the move ledger shared by every drain: a workload's budget across Machines |
+//! | `forced` | a forced deletion's moves, asked of the ledger and recorded before its pods go |
+//! | `keeper` | the permits of moves no drain watches any more, until their workload is whole or they expire |
 //! | `reattach` | the one wait for volumes to move with the pod that now uses them |
 //! | `batch` | Events for pods evicted together |
 //! | `view` | the engine's read-only queries of the caches, for one Node |
@@ -68,6 +70,8 @@ mod batch;
 mod budget;
 mod drainer;
 mod eviction;
+mod forced;
+mod keeper;
 mod migration;
 mod node_drain;
 mod pass;

@@ -639,14 +639,6 @@ impl NodeDrain {
         let _ = reg.wait_detached(until).await;
     }
 
-    /// The pods of the moves held now (`namespace/name`).
-    pub(super) fn held_pods(&self) -> Vec<String> {
-        self.stuck.lock().map_or_else(
-            |_| Vec::new(),
-            |s| s.values().map(|(m, _)| m.pod.clone()).collect(),
-        )
-    }
-
     /// The volumes of the moves held now, by PV name.
     pub(super) fn held_volumes(&self) -> BTreeSet<String> {
         self.stuck.lock().map_or_else(
@@ -655,11 +647,14 @@ impl NodeDrain {
         )
     }
 
-    /// Lets go of the moves still held when nothing else is left to drain
-    /// and the deadline passed (see `NodeDrain::held_last`): their pods are
-    /// gone and their volumes off this Node; only where the replacement
-    /// lands is unknown, and their workloads' permits go with them.
-    pub(super) fn release_held(&self) {
+    /// Nothing is left to drain but moves held for a replacement the
+    /// scheduler cannot place: their pods are gone and their volumes off
+    /// this Node, so the Machine (and its VM) need not wait for where the
+    /// replacements land. Each move goes on without it, holding its
+    /// workload's permit until the workload is whole again or the move's
+    /// healthy deadline (see [`keeper`](super::keeper)); its record leaves
+    /// the Machine's status, and an Event says so.
+    pub(super) fn hand_over_held(&self) {
         let held: Vec<VolumeMove> = self
             .stuck
             .lock()
@@ -671,8 +666,30 @@ impl NodeDrain {
             })
             .unwrap_or_default();
         for m in held {
-            self.update(|p| p.unblock(&m.pod));
-            self.end_move(&m.pod);
+            self.update(|p| {
+                p.unblock(&m.pod);
+                p.moves.remove(&m.pod);
+            });
+            let workload = m
+                .pod
+                .split_once('/')
+                .and_then(|(ns, _)| workload_of_record(ns, &m))
+                .map_or_else(|| "its workload".to_string(), |w| w.to_string());
+            let pod = m
+                .pod
+                .split_once('/')
+                .map(|(ns, name)| pod_ref_key(&(ns.to_string(), name.to_string())));
+            self.event(
+                EventType::Normal,
+                "MoveOutlivesDrain",
+                format!(
+                    "nothing else is left on Node {}: the move of pod {} ({}) goes on without this Machine while its replacement cannot be placed, holding the move permit of {workload} until the workload is whole again or the move's healthy deadline",
+                    self.job.node,
+                    m.pod,
+                    m.volumes.join(", ")
+                ),
+                pod,
+            );
         }
     }
 

@@ -281,10 +281,7 @@ impl NodeDrain {
         // restart during the last pod's reattach wait must not end the
         // drain with the move still recorded.
         if self.count_left(&full) == 0 && leftover.is_empty() && !self.any_resumable() {
-            if self.held_last().await {
-                return Pass::Again;
-            }
-            self.release_held();
+            self.hand_over_held();
             return Pass::Done;
         }
         self.announce_rules(&full);
@@ -371,24 +368,6 @@ impl NodeDrain {
         self.wait_pods_until(self.deadline(), || self.any_placed())
             .await;
         self.resume_placed().await;
-    }
-
-    /// Nothing is left to drain but moves held for a replacement the
-    /// scheduler cannot place: their volumes are off this Node, but the
-    /// moves have not ended, and each holds its workload's permit (another
-    /// Machine's drain may wait for it). Until the deadline the drain waits
-    /// for them (placed, then their volumes attached where they run), and
-    /// the Machine with it; true when it waited.
-    async fn held_last(&self) -> bool {
-        if self.held_order().is_none() {
-            return false;
-        }
-        let pods = self.held_pods().join(", ");
-        self.await_placement(format!(
-            "the replacement of {pods} to be placed: its move holds its workload's move budget until then, or until the drain's deadline"
-        ))
-        .await;
-        true
     }
 
     /// The group's evictions and moves, at once: the pods without volumes

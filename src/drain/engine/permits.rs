@@ -31,6 +31,8 @@ use kube::runtime::reflector::Store;
 use tokio::sync::watch;
 
 use crate::api::{Machine, MovePermit, MovePermitSpec, permit_name};
+#[cfg(doc)]
+use crate::drain::ledger::permit_expires;
 use crate::drain::ledger::{
     Answer, Ask, Budget, Ledger, Permit, Workload, held_permit, recorded_moves,
 };
@@ -92,14 +94,15 @@ impl Permits {
 
     /// Asks the ledger (see [`Ledger::ask`]) with every permit the API
     /// server holds; a grant of a bounded budget is taken there as a
-    /// `MovePermit` owned by `owner` (the workload object, if known)
-    /// before it is answered. A grant after a wait is counted in the time
-    /// asks waited.
+    /// `MovePermit` owned by `owner` (the workload object, if known),
+    /// expiring at `expires` (see [`permit_expires`]), before it is
+    /// answered. A grant after a wait is counted in the time asks waited.
     pub(crate) async fn ask(
         &self,
         ask: &Ask,
         budget: &Budget,
         owner: Option<&OwnerReference>,
+        expires: Timestamp,
     ) -> Answer {
         let held = self.store.held();
         let now = Timestamp::now();
@@ -129,7 +132,7 @@ impl Permits {
             let beyond = matches!(answer, Answer::Bypassed { .. });
             let taken = match free_slot(&slots, budget.max_moving, beyond) {
                 Some(slot) => {
-                    let object = permit_object(&ask.workload, &permit, slot, owner);
+                    let object = permit_object(&ask.workload, &permit, slot, owner, expires);
                     self.store.take(object).await
                 }
                 None => Err(None),
@@ -187,7 +190,7 @@ impl Permits {
 
     /// Ends the moves of `machine` its drain does not record (`keep`: the
     /// UIDs it does).
-    pub(crate) fn release_machine(&self, machine: &str, keep: &[String]) {
+    fn release_machine(&self, machine: &str, keep: &[String]) {
         // Its waiting asks go too; a wake for them costs one pass of each
         // waiting drain, at a drain's end.
         let ended = self
@@ -234,26 +237,49 @@ impl Permits {
         self.release_machine(machine, &keep);
     }
 
-    /// What every Machine of this process's scope that no longer `exists`
-    /// held (deleted while its drain held a permit: its finalizer removed
-    /// by hand, or the object gone while this process was away), where
-    /// `done` says its move is over (see [`Permits::release_done`]). A
+    /// Judges the moves of every Machine of this process's scope whose
+    /// drain no longer watches them (`idle`: the drain ended, or the
+    /// Machine is gone, its VM with it): ends those whose move `done` says
+    /// is over, those past their healthy deadline (returned, for a Warning
+    /// each), and those kept in this process only (a workload without a
+    /// bound: once its drain is over its move holds no one's budget). The
+    /// others keep their permits; says when the first of those expires. A
     /// Machine of another scope is another process's to judge.
-    pub(crate) fn release_vanished(
+    pub(crate) fn sweep(
         &self,
-        exists: impl Fn(&str) -> bool,
+        idle: impl Fn(&str) -> bool,
         done: impl Fn(&Workload, &Permit) -> bool,
-    ) {
-        let mut gone: BTreeSet<String> = self
+        now: Timestamp,
+    ) -> Swept {
+        let held = self.store.held();
+        let mut machines: BTreeSet<String> = self
             .ledger
             .lock()
-            .map(|l| l.machines().into_iter().filter(|m| !exists(m)).collect())
+            .map(|l| l.machines().into_iter().collect())
             .unwrap_or_default();
-        gone.retain(|m| self.store.in_scope(m));
-        for machine in gone {
-            tracing::debug!(%machine, "the Machine is gone: the permits of its moves that are over are free");
-            self.release_done(&machine, &done);
+        machines.extend(held.iter().map(|h| h.permit.machine.clone()));
+        machines.retain(|m| self.store.in_scope(m) && idle(m));
+        let mut swept = Swept::default();
+        for machine in machines {
+            let mut keep = Vec::new();
+            for h in held.iter().filter(|h| h.permit.machine == machine) {
+                if done(&h.workload, &h.permit) {
+                    continue;
+                }
+                match h.expires {
+                    Some(at) if at <= now => swept.expired.push(h.clone()),
+                    at => {
+                        swept.next = match (swept.next, at) {
+                            (Some(a), Some(b)) => Some(a.min(b)),
+                            (a, b) => a.or(b),
+                        };
+                        keep.push(h.permit.uid.clone());
+                    }
+                }
+            }
+            self.release_machine(&machine, &keep);
         }
+        swept
     }
 
     /// `machine` waits for permits for the pods `uids` only, as its last
@@ -301,13 +327,71 @@ fn by_kind(moves: &[(Workload, Permit)]) -> BTreeMap<&'static str, i64> {
 /// A permit the API server holds (or this process wrote and the cache has
 /// not shown yet).
 #[derive(Debug, Clone, PartialEq)]
-struct Held {
+pub(crate) struct Held {
     workload: Workload,
     permit: Permit,
     /// The object's namespace and name, and its UID (for the deletion's
     /// precondition).
     key: (String, String),
     uid: Option<String>,
+    /// When it expires once its drain no longer watches its move.
+    expires: Option<Timestamp>,
+    /// The workload object that owns it.
+    owner: Option<OwnerReference>,
+}
+
+/// What [`Permits::sweep`] found: the permits it ended at their healthy
+/// deadline, and when the first of those it kept expires.
+#[derive(Debug, Default)]
+pub(crate) struct Swept {
+    pub(crate) expired: Vec<Held>,
+    pub(crate) next: Option<Timestamp>,
+}
+
+impl Held {
+    /// The workload whose permit this is.
+    pub(crate) fn workload(&self) -> &Workload {
+        &self.workload
+    }
+
+    /// The move that held it.
+    pub(crate) fn permit(&self) -> &Permit {
+        &self.permit
+    }
+
+    /// The object's name, and when it expired.
+    pub(crate) fn name(&self) -> &str {
+        &self.key.1
+    }
+
+    /// When it expires.
+    pub(crate) fn expires(&self) -> Option<Timestamp> {
+        self.expires
+    }
+
+    /// What an Event about it regards: its workload object, else (a move
+    /// group's, a bare pod's) the permit itself.
+    pub(crate) fn regarding(&self) -> k8s_openapi::api::core::v1::ObjectReference {
+        use k8s_openapi::api::core::v1::ObjectReference;
+        match &self.owner {
+            Some(o) => ObjectReference {
+                api_version: Some(o.api_version.clone()),
+                kind: Some(o.kind.clone()),
+                name: Some(o.name.clone()),
+                namespace: Some(self.key.0.clone()),
+                uid: Some(o.uid.clone()),
+                ..ObjectReference::default()
+            },
+            None => ObjectReference {
+                api_version: Some("berth.dev/v1alpha1".into()),
+                kind: Some("MovePermit".into()),
+                name: Some(self.key.1.clone()),
+                namespace: Some(self.key.0.clone()),
+                uid: self.uid.clone(),
+                ..ObjectReference::default()
+            },
+        }
+    }
 }
 
 /// A permit's deletion under way, which several may wait for.
@@ -517,6 +601,12 @@ fn held_of(o: &MovePermit) -> Option<Held> {
         permit,
         key: key_of(o),
         uid: o.metadata.uid.clone(),
+        expires: o.spec.expires.as_ref().map(|t| t.0),
+        owner: o
+            .metadata
+            .owner_references
+            .as_ref()
+            .and_then(|os| os.first().cloned()),
     })
 }
 
@@ -527,12 +617,14 @@ fn free_slot(taken: &BTreeSet<u32>, budget: Option<u32>, beyond: bool) -> Option
     (0..limit.unwrap_or(u32::MAX)).find(|s| !taken.contains(s))
 }
 
-/// The `MovePermit` of `permit`, of `workload`, in `slot`, owned by `owner`.
+/// The `MovePermit` of `permit`, of `workload`, in `slot`, owned by
+/// `owner`, expiring at `expires`.
 fn permit_object(
     workload: &Workload,
     permit: &Permit,
     slot: u32,
     owner: Option<&OwnerReference>,
+    expires: Timestamp,
 ) -> MovePermit {
     let pod = permit
         .pod
@@ -565,12 +657,14 @@ fn permit_object(
             since: Time(permit.since),
             past_budget: permit.past_budget,
             volumes: permit.volumes,
+            expires: Some(Time(expires)),
+            attach: permit.attach.clone(),
         },
     }
 }
 
 /// The `kind` label of `w` (see [`WORKLOAD_KINDS`]).
-fn kind_label(w: &Workload) -> &'static str {
+pub(super) fn kind_label(w: &Workload) -> &'static str {
     WORKLOAD_KINDS
         .iter()
         .find(|k| **k == w.kind && **k != "other")
@@ -596,6 +690,7 @@ mod tests {
             since: Timestamp::from_second(1_700_000_000).expect("time"),
             past_budget: false,
             volumes: true,
+            attach: vec![],
         }
     }
 
@@ -611,7 +706,8 @@ mod tests {
             block_owner_deletion: Some(true),
         };
         let p = permit("pg-0", "pool/a");
-        let mut o = permit_object(&db, &p, 0, Some(&owner));
+        let expires = Timestamp::from_second(1_700_007_200).expect("time");
+        let mut o = permit_object(&db, &p, 0, Some(&owner), expires);
         assert_eq!(o.metadata.name.as_deref(), Some("statefulset.pg.0"));
         assert_eq!(o.metadata.namespace.as_deref(), Some("db"));
         let owners = o.metadata.owner_references.clone().expect("owned");
@@ -631,11 +727,13 @@ mod tests {
         assert_eq!(held.permit, p);
         assert_eq!(held.key, ("db".to_string(), "statefulset.pg.0".to_string()));
         assert_eq!(held.uid.as_deref(), Some("uid-permit"));
+        assert_eq!(held.expires, Some(expires));
+        assert_eq!(held.regarding().name.as_deref(), Some("pg"), "its workload");
         assert_eq!(slot_of("statefulset.pg.12"), Some(12));
         assert_eq!(slot_of("statefulset.pg"), None);
         // Without a known owner it is owned by nothing (a bare pod's).
         assert!(
-            permit_object(&db, &p, 1, None)
+            permit_object(&db, &p, 1, None, expires)
                 .metadata
                 .owner_references
                 .is_none()
@@ -656,7 +754,8 @@ mod tests {
         let store = PermitStore::new(client, cache, None);
         let db = Workload::new("StatefulSet", "db", "pg");
         let object = |pod: &str, uid: &str| {
-            let mut o = permit_object(&db, &permit(pod, "db/a"), 0, None);
+            let at = Timestamp::from_second(1_700_007_200).expect("time");
+            let mut o = permit_object(&db, &permit(pod, "db/a"), 0, None, at);
             o.metadata.uid = Some(uid.into());
             o
         };
@@ -685,6 +784,59 @@ mod tests {
         assert_eq!(held, ["db/pg-1"]);
         assert_eq!(store.end(|h| h.permit.pod == "db/pg-1"), 1);
         assert!(store.held().is_empty());
+    }
+
+    /// The permits of Machines whose drain no longer watches them: ended
+    /// when their move is over or past their healthy deadline (named),
+    /// kept otherwise, with the first expiry to wake at; a drain that
+    /// still runs, or a Machine of another scope, is not judged.
+    #[tokio::test]
+    async fn a_permit_left_by_its_drain_ends_when_its_workload_is_whole_or_it_expires() {
+        use kube::runtime::watcher::Event;
+        let (cache, mut writer) = kube::runtime::reflector::store::<MovePermit>();
+        let client = Client::try_from(kube::Config::new(
+            "https://127.0.0.1:1".parse().expect("a uri"),
+        ))
+        .expect("a client that is never reached");
+        let at = |s: i64| Timestamp::from_second(1_700_000_000 + s).expect("time");
+        let object = |name: &str, pod: &str, machine: &str, expires: i64| {
+            let w = Workload::new("StatefulSet", "db", name);
+            let mut o = permit_object(&w, &permit(pod, machine), 0, None, at(expires));
+            o.metadata.uid = Some(format!("uid-{name}"));
+            o
+        };
+        for o in [
+            object("whole", "whole-0", "db/gone", 600),
+            object("late", "late-0", "db/gone", 100),
+            object("slow", "slow-0", "db/ended", 900),
+            object("later", "later-0", "db/ended", 700),
+            object("busy", "busy-0", "db/running", 100),
+            object("theirs", "theirs-0", "other/gone", 100),
+        ] {
+            writer.apply_watcher_event(&Event::Apply(o));
+        }
+        let store = PermitStore::new(client, cache, Some("db".into()));
+        let permits = Permits::new(None, Arc::new(Metrics::new().expect("metrics")), store);
+        let swept = permits.sweep(|m| m != "db/running", |w, _| w.name == "whole", at(300));
+        let expired: Vec<&str> = swept
+            .expired
+            .iter()
+            .map(|h| h.permit.pod.as_str())
+            .collect();
+        assert_eq!(expired, ["db/late-0"]);
+        assert_eq!(swept.next, Some(at(700)), "the first kept permit to expire");
+        let mut left: Vec<String> = permits
+            .store
+            .held()
+            .into_iter()
+            .map(|h| h.permit.pod)
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            ["db/busy-0", "db/later-0", "db/slow-0", "db/theirs-0"],
+            "whole and late ended; a running drain's and another scope's untouched"
+        );
     }
 
     #[test]

@@ -1,0 +1,123 @@
+//! The permits of moves that no drain watches any more: a drain that
+//! ended with a move still in flight (its replacement not placed yet, a
+//! volume that did not detach in time, a replacement not healthy yet), or
+//! a Machine gone with its drain (its finalizer removed by hand, forced
+//! away). The move goes on without its Machine, and its permit with it,
+//! until its workload is whole again or its healthy deadline passes
+//! (`MovePermit.spec.expires`); then the permit ends, the second time with
+//! a Warning on the workload and `berth_move_permits_expired_total`.
+//!
+//! Nothing polls: the keeper judges again when a permit, a workload's
+//! availability, a VolumeAttachment, a Machine or a drain's end changes,
+//! and at the first expiry of the permits it keeps.
+
+use std::time::Duration;
+
+use k8s_openapi::jiff::Timestamp;
+use kube::runtime::reflector::ObjectRef;
+
+use super::budget::move_done;
+use super::drainer::Drainer;
+use super::permits::{Held, kind_label, workload_name};
+
+/// The least time between two judgements: the changes that wake the
+/// keeper come in bursts (a rollout's pods and StatefulSet statuses).
+const SETTLE: Duration = Duration::from_secs(1);
+
+impl Drainer {
+    /// Whether no drain of this process watches the moves of Machine
+    /// `machine` (`namespace/name`): none runs for it (none was started
+    /// here, or it ended), or the Machine is gone; and no forced deletion
+    /// is deleting its pods now.
+    fn idle(&self, machine: &str) -> bool {
+        let Some((ns, name)) = machine.split_once('/') else {
+            return true;
+        };
+        if self.forcing.lock().is_ok_and(|f| f.contains(machine)) {
+            return false;
+        }
+        let key = ObjectRef::new(name).within(ns);
+        if self.deps.caches.machines.get(&key).is_none() {
+            return true;
+        }
+        self.running.lock().is_ok_and(|running| {
+            running
+                .get(&key)
+                .is_none_or(|r| r.progress.borrow().outcome.is_some())
+        })
+    }
+
+    /// Keeps the permits of moves no drain watches (see the module), for
+    /// as long as this process leads: judged once the caches are synced,
+    /// then on every change that may end one.
+    pub(crate) async fn keep_permits(&self) {
+        let caches = &self.deps.caches;
+        let mut synced = caches.synced.clone();
+        let mut listed = caches.machines_listed.clone();
+        if synced.wait_for(|s| *s).await.is_err() || listed.wait_for(|l| *l).await.is_err() {
+            return;
+        }
+        let mut permits = caches.permit_changes.clone();
+        let mut workloads = caches.workload_changes.clone();
+        let mut attachments = caches.attachment_changes.clone();
+        let mut gone = caches.machines_gone.clone();
+        let mut ended = self.drains_ended.subscribe();
+        loop {
+            permits.borrow_and_update();
+            workloads.borrow_and_update();
+            attachments.borrow_and_update();
+            gone.borrow_and_update();
+            ended.borrow_and_update();
+            let swept = self.deps.permits.sweep(
+                |m| self.idle(m),
+                |w, p| move_done(caches, w, p),
+                Timestamp::now(),
+            );
+            for held in &swept.expired {
+                self.expired(held);
+            }
+            let next = swept.next.map_or(Duration::MAX, |at| {
+                Duration::try_from(at.duration_since(Timestamp::now())).unwrap_or(Duration::ZERO)
+            });
+            let expiry = tokio::time::sleep(next.min(Duration::from_secs(86_400)));
+            tokio::select! {
+                r = permits.changed() => if r.is_err() { return },
+                r = workloads.changed() => if r.is_err() { return },
+                r = attachments.changed() => if r.is_err() { return },
+                r = gone.changed() => if r.is_err() { return },
+                r = ended.changed() => if r.is_err() { return },
+                () = expiry => {}
+            }
+            tokio::time::sleep(SETTLE).await;
+        }
+    }
+
+    /// Names a permit ended at its healthy deadline, its workload not whole.
+    fn expired(&self, held: &Held) {
+        let (w, p) = (held.workload(), held.permit());
+        let expires = held
+            .expires()
+            .map_or_else(|| "its healthy deadline".to_string(), |t| t.to_string());
+        tracing::warn!(workload = %w, pod = %p.pod, machine = %p.machine, "a move permit expired with its workload not whole");
+        self.deps
+            .metrics
+            .move_permits_expired
+            .with_label_values(&[kind_label(w)])
+            .inc();
+        self.deps.events.warning(
+            held.regarding(),
+            "Move",
+            "MovePermitExpired",
+            format!(
+                "the move of pod {} (from Machine {}) held {}'s move permit {} until its healthy deadline ({expires}), and {} is still not whole: the permit is free, and the next pod of {} may move while a replica is down",
+                p.pod,
+                p.machine,
+                workload_name(w),
+                held.name(),
+                workload_name(w),
+                workload_name(w)
+            ),
+            None,
+        );
+    }
+}

@@ -1195,30 +1195,46 @@ async fn a_machinedeployment_scales_through_its_scale_subresource() {
     assert_no_request_loop_below(BED.bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
 }
 
-/// `maxUnavailable: 3` drains three old Machines at once, and the move
+/// `maxUnavailable: 2` drains two old Machines at once, and the move
 /// ledger keeps their StatefulSet to one replica moving at a time across
 /// them: three Machines carrying one replica of db each (required
-/// anti-affinity) roll with `maxSurge: 3, maxUnavailable: 3`; by the audit
-/// log and a watch of the VolumeAttachments, each replica is evicted only
-/// after the one before it has its volume attached where its replacement
-/// runs.
+/// anti-affinity, each pod Ready 5 s after it starts) roll with `maxSurge:
+/// 3, maxUnavailable: 2`; by the audit log and a watch of the
+/// VolumeAttachments, each replica is evicted only after the one before it
+/// has its volume attached where its replacement runs. While one of the
+/// two drains waits for db and the third old Machine waits its turn, the
+/// MachineDeployment's `Progressing` message says the rollout is held by a
+/// workload's move budget (read by a watch, as an operator would).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_rollout_of_three_at_once_moves_one_replica_of_a_workload_at_a_time() {
+async fn a_rollout_of_two_at_once_moves_one_replica_of_a_workload_at_a_time() {
     use support::oracle::{self, Watches, evicted_once, evictions};
-    let case = "a_rollout_of_three_at_once_moves_one_replica_of_a_workload_at_a_time";
+    let case = "a_rollout_of_two_at_once_moves_one_replica_of_a_workload_at_a_time";
     let ns = "mdep-ledger";
     let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
     let ctl = BED.start(ns).await;
     deployments(&client, ns)
         .create(
             &PostParams::default(),
-            &machine_deployment("pool", ns, 3, "md", rolling(3.into(), 3.into())),
+            &machine_deployment("pool", ns, 3, "md", rolling(3.into(), 2.into())),
         )
         .await
         .expect("create the MachineDeployment");
     let d = rollout_is(&client, ns, "pool", "RolloutComplete", 3).await;
     let old_nodes = nodes_of(ns, &running_of(&client, ns, &hash(&d), 3).await);
     support::pool::stateful(&client, ns, "db", 3, |sts| {
+        if let Some(spec) = sts.spec.as_mut() {
+            // Each pod turns Ready 5 s after it starts: the old Machines'
+            // drains wait for db's permit that long.
+            spec.template
+                .metadata
+                .get_or_insert_default()
+                .annotations
+                .get_or_insert_default()
+                .insert(
+                    berth_devkit::testbed::stages::READY_AFTER_ANNOTATION.into(),
+                    "5s".into(),
+                );
+        }
         if let Some(s) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
             s.affinity = Some(json(serde_json::json!({"podAntiAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": [{
@@ -1232,9 +1248,20 @@ async fn a_rollout_of_three_at_once_moves_one_replica_of_a_workload_at_a_time() 
     let pods: Vec<String> = (0..3).map(|i| format!("db-{i}")).collect();
     pods_running_on(&client, ns, &pods, &old_nodes).await;
     let watches = Watches::start(&client, ns).await;
+    // What an operator reads on the MachineDeployment (`kubectl get
+    // machinedeployment pool -o yaml`) while its old Machines wait for db.
+    let told = tokio::spawn(wait::for_one(
+        deployments(&client, ns),
+        Duration::from_secs(120),
+        "the rollout held by db's move budget",
+        |d| progressing(d).is_some_and(|c| c.message.contains("held by a workload's move budget")),
+    ));
 
     patch_spec(&client, ns, "pool", image("v2")).await;
     let d = rollout_is(&client, ns, "pool", "RolloutComplete", 3).await;
+    told.await
+        .expect("the watch ran")
+        .expect("the Progressing condition names the move budget while drains wait for it");
     let new_nodes = nodes_of(ns, &running_of(&client, ns, &hash(&d), 3).await);
     pods_running_on(&client, ns, &pods, &new_nodes).await;
 

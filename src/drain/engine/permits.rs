@@ -525,9 +525,15 @@ impl PermitStore {
     }
 }
 
-/// Deletes permit `name` (UID `uid`), retried with backoff for about ten
-/// minutes: a permit left behind holds its workload until its Machine's
-/// drain or its Machine's end releases it again.
+/// How many failed deletions of a permit are logged at debug level before
+/// each further one is an error (about ten minutes of backoff).
+const DELETE_QUIET_TRIES: u32 = 15;
+
+/// Deletes permit `name` (UID `uid`), retried with backoff (at most a
+/// minute apart) until it is gone: this process has forgotten the permit,
+/// and every other process would wait on it until its healthy deadline.
+/// A process that stops meanwhile leaves it to the next leader's keeper.
+/// After about ten minutes each failure is logged as an error.
 async fn delete_permit(api: Api<MovePermit>, name: String, uid: Option<String>) {
     use backon::BackoffBuilder;
     let params = DeleteParams {
@@ -541,22 +547,23 @@ async fn delete_permit(api: Api<MovePermit>, name: String, uid: Option<String>) 
         .with_min_delay(Duration::from_millis(200))
         .with_max_delay(Duration::from_secs(60))
         .with_jitter()
-        .with_max_times(15)
+        .without_max_times()
         .build();
+    let mut tries = 0u32;
     loop {
         match api.delete(&name, &params).await {
             Ok(_) => return,
             Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => return,
-            Err(e) => match backoff.next() {
-                Some(pause) => {
+            Err(e) => {
+                tries += 1;
+                if tries > DELETE_QUIET_TRIES {
+                    tracing::error!(error = %e, permit = %name, tries, "cannot delete a move permit: other berth processes count it until it is deleted or expires; retrying");
+                } else {
                     tracing::debug!(error = %e, permit = %name, "deleting a move permit failed; retrying");
-                    tokio::time::sleep(pause).await;
                 }
-                None => {
-                    tracing::error!(error = %e, permit = %name, "cannot delete a move permit: it holds its workload until its Machine's drain releases it again");
-                    return;
-                }
-            },
+                let pause = backoff.next().unwrap_or(Duration::from_secs(60));
+                tokio::time::sleep(pause).await;
+            }
         }
     }
 }

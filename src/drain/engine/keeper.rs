@@ -76,6 +76,7 @@ impl Drainer {
             for held in &swept.expired {
                 self.expired(held);
             }
+            self.deps.permits.refresh();
             let next = swept.next.map_or(Duration::MAX, |at| {
                 Duration::try_from(at.duration_since(Timestamp::now())).unwrap_or(Duration::ZERO)
             });

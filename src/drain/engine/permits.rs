@@ -175,14 +175,14 @@ impl Permits {
     /// The move of `uid` ended (or never began): its permit is free, here
     /// and in the API server.
     pub(crate) fn end(&self, workload: &Workload, uid: &str) {
-        let ended = self.ledger.lock().is_ok_and(|mut l| {
-            let ended = l.end(workload, uid);
-            self.publish(&l);
-            ended
-        });
         let stored = self
             .store
             .end(|h| h.workload == *workload && h.permit.uid == uid);
+        let ended = self.ledger.lock().is_ok_and(|mut l| {
+            let ended = l.end(workload, uid);
+            self.publish_fresh(&mut l);
+            ended
+        });
         if ended || stored > 0 {
             self.freed.send_modify(|n| *n += 1);
         }
@@ -193,18 +193,18 @@ impl Permits {
     fn release_machine(&self, machine: &str, keep: &[String]) {
         // Its waiting asks go too; a wake for them costs one pass of each
         // waiting drain, at a drain's end.
+        let stored = self
+            .store
+            .end(|h| h.permit.machine == machine && !keep.contains(&h.permit.uid));
         let ended = self
             .ledger
             .lock()
             .map(|mut l| {
                 let ended = l.release_machine(machine, keep);
-                self.publish(&l);
+                self.publish_fresh(&mut l);
                 ended
             })
             .unwrap_or(0);
-        let stored = self
-            .store
-            .end(|h| h.permit.machine == machine && !keep.contains(&h.permit.uid));
         if ended + stored > 0 {
             self.freed.send_modify(|n| *n += 1);
         }
@@ -301,6 +301,27 @@ impl Permits {
     /// permits' watch says when another process's did).
     pub(crate) fn freed(&self) -> watch::Receiver<u64> {
         self.freed.subscribe()
+    }
+
+    /// Publishes the moves in flight with the permits the API server holds
+    /// now (the ledger's copy of them is otherwise the last ask's: the
+    /// gauge kept counting permits ended since).
+    fn publish_fresh(&self, l: &mut Ledger) {
+        l.set_held(
+            self.store
+                .held()
+                .into_iter()
+                .map(|h| (h.workload, h.permit)),
+        );
+        self.publish(l);
+    }
+
+    /// Brings the metrics of the moves in flight up to date with the
+    /// permits the API server holds (another process's ended, say).
+    pub(crate) fn refresh(&self) {
+        if let Ok(mut l) = self.ledger.lock() {
+            self.publish_fresh(&mut l);
+        }
     }
 
     /// The moves in flight per workload kind, for the metrics.
@@ -823,7 +844,8 @@ mod tests {
             writer.apply_watcher_event(&Event::Apply(o));
         }
         let store = PermitStore::new(client, cache, Some("db".into()));
-        let permits = Permits::new(None, Arc::new(Metrics::new().expect("metrics")), store);
+        let metrics = Arc::new(Metrics::new().expect("metrics"));
+        let permits = Permits::new(None, Arc::clone(&metrics), store);
         let swept = permits.sweep(|m| m != "db/running", |w, _| w.name == "whole", at(300));
         let expired: Vec<&str> = swept
             .expired
@@ -844,6 +866,12 @@ mod tests {
             ["db/busy-0", "db/later-0", "db/slow-0", "db/theirs-0"],
             "whole and late ended; a running drain's and another scope's untouched"
         );
+        // The gauge counts the permits held now, not those of the last ask.
+        let in_flight = metrics
+            .volume_moves_in_flight
+            .with_label_values(&["StatefulSet"])
+            .get();
+        assert_eq!(in_flight, 4);
     }
 
     #[test]

@@ -5,8 +5,7 @@
 //!   server-side apply under its own field manager, `berth-drain`: a field
 //!   it leaves out is removed, and no other writer's copy of the Machine
 //!   can undo its progress or its move records. It writes up to once a
-//!   second, a completed step of a volume move at once, and a move's record
-//!   before that move's eviction. The task lives exactly as long as its
+//!   second, and a move's record at once, before that move's eviction. The task lives exactly as long as its
 //!   drain, so a drain stopped from outside (restarted, leadership lost)
 //!   makes no stale final write.
 //! - **The reconciler owns the rest of the status** (phase, conditions,

@@ -100,7 +100,7 @@ impl From<Client> for Clients {
         Self {
             api: client.clone(),
             events: client,
-            per_drain: Arc::new(move || shared.clone()),
+            per_drain: Arc::new(move || shared.clone().into()),
         }
     }
 }
@@ -162,7 +162,9 @@ pub async fn run(
         Arc::clone(&metrics),
         crate::telemetry::events::QUEUE,
     );
-    let permits = move_ledger(&client, &caches, &settings, &metrics);
+    // The permits have a line of their own: a stateful move's first step,
+    // never queued behind the reconcilers' writes.
+    let permits = move_ledger(&per_drain().moves, &caches, &settings, &metrics);
     let (drainer, drains_done) = Drainer::new(DrainDeps {
         drain_client: per_drain,
         caches: caches.clone(),

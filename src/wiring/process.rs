@@ -535,9 +535,21 @@ impl LimitedClients {
         )
     }
 
-    /// Makes a drain's client.
+    /// An urgent client on the shared bucket, with its own queue: while it
+    /// waits for a token, no other client takes one.
+    fn urgent_client(&self) -> Client {
+        Client::new(
+            tower::Layer::layer(&self.bucket.urgent(), Through(self.base.clone())),
+            self.base.default_namespace().to_string(),
+        )
+    }
+
+    /// Makes a drain's clients.
     fn per_drain(self) -> crate::drain::engine::ClientPerDrain {
-        Arc::new(move || self.client())
+        Arc::new(move || crate::drain::engine::DrainClients {
+            moves: self.urgent_client(),
+            rest: self.client(),
+        })
     }
 }
 

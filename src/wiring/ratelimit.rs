@@ -15,11 +15,19 @@
 //! retries at the next token's time plus a random part of one token's
 //! interval, so no line that is always first to retry (the one that just
 //! took a token) keeps the others waiting.
+//!
+//! A line is urgent ([`TokenBucketLayer::urgent`]) or not. Other lines
+//! take no token while an urgent line waits for one. The steps of stateful
+//! moves are urgent (a permit, a move's record, the eviction the next
+//! replica of a workload waits for): when many drains start at once, the
+//! hundreds of other requests they send (evictions of pods without
+//! volumes, progress, the Machines' steps) never hold them up.
 
 use std::future::Future;
 use std::num::NonZeroU32;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 
 use std::time::Duration;
@@ -34,6 +42,10 @@ pub(crate) struct TokenBucketLayer {
     bucket: Arc<DefaultDirectRateLimiter>,
     /// Up to one token's interval, added at random to each retry.
     jitter: Duration,
+    /// How many urgent lines wait for a token now.
+    urgent_waiting: Arc<AtomicUsize>,
+    /// Whether the lines of this layer are urgent.
+    urgent: bool,
 }
 
 impl TokenBucketLayer {
@@ -43,6 +55,17 @@ impl TokenBucketLayer {
         Self {
             bucket: Arc::new(RateLimiter::direct(quota)),
             jitter: Duration::from_secs(1) / qps.get(),
+            urgent_waiting: Arc::default(),
+            urgent: false,
+        }
+    }
+
+    /// The same bucket for urgent lines: while one waits for a token, no
+    /// other line takes one.
+    pub fn urgent(&self) -> Self {
+        Self {
+            urgent: true,
+            ..self.clone()
         }
     }
 }
@@ -53,8 +76,12 @@ impl<S> Layer<S> for TokenBucketLayer {
     fn layer(&self, inner: S) -> Self::Service {
         TokenBucket {
             inner,
-            bucket: self.bucket.clone(),
-            jitter: self.jitter,
+            line: Line {
+                bucket: self.bucket.clone(),
+                jitter: self.jitter,
+                urgent_waiting: self.urgent_waiting.clone(),
+                urgent: self.urgent,
+            },
             waiting: None,
             has_token: false,
         }
@@ -66,8 +93,7 @@ impl<S> Layer<S> for TokenBucketLayer {
 /// spends the token.
 pub(crate) struct TokenBucket<S> {
     inner: S,
-    bucket: Arc<DefaultDirectRateLimiter>,
-    jitter: Duration,
+    line: Line,
     waiting: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
     has_token: bool,
 }
@@ -82,11 +108,10 @@ where
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         if !self.has_token {
-            let bucket = &self.bucket;
-            let jitter = self.jitter;
+            let line = &self.line;
             let waiting = self
                 .waiting
-                .get_or_insert_with(|| Box::pin(take_token(bucket.clone(), jitter)));
+                .get_or_insert_with(|| Box::pin(line.clone().take_token()));
             std::task::ready!(waiting.as_mut().poll(cx));
             self.waiting = None;
             self.has_token = true;
@@ -100,17 +125,54 @@ where
     }
 }
 
-/// Waits for a token of `bucket` and takes it: each retry at the next
-/// token's time plus a random part of `jitter`.
-async fn take_token(bucket: Arc<DefaultDirectRateLimiter>, jitter: Duration) {
-    loop {
-        match bucket.check() {
-            Ok(()) => return,
-            Err(not_until) => {
-                let wait = not_until.wait_time_from(bucket.clock().now());
-                tokio::time::sleep(wait + random_part(jitter)).await;
+/// What a line needs to take its tokens.
+#[derive(Clone)]
+struct Line {
+    bucket: Arc<DefaultDirectRateLimiter>,
+    jitter: Duration,
+    urgent_waiting: Arc<AtomicUsize>,
+    urgent: bool,
+}
+
+impl Line {
+    /// Waits for a token of the bucket and takes it: each retry at the next
+    /// token's time plus a random part of `jitter`. A line that is not
+    /// urgent also waits while an urgent one does; an urgent one is counted
+    /// while it waits (until this future is done or dropped).
+    async fn take_token(self) {
+        let mut counted = None;
+        loop {
+            if !self.urgent && self.urgent_waiting.load(Ordering::Acquire) > 0 {
+                tokio::time::sleep(self.jitter + random_part(self.jitter)).await;
+                continue;
+            }
+            match self.bucket.check() {
+                Ok(()) => return,
+                Err(not_until) => {
+                    if self.urgent && counted.is_none() {
+                        counted = Some(Waiting::new(&self.urgent_waiting));
+                    }
+                    let wait = not_until.wait_time_from(self.bucket.clock().now());
+                    tokio::time::sleep(wait + random_part(self.jitter)).await;
+                }
             }
         }
+    }
+}
+
+/// An urgent line counted as waiting, for as long as this lives.
+struct Waiting(Arc<AtomicUsize>);
+
+impl Waiting {
+    fn new(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::AcqRel);
+        Self(Arc::clone(count))
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -202,5 +264,43 @@ mod tests {
             before_b < 15,
             "{before_b} of a's 40 requests went before b's one"
         );
+    }
+
+    #[tokio::test]
+    async fn an_urgent_line_goes_before_the_others() {
+        // Four lines with 20 requests queued each, on a bucket with no
+        // burst to spare; an urgent line then sends five, one after the
+        // other. Taken in turn among five lines, its five would wait for
+        // about 25 tokens; ahead of the others, each waits for one.
+        let layer = TokenBucketLayer::new(nz(100), nz(1));
+        let echo = || service_fn(|n: u32| async move { Ok::<_, Infallible>(n) });
+        let done = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        for line in 0..4 {
+            let bulk = tower::buffer::Buffer::new(layer.layer(echo()), 64);
+            for n in 0..20 {
+                let (mut bulk, done) = (bulk.clone(), Arc::clone(&done));
+                tasks.push(tokio::spawn(async move {
+                    send(&mut bulk, line * 100 + n).await.expect("infallible");
+                    done.lock().expect("lock").push(n);
+                }));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let mut urgent = tower::buffer::Buffer::new(layer.urgent().layer(echo()), 64);
+        let before = done.lock().expect("lock").len();
+        for n in 0..5 {
+            send(&mut urgent, 1000 + n).await.expect("infallible");
+        }
+        let during = done.lock().expect("lock").len() - before;
+        for t in tasks {
+            t.await.expect("joined");
+        }
+        assert_eq!(done.lock().expect("lock").len(), 80, "every other request went");
+        assert!(
+            during <= 6,
+            "{during} other requests went while the urgent line sent its five"
+        );
+        assert_eq!(layer.urgent_waiting.load(Ordering::Acquire), 0);
     }
 }

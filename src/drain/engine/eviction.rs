@@ -63,10 +63,17 @@ impl NodeDrain {
             }
             let mut pdb_changes = self.deps.caches.pdb_changes.clone();
             pdb_changes.borrow_and_update();
-            let answer = if forcing {
-                evict::delete(&self.client, &pod, None).await
+            // A stateful move's eviction is a step the next replica waits
+            // for.
+            let client = if planned.volumes.is_empty() {
+                &self.client
             } else {
-                evict::evict(&self.client, &pod).await
+                &self.moves
+            };
+            let answer = if forcing {
+                evict::delete(client, &pod, None).await
+            } else {
+                evict::evict(client, &pod).await
             };
             let pause = match answer {
                 Evicted::Accepted => {

@@ -100,15 +100,39 @@ use crate::telemetry::Metrics;
 use crate::telemetry::events::EventSink;
 use crate::volumes::Tracker;
 
-/// Makes the API client of one drain (see `Deps::drain_client`).
-pub type ClientPerDrain = Arc<dyn Fn() -> Client + Send + Sync>;
+/// Makes the API clients of one drain (see `Deps::drain_client`).
+pub type ClientPerDrain = Arc<dyn Fn() -> DrainClients + Send + Sync>;
+
+/// The API clients of one drain, each a line of its own on the process's
+/// one rate limit.
+#[derive(Clone)]
+pub struct DrainClients {
+    /// The steps of its stateful moves that the next replica of a
+    /// workload waits for (a move's record, its eviction): an urgent
+    /// line, ahead of every other request while it waits for a token, so
+    /// that when many drains start at once the hundreds of other requests
+    /// they send never hold them up (see `wiring::ratelimit`).
+    pub moves: Client,
+    /// Everything else: evictions of pods without volumes, progress.
+    pub rest: Client,
+}
+
+impl From<Client> for DrainClients {
+    /// One client for both (no rate limit of berth's own).
+    fn from(client: Client) -> Self {
+        Self {
+            moves: client.clone(),
+            rest: client,
+        }
+    }
+}
 
 /// What the engine reads and writes through.
 pub(crate) struct Deps {
     /// Each drain's own client, on the process's one rate limit: with many
     /// drains at once, each has its own queue for the limiter's tokens, so
     /// one drain's burst of evictions does not hold another's first one
-    /// behind it (see `wiring::clients`).
+    /// behind it (see `wiring::process::LimitedClients`).
     pub(crate) drain_client: ClientPerDrain,
     pub(crate) caches: Caches,
     pub(crate) tracker: Tracker,

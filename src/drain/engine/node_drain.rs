@@ -59,6 +59,9 @@ pub(super) struct NodeDrain {
     pub(super) deps: Arc<Deps>,
     /// This drain's own client (see [`Deps::drain_client`]).
     pub(super) client: kube::Client,
+    /// Its urgent line, for the steps of its stateful moves (see
+    /// [`super::DrainClients::moves`]).
+    pub(super) moves: kube::Client,
     pub(super) job: Job,
     pub(super) progress: watch::Sender<Progress>,
     /// Pods this run has evicted or deleted, to count progress once each.
@@ -114,8 +117,10 @@ impl NodeDrain {
                 .map(|m| (m.pod.clone(), m.clone()))
                 .collect();
         });
+        let clients = (deps.drain_client)();
         Self {
-            client: (deps.drain_client)(),
+            client: clients.rest,
+            moves: clients.moves,
             deps,
             job,
             progress,

@@ -65,7 +65,7 @@ pub(super) async fn run(
     // stale `status.drain` can land after a newer drain's (it would erase
     // that drain's move records: both apply under one field manager).
     let mut writer = AbortOnDrop(tokio::spawn(write_status(
-        r.client.clone(),
+        [r.client.clone(), r.moves.clone()],
         r.job.machine.clone(),
         r.job.deadline.started,
         r.progress.subscribe(),

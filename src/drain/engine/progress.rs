@@ -21,8 +21,8 @@ use tokio::time::Instant;
 use super::Outcome;
 use crate::api::{DrainStatus, Machine, VolumeMove};
 
-/// Shortest time between two writes of a drain's progress, unless a step
-/// of a volume migration completed (see [`Progress::steps_done`]).
+/// Shortest time between two writes of a drain's progress, unless its
+/// volume moves' records changed (see [`Progress::moves`]).
 const STATUS_WRITE_INTERVAL: Duration = Duration::from_secs(1);
 
 /// The field manager that owns `status.drain`.
@@ -52,10 +52,12 @@ pub(crate) struct Progress {
     /// The same moment on the wall clock, for `status.drain.finishedAt`.
     pub(crate) finished_on: Option<Timestamp>,
     /// Steps of volume migrations completed so far (a stateful pod
-    /// evicted, gone, its volumes detached). Not written itself: a change
-    /// of it makes the status writer write at once instead of at its pace,
-    /// so that `status.drain` names what the drain waits for now, not
-    /// what it waited for a second ago.
+    /// evicted, gone, its volumes detached): the drain's progress after
+    /// its deadline, and what a wait for a write (see [`Flushed`]) counts.
+    /// Not written itself, and written at the writer's pace like every
+    /// field but [`Self::moves`]: with many drains at once, a write per
+    /// step of every move took the shared rate limit's tokens from the
+    /// moves' own requests (the permit, the eviction).
     pub(crate) steps_done: u64,
     /// Volume moves in flight, by pod (`namespace/name`): written to
     /// `status.drain.moves`, so that a restart resumes them.
@@ -136,32 +138,46 @@ pub(crate) struct Flushed {
 
 /// Writes progress to the Machine's status. Bursts are coalesced (at most
 /// one write per [`STATUS_WRITE_INTERVAL`], always of the latest value),
-/// except that a completed migration step is written at once. A write that
+/// except that a change of the volume moves' records is written at once. A write that
 /// fails is tried again with backoff (up to [`MAX_RETRY`]) even when
 /// nothing changes, since a volume move waits for its record before its
 /// eviction. Ends when the drain drops its sender, after writing the final
 /// state. Each write's answer (the Machine as the API server now has it)
-/// goes to `written`.
+/// goes to `written`. `clients`: the drain's own line, and its urgent one
+/// for a write that changes a move's record (see
+/// [`DrainClients`](super::DrainClients)).
 pub(super) async fn write_status(
-    client: Client,
+    clients: [Client; 2],
     machine: ObjectRef<Machine>,
     started: Timestamp,
     mut rx: watch::Receiver<Progress>,
     written_to: watch::Sender<Option<Machine>>,
     flushed: watch::Sender<Flushed>,
 ) {
-    let api: Api<Machine> =
-        Api::namespaced(client, machine.namespace.as_deref().unwrap_or_default());
+    let ns = machine.namespace.as_deref().unwrap_or_default();
+    let [rest, moves_api] = clients.map(|c| Api::<Machine>::namespaced(c, ns));
     let apply = PatchParams::apply(FIELD_MANAGER).force();
     let mut written: Option<serde_json::Value> = None;
+    let mut written_moves = None;
     let mut last_write: Option<Instant> = None;
     let mut retry = retry_backoff();
     'writing: loop {
-        let (patch, steps) = {
+        let (patch, steps, moves) = {
             let p = rx.borrow_and_update();
-            (p.status_patch(&machine.name, started), p.steps_done)
+            (
+                p.status_patch(&machine.name, started),
+                p.steps_done,
+                p.moves.clone(),
+            )
         };
         let mut retry_at = None;
+        // A change of a move's record is a step of that move (its
+        // eviction waits for it): sent on the urgent line.
+        let api = if written_moves.as_ref().unwrap_or(&BTreeMap::new()) == &moves {
+            &rest
+        } else {
+            &moves_api
+        };
         if written.as_ref() == Some(&patch) {
             flushed.send_replace(Flushed { steps, error: None });
         } else {
@@ -173,6 +189,7 @@ pub(super) async fn write_status(
                     written_to.send_replace(Some(m));
                     flushed.send_replace(Flushed { steps, error: None });
                     written = Some(patch);
+                    written_moves = Some(moves);
                     last_write = Some(Instant::now());
                     retry = retry_backoff();
                 }
@@ -188,9 +205,9 @@ pub(super) async fn write_status(
                 }
             }
         }
-        // The next change, or the retry of a failed write: a step goes out
-        // at once, anything else once the interval since the last write
-        // has passed.
+        // The next change, or the retry of a failed write: a move's record
+        // goes out at once, anything else once the interval since the last
+        // write has passed.
         if let Some(at) = retry_at {
             tokio::select! {
                 () = tokio::time::sleep_until(at) => continue 'writing,
@@ -200,8 +217,8 @@ pub(super) async fn write_status(
             break;
         }
         loop {
-            let step = rx.borrow().steps_done != steps;
-            let Some(due) = hold_until(last_write, step, Instant::now()) else {
+            let record = written_moves.as_ref() != Some(&rx.borrow().moves);
+            let Some(due) = hold_until(last_write, record, Instant::now()) else {
                 break;
             };
             tokio::select! {
@@ -213,7 +230,7 @@ pub(super) async fn write_status(
     // The drain ended; write its final state if it changed since.
     let last = rx.borrow().status_patch(&machine.name, started);
     if written.as_ref() != Some(&last)
-        && let Ok(m) = api
+        && let Ok(m) = rest
             .patch_status(&machine.name, &apply, &Patch::Apply(&last))
             .await
     {
@@ -234,13 +251,13 @@ fn retry_backoff() -> backon::ExponentialBackoff {
         .build()
 }
 
-/// Until when the status writer holds a change back: never for a step or
-/// before the first write, otherwise until the interval since the last
-/// write has passed.
-fn hold_until(last_write: Option<Instant>, step: bool, now: Instant) -> Option<Instant> {
+/// Until when the status writer holds a change back: never for a change
+/// of the moves' records or before the first write, otherwise until the
+/// interval since the last write has passed.
+fn hold_until(last_write: Option<Instant>, record: bool, now: Instant) -> Option<Instant> {
     last_write
         .map(|t| t + STATUS_WRITE_INTERVAL)
-        .filter(|due| !step && *due > now)
+        .filter(|due| !record && *due > now)
 }
 
 #[cfg(test)]
@@ -262,7 +279,7 @@ mod tests {
     }
 
     #[test]
-    fn progress_waits_for_the_interval_but_a_step_does_not() {
+    fn progress_waits_for_the_interval_but_a_moves_record_does_not() {
         let t0 = Instant::now();
         let soon = t0 + Duration::from_millis(300);
         // Nothing written yet: write now.
@@ -272,7 +289,7 @@ mod tests {
             hold_until(Some(t0), false, soon),
             Some(t0 + STATUS_WRITE_INTERVAL)
         );
-        // A step (pod gone, volume detached) goes out at once.
+        // A move's record (begun, ended) goes out at once.
         assert_eq!(hold_until(Some(t0), true, soon), None);
         // Past the interval nothing is held.
         assert_eq!(

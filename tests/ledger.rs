@@ -1263,6 +1263,85 @@ async fn a_replacement_slower_than_every_timeout_still_holds_the_next_replica() 
     ctl.stop().await;
 }
 
+/// Case 4: a move with nothing to reattach (an attach-free CSI volume,
+/// which never detaches from the old Node nor attaches to the new one)
+/// holds its workload's permit until its replacement is Ready, as a move
+/// whose volume reattaches does. Both replicas of `db` run on Machine `a`;
+/// its drain moves them to `b` one at a time, and the second is evicted
+/// only once the first one's replacement (held unready for 30 s) is Ready,
+/// by the audit log and the pods. Before, such a move ended when its pod
+/// was gone, and the second replica went within a second or two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attach_free_move_holds_the_next_replica_until_its_replacement_is_ready() {
+    use berth_devkit::testbed::fixtures::{csi_pv, stateful_set};
+    use k8s_openapi::api::core::v1::Pod;
+    use k8s_openapi::api::storage::v1::CSIDriver;
+    const DRIVER: &str = "nfs.testbed.berth.dev";
+    let ns = "ledger-attach-free";
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    support::pool::create(
+        Api::<CSIDriver>::all(client.clone()),
+        json(serde_json::json!({
+            "metadata": {"name": DRIVER},
+            "spec": {"attachRequired": false}
+        })),
+    )
+    .await;
+    let ctl = BED.start(ns).await;
+    running_machine(&client, ns, "a", ns).await;
+    for i in 0..2 {
+        let mut pv = csi_pv(&format!("{ns}-db-{i}"), &format!("share-{ns}-{i}"), ns, &format!("data-db-{i}"));
+        if let Some(csi) = pv.spec.as_mut().and_then(|s| s.csi.as_mut()) {
+            csi.driver = DRIVER.into();
+        }
+        support::pool::create(Api::all(client.clone()), pv).await;
+    }
+    let mut sts = stateful_set("db", 2, 1);
+    on_delete(&mut sts);
+    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        spec.node_selector = Some([(support::pool::POOL.to_string(), ns.to_string())].into());
+    }
+    support::pool::create(Api::<StatefulSet>::namespaced(client.clone(), ns), sts).await;
+    wait::until(
+        Api::<Pod>::namespaced(client.clone(), ns),
+        LONG,
+        "db's two pods Ready",
+        |pods| pods.iter().filter(|p| ready_at(p).is_some()).count() == 2,
+    )
+    .await
+    .expect("db runs");
+    running_machine(&client, ns, "b", ns).await;
+    hold_replacements_unready(&client, ns, "db", "30s").await;
+    let watches = Watches::start(&client, ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    gone(&client, ns, "a", Duration::from_secs(180)).await;
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let ((first, _), (_, second)) = in_order(&all, ("db-0", "db-1"), &log);
+    let replacement = Api::<Pod>::namespaced(client.clone(), ns)
+        .get(first)
+        .await
+        .expect("the replacement");
+    let ready =
+        ready_at(&replacement).unwrap_or_else(|| panic!("{first}'s replacement Ready: {log}"));
+    assert!(
+        second.received >= ready,
+        "the next replica went at {} before {first}'s replacement was Ready at {ready}: {log}",
+        second.received
+    );
+    let vas = Api::<VolumeAttachment>::all(client.clone())
+        .list(&Default::default())
+        .await
+        .expect("list");
+    assert!(
+        !vas.items.iter().any(|va| va.spec.attacher == DRIVER),
+        "an attach-free volume is never attached"
+    );
+    BED.calm("ledger_attach_free", ns).await;
+    ctl.stop().await;
+}
+
 /// A Machine whose finalizer is removed by hand while its drain moves a
 /// replica of `db` and another workload (`solo`, pinned to its Node)
 /// waits behind it: its drain stops at once (no drain is left running in

@@ -70,7 +70,7 @@ use kube::{Client, ResourceExt};
 use serde::Serialize;
 
 use self::audit::Request;
-pub(crate) use self::measure::pod_gone;
+pub(crate) use self::measure::{pod_gone, pod_ready};
 use self::measure::{cost_into, drained_event, gaps, steps};
 use self::peers::{stateful_kubectl, stateful_mcm};
 use self::stateful::stateful_berth;

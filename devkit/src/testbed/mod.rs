@@ -628,7 +628,8 @@ pub fn tail(path: &Path) -> String {
 /// logged too, whoever sends them: pod creations, bindings and deletions
 /// (a replacement created by its controller, placed by the scheduler; kwok
 /// deleting a pod once its grace period is over), Node status writes (the
-/// attach-detach controller's `volumesAttached`) and VolumeAttachment
+/// attach-detach controller's `volumesAttached`), pod status writes (kwok
+/// turning a replacement Ready) and VolumeAttachment
 /// writes (the attach-detach controller's and the simulated attacher's),
 /// so that the time a drain spends waiting on the cluster can be told from
 /// the controller's, and the cluster's time split among its components.
@@ -641,7 +642,7 @@ fn audit_policy(users: &[String]) -> String {
     format!(
         "{head}- level: Metadata\n  users: {users}\n\
          - level: Metadata\n  verbs: [create, delete]\n  resources: [{{group: \"\", resources: [pods, pods/binding]}}]\n\
-         - level: Metadata\n  verbs: [patch, update]\n  resources: [{{group: \"\", resources: [nodes/status]}}]\n\
+         - level: Metadata\n  verbs: [patch, update]\n  resources: [{{group: \"\", resources: [nodes/status, pods/status]}}]\n\
          - level: Metadata\n  verbs: [create, update, patch, delete]\n  resources: [{{group: storage.k8s.io, resources: [volumeattachments, volumeattachments/status]}}]\n\
          - level: None\n"
     )
@@ -700,6 +701,7 @@ mod tests {
         assert_eq!(rules[1]["resources"][0]["resources"][0], "pods");
         assert_eq!(rules[1]["resources"][0]["resources"][1], "pods/binding");
         assert_eq!(rules[2]["resources"][0]["resources"][0], "nodes/status");
+        assert_eq!(rules[2]["resources"][0]["resources"][1], "pods/status");
         assert_eq!(rules[3]["resources"][0]["group"], "storage.k8s.io");
         assert_eq!(
             rules[3]["resources"][0]["resources"][1],

@@ -250,9 +250,21 @@ pub(super) fn step_times(
                 crate::bench::first_write_by(log, "kwok", "volumeattachments", va, "status")
             });
             let attached = attached_by.map(|q| q.completed);
+            // A move ends once its replacement is Ready too (the drain
+            // waits for it): kwok's, a cluster step that can come after the
+            // attach when kwok lags.
+            let ready = gone
+                .and_then(|g| crate::bench::pod_ready(log, pod, g))
+                .map(|q| q.completed);
+            if let (Some(a), Some(r)) = (attached, ready) {
+                out.entry("attached elsewhere → replacement Ready")
+                    .or_default()
+                    .push(crate::bench::secs(a, r).max(0.0));
+            }
+            let whole = attached.map(|a| ready.map_or(a, |r| r.max(a)));
             let evicted_at = order[i].0;
             let moved = evicted_at
-                .zip(attached)
+                .zip(whole)
                 .map(|(e, a)| crate::bench::secs(e, a));
             if let Some(took) = moved {
                 // The first move of every drain meets the burst of all
@@ -275,12 +287,19 @@ pub(super) fn step_times(
                     .or_default()
                     .push(crate::bench::secs(d, a));
             }
-            // The controller's turn: the next stateful pod's eviction (see
-            // `audit::reaction_ms` on one heard before the attach completed).
-            if let (Some(a), Some((Some(e), _, _))) = (attached_by, order.get(i + 1))
+            // The controller's turn: the next stateful pod's eviction after
+            // the later of the attach and the replacement Ready (see
+            // `audit::reaction_ms` on one heard before the step completed).
+            let last_step = match (attached_by, ready) {
+                (Some(a), Some(r)) if r > a.completed => {
+                    gone.and_then(|g| crate::bench::pod_ready(log, pod, g))
+                }
+                (a, _) => a,
+            };
+            if let (Some(a), Some((Some(e), _, _))) = (last_step, order.get(i + 1))
                 && let Some(took) = crate::bench::audit::reaction_seconds(a, *e)
             {
-                out.entry("attached → next eviction (controller)")
+                out.entry("whole → next eviction (controller)")
                     .or_default()
                     .push(took);
             }

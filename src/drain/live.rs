@@ -15,13 +15,13 @@ use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet, StatefulSet};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
 use super::class::{VolumeContext, allows_data_loss};
+use super::ledger::workload::{controller, workload_of};
 use super::ledger::{
     Answer, Ask, Asker, Ledger, MOVE_GROUP_ANNOTATION, Workload, WorkloadTerms, budget_of, grouped,
     held_permit, recorded_moves,
 };
 use super::plan::{DrainPlan, plan};
 use super::select::{fmt_key, pod_key};
-use super::workload::{controller, workload_of};
 use crate::api::settings::resolve;
 use crate::api::{DrainStatus, Machine, MachineClass};
 
@@ -372,7 +372,7 @@ async fn known_workloads(client: &Client, pods: &[Pod]) -> Result<KnownWorkloads
         if let Some(rs) = rs {
             known.terms.insert(
                 Workload::new("ReplicaSet", &ns, &c.name),
-                super::workload::terms(&rs.metadata, None),
+                super::ledger::workload::terms(&rs.metadata, None),
             );
             known.rs_owners.insert(
                 (ns, c.name.clone()),
@@ -392,11 +392,11 @@ async fn known_workloads(client: &Client, pods: &[Pod]) -> Result<KnownWorkloads
             "StatefulSet" => Api::<StatefulSet>::namespaced(client.clone(), &ns)
                 .get_opt(&w.name)
                 .await?
-                .map(|s| super::workload::stateful_set_terms(&s)),
+                .map(|s| super::ledger::workload::stateful_set_terms(&s)),
             "Deployment" => Api::<Deployment>::namespaced(client.clone(), &ns)
                 .get_opt(&w.name)
                 .await?
-                .map(|d| super::workload::deployment_terms(&d)),
+                .map(|d| super::ledger::workload::deployment_terms(&d)),
             _ => None,
         };
         if let Some(t) = terms {
@@ -435,13 +435,13 @@ async fn group_members(
     let mut members: Vec<WorkloadTerms> = sets
         .iter()
         .filter(|s| named(s.metadata.annotations.as_ref()))
-        .map(super::workload::stateful_set_terms)
+        .map(super::ledger::workload::stateful_set_terms)
         .collect();
     members.extend(
         deployments
             .iter()
             .filter(|d| named(d.metadata.annotations.as_ref()))
-            .map(super::workload::deployment_terms),
+            .map(super::ledger::workload::deployment_terms),
     );
     Ok(members)
 }

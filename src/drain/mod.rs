@@ -14,7 +14,6 @@ pub mod resume;
 pub mod rules;
 pub mod select;
 pub mod volume;
-pub mod workload;
 
 #[cfg(test)]
 pub(crate) mod fixtures;

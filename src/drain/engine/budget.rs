@@ -76,7 +76,7 @@ impl NodeDrain {
         let workload = match &pod {
             Some(pod) => {
                 let replica_sets = &self.deps.caches.replica_sets;
-                crate::drain::workload::workload_of(pod, |rs| {
+                crate::drain::ledger::workload::workload_of(pod, |rs| {
                     let key = kube::runtime::reflector::ObjectRef::new(rs).within(&p.pod.0);
                     replica_sets
                         .get(&key)
@@ -135,7 +135,7 @@ impl NodeDrain {
     fn workload_owner(&self, p: &PlannedPod) -> Option<OwnerReference> {
         let pod = self.view().pod(&p.pod, p.uid.as_deref())?;
         let replica_sets = &self.deps.caches.replica_sets;
-        crate::drain::workload::workload_owner(&pod, |rs| {
+        crate::drain::ledger::workload::workload_owner(&pod, |rs| {
             replica_sets
                 .get(&ObjectRef::new(rs).within(&p.pod.0))
                 .map(|m| m.metadata.owner_references.clone().unwrap_or_default())
@@ -328,7 +328,7 @@ impl NodeDrain {
             return Ok(None);
         }
         let controller = self.view().pod(&p.pod, p.uid.as_deref()).and_then(|pod| {
-            crate::drain::workload::controller(pod.metadata.owner_references.as_deref())
+            crate::drain::ledger::workload::controller(pod.metadata.owner_references.as_deref())
                 .map(|c| c.uid.clone())
         });
         let workload = self.permit_for(p, workload, &budget, &terms).await?;
@@ -378,7 +378,7 @@ impl NodeDrain {
                 .indexes
                 .pods_by_controller
                 .get(&caches.pods, controller);
-            vec![crate::drain::workload::replacement_ready_since(
+            vec![crate::drain::ledger::workload::replacement_ready_since(
                 pods.iter().map(AsRef::as_ref),
                 &uid,
                 &self.job.node,
@@ -432,15 +432,15 @@ pub(super) fn terms_in(caches: &Caches, w: &Workload) -> WorkloadTerms {
         "StatefulSet" => caches
             .stateful_sets
             .get(&ObjectRef::new(name).within(ns))
-            .map(|s| crate::drain::workload::stateful_set_terms(&s)),
+            .map(|s| crate::drain::ledger::workload::stateful_set_terms(&s)),
         "Deployment" => caches
             .deployments
             .get(&ObjectRef::new(name).within(ns))
-            .map(|d| crate::drain::workload::deployment_terms(&d)),
+            .map(|d| crate::drain::ledger::workload::deployment_terms(&d)),
         "ReplicaSet" => caches
             .replica_sets
             .get(&ObjectRef::new(name).within(ns))
-            .map(|r| crate::drain::workload::terms(&r.metadata, None)),
+            .map(|r| crate::drain::ledger::workload::terms(&r.metadata, None)),
         MOVE_GROUP_KIND => Some(WorkloadTerms {
             availability: availability_of(&group_members(caches, ns, name)),
             ..WorkloadTerms::default()
@@ -472,7 +472,7 @@ pub(super) fn counted(caches: &Caches, w: &Workload, terms: WorkloadTerms) -> Wo
 
 /// `terms` of the workload object `meta` with its availability counted
 /// from the pod cache (see
-/// [`unavailable_by_pods`](crate::drain::workload::unavailable_by_pods)):
+/// [`unavailable_by_pods`](crate::drain::ledger::workload::unavailable_by_pods)):
 /// the pods it controls, or, for a Deployment (`through_sets`), those of
 /// the ReplicaSets it controls. Its owner's status lags the pods it counts
 /// by a moment; the drain's own view of a move that just ended must not.
@@ -492,7 +492,7 @@ fn by_pods(
             .iter()
             .filter(|rs| rs.metadata.namespace == meta.namespace)
             .filter(|rs| {
-                crate::drain::workload::controller(rs.metadata.owner_references.as_deref())
+                crate::drain::ledger::workload::controller(rs.metadata.owner_references.as_deref())
                     .is_some_and(|o| o.uid == uid)
             })
             .filter_map(|rs| rs.metadata.uid.clone())
@@ -504,7 +504,7 @@ fn by_pods(
         .iter()
         .flat_map(|c| caches.indexes.pods_by_controller.get(&caches.pods, c))
         .collect();
-    let unavailable = crate::drain::workload::unavailable_by_pods(
+    let unavailable = crate::drain::ledger::workload::unavailable_by_pods(
         a.replicas,
         pods.iter().map(AsRef::as_ref),
         terms.min_ready,
@@ -534,7 +534,7 @@ pub(super) fn group_members(caches: &Caches, ns: &str, group: &str) -> Vec<Workl
         .into_iter()
         .filter(|s| of_group(&s.metadata))
         .map(|s| {
-            let terms = crate::drain::workload::stateful_set_terms(&s);
+            let terms = crate::drain::ledger::workload::stateful_set_terms(&s);
             by_pods(caches, terms, &s.metadata, false)
         });
     let deployments = caches
@@ -543,7 +543,7 @@ pub(super) fn group_members(caches: &Caches, ns: &str, group: &str) -> Vec<Workl
         .into_iter()
         .filter(|d| of_group(&d.metadata))
         .map(|d| {
-            let terms = crate::drain::workload::deployment_terms(&d);
+            let terms = crate::drain::ledger::workload::deployment_terms(&d);
             by_pods(caches, terms, &d.metadata, true)
         });
     sets.chain(deployments).collect()

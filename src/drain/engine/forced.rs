@@ -120,7 +120,7 @@ fn forced_ask(
         })
         .collect();
     let volumes = !claims.is_empty();
-    let workload = crate::drain::workload::workload_of(pod, owners_of);
+    let workload = crate::drain::ledger::workload::workload_of(pod, owners_of);
     let terms = terms_in(caches, &workload);
     let (budget, _) = budget_of(pod.metadata.annotations.as_ref(), &terms, volumes);
     if budget.max_moving.is_none() && !volumes {
@@ -130,7 +130,7 @@ fn forced_ask(
     let terms = counted(caches, &workload, terms);
     let ready = ready_since(pod).is_some();
     let owner = (workload.kind != MOVE_GROUP_KIND)
-        .then(|| crate::drain::workload::workload_owner(pod, owners_of))
+        .then(|| crate::drain::ledger::workload::workload_owner(pod, owners_of))
         .flatten();
     let ask = Ask {
         workload,

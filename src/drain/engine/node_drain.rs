@@ -18,7 +18,6 @@ use kube::runtime::reflector::ObjectRef;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::permits::workload_name;
 use super::progress::Flushed;
 use super::refs::{pod_ref_key, pv_ref};
 use super::view::{View, pvs_of};
@@ -26,7 +25,7 @@ use super::{Deps, Job, Progress};
 use crate::api::VolumeMove;
 use crate::drain::class::VolumeContext;
 use crate::drain::evict::{self, Evicted};
-use crate::drain::ledger::workload_of_record;
+use crate::drain::ledger::{workload_name, workload_of_record};
 use crate::drain::plan::{
     DetachingVolume, DrainPlan, PlannedPod, TerminatingPod, controller_of, detaching_volumes, plan,
     still_to_wait_for,

@@ -31,6 +31,11 @@ use crate::api::{Machine, MovePermit, VolumeMove};
 use crate::drain::plan::PlannedPod;
 use crate::drain::select::fmt_key;
 
+mod permits;
+pub mod workload;
+
+pub(crate) use self::permits::{Held, PermitStore, Permits, kind_label, workload_name};
+
 /// The most pods of the workload moving at once, across every Machine: a
 /// whole number from 1 (`unbounded` lifts the limit).
 pub const MAX_MOVING_ANNOTATION: &str = "berth.dev/max-moving";

@@ -1,4 +1,4 @@
-//! How one drain uses the move [ledger](super::permits): the workload and
+//! How one drain uses the move [ledger](crate::drain::ledger): the workload and
 //! budget of each pod it moves, its asks for permits, and the permits it
 //! gives back when a move never began or the drain ends.
 
@@ -12,8 +12,8 @@ use super::reattach::Health;
 use super::refs::pod_ref_key;
 use crate::cache::Caches;
 use crate::drain::ledger::{
-    Answer, Ask, Asker, Budget, MOVE_GROUP_ANNOTATION, MOVE_GROUP_KIND, Permit, Workload,
-    WorkloadTerms, availability_of, budget_of, grouped, permit_expires, ready_since,
+    Answer, Ask, Asker, Budget, MOVE_GROUP_KIND, Permit, Workload, WorkloadFacts, WorkloadTerms,
+    budget_of, grouped, moving_names, permit_expires, ready_since,
 };
 use crate::drain::plan::PlannedPod;
 use crate::drain::select::fmt_key;
@@ -61,9 +61,9 @@ impl NodeDrain {
     }
 
     /// What the object of workload `w` says of its moves (see
-    /// [`terms_in`]).
+    /// [`WorkloadFacts::terms`]).
     fn terms_of(&self, w: &Workload) -> WorkloadTerms {
-        terms_in(&self.deps.caches, w)
+        self.deps.caches.terms(w)
     }
 
     /// The workload of `p` and its move budget: the default for a pod
@@ -104,7 +104,7 @@ impl NodeDrain {
         // One application over several controllers: their move group.
         let caches = &self.deps.caches;
         let (workload, terms, odd) = grouped(workload, terms, |group| {
-            group_members(caches, &p.pod.0, group)
+            caches.group_members(&p.pod.0, group)
         });
         bad.extend(odd);
         for b in bad {
@@ -162,7 +162,7 @@ impl NodeDrain {
             requested: self.job.deadline.started,
             past_deadline: self.expired(),
         };
-        let terms = &counted(caches, &workload, terms.clone());
+        let terms = &caches.counted(&workload, terms.clone());
         let ask = Ask::new(workload.clone(), terms, p, ready, &drain);
         let others = moving_names;
         // A group has no one object to be owned by.
@@ -411,144 +411,6 @@ impl NodeDrain {
     }
 }
 
-/// The pods of `moving`, with their Machines, in words.
-pub(super) fn moving_names(moving: &[Permit]) -> String {
-    moving
-        .iter()
-        .map(|m| format!("{} (from Machine {})", m.pod, m.machine))
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
-/// What the object of workload `w` says of its moves (see
-/// [`WorkloadTerms`]), from `caches`: a StatefulSet's or a Deployment's
-/// annotations, `minReadySeconds` and availability by its status (see
-/// [`counted`] for the pods' count), a ReplicaSet's annotations; a move
-/// group's members' availability; nothing for other kinds (their pod
-/// template alone speaks).
-pub(super) fn terms_in(caches: &Caches, w: &Workload) -> WorkloadTerms {
-    let (name, ns) = (w.name.as_str(), w.namespace.as_str());
-    let terms = match w.kind.as_str() {
-        "StatefulSet" => caches
-            .stateful_sets
-            .get(&ObjectRef::new(name).within(ns))
-            .map(|s| crate::drain::ledger::workload::stateful_set_terms(&s)),
-        "Deployment" => caches
-            .deployments
-            .get(&ObjectRef::new(name).within(ns))
-            .map(|d| crate::drain::ledger::workload::deployment_terms(&d)),
-        "ReplicaSet" => caches
-            .replica_sets
-            .get(&ObjectRef::new(name).within(ns))
-            .map(|r| crate::drain::ledger::workload::terms(&r.metadata, None)),
-        MOVE_GROUP_KIND => Some(WorkloadTerms {
-            availability: availability_of(&group_members(caches, ns, name)),
-            ..WorkloadTerms::default()
-        }),
-        _ => None,
-    };
-    terms.unwrap_or_default()
-}
-
-/// `terms` of workload `w` (see [`terms_in`]) with its replicas down
-/// counted from the pods (see [`by_pods`]): done only where a permit is
-/// asked for or a move's end judged, not for every pod a pass plans (a
-/// Deployment's count reads every ReplicaSet of the cache). A move group's
-/// members are counted already.
-pub(super) fn counted(caches: &Caches, w: &Workload, terms: WorkloadTerms) -> WorkloadTerms {
-    let (name, ns) = (w.name.as_str(), w.namespace.as_str());
-    match w.kind.as_str() {
-        "StatefulSet" => match caches.stateful_sets.get(&ObjectRef::new(name).within(ns)) {
-            Some(s) => by_pods(caches, terms, &s.metadata, false),
-            None => terms,
-        },
-        "Deployment" => match caches.deployments.get(&ObjectRef::new(name).within(ns)) {
-            Some(d) => by_pods(caches, terms, &d.metadata, true),
-            None => terms,
-        },
-        _ => terms,
-    }
-}
-
-/// `terms` of the workload object `meta` with its availability counted
-/// from the pod cache (see
-/// [`unavailable_by_pods`](crate::drain::ledger::workload::unavailable_by_pods)):
-/// the pods it controls, or, for a Deployment (`through_sets`), those of
-/// the ReplicaSets it controls. Its owner's status lags the pods it counts
-/// by a moment; the drain's own view of a move that just ended must not.
-fn by_pods(
-    caches: &Caches,
-    mut terms: WorkloadTerms,
-    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
-    through_sets: bool,
-) -> WorkloadTerms {
-    let (Some(a), Some(uid)) = (terms.availability, meta.uid.as_deref()) else {
-        return terms;
-    };
-    let controllers: Vec<String> = if through_sets {
-        caches
-            .replica_sets
-            .state()
-            .iter()
-            .filter(|rs| rs.metadata.namespace == meta.namespace)
-            .filter(|rs| {
-                crate::drain::ledger::workload::controller(rs.metadata.owner_references.as_deref())
-                    .is_some_and(|o| o.uid == uid)
-            })
-            .filter_map(|rs| rs.metadata.uid.clone())
-            .collect()
-    } else {
-        vec![uid.to_string()]
-    };
-    let pods: Vec<_> = controllers
-        .iter()
-        .flat_map(|c| caches.indexes.pods_by_controller.get(&caches.pods, c))
-        .collect();
-    let unavailable = crate::drain::ledger::workload::unavailable_by_pods(
-        a.replicas,
-        pods.iter().map(AsRef::as_ref),
-        terms.min_ready,
-        Timestamp::now(),
-    );
-    terms.availability = Some(crate::drain::ledger::Availability {
-        replicas: a.replicas,
-        unavailable,
-    });
-    terms
-}
-
-/// The terms of every StatefulSet and Deployment of namespace `ns` whose
-/// object names move group `group`.
-pub(super) fn group_members(caches: &Caches, ns: &str, group: &str) -> Vec<WorkloadTerms> {
-    let of_group = |meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
-        meta.namespace.as_deref() == Some(ns)
-            && meta
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(MOVE_GROUP_ANNOTATION))
-                .is_some_and(|g| g.trim() == group)
-    };
-    let sets = caches
-        .stateful_sets
-        .state()
-        .into_iter()
-        .filter(|s| of_group(&s.metadata))
-        .map(|s| {
-            let terms = crate::drain::ledger::workload::stateful_set_terms(&s);
-            by_pods(caches, terms, &s.metadata, false)
-        });
-    let deployments = caches
-        .deployments
-        .state()
-        .into_iter()
-        .filter(|d| of_group(&d.metadata))
-        .map(|d| {
-            let terms = crate::drain::ledger::workload::deployment_terms(&d);
-            by_pods(caches, terms, &d.metadata, true)
-        });
-    sets.chain(deployments).collect()
-}
-
 /// Whether the move that holds `p`, of workload `w`, is over for a Machine
 /// whose drain no longer watches it (ended, or gone): it never began (its
 /// pod is still there and not being deleted), or its workload is whole
@@ -566,7 +428,8 @@ pub(super) fn move_done(caches: &Caches, w: &Workload, p: &Permit) -> bool {
             })
     });
     never_began
-        || (counted(caches, w, terms_in(caches, w))
+        || (caches
+            .counted(w, caches.terms(w))
             .availability
             .is_none_or(|a| a.unavailable == 0)
             && volumes_moved(caches, p))

@@ -18,12 +18,12 @@ use k8s_openapi::jiff::Timestamp;
 use kube::Resource;
 use kube::runtime::reflector::ObjectRef;
 
-use super::budget::{counted, group_members, moving_names, terms_in};
 use super::drainer::Drainer;
 use crate::api::Machine;
 use crate::cache::Caches;
 use crate::drain::ledger::{
-    Answer, Ask, Budget, MOVE_GROUP_KIND, budget_of, grouped, permit_expires, ready_since,
+    Answer, Ask, Budget, MOVE_GROUP_KIND, WorkloadFacts, budget_of, grouped, moving_names,
+    permit_expires, ready_since,
 };
 
 impl Drainer {
@@ -121,13 +121,13 @@ fn forced_ask(
         .collect();
     let volumes = !claims.is_empty();
     let workload = crate::drain::ledger::workload::workload_of(pod, owners_of);
-    let terms = terms_in(caches, &workload);
+    let terms = caches.terms(&workload);
     let (budget, _) = budget_of(pod.metadata.annotations.as_ref(), &terms, volumes);
     if budget.max_moving.is_none() && !volumes {
         return None;
     }
-    let (workload, terms, _) = grouped(workload, terms, |g| group_members(caches, ns, g));
-    let terms = counted(caches, &workload, terms);
+    let (workload, terms, _) = grouped(workload, terms, |g| caches.group_members(ns, g));
+    let terms = caches.counted(&workload, terms);
     let ready = ready_since(pod).is_some();
     let owner = (workload.kind != MOVE_GROUP_KIND)
         .then(|| crate::drain::ledger::workload::workload_owner(pod, owners_of))
@@ -147,25 +147,7 @@ fn forced_ask(
         } else {
             0
         },
-        attach: attached_now(caches, ns, &claims),
+        attach: caches.attached(ns, &claims),
     };
     Some((ask, budget, owner))
-}
-
-/// The PVs of `claims` (of namespace `ns`) attached now, by their
-/// VolumeAttachments: the attachable volumes a forced move waits for on
-/// the replacement's Node.
-fn attached_now(caches: &Caches, ns: &str, claims: &[String]) -> Vec<String> {
-    claims
-        .iter()
-        .filter_map(|c| caches.pvcs.get(&ObjectRef::new(c).within(ns)))
-        .filter_map(|c| c.spec.as_ref().and_then(|s| s.volume_name.clone()))
-        .filter(|pv| {
-            !caches
-                .indexes
-                .attachments_by_pv
-                .get(&caches.attachments, pv)
-                .is_empty()
-        })
-        .collect()
 }

@@ -57,8 +57,7 @@
 //! | `pass` | a drain from its first pass to its outcome, and the deadline |
 //! | `eviction` | one pod's eviction, retried while a budget refuses it |
 //! | `migration` | one stateful pod's move, step by step |
-//! | `budget` | a drain's use of the ledger: each pod's workload and budget, its asks |
-//! | `permits` | the move ledger shared by every drain: a workload's budget across Machines |
+//! | `budget` | a drain's use of the [ledger](crate::drain::ledger) (its permits are there): each pod's ask, its Events and `status.drain` words, its gated moves of pods without volumes, whether a move no drain watches is over |
 //! | `forced` | a forced deletion's moves, asked of the ledger and recorded before its pods go |
 //! | `keeper` | the permits of moves no drain watches any more, until their workload is whole or they expire |
 //! | `reattach` | the one wait for volumes to move with the pod that now uses them |

@@ -49,12 +49,14 @@ use crate::drain::select::fmt_key;
 
 mod budget;
 mod decide;
+mod facts;
 mod permits;
 mod records;
 pub mod workload;
 
 pub use self::budget::{availability_of, budget_of, grouped, healthy, ready_since};
 pub use self::decide::Ledger;
+pub use self::facts::WorkloadFacts;
 pub(crate) use self::permits::{Held, PermitStore, Permits, kind_label, workload_name};
 pub use self::records::{held_permit, permit_expires, recorded_moves, workload_of_record};
 
@@ -185,6 +187,15 @@ pub struct Permit {
     /// watches the move, it is over only when each is attached where a pod
     /// that replaced this one runs.
     pub attach: Vec<String>,
+}
+
+/// The pods of `moving`, with their Machines, in words.
+pub fn moving_names(moving: &[Permit]) -> String {
+    moving
+        .iter()
+        .map(|m| format!("{} (from Machine {})", m.pod, m.machine))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// The drain that asks: its Machine (`namespace/name`), when its deletion

@@ -1,8 +1,11 @@
-//! How one drain uses the move [ledger](crate::drain::ledger): the workload and
-//! budget of each pod it moves, its asks for permits, and the permits it
-//! gives back when a move never began or the drain ends.
+//! How one drain uses the move [ledger](crate::drain::ledger): its asks for
+//! permits (each pod turned into its ask by the ledger's
+//! [`pod_ask`](crate::drain::ledger::pod_ask), with this drain's Events,
+//! `status.drain` words and its permits' expiry from its deadline), the
+//! gate of a pod without volumes whose workload bounds its moves, the
+//! permits it gives back when a move never began or the drain ends, and
+//! whether a move no drain watches any more is over.
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::events::EventType;
 use kube::runtime::reflector::ObjectRef;
@@ -12,8 +15,8 @@ use super::reattach::Health;
 use super::refs::pod_ref_key;
 use crate::cache::Caches;
 use crate::drain::ledger::{
-    Answer, Ask, Asker, Budget, MOVE_GROUP_KIND, Permit, Workload, WorkloadFacts, WorkloadTerms,
-    budget_of, grouped, moving_names, permit_expires, ready_since,
+    Answer, Asker, Budget, Permit, PodAsk, PodToMove, Workload, WorkloadFacts, WorkloadTerms,
+    moving_names, permit_expires, pod_ask, ready_since,
 };
 use crate::drain::plan::PlannedPod;
 use crate::drain::select::fmt_key;
@@ -60,54 +63,30 @@ impl NodeDrain {
         )
     }
 
-    /// What the object of workload `w` says of its moves (see
-    /// [`WorkloadFacts::terms`]).
-    fn terms_of(&self, w: &Workload) -> WorkloadTerms {
-        self.deps.caches.terms(w)
-    }
-
-    /// The workload of `p` and its move budget: the default for a pod
-    /// whose volumes move, over what its workload object's annotations,
-    /// else its pod template's, ask, and at least the workload's
-    /// `minReadySeconds` of health; each value berth cannot read warned
-    /// about once.
-    pub(super) fn workload_of(&self, p: &PlannedPod) -> (Workload, Budget, WorkloadTerms) {
+    /// What the ledger makes of `p` for this drain now (see [`pod_ask`]):
+    /// its workload, its budget and its ask; each value berth cannot read
+    /// warned about once.
+    pub(super) fn pod_ask(&self, p: &PlannedPod) -> PodAsk {
         let pod = self.view().pod(&p.pod, p.uid.as_deref());
-        let workload = match &pod {
-            Some(pod) => {
-                let replica_sets = &self.deps.caches.replica_sets;
-                crate::drain::ledger::workload::workload_of(pod, |rs| {
-                    let key = kube::runtime::reflector::ObjectRef::new(rs).within(&p.pod.0);
-                    replica_sets
-                        .get(&key)
-                        .map(|m| m.metadata.owner_references.clone().unwrap_or_default())
-                })
-            }
-            None => match p.controller.as_deref().and_then(|c| c.split_once('/')) {
-                Some((kind, name)) => Workload::new(kind, &p.pod.0, name),
-                None => Workload::new("Pod", &p.pod.0, &p.pod.1),
-            },
-        };
         // The budget is on the pod template: the pod's, or once it is gone
         // its replacement's (a pod that uses one of its claims now).
-        let template = pod.or_else(|| {
-            p.volumes
+        let replacement = match pod {
+            Some(_) => None,
+            None => p
+                .volumes
                 .iter()
                 .flat_map(|v| self.view().claim_users(&v.volume.claim))
-                .find(|u| u.metadata.uid != p.uid)
-        });
-        let annotations = template
-            .as_ref()
-            .and_then(|p| p.metadata.annotations.as_ref());
-        let terms = self.terms_of(&workload);
-        let (budget, mut bad) = budget_of(annotations, &terms, !p.volumes.is_empty());
-        // One application over several controllers: their move group.
-        let caches = &self.deps.caches;
-        let (workload, terms, odd) = grouped(workload, terms, |group| {
-            caches.group_members(&p.pod.0, group)
-        });
-        bad.extend(odd);
-        for b in bad {
+                .find(|u| u.metadata.uid != p.uid),
+        };
+        let drain = Asker {
+            machine: self.machine_key(),
+            requested: self.job.deadline.started,
+            past_deadline: self.expired(),
+        };
+        let to_move = PodToMove::planned(p, pod.as_deref()).replaced_by(replacement.as_deref());
+        let asked = pod_ask(&self.deps.caches, to_move, &drain);
+        for b in &asked.bad {
+            let workload = &asked.workload;
             if self.first_report(format!("budget/{workload}/{}", b.key)) {
                 self.event(
                     EventType::Warning,
@@ -117,7 +96,7 @@ impl NodeDrain {
                 );
             }
         }
-        (workload, budget, terms)
+        asked
     }
 
     /// Asks the move ledger for a permit to move `p` now, for its workload
@@ -126,49 +105,22 @@ impl NodeDrain {
     /// `status.drain` and an Event (once per pod and what it waits for)
     /// say.
     pub(super) async fn permit(&self, p: &PlannedPod) -> Result<Workload, String> {
-        let (workload, budget, terms) = self.workload_of(p);
-        self.permit_for(p, workload, &budget, &terms).await
+        let asked = self.pod_ask(p);
+        self.permit_for(p, &asked).await?;
+        Ok(asked.workload)
     }
 
-    /// The owner reference of `p`'s workload, from the caches, if the pod
-    /// is still there: what its `MovePermit` is owned by.
-    fn workload_owner(&self, p: &PlannedPod) -> Option<OwnerReference> {
-        let pod = self.view().pod(&p.pod, p.uid.as_deref())?;
-        let replica_sets = &self.deps.caches.replica_sets;
-        crate::drain::ledger::workload::workload_owner(&pod, |rs| {
-            replica_sets
-                .get(&ObjectRef::new(rs).within(&p.pod.0))
-                .map(|m| m.metadata.owner_references.clone().unwrap_or_default())
-        })
-    }
-
-    /// [`NodeDrain::permit`] for `p` of `workload`, whose object says
-    /// `terms`, under `budget`.
-    async fn permit_for(
-        &self,
-        p: &PlannedPod,
-        workload: Workload,
-        budget: &Budget,
-        terms: &WorkloadTerms,
-    ) -> Result<Workload, String> {
-        let key = fmt_key(&p.pod);
-        let caches = &self.deps.caches;
-        let ready = self
-            .view()
-            .pod(&p.pod, p.uid.as_deref())
-            .is_some_and(|pod| ready_since(&pod).is_some());
-        let drain = Asker {
-            machine: self.machine_key(),
-            requested: self.job.deadline.started,
-            past_deadline: self.expired(),
+    /// [`NodeDrain::permit`] for `p`, as the ledger made it (`asked`); a
+    /// pod whose move the ledger does not count (no volumes, no bound: not
+    /// a stateful pod) may go.
+    async fn permit_for(&self, p: &PlannedPod, asked: &PodAsk) -> Result<(), String> {
+        let Some(ask) = &asked.ask else {
+            return Ok(());
         };
-        let terms = &caches.counted(&workload, terms.clone());
-        let ask = Ask::new(workload.clone(), terms, p, ready, &drain);
+        let key = fmt_key(&p.pod);
+        let (workload, budget, terms) = (&asked.workload, &asked.budget, &asked.terms);
         let others = moving_names;
-        // A group has no one object to be owned by.
-        let owner = (workload.kind != MOVE_GROUP_KIND)
-            .then(|| self.workload_owner(p))
-            .flatten();
+        let owner = asked.owner.as_ref();
         let now = Timestamp::now();
         let deadline = self
             .job
@@ -182,9 +134,9 @@ impl NodeDrain {
             deadline,
             self.job.settings.volume_reattach_timeout,
         );
-        let asked = self.deps.permits.ask(&ask, budget, owner.as_ref(), expires);
-        let (why, holders) = match asked.await {
-            Answer::Granted(_) => return Ok(workload),
+        let answer = self.deps.permits.ask(ask, budget, owner, expires);
+        let (why, holders) = match answer.await {
+            Answer::Granted(_) => return Ok(()),
             Answer::Bypassed { moving, .. } => {
                 let beyond = match budget.max_moving {
                     Some(n) if moving.len() >= n as usize => {
@@ -201,7 +153,7 @@ impl NodeDrain {
                     format!("drain deadline passed: pod {key} of {workload} moves {beyond}"),
                     Some(pod_ref_key(&p.pod)),
                 );
-                return Ok(workload);
+                return Ok(());
             }
             Answer::Wait {
                 moving,
@@ -217,7 +169,7 @@ impl NodeDrain {
                     if !moving.is_empty() {
                         why.push(',');
                     }
-                    why.push_str(&format!(" {}", self.degraded(&workload, terms, degraded)));
+                    why.push_str(&format!(" {}", self.degraded(workload, terms, degraded)));
                 }
                 if !ahead.is_empty() {
                     why.push_str(&format!(", and {} go first", ahead.join(", ")));
@@ -323,18 +275,18 @@ impl NodeDrain {
     /// a permit of the ledger, as a stateful pod's. `Ok(None)`: no gate;
     /// `Err`: what it waits for (the pod is left to a later pass).
     pub(super) async fn stateless_gate(&self, p: &PlannedPod) -> Result<Option<Gate>, String> {
-        let (workload, budget, terms) = self.workload_of(p);
-        if budget.max_moving.is_none() {
+        let asked = self.pod_ask(p);
+        if asked.budget.max_moving.is_none() {
             return Ok(None);
         }
         let controller = self.view().pod(&p.pod, p.uid.as_deref()).and_then(|pod| {
             crate::drain::ledger::workload::controller(pod.metadata.owner_references.as_deref())
                 .map(|c| c.uid.clone())
         });
-        let workload = self.permit_for(p, workload, &budget, &terms).await?;
+        self.permit_for(p, &asked).await?;
         Ok(Some(Gate {
-            workload,
-            budget,
+            workload: asked.workload,
+            budget: asked.budget,
             controller,
             evicted_at: Timestamp::now(),
         }))

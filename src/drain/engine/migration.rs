@@ -619,7 +619,7 @@ impl<'a> Migration<'a> {
                 // The replacements healthy: Ready (for the workload's
                 // minimum healthy time), within its healthy deadline or
                 // else what is left of the reattach timeout.
-                let (_, budget, _) = run.workload_of(self.pod);
+                let budget = run.pod_ask(self.pod).budget;
                 let until = match budget.healthy_deadline {
                     Some(d) => run.bounded(d),
                     None => until,

@@ -427,6 +427,7 @@ impl NodeDrain {
     /// after one more bound once it passed.
     pub(super) async fn begin_move(&self, key: &str, pod: &PlannedPod, pvs: &[String]) -> bool {
         let uid = pod.uid.as_deref();
+        let workload = workload_name(&self.pod_ask(pod).workload);
         let mut target = 0;
         self.step(|p| {
             p.moves.insert(
@@ -436,7 +437,7 @@ impl NodeDrain {
                     uid: uid.map(String::from),
                     volumes: pvs.to_vec(),
                     controller: pod.controller.clone(),
-                    workload: Some(workload_name(&self.workload_of(pod).0)),
+                    workload: Some(workload),
                     since: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
                         Timestamp::now(),
                     )),

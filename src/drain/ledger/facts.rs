@@ -1,7 +1,9 @@
 //! What berth knows of the workloads of the pods it moves, wherever it
-//! reads it: [`WorkloadFacts`], and its answers from the controller's
-//! caches (moved here from the engine's `budget`, where the drains and a
-//! forced deletion read them).
+//! reads it: [`WorkloadFacts`], which [`pod_ask`](super::pod_ask) reads a
+//! pod's workload, budget and ask through, and its answers from the
+//! controller's caches, for the drains and a forced deletion. `berth plan`
+//! answers from the objects it lists (see
+//! [`KnownWorkloads`](crate::drain::live::KnownWorkloads)).
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::jiff::Timestamp;

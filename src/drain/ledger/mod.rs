@@ -35,6 +35,8 @@
 //! | `budget` | a workload's budget from its annotations, its move group, when its replacements are healthy (pure) |
 //! | `records` | a permit as a `MovePermit` and as a Machine's move record say it, and when it expires (pure) |
 //! | `workload` | a pod's workload from its owner references, and what a workload object says of its moves (pure) |
+//! | `facts` | [`WorkloadFacts`]: what is known of pods' workloads, answered from the controller's caches (`berth plan` answers from its lists) |
+//! | `ask` | [`pod_ask`]: a pod turned into its ask (workload, budget, terms, permit owner, bad annotations), one way for the engine, a forced deletion and `berth plan` |
 //! | `permits` | the ledger of this process, shared by its drains, and its permits in the API server (`Permits`, `PermitStore`) |
 
 use std::cmp::Reverse;
@@ -44,9 +46,9 @@ use std::time::Duration;
 
 use k8s_openapi::jiff::Timestamp;
 
-use crate::drain::plan::PlannedPod;
 use crate::drain::select::fmt_key;
 
+mod ask;
 mod budget;
 mod decide;
 mod facts;
@@ -54,6 +56,7 @@ mod permits;
 mod records;
 pub mod workload;
 
+pub use self::ask::{PodAsk, PodToMove, pod_ask};
 pub use self::budget::{availability_of, budget_of, grouped, healthy, ready_since};
 pub use self::decide::Ledger;
 pub use self::facts::WorkloadFacts;
@@ -235,33 +238,29 @@ pub struct Ask {
 }
 
 impl Ask {
-    /// The ask of `drain` to move `pod` (`ready`: the pod is Ready now)
-    /// of `workload`, whose object says `terms`. The engine and `berth
-    /// plan` ask alike.
-    pub fn new(
+    /// The ask of `drain` to move `pod` (a planned pod, or a pod as its
+    /// asker knows it; `ready`: the pod is Ready now) of `workload`, whose
+    /// object says `terms`. Every asker asks alike, through [`pod_ask`].
+    pub fn new<'p>(
         workload: Workload,
         terms: &WorkloadTerms,
-        pod: &PlannedPod,
+        pod: impl Into<PodToMove<'p>>,
         ready: bool,
         drain: &Asker,
     ) -> Self {
-        let key = fmt_key(&pod.pod);
+        let pod = pod.into();
+        let key = fmt_key(&pod.key);
         let unavailable = terms.availability.map_or(0, |a| a.unavailable);
         Self {
             workload,
-            uid: pod.uid.clone().unwrap_or_else(|| key.clone()),
+            uid: pod.uid.unwrap_or_else(|| key.clone()),
             pod: key,
             machine: drain.machine.clone(),
             priority: pod.priority,
             requested: drain.requested,
             past_deadline: drain.past_deadline,
-            volumes: !pod.volumes.is_empty(),
-            attach: pod
-                .volumes
-                .iter()
-                .filter(|v| v.class == crate::drain::class::VolumeClass::Attachable)
-                .map(|v| v.volume.pv.clone())
-                .collect(),
+            volumes: pod.volumes,
+            attach: pod.attach,
             // A pod already down takes nothing more down when it moves:
             // the workload's other replicas down are not held against it,
             // only berth's moves in flight are.
@@ -314,6 +313,8 @@ pub enum Answer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use crate::drain::plan::PlannedPod;
 
     // The helpers are shared with the tests of the ledger's other modules.
 

@@ -431,8 +431,11 @@ mod tests {
         .expect("a StatefulSet");
         stateful_set(&mut sts);
         let pod = "db-4";
-        assert_eq!(crate::drain::workload::wants_ordinal(&sts, pod), Some(true));
-        let terms = crate::drain::workload::stateful_set_terms(&sts);
+        assert_eq!(
+            crate::drain::ledger::workload::wants_ordinal(&sts, pod),
+            Some(true)
+        );
+        let terms = crate::drain::ledger::workload::stateful_set_terms(&sts);
         assert_eq!(terms.min_ready, std::time::Duration::from_secs(20));
         assert_eq!(terms.annotations.len(), 1);
         let spec = sts.spec.as_ref().expect("spec");
@@ -456,7 +459,7 @@ mod tests {
         }))
         .expect("a Deployment");
         deployment(&mut d);
-        let terms = crate::drain::workload::deployment_terms(&d);
+        let terms = crate::drain::ledger::workload::deployment_terms(&d);
         assert_eq!(terms.min_ready, std::time::Duration::from_secs(7));
         assert_eq!(terms.annotations.len(), 1);
         assert!(d.spec.as_ref().expect("spec").template.spec.is_none());

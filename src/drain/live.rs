@@ -15,13 +15,13 @@ use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet, StatefulSet};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
 use super::class::{VolumeContext, allows_data_loss};
+use super::ledger::workload::{controller, workload_of};
 use super::ledger::{
-    Answer, Ask, Asker, Ledger, MOVE_GROUP_ANNOTATION, Workload, WorkloadTerms, budget_of, grouped,
-    held_permit, recorded_moves,
+    Answer, Asker, Ledger, MOVE_GROUP_ANNOTATION, PodAsk, PodToMove, Workload, WorkloadFacts,
+    WorkloadTerms, held_permit, pod_ask, recorded_moves,
 };
 use super::plan::{DrainPlan, plan};
 use super::select::{fmt_key, pod_key};
-use super::workload::{controller, workload_of};
 use crate::api::settings::resolve;
 use crate::api::{DrainStatus, Machine, MachineClass};
 
@@ -93,6 +93,38 @@ pub struct KnownWorkloads {
     pub groups: BTreeMap<(String, String), Vec<WorkloadTerms>>,
 }
 
+/// What `berth plan` read, as the ledger reads a pod's workload: the
+/// owner's status is its availability (the controller counts it from the
+/// pods of its caches, see [`WorkloadFacts::counted`]), and a planned pod's
+/// attachable PVs are the plan's.
+impl WorkloadFacts for KnownWorkloads {
+    fn replica_set_owners(&self, ns: &str, name: &str) -> Option<Vec<OwnerReference>> {
+        self.rs_owners
+            .get(&(ns.to_string(), name.to_string()))
+            .cloned()
+    }
+
+    fn terms(&self, w: &Workload) -> WorkloadTerms {
+        self.terms.get(w).cloned().unwrap_or_default()
+    }
+
+    fn group_members(&self, ns: &str, group: &str) -> Vec<WorkloadTerms> {
+        self.groups
+            .get(&(ns.to_string(), group.to_string()))
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    fn counted(&self, _: &Workload, terms: WorkloadTerms) -> WorkloadTerms {
+        terms
+    }
+
+    /// Never asked: `berth plan` asks for planned pods only.
+    fn attached(&self, _: &str, _: &[String]) -> Vec<String> {
+        Vec::new()
+    }
+}
+
 /// What the move ledger would answer for each stateful pod of `plan`, in
 /// its order, as if its drain asked now (`ledger`: rebuilt from every
 /// Machine's records; a pod granted here counts against the ones after
@@ -105,7 +137,6 @@ pub fn budget_lines(
     requested: k8s_openapi::jiff::Timestamp,
     known: &KnownWorkloads,
 ) -> Vec<String> {
-    let rs_owners = &known.rs_owners;
     let now = k8s_openapi::jiff::Timestamp::now();
     let mut out = Vec::new();
     for p in &plan.stateful {
@@ -115,33 +146,24 @@ pub fn budget_lines(
         else {
             continue;
         };
-        let ns = p.pod.0.clone();
-        let workload = workload_of(pod, |rs| {
-            rs_owners.get(&(ns.clone(), rs.to_string())).cloned()
-        });
-        let terms = known.terms.get(&workload).cloned().unwrap_or_default();
-        let (budget, mut bad) = budget_of(
-            pod.metadata.annotations.as_ref(),
-            &terms,
-            !p.volumes.is_empty(),
-        );
-        let (workload, terms, odd) = grouped(workload, terms, |group| {
-            known
-                .groups
-                .get(&(ns.clone(), group.to_string()))
-                .cloned()
-                .unwrap_or_default()
-        });
-        bad.extend(odd);
-        let terms = &terms;
         let key = fmt_key(&p.pod);
         let drain = Asker {
             machine: machine.to_string(),
             requested,
             past_deadline: false,
         };
-        let ready = crate::drain::ledger::ready_since(pod).is_some();
-        let ask = Ask::new(workload.clone(), terms, p, ready, &drain);
+        let PodAsk {
+            workload,
+            budget,
+            terms,
+            bad,
+            ask,
+            ..
+        } = pod_ask(known, PodToMove::planned(p, Some(pod)), &drain);
+        let Some(ask) = ask else {
+            // Never for a stateful pod: its volumes move.
+            continue;
+        };
         let limit = budget
             .max_moving
             .map_or_else(|| "no limit".to_string(), |n| format!("at most {n} moving"));
@@ -372,7 +394,7 @@ async fn known_workloads(client: &Client, pods: &[Pod]) -> Result<KnownWorkloads
         if let Some(rs) = rs {
             known.terms.insert(
                 Workload::new("ReplicaSet", &ns, &c.name),
-                super::workload::terms(&rs.metadata, None),
+                super::ledger::workload::terms(&rs.metadata, None),
             );
             known.rs_owners.insert(
                 (ns, c.name.clone()),
@@ -392,11 +414,11 @@ async fn known_workloads(client: &Client, pods: &[Pod]) -> Result<KnownWorkloads
             "StatefulSet" => Api::<StatefulSet>::namespaced(client.clone(), &ns)
                 .get_opt(&w.name)
                 .await?
-                .map(|s| super::workload::stateful_set_terms(&s)),
+                .map(|s| super::ledger::workload::stateful_set_terms(&s)),
             "Deployment" => Api::<Deployment>::namespaced(client.clone(), &ns)
                 .get_opt(&w.name)
                 .await?
-                .map(|d| super::workload::deployment_terms(&d)),
+                .map(|d| super::ledger::workload::deployment_terms(&d)),
             _ => None,
         };
         if let Some(t) = terms {
@@ -435,13 +457,13 @@ async fn group_members(
     let mut members: Vec<WorkloadTerms> = sets
         .iter()
         .filter(|s| named(s.metadata.annotations.as_ref()))
-        .map(super::workload::stateful_set_terms)
+        .map(super::ledger::workload::stateful_set_terms)
         .collect();
     members.extend(
         deployments
             .iter()
             .filter(|d| named(d.metadata.annotations.as_ref()))
-            .map(super::workload::deployment_terms),
+            .map(super::ledger::workload::deployment_terms),
     );
     Ok(members)
 }

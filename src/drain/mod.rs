@@ -1,5 +1,7 @@
-//! The volume-aware drain: which pods go, in what order, and the engine that
-//! evicts them and waits for their volumes to move.
+//! The volume-aware drain: which pods go, in what order, the engine that
+//! evicts them and waits for their volumes to move, and the move
+//! [`ledger`] that keeps each workload's moves within its budget across
+//! every drain.
 
 pub mod class;
 pub mod deadline;
@@ -14,7 +16,6 @@ pub mod resume;
 pub mod rules;
 pub mod select;
 pub mod volume;
-pub mod workload;
 
 #[cfg(test)]
 pub(crate) mod fixtures;

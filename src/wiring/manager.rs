@@ -16,7 +16,8 @@ use kube::runtime::events::{Recorder, Reporter};
 
 use super::watches::{Watches, watches};
 use crate::controller::AbortOnDrop;
-use crate::drain::engine::{Deps as DrainDeps, Drainer, PermitStore, Permits};
+use crate::drain::engine::{Deps as DrainDeps, Drainer};
+use crate::drain::ledger::{PermitStore, Permits};
 use crate::providers::Registry;
 use crate::telemetry::Metrics;
 use crate::telemetry::events::EventSink;

@@ -1,8 +1,11 @@
-//! How one drain uses the move [ledger](super::permits): the workload and
-//! budget of each pod it moves, its asks for permits, and the permits it
-//! gives back when a move never began or the drain ends.
+//! How one drain uses the move [ledger](crate::drain::ledger): its asks for
+//! permits (each pod turned into its ask by the ledger's
+//! [`pod_ask`](crate::drain::ledger::pod_ask), with this drain's Events,
+//! `status.drain` words and its permits' expiry from its deadline), the
+//! gate of a pod without volumes whose workload bounds its moves, the
+//! permits it gives back when a move never began or the drain ends, and
+//! whether a move no drain watches any more is over.
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::events::EventType;
 use kube::runtime::reflector::ObjectRef;
@@ -12,8 +15,8 @@ use super::reattach::Health;
 use super::refs::pod_ref_key;
 use crate::cache::Caches;
 use crate::drain::ledger::{
-    Answer, Ask, Asker, Budget, MOVE_GROUP_ANNOTATION, MOVE_GROUP_KIND, Permit, Workload,
-    WorkloadTerms, availability_of, budget_of, grouped, permit_expires, ready_since,
+    Answer, Asker, Budget, Permit, PodAsk, PodToMove, Workload, WorkloadFacts, WorkloadTerms,
+    moving_names, permit_expires, pod_ask, ready_since,
 };
 use crate::drain::plan::PlannedPod;
 use crate::drain::select::fmt_key;
@@ -60,54 +63,30 @@ impl NodeDrain {
         )
     }
 
-    /// What the object of workload `w` says of its moves (see
-    /// [`terms_in`]).
-    fn terms_of(&self, w: &Workload) -> WorkloadTerms {
-        terms_in(&self.deps.caches, w)
-    }
-
-    /// The workload of `p` and its move budget: the default for a pod
-    /// whose volumes move, over what its workload object's annotations,
-    /// else its pod template's, ask, and at least the workload's
-    /// `minReadySeconds` of health; each value berth cannot read warned
-    /// about once.
-    pub(super) fn workload_of(&self, p: &PlannedPod) -> (Workload, Budget, WorkloadTerms) {
+    /// What the ledger makes of `p` for this drain now (see [`pod_ask`]):
+    /// its workload, its budget and its ask; each value berth cannot read
+    /// warned about once.
+    pub(super) fn pod_ask(&self, p: &PlannedPod) -> PodAsk {
         let pod = self.view().pod(&p.pod, p.uid.as_deref());
-        let workload = match &pod {
-            Some(pod) => {
-                let replica_sets = &self.deps.caches.replica_sets;
-                crate::drain::workload::workload_of(pod, |rs| {
-                    let key = kube::runtime::reflector::ObjectRef::new(rs).within(&p.pod.0);
-                    replica_sets
-                        .get(&key)
-                        .map(|m| m.metadata.owner_references.clone().unwrap_or_default())
-                })
-            }
-            None => match p.controller.as_deref().and_then(|c| c.split_once('/')) {
-                Some((kind, name)) => Workload::new(kind, &p.pod.0, name),
-                None => Workload::new("Pod", &p.pod.0, &p.pod.1),
-            },
-        };
         // The budget is on the pod template: the pod's, or once it is gone
         // its replacement's (a pod that uses one of its claims now).
-        let template = pod.or_else(|| {
-            p.volumes
+        let replacement = match pod {
+            Some(_) => None,
+            None => p
+                .volumes
                 .iter()
                 .flat_map(|v| self.view().claim_users(&v.volume.claim))
-                .find(|u| u.metadata.uid != p.uid)
-        });
-        let annotations = template
-            .as_ref()
-            .and_then(|p| p.metadata.annotations.as_ref());
-        let terms = self.terms_of(&workload);
-        let (budget, mut bad) = budget_of(annotations, &terms, !p.volumes.is_empty());
-        // One application over several controllers: their move group.
-        let caches = &self.deps.caches;
-        let (workload, terms, odd) = grouped(workload, terms, |group| {
-            group_members(caches, &p.pod.0, group)
-        });
-        bad.extend(odd);
-        for b in bad {
+                .find(|u| u.metadata.uid != p.uid),
+        };
+        let drain = Asker {
+            machine: self.machine_key(),
+            requested: self.job.deadline.started,
+            past_deadline: self.expired(),
+        };
+        let to_move = PodToMove::planned(p, pod.as_deref()).replaced_by(replacement.as_deref());
+        let asked = pod_ask(&self.deps.caches, to_move, &drain);
+        for b in &asked.bad {
+            let workload = &asked.workload;
             if self.first_report(format!("budget/{workload}/{}", b.key)) {
                 self.event(
                     EventType::Warning,
@@ -117,7 +96,7 @@ impl NodeDrain {
                 );
             }
         }
-        (workload, budget, terms)
+        asked
     }
 
     /// Asks the move ledger for a permit to move `p` now, for its workload
@@ -126,49 +105,22 @@ impl NodeDrain {
     /// `status.drain` and an Event (once per pod and what it waits for)
     /// say.
     pub(super) async fn permit(&self, p: &PlannedPod) -> Result<Workload, String> {
-        let (workload, budget, terms) = self.workload_of(p);
-        self.permit_for(p, workload, &budget, &terms).await
+        let asked = self.pod_ask(p);
+        self.permit_for(p, &asked).await?;
+        Ok(asked.workload)
     }
 
-    /// The owner reference of `p`'s workload, from the caches, if the pod
-    /// is still there: what its `MovePermit` is owned by.
-    fn workload_owner(&self, p: &PlannedPod) -> Option<OwnerReference> {
-        let pod = self.view().pod(&p.pod, p.uid.as_deref())?;
-        let replica_sets = &self.deps.caches.replica_sets;
-        crate::drain::workload::workload_owner(&pod, |rs| {
-            replica_sets
-                .get(&ObjectRef::new(rs).within(&p.pod.0))
-                .map(|m| m.metadata.owner_references.clone().unwrap_or_default())
-        })
-    }
-
-    /// [`NodeDrain::permit`] for `p` of `workload`, whose object says
-    /// `terms`, under `budget`.
-    async fn permit_for(
-        &self,
-        p: &PlannedPod,
-        workload: Workload,
-        budget: &Budget,
-        terms: &WorkloadTerms,
-    ) -> Result<Workload, String> {
-        let key = fmt_key(&p.pod);
-        let caches = &self.deps.caches;
-        let ready = self
-            .view()
-            .pod(&p.pod, p.uid.as_deref())
-            .is_some_and(|pod| ready_since(&pod).is_some());
-        let drain = Asker {
-            machine: self.machine_key(),
-            requested: self.job.deadline.started,
-            past_deadline: self.expired(),
+    /// [`NodeDrain::permit`] for `p`, as the ledger made it (`asked`); a
+    /// pod whose move the ledger does not count (no volumes, no bound: not
+    /// a stateful pod) may go.
+    async fn permit_for(&self, p: &PlannedPod, asked: &PodAsk) -> Result<(), String> {
+        let Some(ask) = &asked.ask else {
+            return Ok(());
         };
-        let terms = &counted(caches, &workload, terms.clone());
-        let ask = Ask::new(workload.clone(), terms, p, ready, &drain);
+        let key = fmt_key(&p.pod);
+        let (workload, budget, terms) = (&asked.workload, &asked.budget, &asked.terms);
         let others = moving_names;
-        // A group has no one object to be owned by.
-        let owner = (workload.kind != MOVE_GROUP_KIND)
-            .then(|| self.workload_owner(p))
-            .flatten();
+        let owner = asked.owner.as_ref();
         let now = Timestamp::now();
         let deadline = self
             .job
@@ -182,9 +134,9 @@ impl NodeDrain {
             deadline,
             self.job.settings.volume_reattach_timeout,
         );
-        let asked = self.deps.permits.ask(&ask, budget, owner.as_ref(), expires);
-        let (why, holders) = match asked.await {
-            Answer::Granted(_) => return Ok(workload),
+        let answer = self.deps.permits.ask(ask, budget, owner, expires);
+        let (why, holders) = match answer.await {
+            Answer::Granted(_) => return Ok(()),
             Answer::Bypassed { moving, .. } => {
                 let beyond = match budget.max_moving {
                     Some(n) if moving.len() >= n as usize => {
@@ -201,7 +153,7 @@ impl NodeDrain {
                     format!("drain deadline passed: pod {key} of {workload} moves {beyond}"),
                     Some(pod_ref_key(&p.pod)),
                 );
-                return Ok(workload);
+                return Ok(());
             }
             Answer::Wait {
                 moving,
@@ -217,7 +169,7 @@ impl NodeDrain {
                     if !moving.is_empty() {
                         why.push(',');
                     }
-                    why.push_str(&format!(" {}", self.degraded(&workload, terms, degraded)));
+                    why.push_str(&format!(" {}", self.degraded(workload, terms, degraded)));
                 }
                 if !ahead.is_empty() {
                     why.push_str(&format!(", and {} go first", ahead.join(", ")));
@@ -323,18 +275,18 @@ impl NodeDrain {
     /// a permit of the ledger, as a stateful pod's. `Ok(None)`: no gate;
     /// `Err`: what it waits for (the pod is left to a later pass).
     pub(super) async fn stateless_gate(&self, p: &PlannedPod) -> Result<Option<Gate>, String> {
-        let (workload, budget, terms) = self.workload_of(p);
-        if budget.max_moving.is_none() {
+        let asked = self.pod_ask(p);
+        if asked.budget.max_moving.is_none() {
             return Ok(None);
         }
         let controller = self.view().pod(&p.pod, p.uid.as_deref()).and_then(|pod| {
-            crate::drain::workload::controller(pod.metadata.owner_references.as_deref())
+            crate::drain::ledger::workload::controller(pod.metadata.owner_references.as_deref())
                 .map(|c| c.uid.clone())
         });
-        let workload = self.permit_for(p, workload, &budget, &terms).await?;
+        self.permit_for(p, &asked).await?;
         Ok(Some(Gate {
-            workload,
-            budget,
+            workload: asked.workload,
+            budget: asked.budget,
             controller,
             evicted_at: Timestamp::now(),
         }))
@@ -378,7 +330,7 @@ impl NodeDrain {
                 .indexes
                 .pods_by_controller
                 .get(&caches.pods, controller);
-            vec![crate::drain::workload::replacement_ready_since(
+            vec![crate::drain::ledger::workload::replacement_ready_since(
                 pods.iter().map(AsRef::as_ref),
                 &uid,
                 &self.job.node,
@@ -411,144 +363,6 @@ impl NodeDrain {
     }
 }
 
-/// The pods of `moving`, with their Machines, in words.
-pub(super) fn moving_names(moving: &[Permit]) -> String {
-    moving
-        .iter()
-        .map(|m| format!("{} (from Machine {})", m.pod, m.machine))
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
-/// What the object of workload `w` says of its moves (see
-/// [`WorkloadTerms`]), from `caches`: a StatefulSet's or a Deployment's
-/// annotations, `minReadySeconds` and availability by its status (see
-/// [`counted`] for the pods' count), a ReplicaSet's annotations; a move
-/// group's members' availability; nothing for other kinds (their pod
-/// template alone speaks).
-pub(super) fn terms_in(caches: &Caches, w: &Workload) -> WorkloadTerms {
-    let (name, ns) = (w.name.as_str(), w.namespace.as_str());
-    let terms = match w.kind.as_str() {
-        "StatefulSet" => caches
-            .stateful_sets
-            .get(&ObjectRef::new(name).within(ns))
-            .map(|s| crate::drain::workload::stateful_set_terms(&s)),
-        "Deployment" => caches
-            .deployments
-            .get(&ObjectRef::new(name).within(ns))
-            .map(|d| crate::drain::workload::deployment_terms(&d)),
-        "ReplicaSet" => caches
-            .replica_sets
-            .get(&ObjectRef::new(name).within(ns))
-            .map(|r| crate::drain::workload::terms(&r.metadata, None)),
-        MOVE_GROUP_KIND => Some(WorkloadTerms {
-            availability: availability_of(&group_members(caches, ns, name)),
-            ..WorkloadTerms::default()
-        }),
-        _ => None,
-    };
-    terms.unwrap_or_default()
-}
-
-/// `terms` of workload `w` (see [`terms_in`]) with its replicas down
-/// counted from the pods (see [`by_pods`]): done only where a permit is
-/// asked for or a move's end judged, not for every pod a pass plans (a
-/// Deployment's count reads every ReplicaSet of the cache). A move group's
-/// members are counted already.
-pub(super) fn counted(caches: &Caches, w: &Workload, terms: WorkloadTerms) -> WorkloadTerms {
-    let (name, ns) = (w.name.as_str(), w.namespace.as_str());
-    match w.kind.as_str() {
-        "StatefulSet" => match caches.stateful_sets.get(&ObjectRef::new(name).within(ns)) {
-            Some(s) => by_pods(caches, terms, &s.metadata, false),
-            None => terms,
-        },
-        "Deployment" => match caches.deployments.get(&ObjectRef::new(name).within(ns)) {
-            Some(d) => by_pods(caches, terms, &d.metadata, true),
-            None => terms,
-        },
-        _ => terms,
-    }
-}
-
-/// `terms` of the workload object `meta` with its availability counted
-/// from the pod cache (see
-/// [`unavailable_by_pods`](crate::drain::workload::unavailable_by_pods)):
-/// the pods it controls, or, for a Deployment (`through_sets`), those of
-/// the ReplicaSets it controls. Its owner's status lags the pods it counts
-/// by a moment; the drain's own view of a move that just ended must not.
-fn by_pods(
-    caches: &Caches,
-    mut terms: WorkloadTerms,
-    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
-    through_sets: bool,
-) -> WorkloadTerms {
-    let (Some(a), Some(uid)) = (terms.availability, meta.uid.as_deref()) else {
-        return terms;
-    };
-    let controllers: Vec<String> = if through_sets {
-        caches
-            .replica_sets
-            .state()
-            .iter()
-            .filter(|rs| rs.metadata.namespace == meta.namespace)
-            .filter(|rs| {
-                crate::drain::workload::controller(rs.metadata.owner_references.as_deref())
-                    .is_some_and(|o| o.uid == uid)
-            })
-            .filter_map(|rs| rs.metadata.uid.clone())
-            .collect()
-    } else {
-        vec![uid.to_string()]
-    };
-    let pods: Vec<_> = controllers
-        .iter()
-        .flat_map(|c| caches.indexes.pods_by_controller.get(&caches.pods, c))
-        .collect();
-    let unavailable = crate::drain::workload::unavailable_by_pods(
-        a.replicas,
-        pods.iter().map(AsRef::as_ref),
-        terms.min_ready,
-        Timestamp::now(),
-    );
-    terms.availability = Some(crate::drain::ledger::Availability {
-        replicas: a.replicas,
-        unavailable,
-    });
-    terms
-}
-
-/// The terms of every StatefulSet and Deployment of namespace `ns` whose
-/// object names move group `group`.
-pub(super) fn group_members(caches: &Caches, ns: &str, group: &str) -> Vec<WorkloadTerms> {
-    let of_group = |meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
-        meta.namespace.as_deref() == Some(ns)
-            && meta
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(MOVE_GROUP_ANNOTATION))
-                .is_some_and(|g| g.trim() == group)
-    };
-    let sets = caches
-        .stateful_sets
-        .state()
-        .into_iter()
-        .filter(|s| of_group(&s.metadata))
-        .map(|s| {
-            let terms = crate::drain::workload::stateful_set_terms(&s);
-            by_pods(caches, terms, &s.metadata, false)
-        });
-    let deployments = caches
-        .deployments
-        .state()
-        .into_iter()
-        .filter(|d| of_group(&d.metadata))
-        .map(|d| {
-            let terms = crate::drain::workload::deployment_terms(&d);
-            by_pods(caches, terms, &d.metadata, true)
-        });
-    sets.chain(deployments).collect()
-}
-
 /// Whether the move that holds `p`, of workload `w`, is over for a Machine
 /// whose drain no longer watches it (ended, or gone): it never began (its
 /// pod is still there and not being deleted), or its workload is whole
@@ -566,7 +380,8 @@ pub(super) fn move_done(caches: &Caches, w: &Workload, p: &Permit) -> bool {
             })
     });
     never_began
-        || (counted(caches, w, terms_in(caches, w))
+        || (caches
+            .counted(w, caches.terms(w))
             .availability
             .is_none_or(|a| a.unavailable == 0)
             && volumes_moved(caches, p))

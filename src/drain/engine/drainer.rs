@@ -252,7 +252,8 @@ impl Drainer {
         }
         // Its moves that never began, or whose workload is whole again,
         // end with it; the others keep their permits until their workload
-        // is whole (see `Permits::release_vanished`).
+        // is whole (see `Permits::release_done` in the ledger, and the
+        // keeper).
         let key = format!(
             "{}/{}",
             machine.namespace.as_deref().unwrap_or_default(),

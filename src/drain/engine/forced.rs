@@ -13,18 +13,12 @@
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::jiff::Timestamp;
 use kube::Resource;
-use kube::runtime::reflector::ObjectRef;
 
-use super::budget::{counted, group_members, moving_names, terms_in};
 use super::drainer::Drainer;
 use crate::api::Machine;
-use crate::cache::Caches;
-use crate::drain::ledger::{
-    Answer, Ask, Budget, MOVE_GROUP_KIND, budget_of, grouped, permit_expires, ready_since,
-};
+use crate::drain::ledger::{Answer, PodToMove, moving_names, permit_expires, pod_ask};
 
 impl Drainer {
     /// Asks the ledger for the move of each of `pods`, which a forced
@@ -50,7 +44,15 @@ impl Drainer {
             past_deadline: true,
         };
         for pod in pods {
-            let Some((ask, budget, owner)) = forced_ask(&self.deps.caches, pod, &drain) else {
+            // The pod as it is: its claims are its volumes, and its
+            // attachable PVs those attached now (a drain's are the plan's).
+            // A forced deletion does not warn of what berth cannot read of
+            // its annotations (`asked.bad`): the default holds.
+            let caches = &self.deps.caches;
+            let asked = pod_ask(caches, PodToMove::live(pod, caches), &drain);
+            let (Some(ask), budget, owner) = (asked.ask, asked.budget, asked.owner) else {
+                // Its workload bounds none of its moves, and it has no
+                // volumes.
                 continue;
             };
             let now = Timestamp::now();
@@ -83,89 +85,4 @@ impl Drainer {
                 .warning(machine.object_ref(&()), "Drain", reason, note, None);
         }
     }
-}
-
-/// The ask of a forced deletion (`drain`, past its deadline) for `pod`, its
-/// workload's budget and the object its permit is owned by; `None` when
-/// its workload does not bound its moves (a pod without volumes, by
-/// default).
-fn forced_ask(
-    caches: &Caches,
-    pod: &Pod,
-    drain: &crate::drain::ledger::Asker,
-) -> Option<(Ask, Budget, Option<OwnerReference>)> {
-    let ns = pod.metadata.namespace.as_deref().unwrap_or_default();
-    let key = format!("{ns}/{}", pod.metadata.name.as_deref().unwrap_or_default());
-    let owners_of = |rs: &str| {
-        caches
-            .replica_sets
-            .get(&ObjectRef::new(rs).within(ns))
-            .map(|m| m.metadata.owner_references.clone().unwrap_or_default())
-    };
-    // Its claims: those it names, and its generic ephemeral volumes'
-    // (`<pod>-<volume>`).
-    let name = pod.metadata.name.as_deref().unwrap_or_default();
-    let claims: Vec<String> = pod
-        .spec
-        .as_ref()
-        .and_then(|s| s.volumes.as_ref())
-        .into_iter()
-        .flatten()
-        .filter_map(|v| {
-            let ephemeral = v.ephemeral.as_ref().map(|_| format!("{name}-{}", v.name));
-            v.persistent_volume_claim
-                .as_ref()
-                .map(|c| c.claim_name.clone())
-                .or(ephemeral)
-        })
-        .collect();
-    let volumes = !claims.is_empty();
-    let workload = crate::drain::workload::workload_of(pod, owners_of);
-    let terms = terms_in(caches, &workload);
-    let (budget, _) = budget_of(pod.metadata.annotations.as_ref(), &terms, volumes);
-    if budget.max_moving.is_none() && !volumes {
-        return None;
-    }
-    let (workload, terms, _) = grouped(workload, terms, |g| group_members(caches, ns, g));
-    let terms = counted(caches, &workload, terms);
-    let ready = ready_since(pod).is_some();
-    let owner = (workload.kind != MOVE_GROUP_KIND)
-        .then(|| crate::drain::workload::workload_owner(pod, owners_of))
-        .flatten();
-    let ask = Ask {
-        workload,
-        uid: pod.metadata.uid.clone().unwrap_or_else(|| key.clone()),
-        pod: key,
-        machine: drain.machine.clone(),
-        priority: pod.spec.as_ref().and_then(|s| s.priority).unwrap_or(0),
-        requested: drain.requested,
-        past_deadline: drain.past_deadline,
-        volumes,
-        // A pod already down takes nothing more down (see `Ask::new`).
-        unavailable: if ready {
-            terms.availability.map_or(0, |a| a.unavailable)
-        } else {
-            0
-        },
-        attach: attached_now(caches, ns, &claims),
-    };
-    Some((ask, budget, owner))
-}
-
-/// The PVs of `claims` (of namespace `ns`) attached now, by their
-/// VolumeAttachments: the attachable volumes a forced move waits for on
-/// the replacement's Node.
-fn attached_now(caches: &Caches, ns: &str, claims: &[String]) -> Vec<String> {
-    claims
-        .iter()
-        .filter_map(|c| caches.pvcs.get(&ObjectRef::new(c).within(ns)))
-        .filter_map(|c| c.spec.as_ref().and_then(|s| s.volume_name.clone()))
-        .filter(|pv| {
-            !caches
-                .indexes
-                .attachments_by_pv
-                .get(&caches.attachments, pv)
-                .is_empty()
-        })
-        .collect()
 }

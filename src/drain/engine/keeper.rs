@@ -18,7 +18,7 @@ use kube::runtime::reflector::ObjectRef;
 
 use super::budget::move_done;
 use super::drainer::Drainer;
-use super::permits::{Held, kind_label, workload_name};
+use crate::drain::ledger::{Held, kind_label, workload_name};
 
 /// The least time between two judgements: the changes that wake the
 /// keeper come in bursts (a rollout's pods and StatefulSet statuses).

@@ -32,10 +32,10 @@ use super::reattach::{Awaited, Reattach};
 use super::refs::{pod_ref_key, pv_ref};
 use crate::api::VolumeMove;
 use crate::drain::class::{VolumeClass, allows_data_loss};
+use crate::drain::ledger::workload::wants_ordinal;
 use crate::drain::plan::{DrainPlan, PlannedPod, PlannedVolume};
 use crate::drain::resume::resumed_pod;
 use crate::drain::select::fmt_key;
-use crate::drain::workload::wants_ordinal;
 use crate::volumes::{Interest, Registration};
 
 /// How long a drain waits, after a controlled stateful pod's volumes have
@@ -619,7 +619,7 @@ impl<'a> Migration<'a> {
                 // The replacements healthy: Ready (for the workload's
                 // minimum healthy time), within its healthy deadline or
                 // else what is left of the reattach timeout.
-                let (_, budget, _) = run.workload_of(self.pod);
+                let budget = run.pod_ask(self.pod).budget;
                 let until = match budget.healthy_deadline {
                     Some(d) => run.bounded(d),
                     None => until,

@@ -57,8 +57,7 @@
 //! | `pass` | a drain from its first pass to its outcome, and the deadline |
 //! | `eviction` | one pod's eviction, retried while a budget refuses it |
 //! | `migration` | one stateful pod's move, step by step |
-//! | `budget` | a drain's use of the ledger: each pod's workload and budget, its asks |
-//! | `permits` | the move ledger shared by every drain: a workload's budget across Machines |
+//! | `budget` | a drain's use of the [ledger](crate::drain::ledger) (its permits are there): each pod's ask, its Events and `status.drain` words, its gated moves of pods without volumes, whether a move no drain watches is over |
 //! | `forced` | a forced deletion's moves, asked of the ledger and recorded before its pods go |
 //! | `keeper` | the permits of moves no drain watches any more, until their workload is whole or they expire |
 //! | `reattach` | the one wait for volumes to move with the pod that now uses them |
@@ -75,7 +74,6 @@ mod keeper;
 mod migration;
 mod node_drain;
 mod pass;
-mod permits;
 mod progress;
 mod reattach;
 mod refs;
@@ -90,12 +88,12 @@ use std::sync::Arc;
 pub use self::batch::evicted_note;
 pub use self::drainer::Drainer;
 pub(crate) use self::drainer::{RESTART_ENDED_AFTER, RETRY_FAILED_AFTER};
-pub(crate) use self::permits::{PermitStore, Permits};
 pub(crate) use self::progress::Progress;
 use super::deadline::Deadline;
 use crate::api::Machine;
 use crate::api::settings::ResolvedSettings;
 use crate::cache::Caches;
+use crate::drain::ledger::Permits;
 use crate::telemetry::Metrics;
 use crate::telemetry::events::EventSink;
 use crate::volumes::Tracker;

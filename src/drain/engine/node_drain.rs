@@ -18,7 +18,6 @@ use kube::runtime::reflector::ObjectRef;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::permits::workload_name;
 use super::progress::Flushed;
 use super::refs::{pod_ref_key, pv_ref};
 use super::view::{View, pvs_of};
@@ -26,7 +25,7 @@ use super::{Deps, Job, Progress};
 use crate::api::VolumeMove;
 use crate::drain::class::VolumeContext;
 use crate::drain::evict::{self, Evicted};
-use crate::drain::ledger::workload_of_record;
+use crate::drain::ledger::{workload_name, workload_of_record};
 use crate::drain::plan::{
     DetachingVolume, DrainPlan, PlannedPod, TerminatingPod, controller_of, detaching_volumes, plan,
     still_to_wait_for,
@@ -433,6 +432,7 @@ impl NodeDrain {
     /// after one more bound once it passed.
     pub(super) async fn begin_move(&self, key: &str, pod: &PlannedPod, pvs: &[String]) -> bool {
         let uid = pod.uid.as_deref();
+        let workload = workload_name(&self.pod_ask(pod).workload);
         let mut target = 0;
         self.step(|p| {
             p.moves.insert(
@@ -442,7 +442,7 @@ impl NodeDrain {
                     uid: uid.map(String::from),
                     volumes: pvs.to_vec(),
                     controller: pod.controller.clone(),
-                    workload: Some(workload_name(&self.workload_of(pod).0)),
+                    workload: Some(workload),
                     since: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
                         Timestamp::now(),
                     )),

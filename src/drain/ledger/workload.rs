@@ -1,5 +1,5 @@
 //! A pod's workload: the object operators think in, that the move
-//! [ledger](super::ledger) keeps a budget for.
+//! [ledger](super) keeps a budget for.
 //!
 //! The pod's controller, followed up while the owner is known: a
 //! ReplicaSet's controlling Deployment (the ReplicaSet is an implementation
@@ -13,7 +13,7 @@ use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 
-use super::ledger::{Availability, Workload, WorkloadTerms};
+use super::{Availability, Workload, WorkloadTerms};
 
 /// The controller reference among `owners`.
 pub fn controller(owners: Option<&[OwnerReference]>) -> Option<&OwnerReference> {
@@ -78,7 +78,7 @@ pub fn unavailable_by_pods<'p>(
     let available = pods
         .into_iter()
         .filter(|p| p.metadata.deletion_timestamp.is_none())
-        .filter_map(super::ledger::ready_since)
+        .filter_map(super::ready_since)
         .filter(|since| since.checked_add(min).is_ok_and(|at| at <= now))
         .count();
     replicas.saturating_sub(u32::try_from(available).unwrap_or(u32::MAX))
@@ -186,7 +186,7 @@ pub fn replacement_ready_since<'p>(
                 .as_ref()
                 .is_some_and(|t| t.0 >= from)
         })
-        .filter_map(super::ledger::ready_since)
+        .filter_map(super::ready_since)
         .min()
 }
 

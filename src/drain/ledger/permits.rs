@@ -692,7 +692,7 @@ fn permit_object(
 }
 
 /// The `kind` label of `w` (see [`WORKLOAD_KINDS`]).
-pub(super) fn kind_label(w: &Workload) -> &'static str {
+pub(crate) fn kind_label(w: &Workload) -> &'static str {
     WORKLOAD_KINDS
         .iter()
         .find(|k| **k == w.kind && **k != "other")
@@ -702,7 +702,7 @@ pub(super) fn kind_label(w: &Workload) -> &'static str {
 
 /// A workload as a move record names it, `Kind/name` (its namespace is the
 /// pod's).
-pub(super) fn workload_name(w: &Workload) -> String {
+pub(crate) fn workload_name(w: &Workload) -> String {
     format!("{}/{}", w.kind, w.name)
 }
 

@@ -1,0 +1,181 @@
+//! A permit as it is kept outside the process: a `MovePermit` object in
+//! the API server (read back by every process), or a move a Machine
+//! recorded in `status.drain.moves` (read once, before a process's first
+//! drain asks); and when a permit expires once no drain watches its move.
+
+use std::time::Duration;
+
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+
+use super::{Permit, Workload};
+use crate::api::{Machine, MovePermit, VolumeMove};
+
+/// The moves every Machine records in `status.drain.moves`, each with its
+/// workload and as the permit it holds: what a ledger is
+/// [rebuilt](super::Ledger::rebuild) from.
+pub fn recorded_moves<'m>(
+    machines: impl IntoIterator<Item = &'m Machine>,
+) -> Vec<(Workload, Permit)> {
+    machines
+        .into_iter()
+        .flat_map(|m| {
+            let machine = format!(
+                "{}/{}",
+                m.metadata.namespace.as_deref().unwrap_or_default(),
+                m.metadata.name.as_deref().unwrap_or_default()
+            );
+            let moves = m
+                .status
+                .as_ref()
+                .and_then(|s| s.drain.as_ref())
+                .map(|d| d.moves.clone())
+                .unwrap_or_default();
+            moves
+                .into_iter()
+                .filter_map(move |mv| recorded(&machine, &mv))
+        })
+        .collect()
+}
+
+/// The workload and permit of a move `machine` recorded.
+fn recorded(machine: &str, mv: &VolumeMove) -> Option<(Workload, Permit)> {
+    let (ns, _) = mv.pod.split_once('/')?;
+    let workload = workload_of_record(ns, mv)?;
+    Some((
+        workload,
+        Permit {
+            pod: mv.pod.clone(),
+            uid: mv.uid.clone().unwrap_or_else(|| mv.pod.clone()),
+            machine: machine.to_string(),
+            since: mv.since.as_ref().map_or_else(Timestamp::now, |t| t.0),
+            past_budget: false,
+            volumes: true,
+            // Its drain watches the move to its end.
+            attach: Vec::new(),
+        },
+    ))
+}
+
+/// What a `MovePermit` in the API server says, as the ledger counts it:
+/// its workload and the permit; `None` for one that does not name its
+/// workload as `Kind/name`.
+pub fn held_permit(o: &MovePermit) -> Option<(Workload, Permit)> {
+    let ns = o.metadata.namespace.as_deref().unwrap_or_default();
+    let (kind, name) = o.spec.workload.split_once('/')?;
+    Some((
+        Workload::new(kind, ns, name),
+        Permit {
+            pod: format!("{ns}/{}", o.spec.pod),
+            uid: o.spec.pod_uid.clone(),
+            machine: o.spec.machine.clone(),
+            since: o.spec.since.0,
+            past_budget: o.spec.past_budget,
+            volumes: o.spec.volumes,
+            attach: o.spec.attach.clone(),
+        },
+    ))
+}
+
+/// When a permit granted at `since` expires once its drain no longer
+/// watches its move: the workload's healthy deadline after `since` if it
+/// has one, else the deadline of the drain that began the move, and never
+/// sooner than `reattach` after `since` (a drain past its deadline bypasses
+/// the budget, but its move still holds its permit while its replacement
+/// comes up).
+pub fn permit_expires(
+    since: Timestamp,
+    healthy_deadline: Option<Duration>,
+    drain_deadline: Timestamp,
+    reattach: Duration,
+) -> Timestamp {
+    let after = |d: Duration| {
+        SignedDuration::try_from(d)
+            .ok()
+            .and_then(|d| since.checked_add(d).ok())
+            .unwrap_or(Timestamp::MAX)
+    };
+    match healthy_deadline {
+        Some(d) => after(d),
+        None => drain_deadline.max(after(reattach)),
+    }
+}
+
+/// The workload a move record names (`Kind/name`, in the pod's
+/// namespace): its `workload`, else its controller, else the pod itself.
+pub fn workload_of_record(ns: &str, mv: &VolumeMove) -> Option<Workload> {
+    let named = mv.workload.as_deref().or(mv.controller.as_deref());
+    match named.and_then(|w| w.split_once('/')) {
+        Some((kind, name)) => Some(Workload::new(kind, ns, name)),
+        None => {
+            let (_, pod) = mv.pod.split_once('/')?;
+            Some(Workload::new("Pod", ns, pod))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::drain::ledger::tests::t;
+
+    #[test]
+    fn a_permit_expires_at_its_healthy_deadline_else_its_drains_deadline() {
+        let reattach = Duration::from_secs(90);
+        // The workload's healthy deadline, from the move's start.
+        assert_eq!(
+            permit_expires(t(0), Some(Duration::from_secs(600)), t(7200), reattach),
+            t(600)
+        );
+        // Else the drain's deadline...
+        assert_eq!(permit_expires(t(0), None, t(7200), reattach), t(7200));
+        // ...but a move begun past it still has the reattach timeout.
+        assert_eq!(permit_expires(t(7300), None, t(7200), reattach), t(7390));
+    }
+
+    #[test]
+    fn recorded_moves_name_their_workload_and_machine() {
+        let mut m: Machine = serde_json::from_value(serde_json::json!({
+            "apiVersion": "berth.dev/v1alpha1",
+            "kind": "Machine",
+            "metadata": {"namespace": "ns", "name": "a"},
+            "spec": {"classRef": {"name": "pool"}}
+        }))
+        .expect("a Machine");
+        let status: crate::api::MachineStatus = serde_json::from_value(serde_json::json!({
+            "drain": {"moves": [
+                {"pod": "ns/db-0", "uid": "u0", "volumes": ["pv-0"], "workload": "StatefulSet/db",
+                 "since": "2023-11-14T22:13:20Z"},
+                {"pod": "ns/old-0", "volumes": ["pv-1"], "controller": "ReplicaSet/old"},
+                {"pod": "ns/bare", "volumes": ["pv-2"]}
+            ]}
+        }))
+        .expect("status");
+        m.status = Some(status);
+        let moves = recorded_moves([&m]);
+        let names: Vec<(String, &str, &str, &str)> = moves
+            .iter()
+            .map(|(w, p)| {
+                (
+                    w.to_string(),
+                    p.pod.as_str(),
+                    p.uid.as_str(),
+                    p.machine.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            names,
+            vec![
+                ("StatefulSet ns/db".to_string(), "ns/db-0", "u0", "ns/a"),
+                (
+                    "ReplicaSet ns/old".to_string(),
+                    "ns/old-0",
+                    "ns/old-0",
+                    "ns/a"
+                ),
+                ("Pod ns/bare".to_string(), "ns/bare", "ns/bare", "ns/a"),
+            ]
+        );
+        assert_eq!(moves[0].1.since, t(0));
+    }
+}

@@ -107,16 +107,18 @@ impl From<Client> for Clients {
 }
 
 /// The move ledger every drain of this process asks: its permits of
-/// bounded budgets written with `client` and read from the cache of every
-/// process's, for the Machines of `settings.namespace`.
+/// bounded budgets written on an urgent line of their own (a stateful
+/// move's first step, never queued behind the reconcilers' writes; see
+/// `per_drain`) and read from the cache of every process's, for the
+/// Machines of `settings.namespace`.
 fn move_ledger(
-    client: &Client,
+    per_drain: &crate::drain::engine::ClientPerDrain,
     caches: &crate::cache::Caches,
     settings: &Settings,
     metrics: &Arc<Metrics>,
 ) -> Permits {
     let store = PermitStore::new(
-        client.clone(),
+        per_drain().moves,
         caches.move_permits.clone(),
         settings.namespace.clone(),
     );
@@ -163,9 +165,7 @@ pub async fn run(
         Arc::clone(&metrics),
         crate::telemetry::events::QUEUE,
     );
-    // The permits have a line of their own: a stateful move's first step,
-    // never queued behind the reconcilers' writes.
-    let permits = move_ledger(&per_drain().moves, &caches, &settings, &metrics);
+    let permits = move_ledger(&per_drain, &caches, &settings, &metrics);
     let (drainer, drains_done) = Drainer::new(DrainDeps {
         drain_client: per_drain,
         caches: caches.clone(),

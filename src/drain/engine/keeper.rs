@@ -7,6 +7,9 @@
 //! (`MovePermit.spec.expires`); then the permit ends, the second time with
 //! a Warning on the workload and `berth_move_permits_expired_total`.
 //!
+//! A permit deleted by someone else (by hand) while its move was not over
+//! is named too: a Warning on the workload, `MovePermitDeleted`.
+//!
 //! Nothing polls: the keeper judges again when a permit, a workload's
 //! availability, a VolumeAttachment, a Machine or a drain's end changes,
 //! and at the first expiry of the permits it keeps.
@@ -76,6 +79,11 @@ impl Drainer {
             for held in &swept.expired {
                 self.expired(held);
             }
+            for held in self.deps.permits.vanished() {
+                if !move_done(caches, held.workload(), held.permit()) {
+                    self.deleted_elsewhere(&held);
+                }
+            }
             self.deps.permits.refresh();
             let next = swept.next.map_or(Duration::MAX, |at| {
                 Duration::try_from(at.duration_since(Timestamp::now())).unwrap_or(Duration::ZERO)
@@ -91,6 +99,29 @@ impl Drainer {
             }
             tokio::time::sleep(SETTLE).await;
         }
+    }
+
+    /// Names a permit deleted by someone else (by hand) while its move
+    /// was not over: the budget it held is free, and the next pod of its
+    /// workload may move while a replica is down.
+    fn deleted_elsewhere(&self, held: &Held) {
+        let (w, p) = (held.workload(), held.permit());
+        tracing::warn!(workload = %w, pod = %p.pod, machine = %p.machine, "a move permit was deleted outside berth with its workload not whole");
+        self.deps.events.warning(
+            held.regarding(),
+            "Move",
+            "MovePermitDeleted",
+            format!(
+                "move permit {} of {} (the move of pod {} from Machine {}) was deleted, not by berth, while {} is not whole: the next pod of {} may move while a replica is down",
+                held.name(),
+                workload_name(w),
+                p.pod,
+                p.machine,
+                workload_name(w),
+                workload_name(w)
+            ),
+            None,
+        );
     }
 
     /// Names a permit ended at its healthy deadline, its workload not whole.

@@ -57,6 +57,9 @@ pub(crate) struct Permits {
     /// Set once the ledger was rebuilt from the Machines' records.
     rebuilt: OnceLock<()>,
     metrics: Arc<Metrics>,
+    /// The permits of this scope held at the last [`Permits::vanished`],
+    /// by UID.
+    seen: Mutex<BTreeMap<String, Held>>,
 }
 
 impl Permits {
@@ -70,7 +73,37 @@ impl Permits {
             freed: Arc::new(watch::channel(0).0),
             rebuilt: OnceLock::new(),
             metrics,
+            seen: Mutex::default(),
         }
+    }
+
+    /// The permits of this process's scope that were held at the last
+    /// call and are gone now, though this process did not end them:
+    /// deleted by someone else (by hand, or their workload's garbage
+    /// collection). The keeper names those whose move was not over.
+    pub(crate) fn vanished(&self) -> Vec<Held> {
+        let now: BTreeMap<String, Held> = self
+            .store
+            .held()
+            .into_iter()
+            .filter(|h| self.store.in_scope(&h.permit.machine))
+            .map(|h| (h.uid_or_name(), h))
+            .collect();
+        let Ok(mut seen) = self.seen.lock() else {
+            return Vec::new();
+        };
+        let Ok(mut ended) = self.store.ended_here.lock() else {
+            return Vec::new();
+        };
+        let gone = seen
+            .iter()
+            .filter(|(uid, _)| !now.contains_key(*uid) && !ended.contains(*uid))
+            .map(|(_, h)| h.clone())
+            .collect();
+        // An end not seen yet stays until it is.
+        ended.retain(|uid| now.contains_key(uid));
+        *seen = now;
+        gone
     }
 
     /// Rebuilds the ledger from the moves `machines` record, once: the
@@ -385,6 +418,11 @@ impl Held {
         &self.key.1
     }
 
+    /// Its UID, or its name for a permit that has none yet.
+    fn uid_or_name(&self) -> String {
+        self.uid.clone().unwrap_or_else(|| self.key.1.clone())
+    }
+
     /// When it expires.
     pub(crate) fn expires(&self) -> Option<Timestamp> {
         self.expires
@@ -433,6 +471,9 @@ pub(crate) struct PermitStore {
     /// The deletions of the permits ended here, by name: a permit of the
     /// same name is taken once its deletion is done, not refused by it.
     deleting: Mutex<BTreeMap<(String, String), Deletion>>,
+    /// The UIDs of the permits ended here since the last
+    /// [`Permits::vanished`]: gone by this process's hand.
+    ended_here: Mutex<BTreeSet<String>>,
 }
 
 impl PermitStore {
@@ -446,6 +487,7 @@ impl PermitStore {
             taken: Mutex::default(),
             ended: Mutex::default(),
             deleting: Mutex::default(),
+            ended_here: Mutex::default(),
         }
     }
 
@@ -523,9 +565,12 @@ impl PermitStore {
     fn end(&self, which: impl Fn(&Held) -> bool) -> usize {
         let ending: Vec<Held> = self.held().into_iter().filter(|h| which(h)).collect();
         for h in &ending {
-            let uid = h.uid.clone().unwrap_or_else(|| h.key.1.clone());
+            let uid = h.uid_or_name();
             if let Ok(mut t) = self.taken.lock() {
                 t.remove(&uid);
+            }
+            if let Ok(mut e) = self.ended_here.lock() {
+                e.insert(uid.clone());
             }
             if let Ok(mut e) = self.ended.lock() {
                 e.insert(uid);
@@ -812,6 +857,48 @@ mod tests {
         assert_eq!(held, ["db/pg-1"]);
         assert_eq!(store.end(|h| h.permit.pod == "db/pg-1"), 1);
         assert!(store.held().is_empty());
+    }
+
+    /// A permit gone without this process ending it (deleted by hand) is
+    /// told from one it ended, once; another scope's is not its to name.
+    #[tokio::test]
+    async fn a_permit_deleted_by_someone_else_is_told_from_one_ended_here() {
+        use kube::runtime::watcher::Event;
+        let (cache, mut writer) = kube::runtime::reflector::store::<MovePermit>();
+        let client = Client::try_from(kube::Config::new(
+            "https://127.0.0.1:1".parse().expect("a uri"),
+        ))
+        .expect("a client that is never reached");
+        let store = PermitStore::new(client, cache, Some("db".into()));
+        let permits = Permits::new(None, Arc::new(Metrics::new().expect("metrics")), store);
+        let object = |name: &str, pod: &str, machine: &str, uid: &str| {
+            let at = Timestamp::from_second(1_700_000_000).expect("time");
+            let w = Workload::new("StatefulSet", "db", name);
+            let mut o = permit_object(&w, &permit(pod, machine), 0, None, at);
+            o.metadata.uid = Some(uid.into());
+            o
+        };
+        let (by_hand, ended, other) = (
+            object("a", "a-0", "db/m1", "u1"),
+            object("b", "b-0", "db/m1", "u2"),
+            object("c", "c-0", "other/m2", "u3"),
+        );
+        for o in [&by_hand, &ended, &other] {
+            writer.apply_watcher_event(&Event::Apply(o.clone()));
+        }
+        assert!(permits.vanished().is_empty(), "nothing gone yet");
+        // One ended here, one deleted by hand, one of another scope deleted.
+        assert_eq!(permits.store.end(|h| h.permit.pod == "db/b-0"), 1);
+        for o in [&by_hand, &ended, &other] {
+            writer.apply_watcher_event(&Event::Delete(o.clone()));
+        }
+        let gone: Vec<String> = permits
+            .vanished()
+            .into_iter()
+            .map(|h| h.permit.pod)
+            .collect();
+        assert_eq!(gone, ["db/a-0"]);
+        assert!(permits.vanished().is_empty(), "named once");
     }
 
     /// The permits of Machines whose drain no longer watches them: ended

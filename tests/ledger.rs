@@ -369,9 +369,10 @@ async fn a_new_leader_holds_the_permit_the_killed_one_took() {
     other.terminate().await;
 }
 
-/// A StatefulSet with `minReadySeconds: 5` (and no annotation): a
-/// replacement is available only once Ready that long, so the next
-/// replica is evicted only then (by the audit log and a watch of the pods;
+/// An `OrderedReady` StatefulSet (its controller makes a replica only once
+/// the ones below it are Ready) with `minReadySeconds: 5` (and no
+/// annotation): a replacement is available only once Ready that long, so
+/// the next replica is evicted only then (by the audit log and a watch of the pods;
 /// the Ready condition's time has whole seconds, hence a second's
 /// tolerance). The annotation `berth.dev/min-healthy-time` asks the same of
 /// the pod template, checked with the deadline case below.
@@ -384,6 +385,7 @@ async fn the_workloads_min_ready_seconds_holds_the_next_move() {
     stateful_set_with(&client, ns, "db", 2, false, |sts| {
         if let Some(spec) = sts.spec.as_mut() {
             spec.min_ready_seconds = Some(5);
+            spec.pod_management_policy = Some("OrderedReady".into());
         }
     })
     .await;
@@ -1290,7 +1292,12 @@ async fn an_attach_free_move_holds_the_next_replica_until_its_replacement_is_rea
     let ctl = BED.start(ns).await;
     running_machine(&client, ns, "a", ns).await;
     for i in 0..2 {
-        let mut pv = csi_pv(&format!("{ns}-db-{i}"), &format!("share-{ns}-{i}"), ns, &format!("data-db-{i}"));
+        let mut pv = csi_pv(
+            &format!("{ns}-db-{i}"),
+            &format!("share-{ns}-{i}"),
+            ns,
+            &format!("data-db-{i}"),
+        );
         if let Some(csi) = pv.spec.as_mut().and_then(|s| s.csi.as_mut()) {
             csi.driver = DRIVER.into();
         }

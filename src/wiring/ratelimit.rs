@@ -296,7 +296,11 @@ mod tests {
         for t in tasks {
             t.await.expect("joined");
         }
-        assert_eq!(done.lock().expect("lock").len(), 80, "every other request went");
+        assert_eq!(
+            done.lock().expect("lock").len(),
+            80,
+            "every other request went"
+        );
         assert!(
             during <= 6,
             "{during} other requests went while the urgent line sent its five"

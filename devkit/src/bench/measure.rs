@@ -52,7 +52,11 @@ pub(super) fn steps<'a>(
 /// kwok's first status write of a pod named `pod` completed after `after`
 /// (the old pod gone): the replacement of that name Running and Ready
 /// (kwok's `pod-ready` stage writes both at once).
-pub(crate) fn pod_ready<'a>(log: &'a [Request], pod: &str, after: Timestamp) -> Option<&'a Request> {
+pub(crate) fn pod_ready<'a>(
+    log: &'a [Request],
+    pod: &str,
+    after: Timestamp,
+) -> Option<&'a Request> {
     log.iter()
         .filter(|r| r.user_agent.contains("kwok") && r.is_write() && r.resource == "pods")
         .filter(|r| r.subresource.as_deref() == Some("status"))

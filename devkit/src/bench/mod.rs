@@ -70,8 +70,8 @@ use kube::{Client, ResourceExt};
 use serde::Serialize;
 
 use self::audit::Request;
-pub(crate) use self::measure::{pod_gone, pod_ready};
 use self::measure::{cost_into, drained_event, gaps, steps};
+pub(crate) use self::measure::{pod_gone, pod_ready};
 use self::peers::{stateful_kubectl, stateful_mcm};
 use self::stateful::stateful_berth;
 use self::stateless::stateless_berth;

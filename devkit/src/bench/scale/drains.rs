@@ -263,9 +263,7 @@ pub(super) fn step_times(
             }
             let whole = attached.map(|a| ready.map_or(a, |r| r.max(a)));
             let evicted_at = order[i].0;
-            let moved = evicted_at
-                .zip(whole)
-                .map(|(e, a)| crate::bench::secs(e, a));
+            let moved = evicted_at.zip(whole).map(|(e, a)| crate::bench::secs(e, a));
             if let Some(took) = moved {
                 // The first move of every drain meets the burst of all
                 // drains' first evictions; the later ones do not.

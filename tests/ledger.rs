@@ -1220,7 +1220,6 @@ async fn two_processes_of_different_scopes_share_a_workloads_permit() {
 /// then, and that holds the workload's budget of one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replacement_slower_than_every_timeout_still_holds_the_next_replica() {
-    use k8s_openapi::api::core::v1::Pod;
     let ns = "ledger-slow-replica";
     let client = BED.case(ns, serde_json::json!({"timeout": "10m"})).await;
     let ctl = BED.start(ns).await;
@@ -1240,22 +1239,7 @@ async fn a_replacement_slower_than_every_timeout_still_holds_the_next_replica() 
     {
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
-    let all = evictions(BED.bed().await, ns);
-    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
-    let ((first, evicted), (_, second)) = in_order(&all, ("db-0", "db-1"), &log);
-    // The first replica's replacement and when it turned Ready (whole
-    // seconds), by the cluster.
-    let replacement = Api::<Pod>::namespaced(client.clone(), ns)
-        .get(first)
-        .await
-        .expect("the replacement");
-    let ready =
-        ready_at(&replacement).unwrap_or_else(|| panic!("{first}'s replacement Ready: {log}"));
-    assert!(
-        second.received >= ready,
-        "the next replica went at {} before {first}'s replacement was Ready at {ready}: {log}",
-        second.received
-    );
+    let (evicted, second, log) = next_after_replacement_ready(&client, ns, &watches).await;
     let held = second.received.duration_since(evicted.received);
     assert!(
         held >= k8s_openapi::jiff::SignedDuration::from_secs(140),
@@ -1323,20 +1307,7 @@ async fn an_attach_free_move_holds_the_next_replica_until_its_replacement_is_rea
 
     delete_machine(&client, ns, "a").await;
     gone(&client, ns, "a", Duration::from_secs(180)).await;
-    let all = evictions(BED.bed().await, ns);
-    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
-    let ((first, _), (_, second)) = in_order(&all, ("db-0", "db-1"), &log);
-    let replacement = Api::<Pod>::namespaced(client.clone(), ns)
-        .get(first)
-        .await
-        .expect("the replacement");
-    let ready =
-        ready_at(&replacement).unwrap_or_else(|| panic!("{first}'s replacement Ready: {log}"));
-    assert!(
-        second.received >= ready,
-        "the next replica went at {} before {first}'s replacement was Ready at {ready}: {log}",
-        second.received
-    );
+    next_after_replacement_ready(&client, ns, &watches).await;
     let vas = Api::<VolumeAttachment>::all(client.clone())
         .list(&Default::default())
         .await
@@ -1735,6 +1706,37 @@ async fn hold_replacements_unready(client: &Client, ns: &str, name: &str, hold: 
         )
         .await
         .expect("hold the replacements unready");
+}
+
+/// The evictions of `db-0` and `db-1` in the order they came (by the
+/// audit log), asserting that the second came only once the first one's
+/// replacement was Ready (by its Ready condition, whole seconds): the
+/// first's and the second's eviction, and what the case shows on failure.
+async fn next_after_replacement_ready(
+    client: &Client,
+    ns: &str,
+    watches: &Watches,
+) -> (
+    berth_devkit::bench::audit::Request,
+    berth_devkit::bench::audit::Request,
+    String,
+) {
+    use k8s_openapi::api::core::v1::Pod;
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let ((first, evicted), (_, second)) = in_order(&all, ("db-0", "db-1"), &log);
+    let replacement = Api::<Pod>::namespaced(client.clone(), ns)
+        .get(first)
+        .await
+        .expect("the replacement");
+    let ready =
+        ready_at(&replacement).unwrap_or_else(|| panic!("{first}'s replacement Ready: {log}"));
+    assert!(
+        second.received >= ready,
+        "the next replica went at {} before {first}'s replacement was Ready at {ready}: {log}",
+        second.received
+    );
+    (evicted.clone(), second.clone(), log)
 }
 
 /// When `pod` turned Ready, by its Ready condition (whole seconds), if it

@@ -127,18 +127,13 @@ async fn blocked_by(
 /// (5 min) are far beyond what a test waits, so that a volume taken for an
 /// attachable one shows as a Machine never gone.
 async fn attach_free_case(ns: &str, driver: &str) -> Client {
-    use k8s_openapi::api::storage::v1::CSIDriver;
     let client = BED
         .case(
             ns,
             serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "5m"}),
         )
         .await;
-    create(
-        Api::<CSIDriver>::all(client.clone()),
-        json(serde_json::json!({"metadata": {"name": driver}, "spec": {"attachRequired": false}})),
-    )
-    .await;
+    support::pool::attach_free_driver(&client, driver).await;
     client
 }
 
@@ -151,15 +146,13 @@ async fn share(
     template: impl FnOnce(&mut k8s_openapi::api::core::v1::PodTemplateSpec),
 ) {
     for i in 0..2 {
-        let mut pv = csi_pv(
+        let pv = support::pool::csi_pv_on(
+            driver,
             &format!("{ns}-share-{i}"),
             &format!("share-{i}"),
             ns,
             &format!("data-share-{i}"),
         );
-        if let Some(csi) = pv.spec.as_mut().and_then(|s| s.csi.as_mut()) {
-            csi.driver = driver.into();
-        }
         create(Api::all(client.clone()), pv).await;
     }
     let mut sts: StatefulSet = stateful_set("share", 2, 1);

@@ -1259,32 +1259,22 @@ async fn a_replacement_slower_than_every_timeout_still_holds_the_next_replica() 
 /// was gone, and the second replica went within a second or two.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attach_free_move_holds_the_next_replica_until_its_replacement_is_ready() {
-    use berth_devkit::testbed::fixtures::{csi_pv, stateful_set};
+    use berth_devkit::testbed::fixtures::stateful_set;
     use k8s_openapi::api::core::v1::Pod;
-    use k8s_openapi::api::storage::v1::CSIDriver;
-    const DRIVER: &str = "nfs.testbed.berth.dev";
+    use support::pool::{ATTACH_FREE_DRIVER as DRIVER, attach_free_driver, csi_pv_on};
     let ns = "ledger-attach-free";
     let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
-    support::pool::create(
-        Api::<CSIDriver>::all(client.clone()),
-        json(serde_json::json!({
-            "metadata": {"name": DRIVER},
-            "spec": {"attachRequired": false}
-        })),
-    )
-    .await;
+    attach_free_driver(&client, DRIVER).await;
     let ctl = BED.start(ns).await;
     running_machine(&client, ns, "a", ns).await;
     for i in 0..2 {
-        let mut pv = csi_pv(
+        let pv = csi_pv_on(
+            DRIVER,
             &format!("{ns}-db-{i}"),
             &format!("share-{ns}-{i}"),
             ns,
             &format!("data-db-{i}"),
         );
-        if let Some(csi) = pv.spec.as_mut().and_then(|s| s.csi.as_mut()) {
-            csi.driver = DRIVER.into();
-        }
         support::pool::create(Api::all(client.clone()), pv).await;
     }
     let mut sts = stateful_set("db", 2, 1);

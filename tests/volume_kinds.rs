@@ -17,7 +17,7 @@ use berth_devkit::testbed::fixtures::{csi_pv, stateful_set};
 use berth_devkit::testbed::wait;
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
-use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
+use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::api::{Api, Patch, PatchParams};
 use kube::{Client, ResourceExt};
 use support::pool::{
@@ -32,9 +32,7 @@ const BED: Bed = Bed {
     attach: ATTACH_DELAY,
     detach: DETACH_DELAY,
 };
-/// A driver whose CSIDriver says `attachRequired: false`: the
-/// attach-detach controller never makes a VolumeAttachment for it.
-const ATTACH_FREE_DRIVER: &str = "nfs.testbed.berth.dev";
+use support::pool::{ATTACH_FREE_DRIVER, attach_free_driver, csi_pv_on};
 const ALLOW: &str = "berth.dev/allow-node-local-data-loss";
 
 /// A PV pinned to `node` (`spec.local` and node affinity), pre-bound to
@@ -105,14 +103,7 @@ async fn an_attach_free_stateful_set_drains_without_waiting_for_a_timeout() {
     let client = BED.client().await;
     let ns = "kinds-free";
     support::namespace(&client, ns).await;
-    create(
-        Api::<CSIDriver>::all(client.clone()),
-        json(serde_json::json!({
-            "metadata": {"name": ATTACH_FREE_DRIVER},
-            "spec": {"attachRequired": false}
-        })),
-    )
-    .await;
+    attach_free_driver(&client, ATTACH_FREE_DRIVER).await;
     let reattach_timeout = Duration::from_secs(300);
     pool_class(
         &client,
@@ -123,15 +114,13 @@ async fn an_attach_free_stateful_set_drains_without_waiting_for_a_timeout() {
     let ctl = BED.start(ns).await;
     let node_a = running_held(&client, ns, "a", ns, false).await;
     for i in 0..2 {
-        let mut pv = csi_pv(
+        let pv = csi_pv_on(
+            ATTACH_FREE_DRIVER,
             &format!("{ns}-{i}"),
             &format!("share-{i}"),
             ns,
             &format!("data-share-{i}"),
         );
-        if let Some(csi) = pv.spec.as_mut().and_then(|s| s.csi.as_mut()) {
-            csi.driver = ATTACH_FREE_DRIVER.into();
-        }
         create(Api::all(client.clone()), pv).await;
     }
     let mut sts = stateful_set("share", 2, 1);

@@ -97,6 +97,40 @@ where
         .unwrap_or_else(|e| panic!("create {name}: {e}"));
 }
 
+/// A CSI driver the test bed serves with no attacher: its CSIDriver says
+/// `attachRequired: false` (see [`attach_free_driver`]), so the
+/// attach-detach controller never makes a VolumeAttachment for it.
+pub const ATTACH_FREE_DRIVER: &str = "nfs.testbed.berth.dev";
+
+/// Creates (if missing) CSIDriver `driver`, which attaches nothing
+/// (`attachRequired: false`).
+pub async fn attach_free_driver(client: &Client, driver: &str) {
+    create(
+        Api::<k8s_openapi::api::storage::v1::CSIDriver>::all(client.clone()),
+        json(serde_json::json!({
+            "metadata": {"name": driver},
+            "spec": {"attachRequired": false}
+        })),
+    )
+    .await;
+}
+
+/// [`csi_pv`] of CSI driver `driver`: PV `name` (volume `handle`),
+/// pre-bound to claim `namespace/claim`.
+pub fn csi_pv_on(
+    driver: &str,
+    name: &str,
+    handle: &str,
+    namespace: &str,
+    claim: &str,
+) -> k8s_openapi::api::core::v1::PersistentVolume {
+    let mut pv = csi_pv(name, handle, namespace, claim);
+    if let Some(csi) = pv.spec.as_mut().and_then(|s| s.csi.as_mut()) {
+        csi.driver = driver.into();
+    }
+    pv
+}
+
 /// A pool of fake Machines: class `pool` whose Nodes carry the pool label.
 pub async fn pool_class(client: &Client, pool: &str, drain: serde_json::Value) {
     let mut c = berth_devkit::testbed::fixtures::pool_class(pool, pool, drain);

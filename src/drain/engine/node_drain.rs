@@ -413,8 +413,9 @@ impl NodeDrain {
         });
     }
 
-    /// A step of a volume migration completed: the change is written at
-    /// once (see [`Progress::steps_done`]).
+    /// A step of a volume migration completed: counted (see
+    /// [`Progress::steps_done`]), and written at the writer's pace unless
+    /// it changes a move's record.
     pub(super) fn step(&self, f: impl FnOnce(&mut Progress)) {
         self.progress.send_modify(|p| {
             f(p);

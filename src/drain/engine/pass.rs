@@ -694,8 +694,7 @@ impl NodeDrain {
                     .metrics
                     .volume_detach_wait
                     .observe(started.elapsed().as_secs_f64());
-                // A completed step: written at once, and progress for a pass
-                // after the deadline.
+                // A completed step: progress for a pass after the deadline.
                 self.step(|p| p.waiting_for = None);
                 self.event(
                     EventType::Normal,

@@ -1310,6 +1310,129 @@ async fn an_attach_free_move_holds_the_next_replica_until_its_replacement_is_rea
     ctl.stop().await;
 }
 
+/// A workload of a kind berth reads no availability of: a database run
+/// by an operator whose pods its own object controls (as CloudNativePG's
+/// are; a ConfigMap stands for that object here, and the test plays the
+/// operator: a pod gone is made again, with its claim, on Machine `c`'s
+/// Node, held unready for 40 s). Machines `a` and `b` each run one of its
+/// two replicas and are deleted at once. The drain's own wait for the
+/// first replacement ends at the reattach timeout (10 s), with the
+/// replacement still not Ready: the move keeps its permit, and the second
+/// replica is evicted only once a new pod of the operator's object is
+/// Ready (the audit log, the pods). Before, the permit went with the
+/// drain's wait and the second replica went 10 s after the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_of_a_kind_berth_does_not_read_holds_until_its_replacement_is_ready() {
+    use berth_devkit::testbed::stages::READY_AFTER_ANNOTATION;
+    use futures::StreamExt;
+    use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod};
+    use kube::runtime::watcher::{self, Event};
+    let ns = "ledger-operator";
+    let client = BED
+        .case(
+            ns,
+            serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "10s"}),
+        )
+        .await;
+    let ctl = BED.start(ns).await;
+    let nodes = [
+        running_machine(&client, ns, "a", ns).await,
+        running_machine(&client, ns, "b", ns).await,
+    ];
+    let owner = Api::<ConfigMap>::namespaced(client.clone(), ns)
+        .create(
+            &Default::default(),
+            &json(serde_json::json!({"metadata": {"name": "pg"}})),
+        )
+        .await
+        .expect("the operator's object");
+    let owner = owner.uid().expect("a UID");
+    let pod = move |i: usize, node: &str, hold: Option<&str>| -> Pod {
+        json(serde_json::json!({
+            "metadata": {"name": format!("pg-{i}"), "labels": {"app": "pg"},
+                "annotations": hold.map(|h| serde_json::json!({(READY_AFTER_ANNOTATION): h})),
+                "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "pg",
+                    "uid": owner, "controller": true}]},
+            "spec": {
+                "nodeName": node,
+                "terminationGracePeriodSeconds": 1,
+                "containers": [{"name": "main", "image": "registry.invalid/pg:1",
+                    "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
+                "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": format!("data-pg-{i}")}}]
+            }
+        }))
+    };
+    for (i, node) in nodes.iter().enumerate() {
+        let pv = format!("{ns}-pg-{i}");
+        support::pool::create(
+            Api::all(client.clone()),
+            berth_devkit::testbed::fixtures::csi_pv(
+                &pv,
+                &format!("vol-{pv}"),
+                ns,
+                &format!("data-pg-{i}"),
+            ),
+        )
+        .await;
+        support::pool::create(
+            Api::<PersistentVolumeClaim>::namespaced(client.clone(), ns),
+            json(serde_json::json!({
+                "metadata": {"name": format!("data-pg-{i}")},
+                "spec": {
+                    "accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": pv,
+                    "resources": {"requests": {"storage": "1Gi"}}
+                }
+            })),
+        )
+        .await;
+        support::pool::create(Api::namespaced(client.clone(), ns), pod(i, node, None)).await;
+    }
+    attached(&client, ns, 2).await;
+    let to = running_machine(&client, ns, "c", ns).await;
+    // The operator: a pod of pg gone is made again on `c`'s Node.
+    let operator = {
+        let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+        tokio::spawn(async move {
+            let config = watcher::Config::default().labels("app=pg");
+            let mut events = watcher::watcher(pods.clone(), config).boxed();
+            while let Some(Ok(event)) = events.next().await {
+                if let Event::Delete(gone) = event {
+                    let i: usize = gone.name_any()["pg-".len()..].parse().expect("an ordinal");
+                    let again = pod(i, &to, Some("40s"));
+                    pods.create(&Default::default(), &again)
+                        .await
+                        .expect("the operator makes the pod again");
+                }
+            }
+        })
+    };
+    let watches = Watches::start(&client, ns).await;
+
+    delete_at_once(&client, ns, &["a", "b"]).await;
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let ((first, evicted), (_, second)) = in_order(&all, ("pg-0", "pg-1"), &log);
+    let replacement = Api::<Pod>::namespaced(client.clone(), ns)
+        .get(first)
+        .await
+        .expect("the replacement");
+    let ready =
+        ready_at(&replacement).unwrap_or_else(|| panic!("{first}'s replacement Ready: {log}"));
+    assert!(
+        second.received >= ready,
+        "the next replica went at {} before {first}'s replacement was Ready at {ready}: {log}",
+        second.received
+    );
+    let held = second.received.duration_since(evicted.received);
+    assert!(
+        held >= k8s_openapi::jiff::SignedDuration::from_secs(35),
+        "held {held}, not the 40 s the replacement took: {log}"
+    );
+    operator.abort();
+    BED.calm("ledger_operator", ns).await;
+    ctl.stop().await;
+}
+
 /// A Machine whose finalizer is removed by hand while its drain moves a
 /// replica of `db` and another workload (`solo`, pinned to its Node)
 /// waits behind it: its drain stops at once (no drain is left running in

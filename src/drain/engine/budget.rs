@@ -24,13 +24,30 @@ use crate::drain::select::fmt_key;
 impl NodeDrain {
     /// Ends the permit of `p`, of `workload`, unless its move is recorded
     /// (a move that never began: not allowed, not evicted, or nothing to
-    /// wait for).
+    /// wait for; or one that ended), by [`NodeDrain::end_permit`].
     pub(super) fn end_unrecorded_permit(&self, p: &PlannedPod, workload: &Workload) {
         let key = fmt_key(&p.pod);
         if !self.progress.borrow().moves.contains_key(&key) {
-            self.deps
-                .permits
-                .end(workload, p.uid.as_deref().unwrap_or(&key));
+            self.end_permit(workload, p.uid.as_deref().unwrap_or(&key));
+        }
+    }
+
+    /// Ends the permit of the move of pod `uid`, of `workload`, that this
+    /// drain is done with. For a workload whose availability berth does
+    /// not read (see [`replaced`]), only once the move is over: until then
+    /// the permit is kept and the keeper judges it, as a workload whose
+    /// availability berth reads keeps its budget by its replicas down.
+    pub(super) fn end_permit(&self, workload: &Workload, uid: &str) {
+        let caches = &self.deps.caches;
+        let lingers = workload.kind != "Pod"
+            && self.deps.permits.held_for(workload, uid).is_some_and(|p| {
+                caches.terms(workload).availability.is_none() && !move_done(caches, workload, &p)
+            });
+        if lingers {
+            tracing::debug!(%workload, uid, "the move's replacement is not healthy yet: its permit is left to the keeper");
+            self.deps.permits.linger(uid);
+        } else {
+            self.deps.permits.end(workload, uid);
         }
     }
 
@@ -311,9 +328,7 @@ impl NodeDrain {
     /// or it was never evicted).
     pub(super) fn release_gate(&self, p: &PlannedPod, gate: &Gate) {
         let key = fmt_key(&p.pod);
-        self.deps
-            .permits
-            .end(&gate.workload, p.uid.as_deref().unwrap_or(&key));
+        self.end_permit(&gate.workload, p.uid.as_deref().unwrap_or(&key));
     }
 
     async fn await_replacement_healthy(&self, p: &PlannedPod, gate: &Gate, controller: &str) {
@@ -333,7 +348,7 @@ impl NodeDrain {
             vec![crate::drain::ledger::workload::replacement_ready_since(
                 pods.iter().map(AsRef::as_ref),
                 &uid,
-                &self.job.node,
+                Some(&self.job.node),
                 gate.evicted_at,
             )]
         };
@@ -364,11 +379,14 @@ impl NodeDrain {
 }
 
 /// Whether the move that holds `p`, of workload `w`, is over for a Machine
-/// whose drain no longer watches it (ended, or gone): it never began (its
-/// pod is still there and not being deleted), or its workload is whole
-/// again (none of its replicas unavailable, and its attachable volumes
-/// attached where the replacement runs), or berth cannot tell (a kind whose availability it does not read: the
-/// permit goes with its drain, as the ledger knows no better).
+/// whose drain no longer watches it (ended, or gone), or for a drain that
+/// left it to the keeper (see [`Permits::linger`](crate::drain::ledger::Permits::linger)):
+/// it never began (its pod is still there and not being deleted), or its
+/// workload is whole again and its attachable volumes are attached where
+/// the replacement runs. Whole is none of its replicas unavailable, for a
+/// kind whose availability berth reads; for any other kind (an operator's
+/// custom resource, a Job), the pod that replaced the moved one healthy
+/// (see [`replaced`]).
 pub(super) fn move_done(caches: &Caches, w: &Workload, p: &Permit) -> bool {
     let never_began = p.pod.split_once('/').is_some_and(|(ns, name)| {
         caches
@@ -379,12 +397,83 @@ pub(super) fn move_done(caches: &Caches, w: &Workload, p: &Permit) -> bool {
                     && pod.metadata.deletion_timestamp.is_none()
             })
     });
-    never_began
-        || (caches
-            .counted(w, caches.terms(w))
-            .availability
-            .is_none_or(|a| a.unavailable == 0)
-            && volumes_moved(caches, p))
+    if never_began {
+        return true;
+    }
+    let terms = caches.counted(w, caches.terms(w));
+    let whole = match &terms.availability {
+        Some(a) => a.unavailable == 0,
+        None => replaced(caches, w, p, &terms, Timestamp::now()).is_ok(),
+    };
+    whole && volumes_moved(caches, p)
+}
+
+/// For a workload whose availability berth does not read: whether the pod
+/// that replaced the moved one is healthy at `now`: Ready for the minimum
+/// healthy time its template asks (see
+/// [`budget_of`](crate::drain::ledger::budget_of)), not the moved pod, not
+/// being deleted. The pods that replaced it are those that use the claims
+/// of its attachable volumes now; for a move without one, the workload's
+/// controller's pods made since the move began (creation times have whole
+/// seconds: a replica made a moment before the move cannot be told from
+/// its replacement, which the claims can). `Err(Some(at))`: it will be
+/// at `at` if it stays Ready; `Err(None)`: none is Ready.
+///
+/// `Ok(())` where nothing will replace it or berth cannot tell: a pod that
+/// is its own workload, or a controller berth cannot name (the permit's
+/// object, which names it, not read yet); the volumes alone decide then,
+/// as they did before.
+pub(super) fn replaced(
+    caches: &Caches,
+    w: &Workload,
+    p: &Permit,
+    terms: &WorkloadTerms,
+    now: Timestamp,
+) -> Result<(), Option<Timestamp>> {
+    if w.kind == "Pod" || w.kind == crate::drain::ledger::MOVE_GROUP_KIND {
+        return Ok(());
+    }
+    let pods = if p.attach.is_empty() {
+        let controller = caches.move_permits.state().iter().find_map(|o| {
+            (o.spec.pod_uid == p.uid && o.metadata.namespace.as_deref() == Some(&w.namespace))
+                .then(|| Some(o.metadata.owner_references.as_ref()?.first()?.uid.clone()))
+                .flatten()
+        });
+        let Some(controller) = controller else {
+            return Ok(());
+        };
+        caches
+            .indexes
+            .pods_by_controller
+            .get(&caches.pods, &controller)
+    } else {
+        p.attach
+            .iter()
+            .filter_map(|pv| {
+                caches
+                    .pvs
+                    .get(&ObjectRef::new(pv))?
+                    .spec
+                    .as_ref()?
+                    .claim_ref
+                    .clone()
+            })
+            .filter_map(|c| Some(crate::cache::claim_key(&c.namespace?, &c.name?)))
+            .flat_map(|claim| caches.indexes.pods_by_claim.get(&caches.pods, &claim))
+            .collect()
+    };
+    let newest = pods
+        .iter()
+        .max_by_key(|pod| pod.metadata.creation_timestamp.as_ref().map(|t| t.0));
+    let template = newest.and_then(|pod| pod.metadata.annotations.as_ref());
+    let (budget, _) = crate::drain::ledger::budget_of(template, terms, p.volumes);
+    let since = crate::drain::ledger::workload::replacement_ready_since(
+        pods.iter().map(AsRef::as_ref),
+        &p.uid,
+        None,
+        p.since,
+    );
+    crate::drain::ledger::healthy(&[since], budget.min_healthy, now)
 }
 
 /// Whether each attachable PV of the move that holds `p` is attached

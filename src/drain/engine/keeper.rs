@@ -10,18 +10,26 @@
 //! A permit deleted by someone else (by hand) while its move was not over
 //! is named too: a Warning on the workload, `MovePermitDeleted`.
 //!
+//! A running drain may leave it a move too: for a workload whose
+//! availability berth does not read (an operator's custom resource, a
+//! Job), a move whose replacement is not healthy when the drain is done
+//! with it keeps its permit until it is (see `NodeDrain::end_permit`).
+//!
 //! Nothing polls: the keeper judges again when a permit, a workload's
-//! availability, a VolumeAttachment, a Machine or a drain's end changes,
-//! and at the first expiry of the permits it keeps.
+//! availability, a VolumeAttachment, a Machine or a drain's end changes, a
+//! drain leaves it a move, a pod changes while a move waits for its
+//! replacement by its pods, at the first expiry of the permits it keeps,
+//! and when a replacement Ready now will have been so for its minimum
+//! healthy time.
 
 use std::time::Duration;
 
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::reflector::ObjectRef;
 
-use super::budget::move_done;
+use super::budget::{move_done, replaced};
 use super::drainer::Drainer;
-use crate::drain::ledger::{Held, kind_label, workload_name};
+use crate::drain::ledger::{Held, WorkloadFacts, earliest, kind_label, workload_name};
 
 /// The least time between two judgements: the changes that wake the
 /// keeper come in bursts (a rollout's pods and StatefulSet statuses).
@@ -65,7 +73,11 @@ impl Drainer {
         let mut attachments = caches.attachment_changes.clone();
         let mut gone = caches.machines_gone.clone();
         let mut ended = self.drains_ended.subscribe();
+        let mut lingered = self.deps.permits.lingered();
+        let mut pods = caches.pod_changes.clone();
         loop {
+            lingered.borrow_and_update();
+            pods.borrow_and_update();
             permits.borrow_and_update();
             workloads.borrow_and_update();
             attachments.borrow_and_update();
@@ -85,7 +97,9 @@ impl Drainer {
                 }
             }
             self.deps.permits.refresh();
-            let next = swept.next.map_or(Duration::MAX, |at| {
+            let (by_pods, healthy_at) = self.replacements_awaited();
+            let next = earliest(swept.next, healthy_at);
+            let next = next.map_or(Duration::MAX, |at| {
                 Duration::try_from(at.duration_since(Timestamp::now())).unwrap_or(Duration::ZERO)
             });
             let expiry = tokio::time::sleep(next.min(Duration::from_secs(86_400)));
@@ -95,10 +109,35 @@ impl Drainer {
                 r = attachments.changed() => if r.is_err() { return },
                 r = gone.changed() => if r.is_err() { return },
                 r = ended.changed() => if r.is_err() { return },
+                r = lingered.changed() => if r.is_err() { return },
+                r = pods.changed(), if by_pods => if r.is_err() { return },
                 () = expiry => {}
             }
             tokio::time::sleep(SETTLE).await;
         }
+    }
+
+    /// Whether a permit of this scope waits for a replacement judged by its
+    /// pods (a workload whose availability berth does not read, see
+    /// [`replaced`]), and when the first replacement Ready now will have
+    /// been so for its minimum healthy time.
+    fn replacements_awaited(&self) -> (bool, Option<Timestamp>) {
+        let caches = &self.deps.caches;
+        let now = Timestamp::now();
+        let mut awaited = false;
+        let mut due = None;
+        for held in self.deps.permits.held_here() {
+            let w = held.workload();
+            let terms = caches.counted(w, caches.terms(w));
+            if w.kind == "Pod" || terms.availability.is_some() {
+                continue;
+            }
+            awaited = true;
+            if let Err(Some(at)) = replaced(caches, w, held.permit(), &terms, now) {
+                due = earliest(due, Some(at));
+            }
+        }
+        (awaited, due)
     }
 
     /// Names a permit deleted by someone else (by hand) while its move

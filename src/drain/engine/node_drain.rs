@@ -504,9 +504,7 @@ impl NodeDrain {
             && let Some((ns, _)) = m.pod.split_once('/')
             && let Some(w) = workload_of_record(ns, &m)
         {
-            self.deps
-                .permits
-                .end(&w, m.uid.as_deref().unwrap_or(&m.pod));
+            self.end_permit(&w, m.uid.as_deref().unwrap_or(&m.pod));
         }
     }
 

@@ -60,7 +60,7 @@ pub use self::ask::{PodAsk, PodToMove, pod_ask};
 pub use self::budget::{availability_of, budget_of, grouped, healthy, ready_since};
 pub use self::decide::Ledger;
 pub use self::facts::WorkloadFacts;
-pub(crate) use self::permits::{Held, PermitStore, Permits, kind_label, workload_name};
+pub(crate) use self::permits::{Held, PermitStore, Permits, earliest, kind_label, workload_name};
 pub use self::records::{held_permit, permit_expires, recorded_moves, workload_of_record};
 
 /// The most pods of the workload moving at once, across every Machine: a

@@ -60,6 +60,11 @@ pub(crate) struct Permits {
     /// The permits of this scope held at the last [`Permits::vanished`],
     /// by UID.
     seen: Mutex<BTreeMap<String, Held>>,
+    /// The pod UIDs of the moves a running drain left to the keeper (see
+    /// [`Permits::linger`]).
+    lingering: Mutex<BTreeSet<String>>,
+    /// Bumped when a move is left to the keeper.
+    lingered: watch::Sender<u64>,
 }
 
 impl Permits {
@@ -74,7 +79,45 @@ impl Permits {
             rebuilt: OnceLock::new(),
             metrics,
             seen: Mutex::default(),
+            lingering: Mutex::default(),
+            lingered: watch::channel(0).0,
         }
+    }
+
+    /// The permit the API server holds for the move of pod `uid`, of
+    /// `workload`, if there is one.
+    pub(crate) fn held_for(&self, workload: &Workload, uid: &str) -> Option<Permit> {
+        self.store
+            .held()
+            .into_iter()
+            .find(|h| h.workload == *workload && h.permit.uid == uid)
+            .map(|h| h.permit)
+    }
+
+    /// The permits of this process's scope the API server holds.
+    pub(crate) fn held_here(&self) -> Vec<Held> {
+        self.store
+            .held()
+            .into_iter()
+            .filter(|h| self.store.in_scope(&h.permit.machine))
+            .collect()
+    }
+
+    /// The drain of the move of pod `uid` is done with it while it is not
+    /// over (its replacement not healthy yet, of a kind whose availability
+    /// berth does not read): its permit is kept, and the keeper judges it
+    /// from now on as it judges the moves of a drain that ended (see
+    /// [`Permits::sweep`]).
+    pub(crate) fn linger(&self, uid: &str) {
+        if let Ok(mut l) = self.lingering.lock() {
+            l.insert(uid.to_string());
+        }
+        self.lingered.send_modify(|n| *n += 1);
+    }
+
+    /// Bumped whenever a running drain leaves a move to the keeper.
+    pub(crate) fn lingered(&self) -> watch::Receiver<u64> {
+        self.lingered.subscribe()
     }
 
     /// The permits of this process's scope that were held at the last
@@ -293,6 +336,32 @@ impl Permits {
         machines.extend(held.iter().map(|h| h.permit.machine.clone()));
         machines.retain(|m| self.store.in_scope(m) && idle(m));
         let mut swept = Swept::default();
+        // The moves running drains left to the keeper: each judged alone,
+        // the drain's other permits are its own.
+        let lingering: BTreeSet<String> = self
+            .lingering
+            .lock()
+            .map(|mut l| {
+                l.retain(|uid| held.iter().any(|h| h.permit.uid == *uid));
+                l.clone()
+            })
+            .unwrap_or_default();
+        for h in held
+            .iter()
+            .filter(|h| lingering.contains(&h.permit.uid) && !machines.contains(&h.permit.machine))
+        {
+            if done(&h.workload, &h.permit) {
+                self.end(&h.workload, &h.permit.uid);
+                continue;
+            }
+            match h.expires {
+                Some(at) if at <= now => {
+                    swept.expired.push(h.clone());
+                    self.end(&h.workload, &h.permit.uid);
+                }
+                at => swept.next = earliest(swept.next, at),
+            }
+        }
         for machine in machines {
             let mut keep = Vec::new();
             for h in held.iter().filter(|h| h.permit.machine == machine) {
@@ -302,10 +371,7 @@ impl Permits {
                 match h.expires {
                     Some(at) if at <= now => swept.expired.push(h.clone()),
                     at => {
-                        swept.next = match (swept.next, at) {
-                            (Some(a), Some(b)) => Some(a.min(b)),
-                            (a, b) => a.or(b),
-                        };
+                        swept.next = earliest(swept.next, at);
                         keep.push(h.permit.uid.clone());
                     }
                 }
@@ -733,6 +799,14 @@ fn permit_object(
             expires: Some(Time(expires)),
             attach: permit.attach.clone(),
         },
+    }
+}
+
+/// The earlier of two times, either of which may be unknown.
+pub(crate) fn earliest(a: Option<Timestamp>, b: Option<Timestamp>) -> Option<Timestamp> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }
 

@@ -159,16 +159,16 @@ pub fn deployment_terms(d: &Deployment) -> WorkloadTerms {
     }
 }
 
-/// Since when the replacement of an evicted pod without volumes has been
-/// Ready, if one is: the earliest Ready of the workload's `pods` (those of
-/// its controller) that are not the evicted pod (`uid`), not on its Node
-/// `node` (a pod that came back to a cordoned Node replaces nothing), not
+/// Since when the replacement of an evicted pod has been Ready, if one is:
+/// the earliest Ready of the workload's `pods` (those of its controller)
+/// that are not the evicted pod (`uid`), not on its Node `node` when it is
+/// known (a pod that came back to a cordoned Node replaces nothing), not
 /// being deleted, and created no sooner than the eviction (`evicted_at`;
 /// creation timestamps have whole seconds).
 pub fn replacement_ready_since<'p>(
     pods: impl IntoIterator<Item = &'p Pod>,
     uid: &str,
-    node: &str,
+    node: Option<&str>,
     evicted_at: k8s_openapi::jiff::Timestamp,
 ) -> Option<k8s_openapi::jiff::Timestamp> {
     let from = evicted_at
@@ -179,7 +179,7 @@ pub fn replacement_ready_since<'p>(
     pods.into_iter()
         .filter(|p| p.metadata.uid.as_deref() != Some(uid))
         .filter(|p| p.metadata.deletion_timestamp.is_none())
-        .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) != Some(node))
+        .filter(|p| node.is_none() || p.spec.as_ref().and_then(|s| s.node_name.as_deref()) != node)
         .filter(|p| {
             p.metadata
                 .creation_timestamp
@@ -365,7 +365,7 @@ mod tests {
             p("new-not-ready", "c", 11, None, false),
         ];
         assert_eq!(
-            replacement_ready_since(&pods, "old", "a", evicted),
+            replacement_ready_since(&pods, "old", Some("a"), evicted),
             None,
             "a pod from before, one back on the cordoned Node, one being deleted and one not Ready replace nothing"
         );
@@ -373,9 +373,14 @@ mod tests {
         more.push(p("new", "c", 10, Some(14), false));
         more.push(p("newer", "d", 12, Some(13), false));
         assert_eq!(
-            replacement_ready_since(&more, "old", "a", evicted),
+            replacement_ready_since(&more, "old", Some("a"), evicted),
             Some(at(13)),
             "the earliest Ready of the new pods elsewhere"
+        );
+        assert_eq!(
+            replacement_ready_since(&pods, "old", None, evicted),
+            Some(at(12)),
+            "with the Node gone, a new pod anywhere replaces it"
         );
     }
 }

@@ -127,6 +127,54 @@ impl NodeDrain {
         Ok(asked.workload)
     }
 
+    /// Writes the record of `p`'s move while its permit is asked, when the
+    /// ledger would grant it now: both must be in the API server before
+    /// the eviction, and neither needs the other, so the first stateful
+    /// eviction of a drain waits for one round trip instead of two (under
+    /// twenty drains starting at once, each took up to a second). True
+    /// once written. A drain that would wait for its permit writes
+    /// nothing; a record whose permit is then refused is withdrawn (see
+    /// [`NodeDrain::withdraw_record`]), and a restart in between finds its
+    /// pod still there and drops it (see `NodeDrain::resumed_moves`).
+    pub(super) async fn record_early(&self, p: &PlannedPod) -> bool {
+        let key = fmt_key(&p.pod);
+        if p.held.is_some()
+            || p.volumes.is_empty()
+            || self.progress.borrow().moves.contains_key(&key)
+        {
+            return false;
+        }
+        let asked = self.pod_ask(p);
+        let Some(ask) = &asked.ask else {
+            return false;
+        };
+        if !self.deps.permits.would_grant(ask, &asked.budget) {
+            return false;
+        }
+        let pvs: Vec<String> = p.volumes.iter().map(|v| v.volume.pv.clone()).collect();
+        let target = self.record_move(&key, p, &pvs);
+        let mut flushed = self.flushed.clone();
+        let written = tokio::time::timeout(
+            super::node_drain::FLUSH_BOUND,
+            flushed.wait_for(|f| f.steps >= target),
+        );
+        if matches!(written.await, Ok(Ok(_))) {
+            return true;
+        }
+        // Recorded the usual way, with its Warnings, once allowed.
+        self.withdraw_record(p);
+        false
+    }
+
+    /// Withdraws the record of `p`'s move, written before its permit was
+    /// granted (see [`NodeDrain::record_early`]).
+    pub(super) fn withdraw_record(&self, p: &PlannedPod) {
+        let key = fmt_key(&p.pod);
+        self.update(|pr| {
+            pr.moves.remove(&key);
+        });
+    }
+
     /// [`NodeDrain::permit`] for `p`, as the ledger made it (`asked`); a
     /// pod whose move the ledger does not count (no volumes, no bound: not
     /// a stateful pod) may go.

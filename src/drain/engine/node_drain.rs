@@ -51,7 +51,7 @@ pub(crate) struct Memory {
 
 /// How long a volume move's record may take to be written before the
 /// wait for it is named.
-const FLUSH_BOUND: Duration = Duration::from_secs(5);
+pub(super) const FLUSH_BOUND: Duration = Duration::from_secs(5);
 
 /// One drain, from its first pass to its outcome.
 pub(super) struct NodeDrain {
@@ -80,7 +80,7 @@ pub(super) struct NodeDrain {
     /// Pods deleted with their PodDisruptionBudget bypassed (the deadline).
     forced: Mutex<Vec<String>>,
     /// What the status writer has written.
-    flushed: watch::Receiver<Flushed>,
+    pub(super) flushed: watch::Receiver<Flushed>,
     /// Workloads (by controller) whose last evicted pod's replacement the
     /// scheduler cannot place, with that pod's move: none of their other
     /// pods is evicted until it is placed (before the deadline).
@@ -433,6 +433,29 @@ impl NodeDrain {
     /// after one more bound once it passed.
     pub(super) async fn begin_move(&self, key: &str, pod: &PlannedPod, pvs: &[String]) -> bool {
         let uid = pod.uid.as_deref();
+        // Written while its permit was asked (see `NodeDrain::record_early`).
+        if self
+            .progress
+            .borrow()
+            .moves
+            .get(key)
+            .is_some_and(|m| m.uid.as_deref() == uid)
+        {
+            return true;
+        }
+        let target = self.record_move(key, pod, pvs);
+        let mut flushed = self.flushed.clone();
+        let quick = tokio::time::timeout(FLUSH_BOUND, flushed.wait_for(|f| f.steps >= target));
+        if matches!(quick.await, Ok(Ok(_))) {
+            return true;
+        }
+        self.unrecorded(key, uid, target).await
+    }
+
+    /// Puts the move of `pod` (`key`) with its PVs `pvs` in the record the
+    /// status writer writes next; the step at which it is written.
+    pub(super) fn record_move(&self, key: &str, pod: &PlannedPod, pvs: &[String]) -> u64 {
+        let uid = pod.uid.as_deref();
         let workload = workload_name(&self.pod_ask(pod).workload);
         let mut target = 0;
         self.step(|p| {
@@ -452,11 +475,13 @@ impl NodeDrain {
             // `step` counts the step once this closure returns.
             target = p.steps_done + 1;
         });
+        target
+    }
+
+    /// A move's record not written within [`FLUSH_BOUND`]: named, and
+    /// waited for until the deadline (see [`NodeDrain::begin_move`]).
+    async fn unrecorded(&self, key: &str, uid: Option<&str>, target: u64) -> bool {
         let mut flushed = self.flushed.clone();
-        let quick = tokio::time::timeout(FLUSH_BOUND, flushed.wait_for(|f| f.steps >= target));
-        if matches!(quick.await, Ok(Ok(_))) {
-            return true;
-        }
         let error = flushed.borrow().error.clone();
         let why = format!(
             "the move of pod {key} could not be recorded in status.drain.moves{}: it is not evicted until it is (the write is retried with backoff)",

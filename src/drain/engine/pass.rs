@@ -603,9 +603,13 @@ impl NodeDrain {
                     // The workload's budget across every drain: a pod that
                     // must wait for it is left to a later pass, and the
                     // chain goes on with other workloads.
-                    let workload = match self.permit(p).await {
+                    let (workload, early) = tokio::join!(self.permit(p), self.record_early(p));
+                    let workload = match workload {
                         Ok(workload) => workload,
                         Err(why) => {
+                            if early {
+                                self.withdraw_record(p);
+                            }
                             if let Ok(mut w) = waiting.lock() {
                                 w.push((p.uid.clone().unwrap_or_else(|| fmt_key(&p.pod)), why));
                             }

@@ -234,6 +234,22 @@ impl Permits {
         answer
     }
 
+    /// Whether [`Permits::ask`] would grant `ask` under `budget` now, as
+    /// far as this process can tell (another may take the slot first):
+    /// asked of a copy of the ledger, which is left as it is.
+    pub(crate) fn would_grant(&self, ask: &Ask, budget: &Budget) -> bool {
+        let held = self.store.held();
+        let Ok(l) = self.ledger.lock() else {
+            return false;
+        };
+        let mut l = l.clone();
+        l.set_held(held.into_iter().map(|h| (h.workload, h.permit)));
+        matches!(
+            l.ask(ask, budget, Timestamp::now()),
+            Answer::Granted(_) | Answer::Bypassed { .. }
+        )
+    }
+
     /// Wakes the drains that wait after [`RETRY_WRITE_AFTER`].
     fn retry_later(&self) {
         let freed = Arc::clone(&self.freed);

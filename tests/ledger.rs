@@ -1210,6 +1210,120 @@ async fn two_processes_of_different_scopes_share_a_workloads_permit() {
     second.terminate().await;
 }
 
+/// The line across processes (issue 36): two `berth run` processes of
+/// different scopes share StatefulSet `db` (three replicas, on Machines
+/// `a` and `e` of scope A and `b` of scope B). `a` is deleted first and A
+/// takes db's one permit; its replacement is held unready for 20 s. Then
+/// `b` is deleted, and B's ask parks first in line; then `e`, whose ask
+/// parks in A behind it. When A's move ends, A frees the permit and would
+/// take it again at once for `e` (a move ends 10 s after its replacement
+/// is Ready, when nothing else wakes B): B's replica must go first (the
+/// audit log's evictions), as the line orders asks across every process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_freed_permit_goes_to_the_first_in_line_of_any_process() {
+    use berth::api::MovePermit;
+    use k8s_openapi::api::core::v1::Pod;
+    use support::process::Berth;
+    let (ns, other) = ("ledger-across-a", "ledger-across-b");
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    support::namespace(&client, other).await;
+    let kubeconfig = &support::audit::controller(BED.bed().await).await.kubeconfig;
+    let first = Berth::spawn(kubeconfig, &["--namespace", ns, "--leader-elect=false"]);
+    let second = Berth::spawn(kubeconfig, &["--namespace", other, "--leader-elect=false"]);
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    let node_b = running_machine(&client, other, "b", ns).await;
+    let node_e = running_machine(&client, ns, "e", ns).await;
+    // A move ends 10 s after its replacement turned Ready: nothing else
+    // wakes A's waiting drain then, and it asks again at once.
+    stateful_set_with(&client, ns, "db", 3, true, |sts| {
+        on_delete(sts);
+        sts.metadata.annotations =
+            Some([("berth.dev/min-healthy-time".to_string(), "10s".to_string())].into());
+    })
+    .await;
+    attached(&client, ns, 3).await;
+    hold_replacements_unready(&client, ns, "db", "20s").await;
+    // Where the replacements go.
+    running_machine(&client, ns, "c", ns).await;
+    running_machine(&client, other, "d", ns).await;
+    running_machine(&client, ns, "f", ns).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let listed = pods.list(&Default::default()).await.expect("pods").items;
+    let on = |node: &str| {
+        listed
+            .iter()
+            .find(|p| support::pool::on_node(p, node) && p.name_any().starts_with("db-"))
+            .map(|p| p.name_any())
+            .expect("a replica of db on each Machine")
+    };
+    let (on_a, on_b, on_e) = (on(&node_a), on(&node_b), on(&node_e));
+    let watches = Watches::start(&client, ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    let held = wait::until(
+        Api::<MovePermit>::namespaced(client.clone(), ns),
+        Duration::from_secs(60),
+        "A holds db's permit",
+        |ps| !ps.is_empty(),
+    )
+    .await;
+    assert!(held.is_ok(), "A takes db's permit for {on_a}");
+    delete_machine(&client, other, "b").await;
+    // B's pass ends and its ask parks; e is deleted after b.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    delete_machine(&client, ns, "e").await;
+    for (n, m) in [(ns, "a"), (other, "b"), (ns, "e")] {
+        gone(&client, n, m, Duration::from_secs(180)).await;
+    }
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let from_a = evicted_once(&all, &on_a, &log);
+    let from_b = evicted_once(&all, &on_b, &log);
+    let from_e = evicted_once(&all, &on_e, &log);
+    assert!(
+        from_a.received < from_b.received,
+        "{on_a} went first, under A's permit: {log}"
+    );
+    assert!(
+        from_b.received < from_e.received,
+        "the freed permit went to B's replica {on_b} (first in line), not to A's {on_e}: {log}"
+    );
+    // The line's cost: each parked ask written once and taken out once,
+    // renewed every 15 s while it waits; none left.
+    let writes: Vec<String> = support::audit::requests(BED.bed().await, ns)
+        .into_iter()
+        .filter(|r| r.resource == "moveasks" && r.is_write())
+        .map(|r| format!("{} {} {:?} -> {}", r.received, r.verb, r.name, r.code))
+        .collect();
+    let count = |verb: &str| {
+        writes
+            .iter()
+            .filter(|w| w.contains(&format!(" {verb} ")))
+            .count()
+    };
+    assert!(
+        (1..=4).contains(&count("create"))
+            && count("delete") == count("create")
+            && count("patch") <= 8,
+        "MoveAsk writes: {writes:#?}\n{log}"
+    );
+    let left = wait::until(
+        Api::<berth::api::MoveAsk>::namespaced(client.clone(), ns),
+        Duration::from_secs(30),
+        "no ask left in line",
+        |asks| asks.is_empty(),
+    )
+    .await;
+    assert!(
+        left.is_ok(),
+        "no ask is left once every drain ended: {writes:#?}"
+    );
+    eprintln!("MoveAsk writes: {writes:#?}");
+    BED.calm("ledger_across", ns).await;
+    first.terminate().await;
+    second.terminate().await;
+}
+
 /// A replica that takes longer to turn Ready than any of the drain's
 /// bounds (a database replaying its log): the replacement of the first
 /// replica is held unready for 150 s (the test bed's readiness hold, on

@@ -189,38 +189,7 @@ impl AskStore {
                 }
             }
         }
-        let objects = self.cache.state();
-        let uids: BTreeSet<String> = objects
-            .iter()
-            .filter_map(|o| o.metadata.uid.clone())
-            .collect();
-        deleted.retain(|u| uids.contains(u));
-        let uid_of = |k: &Key| {
-            objects
-                .iter()
-                .find(|o| key_of(o) == *k)
-                .and_then(|o| o.metadata.uid.clone())
-        };
-        let gone: Vec<Key> = written
-            .keys()
-            .filter(|k| !wanted.contains_key(*k))
-            .cloned()
-            .collect();
-        let mut ending: Vec<(Key, Option<String>)> =
-            gone.iter().map(|k| (k.clone(), uid_of(k))).collect();
-        // Those of this scope that no drain here waits on: a previous
-        // leader's, or one whose deletion failed.
-        ending.extend(
-            objects
-                .iter()
-                .filter(|o| self.in_scope(&o.spec.machine))
-                .filter(|o| {
-                    let k = key_of(o);
-                    !wanted.contains_key(&k) && !gone.contains(&k)
-                })
-                .filter(|o| o.metadata.uid.as_ref().is_none_or(|u| !deleted.contains(u)))
-                .map(|o| (key_of(o), o.metadata.uid.clone())),
-        );
+        let ending = self.to_take_out(wanted, written, deleted);
         for (k, uid) in ending {
             let api: Api<MoveAsk> = Api::namespaced(self.client.clone(), &k.0);
             let params = DeleteParams {
@@ -245,6 +214,50 @@ impl AskStore {
             }
         }
         failed
+    }
+
+    /// The asks to take out of line, each with its UID when the cache
+    /// shows it: those written here that are no longer `wanted`, and those
+    /// of this scope that no drain here waits on (a previous leader's, a
+    /// Machine whose drain ended or that is gone, one whose deletion
+    /// failed), but those `deleted` here that the cache still shows.
+    fn to_take_out(
+        &self,
+        wanted: &Wanted,
+        written: &BTreeMap<Key, Timestamp>,
+        deleted: &mut BTreeSet<String>,
+    ) -> Vec<(Key, Option<String>)> {
+        let objects = self.cache.state();
+        let uids: BTreeSet<String> = objects
+            .iter()
+            .filter_map(|o| o.metadata.uid.clone())
+            .collect();
+        deleted.retain(|u| uids.contains(u));
+        let uid_of = |k: &Key| {
+            objects
+                .iter()
+                .find(|o| key_of(o) == *k)
+                .and_then(|o| o.metadata.uid.clone())
+        };
+        let gone: Vec<Key> = written
+            .keys()
+            .filter(|k| !wanted.contains_key(*k))
+            .cloned()
+            .collect();
+        let mut ending: Vec<(Key, Option<String>)> =
+            gone.iter().map(|k| (k.clone(), uid_of(k))).collect();
+        ending.extend(
+            objects
+                .iter()
+                .filter(|o| self.in_scope(&o.spec.machine))
+                .filter(|o| {
+                    let k = key_of(o);
+                    !wanted.contains_key(&k) && !gone.contains(&k)
+                })
+                .filter(|o| o.metadata.uid.as_ref().is_none_or(|u| !deleted.contains(u)))
+                .map(|o| (key_of(o), o.metadata.uid.clone())),
+        );
+        ending
     }
 
     /// Creates `object` (an ask that parks), or merges its spec into the
@@ -354,6 +367,69 @@ mod tests {
             ("ns/db-1", "uid-db-1", "ns/b")
         );
         assert_eq!((back.priority, back.requested), (7, t(20)));
+    }
+
+    /// The asks of this scope leave the line when no drain here waits on
+    /// them, a previous leader's too; another scope's are its leader's to
+    /// take out, and this process reads them, expired ones included (the
+    /// ledger passes those by).
+    #[tokio::test]
+    async fn the_leader_takes_out_its_scopes_asks_no_drain_waits_on() {
+        use kube::runtime::watcher::Event;
+        let (cache, mut writer) = kube::runtime::reflector::store::<MoveAsk>();
+        let client = Client::try_from(kube::Config::new(
+            "https://127.0.0.1:1".parse().expect("a uri"),
+        ))
+        .expect("a client that is never reached");
+        let store = AskStore::new(client, cache, watch::channel(0).1, Some("ns".into()));
+        let object = |pod: &str, machine: &str, uid: &str, expires: i64| {
+            let a = Ask {
+                machine: machine.into(),
+                ..ask(pod, "x", 0)
+            };
+            let mut o = ask_object(&db(), &a, None, t(expires));
+            o.metadata.uid = Some(uid.into());
+            (a, o)
+        };
+        let (waits, waits_o) = object("db-1", "ns/b", "u1", 60);
+        let (_, ended_o) = object("db-2", "ns/c", "u2", 60);
+        let (_, left_o) = object("db-3", "ns/d", "u3", 60);
+        let (_, theirs_o) = object("db-4", "other/e", "u4", 60);
+        let (_, dead_o) = object("db-5", "other/f", "u5", 10);
+        for o in [&waits_o, &ended_o, &left_o, &theirs_o, &dead_o] {
+            writer.apply_watcher_event(&Event::Apply(o.clone()));
+        }
+        let wanted: Wanted = [(key(&db(), &waits), (db(), waits.clone(), None))].into();
+        // db-2's was written here and its drain ended; db-3's a previous
+        // leader left, and its deletion here is not seen yet.
+        let written: BTreeMap<Key, Timestamp> =
+            [(key_of(&waits_o), t(60)), (key_of(&ended_o), t(60))].into();
+        let mut deleted = BTreeSet::new();
+        let out = store.to_take_out(&wanted, &written, &mut deleted);
+        let names: Vec<&str> = out.iter().map(|(k, _)| k.1.as_str()).collect();
+        assert_eq!(names, ["statefulset.db.db-2", "statefulset.db.db-3"]);
+        assert_eq!(out[0].1.as_deref(), Some("u2"), "pinned to its UID");
+        deleted.insert("u3".to_string());
+        let out = store.to_take_out(&wanted, &BTreeMap::new(), &mut deleted);
+        let names: Vec<&str> = out.iter().map(|(k, _)| k.1.as_str()).collect();
+        assert_eq!(
+            names,
+            ["statefulset.db.db-2"],
+            "db-3's deletion is on its way"
+        );
+        let mut others: Vec<(String, Timestamp)> = store
+            .others()
+            .into_iter()
+            .map(|(_, l)| (l.ask.pod, l.expires))
+            .collect();
+        others.sort();
+        assert_eq!(
+            others,
+            [
+                ("ns/db-4".to_string(), t(60)),
+                ("ns/db-5".to_string(), t(10))
+            ]
+        );
     }
 
     #[test]

@@ -355,9 +355,27 @@ mod tests {
     fn an_ask_object_says_its_place_in_line_and_reads_back_the_same() {
         let mut a = ask("db-1", "b", 20);
         a.priority = 7;
-        let o = ask_object(&db(), &a, None, t(60));
+        let owner = OwnerReference {
+            api_version: "apps/v1".into(),
+            kind: "StatefulSet".into(),
+            name: "db".into(),
+            uid: "uid-sts".into(),
+            controller: Some(true),
+            block_owner_deletion: Some(true),
+        };
+        let o = ask_object(&db(), &a, Some(&owner), t(60));
         assert_eq!(o.metadata.name.as_deref(), Some("statefulset.db.db-1"));
         assert_eq!(o.metadata.namespace.as_deref(), Some("ns"));
+        let owners = o.metadata.owner_references.clone().expect("owned");
+        assert_eq!(
+            (
+                owners[0].uid.as_str(),
+                owners[0].controller,
+                owners[0].block_owner_deletion
+            ),
+            ("uid-sts", None, None),
+            "owned by its workload, neither controlling nor blocking it"
+        );
         let (w, lined) = lined_ask(&o).expect("reads back");
         assert_eq!(w, db());
         assert_eq!(lined.expires, t(60));

@@ -243,6 +243,11 @@ const CLUSTER_GRANTS: &[(&str, &[&str], &[&str])] = &[
         &["movepermits"],
         &["list", "watch", "create", "delete"],
     ),
+    (
+        "berth.dev",
+        &["moveasks"],
+        &["list", "watch", "create", "patch", "delete"],
+    ),
     ("events.k8s.io", &["events"], &["create", "patch"]),
 ];
 
@@ -383,7 +388,7 @@ fn the_default_render_is_hardened_labelled_and_least_privilege() {
             [
                 ("ClusterRole", 1),
                 ("ClusterRoleBinding", 1),
-                ("CustomResourceDefinition", 5),
+                ("CustomResourceDefinition", 6),
                 ("Deployment", 1),
                 ("Role", 1),
                 ("RoleBinding", 1),
@@ -661,8 +666,8 @@ fn the_crd_template_renders_exactly_the_generated_crds() {
     assert_eq!(rendered.len(), generated.len());
     assert_eq!(
         rendered.len(),
-        5,
-        "MachineClass, Machine, MachineSet, MachineDeployment, MovePermit"
+        6,
+        "MachineClass, Machine, MachineSet, MachineDeployment, MovePermit, MoveAsk"
     );
     for (mut r, g) in rendered.into_iter().zip(generated) {
         let meta = r["metadata"].as_object_mut().expect("metadata");

@@ -1210,6 +1210,220 @@ async fn two_processes_of_different_scopes_share_a_workloads_permit() {
     second.terminate().await;
 }
 
+/// The line across processes (issue 36): two `berth run` processes of
+/// different scopes share StatefulSet `db` (three replicas, on Machines
+/// `a` and `e` of scope A and `b` of scope B). `a` is deleted first and A
+/// takes db's one permit; its replacement is held unready for 20 s. Then
+/// `b` is deleted, and B's ask parks first in line; then `e`, whose ask
+/// parks in A behind it. When A's move ends, A frees the permit and would
+/// take it again at once for `e` (a move ends 10 s after its replacement
+/// is Ready, when nothing else wakes B): B's replica must go first (the
+/// audit log's evictions), as the line orders asks across every process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_freed_permit_goes_to_the_first_in_line_of_any_process() {
+    use berth::api::MovePermit;
+    use k8s_openapi::api::core::v1::Pod;
+    use support::process::Berth;
+    let (ns, other) = ("ledger-across-a", "ledger-across-b");
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    support::namespace(&client, other).await;
+    let kubeconfig = &support::audit::controller(BED.bed().await).await.kubeconfig;
+    let first = Berth::spawn(kubeconfig, &["--namespace", ns, "--leader-elect=false"]);
+    let second = Berth::spawn(kubeconfig, &["--namespace", other, "--leader-elect=false"]);
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    let node_b = running_machine(&client, other, "b", ns).await;
+    let node_e = running_machine(&client, ns, "e", ns).await;
+    // A move ends 10 s after its replacement turned Ready: nothing else
+    // wakes A's waiting drain then, and it asks again at once.
+    stateful_set_with(&client, ns, "db", 3, true, |sts| {
+        on_delete(sts);
+        sts.metadata.annotations =
+            Some([("berth.dev/min-healthy-time".to_string(), "10s".to_string())].into());
+    })
+    .await;
+    attached(&client, ns, 3).await;
+    hold_replacements_unready(&client, ns, "db", "20s").await;
+    // Where the replacements go.
+    running_machine(&client, ns, "c", ns).await;
+    running_machine(&client, other, "d", ns).await;
+    running_machine(&client, ns, "f", ns).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let listed = pods.list(&Default::default()).await.expect("pods").items;
+    let on = |node: &str| {
+        listed
+            .iter()
+            .find(|p| support::pool::on_node(p, node) && p.name_any().starts_with("db-"))
+            .map(|p| p.name_any())
+            .expect("a replica of db on each Machine")
+    };
+    let (on_a, on_b, on_e) = (on(&node_a), on(&node_b), on(&node_e));
+    let watches = Watches::start(&client, ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    let held = wait::until(
+        Api::<MovePermit>::namespaced(client.clone(), ns),
+        Duration::from_secs(60),
+        "A holds db's permit",
+        |ps| !ps.is_empty(),
+    )
+    .await;
+    assert!(held.is_ok(), "A takes db's permit for {on_a}");
+    delete_machine(&client, other, "b").await;
+    // B's pass ends and its ask parks; e is deleted after b.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    delete_machine(&client, ns, "e").await;
+    for (n, m) in [(ns, "a"), (other, "b"), (ns, "e")] {
+        gone(&client, n, m, Duration::from_secs(180)).await;
+    }
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let from_a = evicted_once(&all, &on_a, &log);
+    let from_b = evicted_once(&all, &on_b, &log);
+    let from_e = evicted_once(&all, &on_e, &log);
+    assert!(
+        from_a.received < from_b.received,
+        "{on_a} went first, under A's permit: {log}"
+    );
+    assert!(
+        from_b.received < from_e.received,
+        "the freed permit went to B's replica {on_b} (first in line), not to A's {on_e}: {log}"
+    );
+    // The line's cost: each parked ask written once and taken out once,
+    // renewed every 15 s while it waits; none left.
+    let writes: Vec<String> = support::audit::requests(BED.bed().await, ns)
+        .into_iter()
+        .filter(|r| r.resource == "moveasks" && r.is_write())
+        .map(|r| format!("{} {} {:?} -> {}", r.received, r.verb, r.name, r.code))
+        .collect();
+    let count = |verb: &str| {
+        writes
+            .iter()
+            .filter(|w| w.contains(&format!(" {verb} ")))
+            .count()
+    };
+    assert!(
+        (1..=4).contains(&count("create"))
+            && count("delete") == count("create")
+            && count("patch") <= 8,
+        "MoveAsk writes: {writes:#?}\n{log}"
+    );
+    let left = wait::until(
+        Api::<berth::api::MoveAsk>::namespaced(client.clone(), ns),
+        Duration::from_secs(30),
+        "no ask left in line",
+        |asks| asks.is_empty(),
+    )
+    .await;
+    assert!(
+        left.is_ok(),
+        "no ask is left once every drain ended: {writes:#?}"
+    );
+    eprintln!("MoveAsk writes: {writes:#?}");
+    BED.calm("ledger_across", ns).await;
+    first.terminate().await;
+    second.terminate().await;
+}
+
+/// The line outlives no process (issue 36): B's ask parks first in line,
+/// then B is killed. Its ask is renewed no more, and A's replica waits
+/// behind it only until it expires (45 s after its last renewal), not for
+/// ever: A evicts it then (the audit log). B started again, its leader
+/// takes its dead ask out of line, its drain asks anew and ends; no ask is
+/// left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ask_of_a_process_that_died_holds_the_line_until_it_expires() {
+    use berth::api::{MoveAsk, MovePermit};
+    use k8s_openapi::api::core::v1::Pod;
+    use support::process::Berth;
+    let (ns, other) = ("ledger-dead-a", "ledger-dead-b");
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    support::namespace(&client, other).await;
+    let kubeconfig = &support::audit::controller(BED.bed().await).await.kubeconfig;
+    let first = Berth::spawn(kubeconfig, &["--namespace", ns, "--leader-elect=false"]);
+    let second = Berth::spawn(kubeconfig, &["--namespace", other, "--leader-elect=false"]);
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    let node_b = running_machine(&client, other, "b", ns).await;
+    let node_e = running_machine(&client, ns, "e", ns).await;
+    stateful_set_with(&client, ns, "db", 3, true, on_delete).await;
+    attached(&client, ns, 3).await;
+    hold_replacements_unready(&client, ns, "db", "20s").await;
+    running_machine(&client, ns, "c", ns).await;
+    running_machine(&client, other, "d", ns).await;
+    running_machine(&client, ns, "f", ns).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let listed = pods.list(&Default::default()).await.expect("pods").items;
+    let on = |node: &str| {
+        listed
+            .iter()
+            .find(|p| support::pool::on_node(p, node) && p.name_any().starts_with("db-"))
+            .map(|p| p.name_any())
+            .expect("a replica of db on each Machine")
+    };
+    let (on_a, on_b, on_e) = (on(&node_a), on(&node_b), on(&node_e));
+    let watches = Watches::start(&client, ns).await;
+
+    delete_machine(&client, ns, "a").await;
+    let held = wait::until(
+        Api::<MovePermit>::namespaced(client.clone(), ns),
+        Duration::from_secs(60),
+        "A holds db's permit",
+        |ps| !ps.is_empty(),
+    )
+    .await;
+    assert!(held.is_ok(), "A takes db's permit for {on_a}");
+    delete_machine(&client, other, "b").await;
+    let asks: Api<MoveAsk> = Api::namespaced(client.clone(), ns);
+    let machine_b = format!("{other}/b");
+    let parked = wait::until(
+        asks.clone(),
+        Duration::from_secs(30),
+        "B's ask parks",
+        |l| l.iter().any(|a| a.spec.machine == machine_b),
+    )
+    .await;
+    assert!(parked.is_ok(), "B's ask for {on_b} parks in line");
+    second.kill().await;
+    // A deletion's time is in whole seconds: e's comes after b's (in the
+    // same second, the Machines' names would order them).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    delete_machine(&client, ns, "e").await;
+    gone(&client, ns, "e", Duration::from_secs(180)).await;
+    let dead = asks
+        .list(&Default::default())
+        .await
+        .expect("asks")
+        .items
+        .into_iter()
+        .find(|a| a.spec.machine == machine_b)
+        .expect("B's ask is still there: nobody of its scope leads");
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let from_e = evicted_once(&all, &on_e, &log);
+    let expired = dead.spec.expires.0;
+    let after = from_e.received.duration_since(expired).as_secs_f64();
+    assert!(
+        (-1.0..15.0).contains(&after),
+        "{on_e} went once B's ask expired at {expired} ({after:.1} s after), not before, and without waiting for a poll: {log}"
+    );
+    eprintln!("{on_e} evicted {after:.1} s after B's dead ask expired");
+    assert!(
+        accepted_evictions_of(&all, &on_b).is_empty(),
+        "B is dead: {log}"
+    );
+    // B again: its leader takes its dead ask out of line, and its drain
+    // asks anew.
+    let again = Berth::spawn(kubeconfig, &["--namespace", other, "--leader-elect=false"]);
+    gone(&client, other, "b", Duration::from_secs(180)).await;
+    let left = wait::until(asks, Duration::from_secs(30), "no ask left in line", |l| {
+        l.is_empty()
+    })
+    .await;
+    assert!(left.is_ok(), "no ask is left once every drain ended");
+    BED.calm("ledger_dead", ns).await;
+    first.terminate().await;
+    again.terminate().await;
+}
+
 /// A replica that takes longer to turn Ready than any of the drain's
 /// bounds (a database replaying its log): the replacement of the first
 /// replica is held unready for 150 s (the test bed's readiness hold, on

@@ -10,6 +10,7 @@
 //! exist, is the provider known) is checked by the reconciler and reported as
 //! a condition.
 
+pub mod ask;
 pub mod machinedeployment;
 pub mod machineset;
 pub mod owners;
@@ -20,6 +21,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, Time}
 use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use serde::{Deserialize, Serialize};
 
+pub use ask::{MoveAsk, MoveAskSpec, ask_name};
 pub use machinedeployment::{
     CLASS_HASH_ANNOTATION, MachineDeployment, MachineDeploymentSpec, MachineDeploymentStatus,
     REVISION_ANNOTATION, ROLLOUT_TAINT_KEY, RollingUpdate, SUPERSEDED_ANNOTATION, Strategy,
@@ -390,6 +392,7 @@ pub fn crds_yaml() -> Result<String, serde_yaml_ng::Error> {
         MachineSet::crd(),
         MachineDeployment::crd(),
         MovePermit::crd(),
+        MoveAsk::crd(),
     ] {
         out.push_str("---\n");
         out.push_str(&serde_yaml_ng::to_string(&crd)?);
@@ -414,6 +417,7 @@ pub async fn install_crds(
         MachineSet::crd(),
         MachineDeployment::crd(),
         MovePermit::crd(),
+        MoveAsk::crd(),
     ] {
         let name = crd.metadata.name.clone().unwrap_or_default();
         api.patch(

@@ -72,8 +72,15 @@ pub struct MovePermitSpec {
 /// object name may be keeps the kind and the slot and shortens the rest
 /// to a hash of it.
 pub fn permit_name(kind: &str, name: &str, slot: u32) -> String {
+    object_name(kind, name, &slot.to_string())
+}
+
+/// `<kind>.<name>.<tail>`, lower-case, or, when that is no object name,
+/// the kind and the tail with the rest shortened to a hash of it (the
+/// tail too, when it is no label of an object name).
+pub(crate) fn object_name(kind: &str, name: &str, tail: &str) -> String {
     let kind = kind.to_ascii_lowercase();
-    let full = format!("{kind}.{name}.{slot}");
+    let full = format!("{kind}.{name}.{tail}");
     if full.len() <= 253 && is_subdomain(&full) {
         return full;
     }
@@ -84,7 +91,11 @@ pub fn permit_name(kind: &str, name: &str, slot: u32) -> String {
         .filter(|c| c.is_ascii_alphanumeric())
         .take(63)
         .collect();
-    format!("{kind}.{hash:016x}.{slot}")
+    if tail.len() <= 63 && is_subdomain(tail) && !tail.contains('.') {
+        format!("{kind}.{hash:016x}.{tail}")
+    } else {
+        format!("{kind}.{hash:016x}.{:016x}", fnv1a(tail.as_bytes()))
+    }
 }
 
 /// Whether `s` is a DNS subdomain as object names must be.

@@ -32,7 +32,7 @@ use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::Store;
 use tokio::sync::watch;
 
-use crate::api::{Machine, MachineClass, MachineSet, MovePermit};
+use crate::api::{Machine, MachineClass, MachineSet, MoveAsk, MovePermit};
 
 /// Every cache the controllers read instead of the API server, with the
 /// indexes over them and the signals of their progress. Cheap to clone:
@@ -63,6 +63,9 @@ pub(crate) struct Caches {
     /// The move ledger's permits in use, of every namespace and every
     /// berth process (see [`MovePermit`]).
     pub(crate) move_permits: Store<MovePermit>,
+    /// The move ledger's asks parked in line, of every namespace and every
+    /// berth process (see [`MoveAsk`]).
+    pub(crate) move_asks: Store<MoveAsk>,
     /// Lookups by Node, claim, PV and providerID.
     pub(crate) indexes: Indexes,
     /// Machines by `status.nodeRef` and by providerID.
@@ -84,6 +87,9 @@ pub(crate) struct Caches {
     /// Bumped after every MovePermit event: a permit taken or ended, by
     /// this process or another.
     pub(crate) permit_changes: watch::Receiver<u64>,
+    /// Bumped after every MoveAsk event: an ask parked, renewed or out of
+    /// line, of this process or another.
+    pub(crate) ask_changes: watch::Receiver<u64>,
     /// Bumped after a Machine left the store (deleted, its finalizer
     /// removed): what it held across Machines (its moves' permits) is free.
     pub(crate) machines_gone: watch::Receiver<u64>,

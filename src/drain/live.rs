@@ -18,7 +18,7 @@ use super::class::{VolumeContext, allows_data_loss};
 use super::ledger::workload::{controller, workload_of};
 use super::ledger::{
     Answer, Asker, Ledger, MOVE_GROUP_ANNOTATION, PodAsk, PodToMove, Workload, WorkloadFacts,
-    WorkloadTerms, held_permit, pod_ask, recorded_moves,
+    WorkloadTerms, held_permit, lined_ask, pod_ask, recorded_moves,
 };
 use super::plan::{DrainPlan, plan};
 use super::select::{fmt_key, pod_key};
@@ -366,6 +366,18 @@ async fn ledger_view(
         "{}/{}",
         machine.metadata.namespace.as_deref().unwrap_or_default(),
         machine.metadata.name.as_deref().unwrap_or_default()
+    );
+    // The asks every berth process keeps in line but this Machine's: a
+    // release without the kind (or a reader not allowed it) shows none.
+    let asks = Api::<crate::api::MoveAsk>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default();
+    ledger.set_lined(
+        asks.iter()
+            .filter(|a| a.spec.machine != key)
+            .filter_map(lined_ask),
     );
     let requested = machine
         .metadata

@@ -215,6 +215,12 @@ pub(crate) async fn run(
         async move { ctx.drainer.keep_permits().await }
     };
     let keeper = AbortOnDrop(tokio::spawn(keeper));
+    // This scope's asks parked in line, kept in the API server.
+    let line = {
+        let ctx = Arc::clone(&ctx);
+        async move { ctx.drainer.keep_line().await }
+    };
+    let line = AbortOnDrop(tokio::spawn(line));
 
     let metrics = Arc::clone(&ctx.metrics);
     crate::controller::skeleton::run(
@@ -229,6 +235,7 @@ pub(crate) async fn run(
     drop(readiness);
     drop(vanished);
     drop(keeper);
+    drop(line);
     // Drains stop at a resumable point: the next leader re-plans from the
     // cluster's state.
     ctx.drainer.stop_all();

@@ -17,7 +17,7 @@ use kube::runtime::events::{Recorder, Reporter};
 use super::watches::{Watches, watches};
 use crate::controller::AbortOnDrop;
 use crate::drain::engine::{Deps as DrainDeps, Drainer};
-use crate::drain::ledger::{PermitStore, Permits};
+use crate::drain::ledger::{AskStore, PermitStore, Permits};
 use crate::providers::Registry;
 use crate::telemetry::Metrics;
 use crate::telemetry::events::EventSink;
@@ -122,7 +122,13 @@ fn move_ledger(
         caches.move_permits.clone(),
         settings.namespace.clone(),
     );
-    Permits::new(settings.max_volume_moves, Arc::clone(metrics), store)
+    let line = AskStore::new(
+        per_drain().moves,
+        caches.move_asks.clone(),
+        caches.ask_changes.clone(),
+        settings.namespace.clone(),
+    );
+    Permits::new(settings.max_volume_moves, Arc::clone(metrics), store, line)
 }
 
 /// Runs the controllers until `shutdown` resolves, then lets reconciles in

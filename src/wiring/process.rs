@@ -7,9 +7,9 @@
 //! 2. The Kubernetes client: retries inside the client are off (a 429 from a
 //!    PodDisruptionBudget must reach the drain, not hide in the client for
 //!    minutes) and requests are rate-limited to `--kube-qps`/`--kube-burst`.
-//! 3. The CRDs: while any of the five (`machines`, `machineclasses`,
-//!    `machinesets`, `machinedeployments`, `movepermits`, all `.berth.dev`)
-//!    is missing
+//! 3. The CRDs: while any of the six (`machines`, `machineclasses`,
+//!    `machinesets`, `machinedeployments`, `movepermits`, `moveasks`, all
+//!    `.berth.dev`) is missing
 //!    (or RBAC forbids reading them), the process says so in one
 //!    clear log line, how to fix it, and tries again with backoff instead of
 //!    exiting into a crash loop. `/readyz` stays 503 meanwhile.
@@ -694,6 +694,7 @@ async fn check_crds(client: &Client, namespace: Option<&str>) -> Result<(), CrdP
     // The move ledger's permits are of every namespace: a workload's pods
     // run on Machines of any scope.
     listable(Api::<crate::api::MovePermit>::all(client.clone())).await?;
+    listable(Api::<crate::api::MoveAsk>::all(client.clone())).await?;
     Ok(())
 }
 
@@ -702,7 +703,7 @@ fn crd_name<K: kube::Resource<DynamicType = ()>>() -> String {
     format!("{}.{}", K::plural(&()), K::group(&()))
 }
 
-/// Returns once all five CRDs can be listed, logging one clear line per
+/// Returns once all six CRDs can be listed, logging one clear line per
 /// failed attempt (backoff 1s doubling to 1 minute).
 async fn wait_for_crds(client: &Client, namespace: Option<&str>) {
     use backon::BackoffBuilder;
@@ -846,7 +847,7 @@ mod tests {
     }
 
     #[test]
-    fn the_five_crds_are_named_as_kubectl_names_them() {
+    fn the_six_crds_are_named_as_kubectl_names_them() {
         use crate::api::{MachineDeployment, MachineSet};
         assert_eq!(crd_name::<Machine>(), "machines.berth.dev");
         assert_eq!(crd_name::<MachineClass>(), "machineclasses.berth.dev");
@@ -859,6 +860,7 @@ mod tests {
             crd_name::<crate::api::MovePermit>(),
             "movepermits.berth.dev"
         );
+        assert_eq!(crd_name::<crate::api::MoveAsk>(), "moveasks.berth.dev");
     }
 
     fn dummy_client() -> Client {

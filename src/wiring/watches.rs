@@ -22,7 +22,7 @@ use kube::{Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
 use crate::api::{
-    Machine, MachineClass, MachineDeployment, MachineSet, MovePermit, controlling_set,
+    Machine, MachineClass, MachineDeployment, MachineSet, MoveAsk, MovePermit, controlling_set,
 };
 use crate::cache::machines::MachinesByNode;
 use crate::cache::wakes::{NodeChanges, WakeStream, Wakes};
@@ -107,9 +107,11 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
     let (pdb_changes_tx, pdb_changes) = tokio::sync::watch::channel(0u64);
     let (workload_changes_tx, workload_changes) = tokio::sync::watch::channel(0u64);
     let (attachment_changes_tx, attachment_changes) = tokio::sync::watch::channel(0u64);
-    // The move ledger's permits, of every namespace and process.
+    // The move ledger's permits and asks in line, of every process.
     let (permit_changes_tx, permit_changes) = tokio::sync::watch::channel(0u64);
     let (move_permits, move_permits_w) = reflector::store();
+    let (ask_changes_tx, ask_changes) = tokio::sync::watch::channel(0u64);
+    let (move_asks, move_asks_w) = reflector::store();
     let (listed_tx, machines_listed) = tokio::sync::watch::channel(false);
     let (gone_tx, machines_gone) = tokio::sync::watch::channel(0u64);
     let (synced_tx, synced) = tokio::sync::watch::channel(false);
@@ -128,6 +130,7 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         stateful_sets,
         deployments,
         move_permits,
+        move_asks,
         indexes: Indexes::default(),
         machines_by_node: MachinesByNode::default(),
         machines_by_set: Index::new(controlling_set),
@@ -136,6 +139,7 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         workload_changes,
         attachment_changes,
         permit_changes,
+        ask_changes,
         machines_gone,
         machines_listed,
         synced,
@@ -182,6 +186,7 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
             (replica_sets_w, stateful_sets_w, deployments_w),
             workload_changes_tx,
             (move_permits_w, permit_changes_tx),
+            (move_asks_w, ask_changes_tx),
         ),
         sync(caches.clone(), synced_tx).into_stream().boxed(),
     ])
@@ -232,6 +237,10 @@ fn workloads(
         reflector::store::Writer<MovePermit>,
         tokio::sync::watch::Sender<u64>,
     ),
+    (asks, ask_changes): (
+        reflector::store::Writer<MoveAsk>,
+        tokio::sync::watch::Sender<u64>,
+    ),
 ) -> BoxStream<'static, ()> {
     let changes = std::sync::Arc::new(changes);
     let bump = move || {
@@ -247,6 +256,9 @@ fn workloads(
             .boxed(),
         quiet(permits, Api::all(client.clone()), trim::metadata)
             .inspect(move |_| permit_changes.send_modify(|n| *n = n.wrapping_add(1)))
+            .boxed(),
+        quiet(asks, Api::all(client.clone()), trim::metadata)
+            .inspect(move |_| ask_changes.send_modify(|n| *n = n.wrapping_add(1)))
             .boxed(),
         reflector::reflector(
             replica_sets,
@@ -449,6 +461,7 @@ async fn sync(c: Caches, synced: tokio::sync::watch::Sender<bool>) {
         c.stateful_sets.wait_until_ready(),
         c.deployments.wait_until_ready(),
         c.move_permits.wait_until_ready(),
+        c.move_asks.wait_until_ready(),
     );
     let _ = synced.send(true);
     // Keeps the sender, so that `synced` never reads as closed.

@@ -140,6 +140,19 @@ impl Drainer {
         (awaited, due)
     }
 
+    /// Keeps this scope's asks parked in line in the API server, for as
+    /// long as this process leads, once the caches are synced (see
+    /// `ledger::line`): the asks of this scope no drain here waits on (a
+    /// Machine whose drain ended or that is gone, a previous leader's)
+    /// are taken out of line.
+    pub(crate) async fn keep_line(&self) {
+        let mut synced = self.deps.caches.synced.clone();
+        if synced.wait_for(|s| *s).await.is_err() {
+            return;
+        }
+        self.deps.permits.keep_line().await;
+    }
+
     /// Names a permit deleted by someone else (by hand) while its move
     /// was not over: the budget it held is free, and the next pod of its
     /// workload may move while a replica is down.

@@ -1,14 +1,24 @@
 //! The ledger's decisions: which pod of a workload may begin to move now,
 //! across every drain, given the moves in flight (this process's and the
 //! permits the API server holds), the asks that wait and the cap on moves
-//! in flight. Pure: [`Ledger`] is told what the API server holds and asked;
-//! the process's `Permits` keep it and write its permits.
+//! in flight. Pure: [`Ledger`] is told what the API server holds (the
+//! permits, and the asks of other processes in line) and asked; the
+//! process's `Permits` keep it and write its permits and its asks in line.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::jiff::Timestamp;
 
 use super::{Answer, Ask, Budget, Permit, Workload};
+
+/// An ask of another berth process parked in line, as its `MoveAsk` says
+/// it: it holds its place until `expires` (its process renews it while it
+/// waits; one whose process died is passed by).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lined {
+    pub ask: Ask,
+    pub expires: Timestamp,
+}
 
 /// An ask that waits, since when, and whether its drain is parked on it:
 /// done with its pass and waiting for a permit to free (see
@@ -20,6 +30,10 @@ struct Waiting {
     ask: Ask,
     since: Timestamp,
     parked: bool,
+    /// Parked once and still waiting: other processes see it in line (its
+    /// `MoveAsk`) until it is granted or withdrawn, through the passes its
+    /// drain makes when woken.
+    lined: bool,
 }
 
 /// Every move in flight and every ask waiting, by workload.
@@ -34,6 +48,9 @@ pub struct Ledger {
     held: BTreeMap<Workload, BTreeMap<String, Permit>>,
     /// By workload, then by pod UID.
     waiting: BTreeMap<Workload, BTreeMap<String, Waiting>>,
+    /// By workload: the asks of other processes in line, as last
+    /// [set](Ledger::set_lined).
+    others: BTreeMap<Workload, Vec<Lined>>,
     /// The most moves in flight at once, of every workload together
     /// (`None`: no cap).
     cap: Option<usize>,
@@ -63,8 +80,9 @@ impl Ledger {
 
     /// Answers `ask` under `budget`, at `now`. A pod that already holds a
     /// permit gets it again; otherwise it is granted when a permit of the
-    /// budget is free, no ask better ordered waits for it, and the cap on
-    /// moves in flight has room.
+    /// budget is free, no ask better ordered waits for it (a parked ask of
+    /// this process, or another process's in line and not expired), and
+    /// the cap on moves in flight has room.
     pub fn ask(&mut self, ask: &Ask, budget: &Budget, now: Timestamp) -> Answer {
         let mine = self.moving.get(&ask.workload).and_then(|m| m.get(&ask.uid));
         let held = self.held.get(&ask.workload).and_then(|m| m.get(&ask.uid));
@@ -79,15 +97,7 @@ impl Ledger {
         let free = budget
             .max_moving
             .map_or(usize::MAX, |n| (n as usize).saturating_sub(down));
-        let ahead: Vec<&Ask> = self
-            .waiting
-            .get(&ask.workload)
-            .into_iter()
-            .flat_map(|w| w.values())
-            .filter(|w| w.parked)
-            .map(|w| &w.ask)
-            .filter(|w| w.uid != ask.uid && w.order() < ask.order())
-            .collect();
+        let ahead = self.ahead_of(ask, now);
         let in_flight = self.in_flight();
         let capped = self.cap.filter(|cap| ask.volumes && in_flight >= *cap);
         let grant = |past_budget: bool| Permit {
@@ -112,7 +122,9 @@ impl Ledger {
             ahead.sort_by(|a, b| a.order().cmp(&b.order()));
             let ahead = ahead.iter().map(|a| a.pod.clone()).collect();
             let line = self.waiting.entry(ask.workload.clone()).or_default();
-            let since = line.get(&ask.uid).map_or(now, |w| w.since);
+            let before = line.get(&ask.uid);
+            let since = before.map_or(now, |w| w.since);
+            let lined = before.is_some_and(|w| w.lined);
             line.insert(
                 ask.uid.clone(),
                 Waiting {
@@ -120,6 +132,7 @@ impl Ledger {
                     since,
                     // Its drain goes on with its pass; it parks at the end.
                     parked: false,
+                    lined,
                 },
             );
             return match capped {
@@ -145,9 +158,59 @@ impl Ledger {
         answer
     }
 
+    /// The asks better ordered than `ask` that wait for its workload at
+    /// `now`: this process's parked ones, and the other processes' in line
+    /// and not expired (one this process also has counted once).
+    fn ahead_of(&self, ask: &Ask, now: Timestamp) -> Vec<&Ask> {
+        let mine = self.waiting.get(&ask.workload);
+        let theirs = self
+            .others
+            .get(&ask.workload)
+            .into_iter()
+            .flatten()
+            .filter(|l| l.expires > now)
+            .filter(|l| mine.is_none_or(|m| !m.contains_key(&l.ask.uid)))
+            .map(|l| &l.ask);
+        mine.into_iter()
+            .flat_map(|w| w.values())
+            .filter(|w| w.parked)
+            .map(|w| &w.ask)
+            .chain(theirs)
+            .filter(|w| w.uid != ask.uid && w.order() < ask.order())
+            .collect()
+    }
+
+    /// The asks of other processes in line now, each with its workload
+    /// (see [`Lined`]): they hold their place until the next call.
+    pub fn set_lined(&mut self, lined: impl IntoIterator<Item = (Workload, Lined)>) {
+        self.others.clear();
+        for (w, l) in lined {
+            self.others.entry(w).or_default().push(l);
+        }
+    }
+
+    /// This process's asks in line: parked once and still waiting, each
+    /// with its workload. Other processes order their asks behind the
+    /// better ordered of these.
+    pub fn lined(&self) -> Vec<(Workload, Ask)> {
+        self.waiting
+            .iter()
+            .flat_map(|(w, line)| {
+                line.values()
+                    .filter(|a| a.lined)
+                    .map(move |a| (w.clone(), a.ask.clone()))
+            })
+            .collect()
+    }
+
     /// Since when the pod `uid` has waited for a permit, if it waits.
     pub fn waiting_since(&self, workload: &Workload, uid: &str) -> Option<Timestamp> {
         self.waiting.get(workload)?.get(uid).map(|w| w.since)
+    }
+
+    /// Whether the pod `uid` waits for a permit, of any workload.
+    pub fn is_waiting(&self, uid: &str) -> bool {
+        self.waiting.values().any(|w| w.contains_key(uid))
     }
 
     /// The pod `uid` no longer asks (its drain stopped, or it went another
@@ -185,6 +248,7 @@ impl Ledger {
             w.retain(|uid, a| a.ask.machine != machine || uids.contains(uid));
             for (_, a) in w.iter_mut().filter(|(_, a)| a.ask.machine == machine) {
                 a.parked = true;
+                a.lined = true;
             }
             withdrawn += before - w.len();
             !w.is_empty()
@@ -282,6 +346,7 @@ impl Ledger {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::drain::ledger::Lined;
     use crate::drain::ledger::tests::{ask, db, granted, t};
 
     #[test]
@@ -448,6 +513,94 @@ mod tests {
         let again = ask("db-3", "c", 5);
         assert!(!granted(&l.ask(&again, &one, t(4))), "b is parked ahead");
         assert!(granted(&l.ask(&busy, &one, t(4))));
+    }
+
+    /// Issue 36, across processes: a parked ask of another process (its
+    /// `MoveAsk`), better ordered, is ahead of this process's ask, whoever
+    /// asks first once a permit frees; one ordered after is not.
+    #[test]
+    fn a_parked_ask_of_another_process_better_ordered_is_ahead() {
+        let one = Budget::default_for(true);
+        let mut l = Ledger::default();
+        let theirs = |pod: &str, requested: i64| Lined {
+            ask: Ask {
+                machine: "other/b".into(),
+                ..ask(pod, "b", requested)
+            },
+            expires: t(60),
+        };
+        // db's permit is free, but b's ask (its Machine deleted first)
+        // waits in line in the other process.
+        l.set_lined([(db(), theirs("db-1", 10))]);
+        let mine = ask("db-2", "e", 20);
+        let Answer::Wait { moving, ahead, .. } = l.ask(&mine, &one, t(30)) else {
+            panic!("b's ask is first in line")
+        };
+        assert!(moving.is_empty());
+        assert_eq!(ahead, ["ns/db-1"], "named as an ask of this process is");
+        // Of another workload, or ordered after this one: not ahead.
+        let mut cache = theirs("cache-0", 0);
+        cache.ask.workload = Workload::new("StatefulSet", "ns", "cache");
+        l.set_lined([
+            (Workload::new("StatefulSet", "ns", "cache"), cache),
+            (db(), theirs("db-3", 40)),
+        ]);
+        assert!(granted(&l.ask(&mine, &one, t(31))));
+        l.end(&db(), "uid-db-2");
+        // A higher priority goes first, whenever its Machine was deleted.
+        let mut urgent = theirs("db-4", 50);
+        urgent.ask.priority = 100;
+        l.set_lined([(db(), urgent)]);
+        assert!(!granted(&l.ask(&mine, &one, t(32))));
+    }
+
+    /// An ask whose process died is renewed no more: past its expiry it
+    /// holds no place in line.
+    #[test]
+    fn an_expired_ask_of_another_process_is_not_ahead() {
+        let one = Budget::default_for(true);
+        let mut l = Ledger::default();
+        let dead = Lined {
+            ask: Ask {
+                machine: "other/b".into(),
+                ..ask("db-1", "b", 10)
+            },
+            expires: t(60),
+        };
+        l.set_lined([(db(), dead)]);
+        let mine = ask("db-2", "e", 20);
+        assert!(!granted(&l.ask(&mine, &one, t(59))), "still renewed");
+        assert!(granted(&l.ask(&mine, &one, t(60))), "expired");
+    }
+
+    /// What this process shows other processes: an ask in line from its
+    /// first park until it is granted or withdrawn, through the passes
+    /// its drain makes when woken (one write when it parks, one when it
+    /// leaves the line).
+    #[test]
+    fn an_ask_is_in_line_from_its_park_until_it_leaves_the_line() {
+        let one = Budget::default_for(true);
+        let mut l = Ledger::default();
+        assert!(granted(&l.ask(&ask("db-0", "a", 0), &one, t(1))));
+        let b = ask("db-1", "b", 10);
+        let c = ask("db-2", "c", 20);
+        assert!(!granted(&l.ask(&b, &one, t(2))));
+        assert!(l.lined().is_empty(), "its drain's pass is not over");
+        l.keep_waiting("ns/b", std::slice::from_ref(&b.uid));
+        let pods =
+            |l: &Ledger| -> Vec<String> { l.lined().into_iter().map(|(_, a)| a.pod).collect() };
+        assert_eq!(pods(&l), ["ns/db-1"]);
+        // Woken, it asks again and still waits: still in line.
+        assert!(!granted(&l.ask(&b, &one, t(3))));
+        assert_eq!(pods(&l), ["ns/db-1"]);
+        assert!(!granted(&l.ask(&c, &one, t(3))));
+        l.keep_waiting("ns/c", std::slice::from_ref(&c.uid));
+        assert_eq!(pods(&l), ["ns/db-1", "ns/db-2"]);
+        l.end(&db(), "uid-db-0");
+        assert!(granted(&l.ask(&b, &one, t(4))));
+        assert_eq!(pods(&l), ["ns/db-2"], "granted: out of line");
+        l.release_machine("ns/c", &[]);
+        assert!(l.lined().is_empty(), "its drain ended");
     }
 
     #[test]

@@ -20,8 +20,11 @@
 //! taken by creating it (the API server grants a name to one creator only)
 //! and ended by deleting it, so every berth process (two releases, one per
 //! tenant, a new leader) reads back and counts the same permits before each
-//! ask. The line of asks that wait, the moves of workloads without a bound
-//! and the cap on moves in flight stay in the process. The moves every
+//! ask. A parked ask (its drain's pass is over and it waits for a permit)
+//! is a [`MoveAsk`](crate::api::MoveAsk) beside the workload, so that a
+//! process grants its own ask only when no better ordered ask of any
+//! process waits in line. The moves of workloads without a bound and the
+//! cap on moves in flight stay in the process. The moves every
 //! Machine recorded in `status.drain.moves` are read once, before the first
 //! drain of a process asks (a move of a workload without a bound, or one
 //! that an older release kept in its process only). A permit outlives its
@@ -38,6 +41,7 @@
 //! | `facts` | [`WorkloadFacts`]: what is known of pods' workloads, answered from the controller's caches (`berth plan` answers from its lists) |
 //! | `ask` | [`pod_ask`]: a pod turned into its ask (workload, budget, terms, permit owner, bad annotations), one way for the engine, a forced deletion and `berth plan` |
 //! | `permits` | the ledger of this process, shared by its drains, and its permits in the API server (`Permits`, `PermitStore`) |
+//! | `line` | this process's parked asks in the API server, renewed while they wait, and the other processes' read (`AskStore`) |
 
 use std::cmp::Reverse;
 use std::collections::BTreeMap;
@@ -52,16 +56,20 @@ mod ask;
 mod budget;
 mod decide;
 mod facts;
+mod line;
 mod permits;
 mod records;
 pub mod workload;
 
 pub use self::ask::{PodAsk, PodToMove, pod_ask};
 pub use self::budget::{availability_of, budget_of, grouped, healthy, ready_since};
-pub use self::decide::Ledger;
+pub use self::decide::{Ledger, Lined};
 pub use self::facts::WorkloadFacts;
+pub(crate) use self::line::AskStore;
 pub(crate) use self::permits::{Held, PermitStore, Permits, earliest, kind_label, workload_name};
-pub use self::records::{held_permit, permit_expires, recorded_moves, workload_of_record};
+pub use self::records::{
+    held_permit, lined_ask, permit_expires, recorded_moves, workload_of_record,
+};
 
 /// The most pods of the workload moving at once, across every Machine: a
 /// whole number from 1 (`unbounded` lifts the limit).

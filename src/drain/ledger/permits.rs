@@ -8,8 +8,10 @@
 //! two processes, whatever their scope, never hold the same permit) and
 //! ended by deleting it; before each ask the ledger is told every permit
 //! the cache of those objects holds (with this process's own writes the
-//! cache has not shown yet). A move of a workload without a bound, and the
-//! line of asks that wait, stay in this process. The moves every Machine
+//! cache has not shown yet), and the asks of other processes in line
+//! (their `MoveAsk`s, see `line`); this process's asks that park are put
+//! in line there too. A move of a workload without a bound stays in this
+//! process. The moves every Machine
 //! recorded in `status.drain.moves` are read once, before the first drain
 //! asks anything (a restart, a new leader, or an upgrade from a release
 //! that kept permits in the process only). Drains that wait are told when
@@ -34,7 +36,7 @@ use crate::api::{Machine, MovePermit, MovePermitSpec, permit_name};
 #[cfg(doc)]
 use crate::drain::ledger::permit_expires;
 use crate::drain::ledger::{
-    Answer, Ask, Budget, Ledger, Permit, Workload, held_permit, recorded_moves,
+    Answer, Ask, AskStore, Budget, Ledger, Permit, Workload, held_permit, recorded_moves,
 };
 use crate::telemetry::{Metrics, WORKLOAD_KINDS};
 
@@ -50,6 +52,11 @@ pub(crate) struct Permits {
     ledger: Mutex<Ledger>,
     /// The permits in the API server.
     store: PermitStore,
+    /// The asks in line in the API server, this process's and others'.
+    line: AskStore,
+    /// The owner of each waiting ask's `MoveAsk` (its workload object, if
+    /// known), by pod UID.
+    owners: Mutex<BTreeMap<String, Option<OwnerReference>>>,
     /// The cap on moves in flight, of every workload together.
     cap: Option<usize>,
     /// Bumped on every end and withdrawal: a waiting drain asks again.
@@ -69,11 +76,19 @@ pub(crate) struct Permits {
 
 impl Permits {
     /// A ledger whose moves in flight are at most `cap` (`None`: no cap),
-    /// with its permits in `store`, until it is rebuilt.
-    pub(crate) fn new(cap: Option<usize>, metrics: Arc<Metrics>, store: PermitStore) -> Self {
+    /// with its permits in `store` and its asks in line in `line`, until
+    /// it is rebuilt.
+    pub(crate) fn new(
+        cap: Option<usize>,
+        metrics: Arc<Metrics>,
+        store: PermitStore,
+        line: AskStore,
+    ) -> Self {
         Self {
             ledger: Mutex::new(Ledger::default().with_cap(cap)),
             store,
+            line,
+            owners: Mutex::default(),
             cap,
             freed: Arc::new(watch::channel(0).0),
             rebuilt: OnceLock::new(),
@@ -191,8 +206,17 @@ impl Permits {
                 };
             };
             l.set_held(held.iter().map(|h| (h.workload.clone(), h.permit.clone())));
+            l.set_lined(self.line.others());
             let since = l.waiting_since(&ask.workload, &ask.uid);
             let answer = l.ask(ask, budget, now);
+            if let Ok(mut o) = self.owners.lock() {
+                o.insert(ask.uid.clone(), owner.cloned());
+            }
+            // A grant leaves the line once its permit is taken: before,
+            // another process would see neither and take the permit.
+            if !matches!(answer, Answer::Granted(_) | Answer::Bypassed { .. }) {
+                self.line_up(&l);
+            }
             self.publish(&l);
             (answer, since)
         };
@@ -216,6 +240,7 @@ impl Permits {
             if let Err(error) = taken {
                 if let Ok(mut l) = self.ledger.lock() {
                     l.end(&ask.workload, &ask.uid);
+                    self.line_up(&l);
                     self.publish(&l);
                 }
                 if error.is_some() {
@@ -223,6 +248,9 @@ impl Permits {
                 }
                 return Answer::Contended { error };
             }
+        }
+        if let Ok(l) = self.ledger.lock() {
+            self.line_up(&l);
         }
         if let Some(since) = since {
             let waited = now.duration_since(since).as_secs_f64().max(0.0);
@@ -293,6 +321,7 @@ impl Permits {
             .lock()
             .map(|mut l| {
                 let ended = l.release_machine(machine, keep);
+                self.line_up(&l);
                 self.publish_fresh(&mut l);
                 ended
             })
@@ -405,11 +434,41 @@ impl Permits {
         let withdrawn = self
             .ledger
             .lock()
-            .map(|mut l| l.keep_waiting(machine, uids))
+            .map(|mut l| {
+                let withdrawn = l.keep_waiting(machine, uids);
+                self.line_up(&l);
+                withdrawn
+            })
             .unwrap_or(0);
         if withdrawn > 0 {
             self.freed.send_modify(|n| *n += 1);
         }
+    }
+
+    /// Puts in line in the API server this process's asks in line in `l`
+    /// (see [`Ledger::lined`]), each owned as its ask said; the owners of
+    /// asks that no longer wait are forgotten.
+    fn line_up(&self, l: &Ledger) {
+        let Ok(mut owners) = self.owners.lock() else {
+            return;
+        };
+        owners.retain(|uid, _| l.is_waiting(uid));
+        let lined = l
+            .lined()
+            .into_iter()
+            .map(|(w, a)| {
+                let owner = owners.get(&a.uid).cloned().flatten();
+                (w, a, owner)
+            })
+            .collect();
+        self.line.want(lined);
+    }
+
+    /// Keeps this process's asks in line in the API server for as long as
+    /// it leads (see `line`): parked, renewed, taken out. The drains that
+    /// wait are woken when another process's ask leaves the line.
+    pub(crate) async fn keep_line(&self) {
+        self.line.keep(|| self.freed.send_modify(|n| *n += 1)).await;
     }
 
     /// Bumped whenever a permit of this process may have freed (the
@@ -845,6 +904,16 @@ pub(crate) fn workload_name(w: &Workload) -> String {
 mod tests {
     use super::*;
 
+    /// An empty line that is never written.
+    fn no_line() -> AskStore {
+        let client = Client::try_from(kube::Config::new(
+            "https://127.0.0.1:1".parse().expect("a uri"),
+        ))
+        .expect("a client that is never reached");
+        let (cache, _) = kube::runtime::reflector::store();
+        AskStore::new(client, cache, watch::channel(0).1, Some("db".into()))
+    }
+
     fn permit(pod: &str, machine: &str) -> Permit {
         Permit {
             pod: format!("db/{pod}"),
@@ -960,7 +1029,12 @@ mod tests {
         ))
         .expect("a client that is never reached");
         let store = PermitStore::new(client, cache, Some("db".into()));
-        let permits = Permits::new(None, Arc::new(Metrics::new().expect("metrics")), store);
+        let permits = Permits::new(
+            None,
+            Arc::new(Metrics::new().expect("metrics")),
+            store,
+            no_line(),
+        );
         let object = |name: &str, pod: &str, machine: &str, uid: &str| {
             let at = Timestamp::from_second(1_700_000_000).expect("time");
             let w = Workload::new("StatefulSet", "db", name);
@@ -1022,7 +1096,7 @@ mod tests {
         }
         let store = PermitStore::new(client, cache, Some("db".into()));
         let metrics = Arc::new(Metrics::new().expect("metrics"));
-        let permits = Permits::new(None, Arc::clone(&metrics), store);
+        let permits = Permits::new(None, Arc::clone(&metrics), store, no_line());
         let swept = permits.sweep(|m| m != "db/running", |w, _| w.name == "whole", at(300));
         let expired: Vec<&str> = swept
             .expired

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
-use super::{Permit, Workload};
-use crate::api::{Machine, MovePermit, VolumeMove};
+use super::{Ask, Lined, Permit, Workload};
+use crate::api::{Machine, MoveAsk, MovePermit, VolumeMove};
 
 /// The moves every Machine records in `status.drain.moves`, each with its
 /// workload and as the permit it holds: what a ledger is
@@ -72,6 +72,35 @@ pub fn held_permit(o: &MovePermit) -> Option<(Workload, Permit)> {
             past_budget: o.spec.past_budget,
             volumes: o.spec.volumes,
             attach: o.spec.attach.clone(),
+        },
+    ))
+}
+
+/// What a `MoveAsk` in the API server says, as the ledger orders it: its
+/// workload and the ask in line; `None` for one that does not name its
+/// workload as `Kind/name`. Only what orders it is read (its pod, UID,
+/// Machine, priority and deletion time).
+pub fn lined_ask(o: &MoveAsk) -> Option<(Workload, Lined)> {
+    let ns = o.metadata.namespace.as_deref().unwrap_or_default();
+    let (kind, name) = o.spec.workload.split_once('/')?;
+    let workload = Workload::new(kind, ns, name);
+    let ask = Ask {
+        workload: workload.clone(),
+        pod: format!("{ns}/{}", o.spec.pod),
+        uid: o.spec.pod_uid.clone(),
+        machine: o.spec.machine.clone(),
+        priority: o.spec.priority,
+        requested: o.spec.requested.0,
+        past_deadline: false,
+        volumes: false,
+        unavailable: 0,
+        attach: Vec::new(),
+    };
+    Some((
+        workload,
+        Lined {
+            ask,
+            expires: o.spec.expires.0,
         },
     ))
 }

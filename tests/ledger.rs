@@ -1524,6 +1524,107 @@ async fn an_attach_free_move_holds_the_next_replica_until_its_replacement_is_rea
     ctl.stop().await;
 }
 
+/// Case 4 with a node-local volume: each replica of `db` keeps its data on
+/// its Node (a generic ephemeral claim bound to a local PV there, as with
+/// local NVMe), so its replacement needs new storage; the test plays the
+/// local volume provisioner and offers a local PV on Machine `c`'s Node
+/// for each replica once it is gone. Machines `a` and `b` each run one
+/// replica and are deleted at once: the first replica is evicted without
+/// a reattach wait (its data is lost with the VM, as `nodeLocalVolumes:
+/// Evict` says), and the second only once the first one's replacement
+/// (held unready for 20 s) is Ready, by the audit log and the pods.
+/// Before the ledger counted availability, such a move ended when its pod
+/// was gone, and the next replica went at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_local_move_holds_the_next_replica_until_its_replacement_is_ready() {
+    use berth_devkit::testbed::fixtures::stateful_set;
+    use futures::StreamExt;
+    use k8s_openapi::api::core::v1::{PersistentVolume, Pod};
+    use kube::runtime::watcher::{self, Event};
+    let ns = "ledger-node-local";
+    let client = BED.case(ns, serde_json::json!({"timeout": "10m"})).await;
+    let ctl = BED.start(ns).await;
+    let local_pv = move |name: &str, claim: &str, node: &str| -> PersistentVolume {
+        json(serde_json::json!({
+            "metadata": {"name": name},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadWriteOnce"],
+                "persistentVolumeReclaimPolicy": "Retain",
+                "storageClassName": "",
+                "claimRef": {"namespace": ns, "name": claim},
+                "local": {"path": "/mnt/nvme0"},
+                "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}
+                ]}]}}
+            }
+        }))
+    };
+    let nodes = [
+        running_machine(&client, ns, "a", ns).await,
+        running_machine(&client, ns, "b", ns).await,
+    ];
+    for (i, node) in nodes.iter().enumerate() {
+        let pv = local_pv(&format!("{ns}-db-{i}"), &format!("db-{i}-data"), node);
+        support::pool::create(Api::all(client.clone()), pv).await;
+    }
+    let mut sts = stateful_set("db", 2, 1);
+    on_delete(&mut sts);
+    if let Some(spec) = sts.spec.as_mut() {
+        spec.volume_claim_templates = None;
+        if let Some(pod) = spec.template.spec.as_mut() {
+            pod.node_selector = Some([(support::pool::POOL.to_string(), ns.to_string())].into());
+            pod.volumes = Some(vec![json(serde_json::json!({
+                "name": "data",
+                "ephemeral": {"volumeClaimTemplate": {"spec": {
+                    "accessModes": ["ReadWriteOnce"], "storageClassName": "",
+                    "resources": {"requests": {"storage": "1Gi"}}
+                }}}
+            }))]);
+        }
+    }
+    support::pool::create(Api::<StatefulSet>::namespaced(client.clone(), ns), sts).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let first = wait::until(pods.clone(), LONG, "db's two pods Ready", |pods| {
+        pods.iter().filter(|p| ready_at(p).is_some()).count() == 2
+    })
+    .await
+    .expect("db runs");
+    let originals: std::collections::BTreeSet<String> =
+        first.iter().filter_map(|p| p.uid()).collect();
+    let to = running_machine(&client, ns, "c", ns).await;
+    hold_replacements_unready(&client, ns, "db", "20s").await;
+    // The provisioner: a replica gone, new local storage on `c`'s Node
+    // for the claim its replacement will have.
+    let provisioner = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            let mut events = watcher::watcher(pods, watcher::Config::default()).boxed();
+            while let Some(Ok(event)) = events.next().await {
+                if let Event::Delete(gone) = event
+                    && gone.uid().is_some_and(|u| originals.contains(&u))
+                {
+                    let claim = format!("{}-data", gone.name_any());
+                    let pv = local_pv(&format!("{ns}-{}-c", gone.name_any()), &claim, &to);
+                    support::pool::create(Api::all(client.clone()), pv).await;
+                }
+            }
+        })
+    };
+    let watches = Watches::start(&client, ns).await;
+
+    delete_at_once(&client, ns, &["a", "b"]).await;
+    let (evicted, second, log) = next_after_replacement_ready(&client, ns, &watches).await;
+    let held = second.received.duration_since(evicted.received);
+    assert!(
+        held >= k8s_openapi::jiff::SignedDuration::from_secs(15),
+        "held {held}, not the 20 s the replacement took: {log}"
+    );
+    provisioner.abort();
+    BED.calm("ledger_node_local", ns).await;
+    ctl.stop().await;
+}
+
 /// A workload of a kind berth reads no availability of: a database run
 /// by an operator whose pods its own object controls (as CloudNativePG's
 /// are; a ConfigMap stands for that object here, and the test plays the

@@ -155,7 +155,7 @@ impl NodeDrain {
         let target = self.record_move(&key, p, &pvs);
         let mut flushed = self.flushed.clone();
         let written = tokio::time::timeout(
-            super::node_drain::FLUSH_BOUND,
+            super::migration::FLUSH_BOUND,
             flushed.wait_for(|f| f.steps >= target),
         );
         if matches!(written.await, Ok(Ok(_))) {

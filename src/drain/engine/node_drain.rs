@@ -25,9 +25,9 @@ use super::{Deps, Job, Progress};
 use crate::api::VolumeMove;
 use crate::drain::class::VolumeContext;
 use crate::drain::evict::{self, Evicted};
-use crate::drain::ledger::{workload_name, workload_of_record};
+use crate::drain::ledger::workload_of_record;
 use crate::drain::plan::{
-    DetachingVolume, DrainPlan, PlannedPod, TerminatingPod, controller_of, detaching_volumes, plan,
+    DetachingVolume, DrainPlan, TerminatingPod, controller_of, detaching_volumes, plan,
     still_to_wait_for,
 };
 use crate::drain::select::{
@@ -48,10 +48,6 @@ pub(crate) struct Memory {
     /// The pods (by UID) judged to have come back after the cordon.
     pub(crate) returned: BTreeSet<String>,
 }
-
-/// How long a volume move's record may take to be written before the
-/// wait for it is named.
-pub(super) const FLUSH_BOUND: Duration = Duration::from_secs(5);
 
 /// One drain, from its first pass to its outcome.
 pub(super) struct NodeDrain {
@@ -95,7 +91,7 @@ pub(super) struct NodeDrain {
     pub(super) groups: Mutex<Option<(i32, i32)>>,
     /// Asks for a reconcile of the Machine: for news its reconciler would
     /// otherwise learn only from the Machine's own changes.
-    wake: tokio::sync::mpsc::UnboundedSender<ObjectRef<crate::api::Machine>>,
+    pub(super) wake: tokio::sync::mpsc::UnboundedSender<ObjectRef<crate::api::Machine>>,
 }
 
 impl NodeDrain {
@@ -421,101 +417,6 @@ impl NodeDrain {
             f(p);
             p.steps_done += 1;
         });
-    }
-
-    /// Records a volume move in `status.drain.moves` and waits until it is
-    /// written: no record, no eviction, so that a controller killed right
-    /// after the eviction that follows always finds the move on restart
-    /// (and the ledger of a new leader counts it). A record not written
-    /// within [`FLUSH_BOUND`] is named (a Warning, once per pod, and
-    /// `blockedBy`) while the writer tries again with backoff; the move is
-    /// given up (false, the pod not evicted) at the drain's deadline, or
-    /// after one more bound once it passed.
-    pub(super) async fn begin_move(&self, key: &str, pod: &PlannedPod, pvs: &[String]) -> bool {
-        let uid = pod.uid.as_deref();
-        // Written while its permit was asked (see `NodeDrain::record_early`).
-        if self
-            .progress
-            .borrow()
-            .moves
-            .get(key)
-            .is_some_and(|m| m.uid.as_deref() == uid)
-        {
-            return true;
-        }
-        let target = self.record_move(key, pod, pvs);
-        let mut flushed = self.flushed.clone();
-        let quick = tokio::time::timeout(FLUSH_BOUND, flushed.wait_for(|f| f.steps >= target));
-        if matches!(quick.await, Ok(Ok(_))) {
-            return true;
-        }
-        self.unrecorded(key, uid, target).await
-    }
-
-    /// Puts the move of `pod` (`key`) with its PVs `pvs` in the record the
-    /// status writer writes next; the step at which it is written.
-    pub(super) fn record_move(&self, key: &str, pod: &PlannedPod, pvs: &[String]) -> u64 {
-        let uid = pod.uid.as_deref();
-        let workload = workload_name(&self.pod_ask(pod).workload);
-        let mut target = 0;
-        self.step(|p| {
-            p.moves.insert(
-                key.to_string(),
-                VolumeMove {
-                    pod: key.to_string(),
-                    uid: uid.map(String::from),
-                    volumes: pvs.to_vec(),
-                    controller: pod.controller.clone(),
-                    workload: Some(workload),
-                    since: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
-                        Timestamp::now(),
-                    )),
-                },
-            );
-            // `step` counts the step once this closure returns.
-            target = p.steps_done + 1;
-        });
-        target
-    }
-
-    /// A move's record not written within [`FLUSH_BOUND`]: named, and
-    /// waited for until the deadline (see [`NodeDrain::begin_move`]).
-    async fn unrecorded(&self, key: &str, uid: Option<&str>, target: u64) -> bool {
-        let mut flushed = self.flushed.clone();
-        let error = flushed.borrow().error.clone();
-        let why = format!(
-            "the move of pod {key} could not be recorded in status.drain.moves{}: it is not evicted until it is (the write is retried with backoff)",
-            error.map(|e| format!(" ({e})")).unwrap_or_default()
-        );
-        tracing::warn!(pod = key, "{why}");
-        if self.first_report(format!("unrecorded/{}", uid.unwrap_or(key))) {
-            let (ns, name) = key.split_once('/').unwrap_or(("", key));
-            self.event(
-                EventType::Warning,
-                "MoveNotRecorded",
-                why.clone(),
-                Some(pod_ref_key(&(ns.to_string(), name.to_string()))),
-            );
-        }
-        self.update(|p| p.block(key, why));
-        // `status.drain` cannot carry the block (its write is what fails),
-        // and nothing else changes the Machine: the reconciler is woken to
-        // say it in the `Drained` condition, which it writes apart.
-        let _ = self.wake.send(self.job.machine.clone());
-        let until = if self.expired() {
-            Instant::now() + FLUSH_BOUND
-        } else {
-            self.deadline()
-        };
-        let recorded = tokio::select! {
-            r = flushed.wait_for(|f| f.steps >= target) => r.is_ok(),
-            () = tokio::time::sleep_until(until) => false,
-        };
-        self.update(|p| p.unblock(key));
-        if !recorded {
-            self.end_move(key);
-        }
-        recorded
     }
 
     /// The move of pod `key`'s volumes is over (moved, given up, or never

@@ -59,6 +59,7 @@ mod facts;
 mod line;
 mod permits;
 mod records;
+mod store;
 pub mod workload;
 
 pub use self::ask::{PodAsk, PodToMove, pod_ask};

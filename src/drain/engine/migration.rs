@@ -24,6 +24,7 @@ use std::time::Duration;
 
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::events::EventType;
+use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -65,6 +66,9 @@ struct Migration<'a> {
     /// with on other Nodes before the eviction: they are not its
     /// replacement (a ReadWriteMany volume already attached elsewhere).
     users_before: BTreeMap<String, BTreeSet<String>>,
+    /// Told once this move's eviction is answered (or it will not be sent
+    /// soon), for the head of a drain's chain (see `evict_and_move`).
+    head: Option<&'a watch::Sender<bool>>,
 }
 
 impl NodeDrain {
@@ -72,8 +76,16 @@ impl NodeDrain {
     /// replacement → attached elsewhere. Says whether its volumes left this
     /// Node (the pod went and they detached); if not, no other stateful pod
     /// may go in this pass.
-    pub(super) async fn migrate(&self, plan: &DrainPlan, pod: &PlannedPod) -> bool {
+    /// `head`, for the head of the drain's chain, is told once its eviction
+    /// is answered, or once none will be sent soon.
+    pub(super) async fn migrate(
+        &self,
+        plan: &DrainPlan,
+        pod: &PlannedPod,
+        head: Option<&watch::Sender<bool>>,
+    ) -> bool {
         let mut m = Migration::register(self, Some(plan), pod, None);
+        m.head = head;
         let key = m.key.clone();
         let span = tracing::info_span!("migrate", pod = %key, pvs = %m.pvs.join(","));
         let moved = m.steps().instrument(span).await;
@@ -159,6 +171,7 @@ impl<'a> Migration<'a> {
             pvs: detach.iter().map(|v| v.volume.pv.clone()).collect(),
             reg: run.deps.tracker.register(interest),
             users_before,
+            head: None,
         }
     }
 
@@ -171,6 +184,9 @@ impl<'a> Migration<'a> {
     /// when nothing is left to wait for.
     async fn steps(&mut self) -> bool {
         let (run, key) = (self.run, self.key.clone());
+        if self.pod.held.is_some() {
+            self.head_done();
+        }
         if !self.allowed().await {
             return false;
         }
@@ -186,7 +202,9 @@ impl<'a> Migration<'a> {
                 return false;
             }
         }
-        if !self.evict().await {
+        let evicted = self.evict().await;
+        self.head_done();
+        if !evicted {
             run.end_move(&key);
             return false;
         }
@@ -369,6 +387,14 @@ impl<'a> Migration<'a> {
                 true
             }
             Eviction::Gone | Eviction::Forced => true,
+        }
+    }
+
+    /// Tells the drain that the head of its chain is done with its first
+    /// round trips (see `evict_and_move`).
+    fn head_done(&self) {
+        if let Some(h) = self.head {
+            h.send_replace(true);
         }
     }
 

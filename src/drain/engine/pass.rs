@@ -132,6 +132,10 @@ pub(super) async fn run(
 /// Longest wait for a finished drain's last `status.drain` write.
 const FINAL_WRITE_BOUND: Duration = Duration::from_secs(10);
 
+/// The longest the stateless evictions of a pass wait for the head of its
+/// stateful chain (see `evict_and_move`).
+const HEAD_FIRST: Duration = Duration::from_secs(1);
+
 /// How long after its grace period a pod evicted in a pass is waited for
 /// there, before the next pass takes it as a pod being deleted.
 const LEFT_TO_NEXT_PASS: Duration = Duration::from_secs(5);
@@ -394,9 +398,21 @@ impl NodeDrain {
                 .filter(|t| t.pvs.is_empty() && !self.released(t))
                 .map(|t| self.wait_terminating(t)),
         );
-        let stateless = self.evict_stateless(plan);
+        // The head of the stateful chain goes first: its permit and record,
+        // then its eviction, round trips each, met the stateless evictions
+        // of every drain starting at once, and a saturated API server
+        // answered each in up to a second (the scale benchmark's audit
+        // log). The stateless evictions wait for the head's eviction to be
+        // answered (or to be left for later), for at most `HEAD_FIRST`;
+        // their own drain's critical path is rarely theirs.
+        let (head, mut head_done) =
+            tokio::sync::watch::channel(gated || !leftover.is_empty() || plan.stateful.is_empty());
+        let stateless = async {
+            let _ = tokio::time::timeout(HEAD_FIRST, head_done.wait_for(|done| *done)).await;
+            self.evict_stateless(plan).await
+        };
         let volumes_off = self.volumes_off(plan, leftover);
-        let chain = self.move_stateful(plan);
+        let chain = self.move_stateful(plan, &head);
         // The pods waited on to complete are named once the group's
         // evictions are done: `status.drain` then says what the drain waits
         // for.
@@ -410,10 +426,6 @@ impl NodeDrain {
             };
             tokio::join!(evictions, terminating).0
         } else {
-            // The stateful chain is the drain's critical path and the
-            // stateless pods have slack: polled first, its eviction is sent
-            // ahead of theirs when many drains start at once and every
-            // request queues.
             let stateful = async {
                 volumes_off.await;
                 chain.await
@@ -583,21 +595,35 @@ impl NodeDrain {
     /// scheduler cannot place is held back; other workloads go on, and when
     /// only held-back pods are left, the chain waits (on pod events) for a
     /// replacement to be placed, or the deadline.
-    async fn move_stateful(&self, plan: &DrainPlan) -> BudgetWaits {
+    /// `head` is told once the first pod's eviction is answered, or once
+    /// it will not be sent soon.
+    async fn move_stateful(
+        &self,
+        plan: &DrainPlan,
+        head: &tokio::sync::watch::Sender<bool>,
+    ) -> BudgetWaits {
         let halted = AtomicBool::new(false);
         let held = AtomicBool::new(false);
         let waiting: std::sync::Mutex<Vec<(String, String)>> = Default::default();
         let migrations: Vec<_> = plan
             .stateful
             .iter()
-            .map(|p| {
+            .enumerate()
+            .map(|(i, p)| {
                 let (halted, held, waiting) = (&halted, &held, &waiting);
+                let head = (i == 0).then_some(head);
+                let head_done = move || {
+                    if let Some(h) = head {
+                        h.send_replace(true);
+                    }
+                };
                 async move {
                     if halted.load(Ordering::Acquire) {
                         return;
                     }
                     if self.workload_held(p.controller.as_deref()) {
                         held.store(true, Ordering::Release);
+                        head_done();
                         return;
                     }
                     // The workload's budget across every drain: a pod that
@@ -613,10 +639,12 @@ impl NodeDrain {
                             if let Ok(mut w) = waiting.lock() {
                                 w.push((p.uid.clone().unwrap_or_else(|| fmt_key(&p.pod)), why));
                             }
+                            head_done();
                             return;
                         }
                     };
-                    let moved = self.migrate(plan, p).await;
+                    let moved = self.migrate(plan, p, head).await;
+                    head_done();
                     self.end_unrecorded_permit(p, &workload);
                     if !moved {
                         halted.store(true, Ordering::Release);

@@ -28,6 +28,7 @@ use serde::{Deserialize, Serialize};
     printcolumn = r#"{"name":"Machine","type":"string","jsonPath":".spec.machine"}"#,
     printcolumn = r#"{"name":"Priority","type":"integer","jsonPath":".spec.priority"}"#,
     printcolumn = r#"{"name":"Requested","type":"date","jsonPath":".spec.requested"}"#,
+    printcolumn = r#"{"name":"Left","type":"integer","jsonPath":".spec.movesLeft"}"#,
     printcolumn = r#"{"name":"Expires","type":"date","jsonPath":".spec.expires"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -45,8 +46,14 @@ pub struct MoveAskSpec {
     #[serde(default)]
     pub priority: i32,
     /// When the Machine's deletion was requested: of equal priorities, the
-    /// earlier goes first (then the Machine's and the pod's names).
+    /// earlier goes first (then `movesLeft`, then the Machine's and the
+    /// pod's names).
     pub requested: Time,
+    /// The volume moves the Machine's drain had left when it asked, this
+    /// one included: of equal priorities and requests, the drain with more
+    /// left goes first.
+    #[serde(default)]
+    pub moves_left: u32,
     /// Until when the ask holds its place: its process renews it while it
     /// waits; past it, every process passes it by.
     pub expires: Time,

@@ -151,6 +151,7 @@ pub fn budget_lines(
             machine: machine.to_string(),
             requested,
             past_deadline: false,
+            moves_left: u32::try_from(plan.stateful.len()).unwrap_or(u32::MAX),
         };
         let PodAsk {
             workload,

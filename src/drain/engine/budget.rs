@@ -99,6 +99,7 @@ impl NodeDrain {
             machine: self.machine_key(),
             requested: self.job.deadline.started,
             past_deadline: self.expired(),
+            moves_left: self.moves_left.load(std::sync::atomic::Ordering::Acquire),
         };
         let to_move = PodToMove::planned(p, pod.as_deref()).replaced_by(replacement.as_deref());
         let asked = pod_ask(&self.deps.caches, to_move, &drain);

@@ -42,6 +42,8 @@ impl Drainer {
                 .as_ref()
                 .map_or_else(Timestamp::now, |t| t.0),
             past_deadline: true,
+            // A forced deletion does not wait in line.
+            moves_left: 0,
         };
         for pod in pods {
             // The pod as it is: its claims are its volumes, and its

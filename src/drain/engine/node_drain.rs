@@ -7,7 +7,7 @@
 //! [`plan`](crate::drain::plan); nothing here decides an order.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -84,6 +84,10 @@ pub(super) struct NodeDrain {
     /// Set for the drain's last pass after the deadline without forcing:
     /// each pod gets one more eviction attempt.
     last_try: AtomicBool,
+    /// The volume moves this drain has left: its stateful pods at its
+    /// pass's start, less the moves begun since. Its asks carry it (see
+    /// [`Ask::moves_left`](crate::drain::ledger::Ask::moves_left)).
+    pub(super) moves_left: AtomicU32,
     /// Whether the Machine allows losing node-local data (its annotation),
     /// as the reconciler last saw it.
     pub(super) data_loss_allowed: watch::Receiver<bool>,
@@ -129,6 +133,7 @@ impl NodeDrain {
             forced: Mutex::new(Vec::new()),
             stuck: Mutex::new(BTreeMap::new()),
             last_try: AtomicBool::new(false),
+            moves_left: AtomicU32::new(0),
             data_loss_allowed,
             groups: Mutex::new(None),
             wake,

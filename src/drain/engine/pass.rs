@@ -279,6 +279,10 @@ impl NodeDrain {
     /// ([`NodeDrain::evict_and_move`]).
     async fn pass(&self) -> Pass {
         let full = self.plan();
+        self.moves_left.store(
+            u32::try_from(full.stateful.len()).unwrap_or(u32::MAX),
+            Ordering::Release,
+        );
         let leftover = self.not_abandoned(&full.detaching);
         // A move an earlier run recorded whose pod is gone is resumed
         // (its volumes waited for) even when nothing else is left: a
@@ -631,7 +635,14 @@ impl NodeDrain {
                     // chain goes on with other workloads.
                     let (workload, early) = tokio::join!(self.permit(p), self.record_early(p));
                     let workload = match workload {
-                        Ok(workload) => workload,
+                        Ok(workload) => {
+                            let _ = self.moves_left.fetch_update(
+                                Ordering::AcqRel,
+                                Ordering::Acquire,
+                                |n| Some(n.saturating_sub(1)),
+                            );
+                            workload
+                        }
                         Err(why) => {
                             if early {
                                 self.withdraw_record(p);

@@ -257,6 +257,7 @@ mod tests {
             machine: "ns/a".into(),
             requested: t(0),
             past_deadline: false,
+            moves_left: 1,
         }
     }
 

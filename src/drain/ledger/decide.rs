@@ -203,6 +203,14 @@ impl Ledger {
             .collect()
     }
 
+    /// Whether the pod `uid` of `workload` holds a permit (this process's
+    /// or one the API server holds): an ask of it is granted again.
+    pub fn holds(&self, workload: &Workload, uid: &str) -> bool {
+        [&self.moving, &self.held]
+            .iter()
+            .any(|m| m.get(workload).is_some_and(|m| m.contains_key(uid)))
+    }
+
     /// Since when the pod `uid` has waited for a permit, if it waits.
     pub fn waiting_since(&self, workload: &Workload, uid: &str) -> Option<Timestamp> {
         self.waiting.get(workload)?.get(uid).map(|w| w.since)
@@ -254,6 +262,30 @@ impl Ledger {
             !w.is_empty()
         });
         withdrawn
+    }
+
+    /// `machine`'s drain began a volume move: until its pass is over it
+    /// cannot begin another (one volume move at a time by default; with
+    /// more, its pass asks again for each pod it reaches), so its other
+    /// asks leave the line, here (no longer parked) and for the other
+    /// processes (no longer lined), and a permit that frees meanwhile goes
+    /// to a drain that can use it. They park again when its pass ends
+    /// ([`Ledger::keep_waiting`]), in their place: the order is the ask's.
+    /// True when one held a place in line (the drains behind it may go
+    /// now).
+    pub fn busy(&mut self, machine: &str) -> bool {
+        let mut held = false;
+        for a in self
+            .waiting
+            .values_mut()
+            .flat_map(|w| w.values_mut())
+            .filter(|a| a.ask.machine == machine)
+        {
+            held |= a.parked || a.lined;
+            a.parked = false;
+            a.lined = false;
+        }
+        held
     }
 
     /// Ends the moves of `machine` but those of the pods `keep` (by UID):
@@ -487,6 +519,38 @@ mod tests {
         assert!(granted(&l.ask(&b, &one, t(5))));
     }
 
+    /// Of Machines deleted together, the drain with more volume moves left
+    /// goes first: the one the rollout waits for the longest (the shared
+    /// benchmark's last Machine, last by name, began its three moves after
+    /// every other drain was done with its own).
+    #[test]
+    fn of_drains_deleted_together_the_one_with_more_moves_left_goes_first() {
+        let one = Budget::default_for(true);
+        let mut l = Ledger::default();
+        assert!(granted(&l.ask(&ask("db-0", "a", 0), &one, t(1))));
+        let mut b = ask("db-1", "b", 0);
+        b.moves_left = 1;
+        let mut c = ask("db-2", "c", 0);
+        c.moves_left = 3;
+        // Deleted a second later, with more left still: behind both.
+        let mut d = ask("db-3", "d", 1);
+        d.moves_left = 5;
+        for x in [&b, &c, &d] {
+            assert!(!granted(&l.ask(x, &one, t(2))));
+            l.keep_waiting(&x.machine, std::slice::from_ref(&x.uid));
+        }
+        l.end(&db(), "uid-db-0");
+        let Answer::Wait { ahead, .. } = l.ask(&b, &one, t(3)) else {
+            panic!("b is behind c")
+        };
+        assert_eq!(ahead, vec!["ns/db-2".to_string()]);
+        l.keep_waiting(&b.machine, std::slice::from_ref(&b.uid));
+        assert!(granted(&l.ask(&c, &one, t(3))));
+        l.end(&db(), "uid-db-2");
+        assert!(!granted(&l.ask(&d, &one, t(4))), "d was deleted later");
+        assert!(granted(&l.ask(&b, &one, t(4))));
+    }
+
     /// Case 8 of issue 36: a drain busy elsewhere (its pass not over) does
     /// not keep its place in line; once parked, it does, until it asks
     /// again.
@@ -513,6 +577,50 @@ mod tests {
         let again = ask("db-3", "c", 5);
         assert!(!granted(&l.ask(&again, &one, t(4))), "b is parked ahead");
         assert!(granted(&l.ask(&busy, &one, t(4))));
+    }
+
+    /// The shared benchmark's lost slot (issue 36): a drain parked on an
+    /// ask of one workload that then begins a move of another keeps no
+    /// place in line while it moves, here or for other processes; it parks
+    /// again, in its place, when its pass ends.
+    #[test]
+    fn a_drain_that_begins_a_move_leaves_the_line_until_its_pass_ends() {
+        let one = Budget::default_for(true);
+        let mut l = Ledger::default();
+        assert!(granted(&l.ask(&ask("db-0", "a", 0), &one, t(1))));
+        // b, deleted first, parks on db-1; c, deleted later, on db-2.
+        let b_db = ask("db-1", "b", 0);
+        let c_db = ask("db-2", "c", 5);
+        for x in [&b_db, &c_db] {
+            assert!(!granted(&l.ask(x, &one, t(2))));
+            l.keep_waiting(&x.machine, std::slice::from_ref(&x.uid));
+        }
+        assert_eq!(l.lined().len(), 2);
+        // b's next pass begins a move of another workload.
+        let mut b_web = ask("web-1", "b", 0);
+        b_web.workload = Workload::new("StatefulSet", "ns", "web");
+        b_web.uid = "uid-web-1".into();
+        assert!(granted(&l.ask(&b_web, &one, t(3))));
+        assert!(l.busy("ns/b"), "b held a place in line");
+        assert!(!l.busy("ns/b"), "and holds none now");
+        assert_eq!(
+            l.lined()
+                .iter()
+                .map(|(_, a)| a.uid.as_str())
+                .collect::<Vec<_>>(),
+            vec!["uid-db-2"],
+            "other processes no longer see b in line"
+        );
+        l.end(&db(), "uid-db-0");
+        assert!(
+            granted(&l.ask(&c_db, &one, t(4))),
+            "the freed permit goes to c, which can move now"
+        );
+        l.end(&db(), "uid-db-2");
+        // b's pass ends: it parks again, ahead of a later ask of c.
+        l.keep_waiting("ns/b", std::slice::from_ref(&b_db.uid));
+        assert!(!granted(&l.ask(&ask("db-3", "c", 5), &one, t(5))));
+        assert!(granted(&l.ask(&b_db, &one, t(5))));
     }
 
     /// Issue 36, across processes: a parked ask of another process (its

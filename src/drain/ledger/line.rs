@@ -341,6 +341,7 @@ fn ask_object(
             machine: ask.machine.clone(),
             priority: ask.priority,
             requested: Time(ask.requested),
+            moves_left: ask.moves_left,
             expires: Time(expires),
         },
     }
@@ -355,6 +356,7 @@ mod tests {
     fn an_ask_object_says_its_place_in_line_and_reads_back_the_same() {
         let mut a = ask("db-1", "b", 20);
         a.priority = 7;
+        a.moves_left = 3;
         let owner = OwnerReference {
             api_version: "apps/v1".into(),
             kind: "StatefulSet".into(),
@@ -384,7 +386,10 @@ mod tests {
             (back.pod.as_str(), back.uid.as_str(), back.machine.as_str()),
             ("ns/db-1", "uid-db-1", "ns/b")
         );
-        assert_eq!((back.priority, back.requested), (7, t(20)));
+        assert_eq!(
+            (back.priority, back.requested, back.moves_left),
+            (7, t(20), 3)
+        );
     }
 
     /// The asks of this scope leave the line when no drain here waits on

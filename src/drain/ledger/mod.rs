@@ -211,12 +211,14 @@ pub fn moving_names(moving: &[Permit]) -> String {
 }
 
 /// The drain that asks: its Machine (`namespace/name`), when its deletion
-/// was requested, and whether it is past its deadline.
+/// was requested, whether it is past its deadline, and how many volume
+/// moves it has left (see [`Ask::moves_left`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Asker {
     pub machine: String,
     pub requested: Timestamp,
     pub past_deadline: bool,
+    pub moves_left: u32,
 }
 
 /// A drain's ask for a permit to move one pod.
@@ -234,6 +236,9 @@ pub struct Ask {
     pub requested: Timestamp,
     /// The drain is past its deadline: the VM must go in time.
     pub past_deadline: bool,
+    /// The volume moves its drain has left, this one included, when it
+    /// asked (0: not counted).
+    pub moves_left: u32,
     /// The pod has volumes that move (see [`Permit::volumes`]).
     pub volumes: bool,
     /// The workload's replicas not available now, whatever took them down
@@ -268,6 +273,7 @@ impl Ask {
             priority: pod.priority,
             requested: drain.requested,
             past_deadline: drain.past_deadline,
+            moves_left: drain.moves_left,
             volumes: pod.volumes,
             attach: pod.attach,
             // A pod already down takes nothing more down when it moves:
@@ -278,11 +284,15 @@ impl Ask {
     }
 
     /// The order of asks for one workload: higher priority first, then the
-    /// Machine whose deletion was requested first, then names.
-    fn order(&self) -> (Reverse<i32>, Timestamp, &str, &str) {
+    /// Machine whose deletion was requested first, then the drain with
+    /// more volume moves left (of Machines deleted together, the one the
+    /// rollout will wait for the longest: longest first keeps every
+    /// workload moving and ends soonest), then names.
+    fn order(&self) -> (Reverse<i32>, Timestamp, Reverse<u32>, &str, &str) {
         (
             Reverse(self.priority),
             self.requested,
+            Reverse(self.moves_left),
             &self.machine,
             &self.pod,
         )
@@ -344,6 +354,7 @@ mod tests {
             priority: 0,
             requested: t(requested),
             past_deadline: false,
+            moves_left: 1,
             volumes: true,
             unavailable: 0,
             attach: vec![],
@@ -372,6 +383,7 @@ mod tests {
             machine: "ns/a".into(),
             requested: t(5),
             past_deadline: false,
+            moves_left: 1,
         };
         let ready = Ask::new(db(), &terms, &pod, true, &drain);
         assert_eq!(

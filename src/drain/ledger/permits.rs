@@ -201,13 +201,20 @@ impl Permits {
             l.set_held(held.iter().map(|h| (h.workload.clone(), h.permit.clone())));
             l.set_lined(self.line.others());
             let since = l.waiting_since(&ask.workload, &ask.uid);
+            let fresh = !l.holds(&ask.workload, &ask.uid);
             let answer = l.ask(ask, budget, now);
+            let granted = matches!(answer, Answer::Granted(_) | Answer::Bypassed { .. });
+            // Its drain begins a volume move: its other asks leave the line
+            // (see `Ledger::busy`), and the drains behind them ask again.
+            if fresh && granted && ask.volumes && l.busy(&ask.machine) {
+                self.freed.send_modify(|n| *n += 1);
+            }
             if let Ok(mut o) = self.owners.lock() {
                 o.insert(ask.uid.clone(), owner.cloned());
             }
             // A grant leaves the line once its permit is taken: before,
             // another process would see neither and take the permit.
-            if !matches!(answer, Answer::Granted(_) | Answer::Bypassed { .. }) {
+            if !granted {
                 self.line_up(&l);
             }
             self.publish(&l);

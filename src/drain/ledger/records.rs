@@ -92,6 +92,7 @@ pub fn lined_ask(o: &MoveAsk) -> Option<(Workload, Lined)> {
         priority: o.spec.priority,
         requested: o.spec.requested.0,
         past_deadline: false,
+        moves_left: o.spec.moves_left,
         volumes: false,
         unavailable: 0,
         attach: Vec::new(),

@@ -17,14 +17,14 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::Client;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::reflector::Store;
 use tokio::sync::watch;
 
-use super::{Ask, Lined, Workload, lined_ask, workload_name};
+use super::{Ask, Lined, Workload, ledger_meta, lined_ask, workload_name};
 use crate::api::{MoveAsk, MoveAskSpec, ask_name};
 
 /// How often this process renews the asks it keeps in line.
@@ -316,24 +316,9 @@ fn ask_object(
     owner: Option<&OwnerReference>,
     expires: Timestamp,
 ) -> MoveAsk {
-    let (ns, name) = key(workload, ask);
+    let (_, name) = key(workload, ask);
     MoveAsk {
-        metadata: ObjectMeta {
-            name: Some(name),
-            namespace: Some(ns),
-            labels: Some(BTreeMap::from([(
-                "app.kubernetes.io/managed-by".to_string(),
-                "berth".to_string(),
-            )])),
-            owner_references: owner.map(|o| {
-                vec![OwnerReference {
-                    controller: None,
-                    block_owner_deletion: None,
-                    ..o.clone()
-                }]
-            }),
-            ..ObjectMeta::default()
-        },
+        metadata: ledger_meta(workload, name, owner),
         spec: MoveAskSpec {
             workload: workload_name(workload),
             pod: pod_name(ask).to_string(),

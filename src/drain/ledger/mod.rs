@@ -68,6 +68,7 @@ pub use self::decide::{Ledger, Lined};
 pub use self::facts::WorkloadFacts;
 pub(crate) use self::line::AskStore;
 pub(crate) use self::permits::{Held, PermitStore, Permits, earliest, kind_label, workload_name};
+pub(crate) use self::records::ledger_meta;
 pub use self::records::{
     held_permit, lined_ask, permit_expires, recorded_moves, workload_of_record,
 };

@@ -23,7 +23,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
 use k8s_openapi::jiff::Timestamp;
 use tokio::sync::watch;
 
@@ -31,7 +31,7 @@ use crate::api::{Machine, MovePermit, MovePermitSpec, permit_name};
 #[cfg(doc)]
 use crate::drain::ledger::permit_expires;
 use crate::drain::ledger::{
-    Answer, Ask, AskStore, Budget, Ledger, Permit, Workload, recorded_moves,
+    Answer, Ask, AskStore, Budget, Ledger, Permit, Workload, ledger_meta, recorded_moves,
 };
 use crate::telemetry::{Metrics, WORKLOAD_KINDS};
 
@@ -563,24 +563,11 @@ fn permit_object(
         .split_once('/')
         .map_or(permit.pod.as_str(), |(_, name)| name);
     MovePermit {
-        metadata: ObjectMeta {
-            name: Some(permit_name(&workload.kind, &workload.name, slot)),
-            namespace: Some(workload.namespace.clone()),
-            labels: Some(BTreeMap::from([(
-                "app.kubernetes.io/managed-by".to_string(),
-                "berth".to_string(),
-            )])),
-            // Not blocking the owner's deletion: that would need the right
-            // to update its finalizers.
-            owner_references: owner.map(|o| {
-                vec![OwnerReference {
-                    controller: None,
-                    block_owner_deletion: None,
-                    ..o.clone()
-                }]
-            }),
-            ..ObjectMeta::default()
-        },
+        metadata: ledger_meta(
+            workload,
+            permit_name(&workload.kind, &workload.name, slot),
+            owner,
+        ),
         spec: MovePermitSpec {
             workload: workload_name(workload),
             pod: pod.to_string(),

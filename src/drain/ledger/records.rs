@@ -3,12 +3,42 @@
 //! recorded in `status.drain.moves` (read once, before a process's first
 //! drain asks); and when a permit expires once no drain watches its move.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
 use super::{Ask, Lined, Permit, Workload};
 use crate::api::{Machine, MoveAsk, MovePermit, VolumeMove};
+
+/// The metadata of the ledger's object `name` (a permit, an ask) of
+/// `workload`: in its namespace, managed by berth, and owned by the
+/// workload's object `owner` when it is known, neither as its controller
+/// nor blocking its deletion (that would need the right to update its
+/// finalizers), so that the object goes with its workload.
+pub(crate) fn ledger_meta(
+    workload: &Workload,
+    name: String,
+    owner: Option<&OwnerReference>,
+) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name),
+        namespace: Some(workload.namespace.clone()),
+        labels: Some(BTreeMap::from([(
+            "app.kubernetes.io/managed-by".to_string(),
+            "berth".to_string(),
+        )])),
+        owner_references: owner.map(|o| {
+            vec![OwnerReference {
+                controller: None,
+                block_owner_deletion: None,
+                ..o.clone()
+            }]
+        }),
+        ..ObjectMeta::default()
+    }
+}
 
 /// The moves every Machine records in `status.drain.moves`, each with its
 /// workload and as the permit it holds: what a ledger is

@@ -72,6 +72,11 @@ pub(super) async fn run(
         written,
         steps_written,
     )));
+    let _reporter = AbortOnDrop(tokio::spawn(super::progress::wake_on_block(
+        r.progress.subscribe(),
+        r.job.machine.clone(),
+        r.wake.clone(),
+    )));
     // Permits an earlier run of this Machine's drain was granted and did
     // not record (it stopped in between) are free; those it recorded are
     // its moves in flight, resumed below.

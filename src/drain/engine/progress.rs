@@ -259,6 +259,32 @@ fn retry_backoff() -> backon::ExponentialBackoff {
         .build()
 }
 
+/// Wakes the reconciler of `machine` (through `wake`) whenever its drain
+/// gets blocked or held, or no longer is: the `Drain` step reports it
+/// (`EvictionBlocked`, `PodHeldByFinalizer`), from the drain's progress.
+/// The Machine's own change, `status.drain`'s write, is no sure wake: a
+/// restarted process's drain blocked as the last one was writes what is
+/// already there, the API server changes nothing, and no watch event
+/// comes (the step then said `Draining` for as long as the block lasted).
+/// A change of the block's words alone wakes nothing.
+pub(super) async fn wake_on_block(
+    mut rx: watch::Receiver<Progress>,
+    machine: ObjectRef<Machine>,
+    wake: tokio::sync::mpsc::UnboundedSender<ObjectRef<Machine>>,
+) {
+    let state = |p: &Progress| (p.blocked_by.is_some(), p.held);
+    let mut last = state(&rx.borrow_and_update());
+    while rx.changed().await.is_ok() {
+        let now = state(&rx.borrow_and_update());
+        if now != last {
+            last = now;
+            if wake.send(machine.clone()).is_err() {
+                return;
+            }
+        }
+    }
+}
+
 /// Until when the status writer holds a change back: never for a change
 /// of the moves' records, otherwise until the interval since the last
 /// write (or the drain's start) has passed.
@@ -271,6 +297,47 @@ fn hold_until(last_write: Option<Instant>, record: bool, now: Instant) -> Option
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn the_reconciler_is_woken_when_the_drain_is_blocked_or_unblocked() {
+        let (tx, rx) = watch::channel(Progress::default());
+        let (wake, mut woken) = tokio::sync::mpsc::unbounded_channel();
+        let machine = ObjectRef::<Machine>::new("m2").within("ns");
+        let task = tokio::spawn(wake_on_block(rx, machine.clone(), wake));
+        let steps: [fn(&mut Progress); 5] = [
+            |p| p.pods_evicted += 1,
+            |p| p.block("ns/app", "pod ns/app: PDB ns/app-pdb allows 0".into()),
+            |p| {
+                p.block(
+                    "ns/app",
+                    "pod ns/app: PDB ns/app-pdb allows 0 (again)".into(),
+                )
+            },
+            |p| p.unblock("ns/app"),
+            |p| {
+                p.block("ns/app", "pod ns/app: held by a finalizer".into());
+                p.held = true;
+            },
+        ];
+        for step in steps {
+            tx.send_modify(step);
+            // The watcher sees each change (a watch keeps only the last).
+            for _ in 0..3 {
+                tokio::task::yield_now().await;
+            }
+        }
+        drop(tx);
+        task.await.expect("ends with the drain's progress");
+        let mut wakes = Vec::new();
+        while let Ok(m) = woken.try_recv() {
+            wakes.push(m);
+        }
+        assert_eq!(
+            wakes,
+            vec![machine.clone(), machine.clone(), machine],
+            "blocked, unblocked, held; not progress, not new words"
+        );
+    }
 
     #[test]
     fn evicting_a_pod_clears_its_own_block_and_no_other() {

@@ -2051,6 +2051,154 @@ async fn a_drain_busy_elsewhere_keeps_no_place_in_line() {
     ctl.stop().await;
 }
 
+/// A drain that begins a volume move gives up its place in line until its
+/// pass is over (issue 36, the shared benchmark's lost slot). `g` runs a
+/// replica of `other`, `a`, `b` and `c` one of `db` each, and `b` also the
+/// other replica of `other`; every replacement is held unready (`other`'s
+/// 20 s, `db`'s 30 s). `g` and `a` are deleted first and move, then `b`:
+/// its pass finds both workloads' permits held and parks on both asks
+/// (their `MoveAsk`s); then `c`, behind `b` in `db`'s line. When `g`'s
+/// move ends, `b` begins its `other` move, which keeps it busy for 20 s,
+/// and takes its `db` ask out of line (the `MoveAsk` deleted); when `a`'s
+/// move ends meanwhile, `db`'s permit goes to `c`, whose replica is evicted
+/// before `b`'s and before `b`'s `other` replacement is Ready (by the audit
+/// log and the pod's Ready condition). The replacements go to `d`, `e`
+/// and `f` only. Before, `b`'s parked ask kept its
+/// place through that move, and `db`'s permit sat idle until `b` was done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_that_begins_another_move_gives_up_its_place_in_line() {
+    use berth::api::MovePermit;
+    use k8s_openapi::api::core::v1::Pod;
+    let ns = "ledger-busy";
+    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    let ctl = BED.start(ns).await;
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    let node_b = running_machine(&client, ns, "b", ns).await;
+    let node_c = running_machine(&client, ns, "c", ns).await;
+    stateful_set_with(&client, ns, "db", 3, true, on_delete).await;
+    attached(&client, ns, 3).await;
+    let node_g = running_machine(&client, ns, "g", ns).await;
+    let (b, g) = (node_b.clone(), node_g.clone());
+    stateful_set_with(&client, ns, "other", 2, true, move |sts| {
+        on_delete(sts);
+        if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+            spec.affinity.get_or_insert_default().node_affinity = Some(json(serde_json::json!({
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{
+                    "matchExpressions": [{
+                        "key": "kubernetes.io/hostname", "operator": "In", "values": [b, g]
+                    }]
+                }]}
+            })));
+        }
+    })
+    .await;
+    attached(&client, ns, 5).await;
+    // The replacements go to d, e or f only (a Node being drained next
+    // would move them again), held unready.
+    let mut receivers = Vec::new();
+    for m in ["d", "e", "f"] {
+        receivers.push(running_machine(&client, ns, m, ns).await);
+    }
+    let to_receivers = serde_json::json!({"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{
+            "key": "kubernetes.io/hostname", "operator": "In", "values": receivers
+        }]}]
+    }});
+    for (name, hold) in [("other", "20s"), ("db", "30s")] {
+        Api::<StatefulSet>::namespaced(client.clone(), ns)
+            .patch(
+                name,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(serde_json::json!({"spec": {"template": {
+                    "spec": {"affinity": {"nodeAffinity": to_receivers.clone()}}}}})),
+            )
+            .await
+            .expect("send the replacements to the receivers");
+        hold_replacements_unready(&client, ns, name, hold).await;
+    }
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let listed = pods.list(&Default::default()).await.expect("pods").items;
+    let on = |node: &str, app: &str| {
+        listed
+            .iter()
+            .find(|p| support::pool::on_node(p, node) && p.name_any().starts_with(app))
+            .map(|p| p.name_any())
+            .unwrap_or_else(|| panic!("a replica of {app} on {node}"))
+    };
+    let (db_a, db_b, db_c) = (on(&node_a, "db-"), on(&node_b, "db-"), on(&node_c, "db-"));
+    let (other_b, other_g) = (on(&node_b, "other-"), on(&node_g, "other-"));
+    let watches = Watches::start(&client, ns).await;
+    let permits = Api::<MovePermit>::namespaced(client.clone(), ns);
+    let held = |n: usize, what: &'static str| {
+        let permits = permits.clone();
+        async move {
+            wait::until(permits, Duration::from_secs(60), what, |ps| ps.len() >= n)
+                .await
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+        }
+    };
+
+    delete_machine(&client, ns, "g").await;
+    held(1, "g holds other's permit").await;
+    delete_machine(&client, ns, "a").await;
+    held(2, "a holds db's permit").await;
+    delete_machine(&client, ns, "b").await;
+    // b's pass ends and parks on both asks; c is deleted after b.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    delete_machine(&client, ns, "c").await;
+    for m in ["g", "a", "b", "c"] {
+        gone(&client, ns, m, Duration::from_secs(240)).await;
+    }
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let from_g = evicted_once(&all, &other_g, &log);
+    let other_from_b = evicted_once(&all, &other_b, &log);
+    let db_from_a = evicted_once(&all, &db_a, &log);
+    let db_from_b = evicted_once(&all, &db_b, &log);
+    let db_from_c = evicted_once(&all, &db_c, &log);
+    assert!(
+        from_g.received < other_from_b.received && db_from_a.received < db_from_c.received,
+        "g's and a's replicas went first: {log}"
+    );
+    assert!(
+        db_from_c.received < db_from_b.received,
+        "db's permit went to c's parked drain, not to b's busy one: {log}"
+    );
+    // How it came about, by the audit log: b parked on db's ask
+    // before it began its other move, and took it out of line then.
+    let ask = format!("statefulset.db.{db_b}");
+    let writes: Vec<_> = support::audit::requests(BED.bed().await, ns)
+        .into_iter()
+        .filter(|r| r.resource == "moveasks" && r.name.as_deref() == Some(ask.as_str()))
+        .filter(|r| r.is_write() && r.code < 300)
+        .collect();
+    let parked = writes
+        .iter()
+        .find(|r| r.verb == "create" && r.received < other_from_b.received)
+        .unwrap_or_else(|| panic!("b parked on {ask} before its other move: {writes:?}\n{log}"));
+    assert!(
+        writes.iter().any(|r| r.verb == "delete"
+            && r.received > parked.received
+            && r.received < db_from_c.received),
+        "b took {ask} out of line when it began its other move: {writes:?}\n{log}"
+    );
+    let replacement = pods.get(&other_b).await.expect("other's replacement");
+    let ready =
+        ready_at(&replacement).unwrap_or_else(|| panic!("{other_b}'s replacement Ready: {log}"));
+    assert!(
+        db_from_c.received < ready,
+        "{db_c} went at {}, only once b's move was over ({other_b}'s replacement Ready at {ready}): {log}",
+        db_from_c.received
+    );
+    support::audit::assert_no_request_loop_below(
+        BED.bed().await,
+        "ledger_busy",
+        ns,
+        support::audit::ROLLOUT_PEAK_10S_CEILING,
+    );
+    ctl.stop().await;
+}
+
 /// One application over two controllers (an Elasticsearch with a
 /// StatefulSet per zone): `db` (two replicas) and `solo` name one move
 /// group (`berth.dev/move-group: app`), all on Machine `a`, whose class

@@ -1961,8 +1961,9 @@ async fn a_forced_deletion_takes_its_workloads_permit_and_holds_the_next_replica
 /// A drain busy elsewhere keeps no place in line (case 8 of issue 36).
 /// Machines `a`, `b` and `c` each run one replica of db, and `b` also runs
 /// `other-0`, whose replacement is held unready for 40 s; they are deleted
-/// in that order, so `b` is ahead of `c` in db's line. While `a`'s replica
-/// moves, `b`'s drain asks for db, waits, and goes on moving `other-0`,
+/// in that order (`b` and `c` once `a` holds db's permit), so `b` is ahead
+/// of `c` in db's line. While `a`'s replica moves, `b`'s drain asks for
+/// db, waits, and goes on moving `other-0`,
 /// which keeps its pass busy for 40 s; `c`'s drain has nothing else to do
 /// and waits. When `a`'s move ends, db's permit goes to `c` at once: its
 /// replica is evicted before `b`'s, and before `other-0`'s replacement is
@@ -2018,7 +2019,19 @@ async fn a_drain_busy_elsewhere_keeps_no_place_in_line() {
     let first = on(&node_a);
     let watches = Watches::start(&client, ns).await;
 
-    for m in ["a", "b", "c"] {
+    // a first, holding db's permit before b and c are deleted: deleted a
+    // moment apart, the drain that asks first takes it, and b's drain can
+    // start before a's.
+    delete_machine(&client, ns, "a").await;
+    let held = wait::until(
+        Api::<berth::api::MovePermit>::namespaced(client.clone(), ns),
+        Duration::from_secs(60),
+        "a holds db's permit",
+        |ps| !ps.is_empty(),
+    )
+    .await;
+    assert!(held.is_ok(), "a takes db's permit for {first}");
+    for m in ["b", "c"] {
         delete_machine(&client, ns, m).await;
     }
     for m in ["a", "b", "c"] {

@@ -84,9 +84,7 @@ impl Ledger {
     /// this process, or another process's in line and not expired), and
     /// the cap on moves in flight has room.
     pub fn ask(&mut self, ask: &Ask, budget: &Budget, now: Timestamp) -> Answer {
-        let mine = self.moving.get(&ask.workload).and_then(|m| m.get(&ask.uid));
-        let held = self.held.get(&ask.workload).and_then(|m| m.get(&ask.uid));
-        if let Some(p) = mine.or(held) {
+        if let Some(p) = self.permit_of(&ask.workload, &ask.uid) {
             return Answer::Granted(p.clone());
         }
         let moving = self.moving_of(&ask.workload);
@@ -206,9 +204,14 @@ impl Ledger {
     /// Whether the pod `uid` of `workload` holds a permit (this process's
     /// or one the API server holds): an ask of it is granted again.
     pub fn holds(&self, workload: &Workload, uid: &str) -> bool {
-        [&self.moving, &self.held]
-            .iter()
-            .any(|m| m.get(workload).is_some_and(|m| m.contains_key(uid)))
+        self.permit_of(workload, uid).is_some()
+    }
+
+    /// The permit the pod `uid` of `workload` holds: this process's, else
+    /// one the API server holds.
+    fn permit_of(&self, workload: &Workload, uid: &str) -> Option<&Permit> {
+        let mine = self.moving.get(workload).and_then(|m| m.get(uid));
+        mine.or_else(|| self.held.get(workload).and_then(|m| m.get(uid)))
     }
 
     /// Since when the pod `uid` has waited for a permit, if it waits.

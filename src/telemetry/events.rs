@@ -56,6 +56,15 @@ impl EventSink {
         (Self { tx, metrics }, publisher)
     }
 
+    /// A sink whose Events are not published but received here, for unit
+    /// tests of what a caller reports.
+    #[cfg(test)]
+    pub(crate) fn captured(capacity: usize) -> (Self, mpsc::Receiver<(Event, ObjectReference)>) {
+        let metrics = Arc::new(Metrics::new().expect("metrics"));
+        let (tx, rx) = mpsc::channel(capacity);
+        (Self { tx, metrics }, rx)
+    }
+
     /// A Normal Event about `regarding`: what `action` did (`reason`, in
     /// CamelCase, and a note for people), and the object it did it to or
     /// with, if another (`related`). Never waits.

@@ -4,11 +4,7 @@
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::ObjectReference;
-use kube::runtime::events::EventType;
 use tokio::time::Instant;
-
-use super::node_drain::NodeDrain;
-use super::refs::ref_key;
 
 /// Evictions of pods without volumes accepted within this long of one
 /// another share one Event. A pod per Event puts hundreds of Events into
@@ -73,38 +69,10 @@ pub fn evicted_note(names: &[String]) -> String {
     )
 }
 
-impl NodeDrain {
-    /// One Event for pods evicted together: the pod's own `Evicted` Event
-    /// when there is one, else one that names them all.
-    pub(super) fn announce_evicted(&self, mut batch: Vec<ObjectReference>) {
-        match batch.len() {
-            0 => {}
-            1 => {
-                let pod = batch.pop();
-                let key = pod.as_ref().map(ref_key).unwrap_or_default();
-                self.event(
-                    EventType::Normal,
-                    "Evicted",
-                    format!("evicted pod {key}"),
-                    pod,
-                );
-            }
-            _ => {
-                // The first pod is the related object: it says which batch
-                // this is, and kube's `Recorder` (which folds Events by
-                // reason and objects, not by note) would otherwise take a
-                // second batch for a repeat of the first and drop its names.
-                let names: Vec<String> = batch.iter().map(ref_key).collect();
-                let first = batch.into_iter().next();
-                self.event(EventType::Normal, "Evicted", evicted_note(&names), first);
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::drain::engine::reports::ref_key;
 
     #[test]
     fn evictions_are_announced_a_batch_at_a_time() {

@@ -10,8 +10,8 @@ use kube::runtime::reflector::ObjectRef;
 use tokio::sync::{mpsc, watch};
 use tracing::Instrument;
 
-use super::node_drain::Memory;
-use super::pass::run;
+use super::reports::Memory;
+use super::run::run;
 use super::{Deps, Job, Outcome, Progress};
 use crate::api::Machine;
 
@@ -262,7 +262,7 @@ impl Drainer {
         let caches = &self.deps.caches;
         self.deps
             .permits
-            .release_done(&key, |w, p| super::budget::move_done(caches, w, p));
+            .release_done(&key, |w, p| super::permits::move_done(caches, w, p));
     }
 
     /// Stops the drains of Machines that left the cache (their finalizer

@@ -13,7 +13,7 @@ use kube::runtime::events::EventType;
 use tokio::time::Instant;
 
 use super::node_drain::NodeDrain;
-use super::refs::pod_ref;
+use super::reports::pod_ref;
 use crate::drain::evict::{self, Evicted};
 use crate::drain::pdb::{PdbVerdict, findings_for};
 use crate::drain::plan::PlannedPod;
@@ -37,7 +37,31 @@ pub(super) enum Eviction {
     Expired,
 }
 
-impl NodeDrain {
+/// One pod's eviction, with its retry state.
+pub(super) struct PodEviction<'d> {
+    d: &'d NodeDrain,
+    planned: &'d PlannedPod,
+    /// Refusals by a PodDisruptionBudget so far.
+    refusals: u32,
+    /// Failures in a row that are neither a budget nor throttling.
+    failures: u32,
+    /// Failures after the deadline, where nothing else ends the retries.
+    failures_after_deadline: u32,
+    backoff: backon::ExponentialBackoff,
+}
+
+impl<'d> PodEviction<'d> {
+    pub(super) fn new(d: &'d NodeDrain, planned: &'d PlannedPod) -> Self {
+        Self {
+            d,
+            planned,
+            refusals: 0,
+            failures: 0,
+            failures_after_deadline: 0,
+            backoff: evict_backoff(),
+        }
+    }
+
     /// Evicts one pod, retrying refusals, and says what became of it. The
     /// caller announces an accepted eviction (refusals are announced here).
     ///
@@ -46,29 +70,27 @@ impl NodeDrain {
     /// bypassed, so that it still gets its whole grace period by the
     /// deadline. Without it, after the deadline one eviction is tried (the
     /// drain's last try) and a refusal ends it.
-    pub(super) async fn evict(&self, planned: &PlannedPod) -> Eviction {
+    pub(super) async fn run(mut self) -> Eviction {
+        let planned = self.planned;
         let key = fmt_key(&planned.pod);
-        let Some(pod) = self.view().pod(&planned.pod, planned.uid.as_deref()) else {
+        let Some(pod) = self.d.view().pod(&planned.pod, planned.uid.as_deref()) else {
             return Eviction::Gone;
         };
-        let force_at = self.force_at(planned.grace);
-        let mut backoff = evict_backoff();
-        let mut refusals = 0u32;
-        let mut failures = 0u32;
-        let mut failures_after_deadline = 0u32;
+        let force_at = self.d.clock.force_at(planned.grace);
         loop {
             let forcing = force_at.is_some_and(|at| Instant::now() >= at);
-            if !forcing && self.expired() && (!self.last_try() || refusals > 0) {
+            if !forcing && self.d.clock.expired() && (!self.d.clock.last_try() || self.refusals > 0)
+            {
                 return Eviction::Expired;
             }
-            let mut pdb_changes = self.deps.caches.pdb_changes.clone();
+            let mut pdb_changes = self.d.deps.caches.pdb_changes.clone();
             pdb_changes.borrow_and_update();
             // A stateful move's eviction is a step the next replica waits
             // for.
             let client = if planned.volumes.is_empty() {
-                &self.client
+                &self.d.clients.rest
             } else {
-                &self.moves
+                &self.d.clients.moves
             };
             let answer = if forcing {
                 evict::delete(client, &pod, None).await
@@ -76,41 +98,14 @@ impl NodeDrain {
                 evict::evict(client, &pod).await
             };
             let pause = match answer {
-                Evicted::Accepted => {
-                    self.deps.metrics.record_eviction(if forcing {
-                        EvictionResult::Forced
-                    } else {
-                        EvictionResult::Evicted
-                    });
-                    self.count_evicted(&planned.pod);
-                    self.evicted_pod(&pod, planned.controller.as_deref());
-                    self.update(|p| p.unblock(&key));
-                    if forcing {
-                        self.forced(&planned.pod);
-                        self.event(
-                            EventType::Warning,
-                            "ForcedAtDeadline",
-                            format!(
-                                "deleted pod {key} with its grace period of {}s, its PodDisruptionBudget bypassed: the drain deadline is at {}",
-                                planned.grace.as_secs(),
-                                self.job
-                                    .deadline
-                                    .expires_at()
-                                    .map_or_else(String::new, |t| t.to_string())
-                            ),
-                            Some(pod_ref(&pod)),
-                        );
-                        return Eviction::Forced;
-                    }
-                    return Eviction::Accepted(pod_ref(&pod));
-                }
+                Evicted::Accepted => return self.accepted(&pod, forcing),
                 Evicted::Gone => return Eviction::Gone,
                 Evicted::Refused { message } => {
-                    refusals += 1;
-                    if self.refused(&pod, &key, refusals, &message) {
+                    self.refusals += 1;
+                    if self.refused(&pod, &key, self.refusals, &message) {
                         MAX_EVICT_BACKOFF
                     } else {
-                        backoff.next().unwrap_or(MAX_EVICT_BACKOFF)
+                        self.backoff.next().unwrap_or(MAX_EVICT_BACKOFF)
                     }
                 }
                 Evicted::Throttled {
@@ -119,43 +114,50 @@ impl NodeDrain {
                 } => {
                     // Not a budget: nothing to report as a block, and it
                     // counts as no refusal.
-                    self.deps.metrics.record_eviction(EvictionResult::Throttled);
+                    self.d
+                        .deps
+                        .metrics
+                        .record_eviction(EvictionResult::Throttled);
                     tracing::info!(pod = %key, %message, ?retry_after, "eviction throttled by the API server");
                     retry_after
                         .map(|d| d.min(MAX_EVICT_BACKOFF))
-                        .or_else(|| backoff.next())
+                        .or_else(|| self.backoff.next())
                         .unwrap_or(MAX_EVICT_BACKOFF)
                 }
                 Evicted::MultipleBudgets { message } => {
-                    refusals += 1;
-                    self.budgets_conflict(&pod, &key, refusals, &message);
+                    self.refusals += 1;
+                    self.budgets_conflict(&pod, &key, self.refusals, &message);
                     MAX_EVICT_BACKOFF
                 }
                 Evicted::Failed(e) => {
-                    self.deps.metrics.record_eviction(EvictionResult::Error);
-                    failures += 1;
-                    self.failing(&pod, &key, failures, &e);
+                    self.d.deps.metrics.record_eviction(EvictionResult::Error);
+                    self.failures += 1;
+                    self.failing(&pod, &key, self.failures, &e);
                     tracing::warn!(pod = %key, forcing, error = %e, "eviction failed");
-                    if self.expired() {
+                    if self.d.clock.expired() {
                         // After the deadline nothing else ends the retries.
-                        failures_after_deadline += 1;
-                        if failures_after_deadline >= self.job.settings.max_evict_retries.max(1) {
+                        self.failures_after_deadline += 1;
+                        if self.failures_after_deadline
+                            >= self.d.job.settings.max_evict_retries.max(1)
+                        {
                             return Eviction::Expired;
                         }
                     }
-                    backoff.next().unwrap_or(MAX_EVICT_BACKOFF)
+                    self.backoff.next().unwrap_or(MAX_EVICT_BACKOFF)
                 }
             };
             // Retry after the pause, or as soon as a PodDisruptionBudget
             // changes, or when the pod is due to be deleted, or give up at
             // the deadline.
             let until = Instant::now() + pause;
-            let stop = force_at.map_or_else(|| self.deadline(), |at| at.max(Instant::now()));
+            let stop =
+                force_at.map_or_else(|| self.d.clock.deadline(), |at| at.max(Instant::now()));
             tokio::select! {
                 _ = tokio::time::sleep_until(until.min(stop)) => {}
                 _ = pdb_changes.changed() => {}
             }
             if self
+                .d
                 .view()
                 .pod(&planned.pod, planned.uid.as_deref())
                 .is_none()
@@ -165,13 +167,47 @@ impl NodeDrain {
         }
     }
 
+    /// The eviction (or, `forcing`, the deletion) of `pod` was accepted:
+    /// counted, its block cleared, and a forced one said.
+    fn accepted(&self, pod: &Pod, forcing: bool) -> Eviction {
+        let planned = self.planned;
+        let key = fmt_key(&planned.pod);
+        self.d.deps.metrics.record_eviction(if forcing {
+            EvictionResult::Forced
+        } else {
+            EvictionResult::Evicted
+        });
+        self.d.count_evicted(&planned.pod);
+        self.d.tally.evicted(pod, planned.controller.as_deref());
+        self.d.progress.update(|p| p.unblock(&key));
+        if !forcing {
+            return Eviction::Accepted(pod_ref(pod));
+        }
+        self.d.tally.forced(&planned.pod);
+        self.d.reports.event(
+            EventType::Warning,
+            "ForcedAtDeadline",
+            format!(
+                "deleted pod {key} with its grace period of {}s, its PodDisruptionBudget bypassed: the drain deadline is at {}",
+                planned.grace.as_secs(),
+                self.d
+                    .job
+                    .deadline
+                    .expires_at()
+                    .map_or_else(String::new, |t| t.to_string())
+            ),
+            Some(pod_ref(pod)),
+        );
+        Eviction::Forced
+    }
+
     /// Records a refusal (429) of pod `key`'s eviction, the `refusals`-th,
     /// and says whether the pod counts as stuck: after `maxEvictRetries`
     /// refusals, or at once for a misconfigured budget (a Warning says so
     /// once, naming the budget). Stuck, it is retried at the backoff's
     /// ceiling.
     fn refused(&self, pod: &Pod, key: &str, refusals: u32, message: &str) -> bool {
-        let pdbs = self.view().pdbs_for(std::slice::from_ref(pod));
+        let pdbs = self.d.view().pdbs_for(std::slice::from_ref(pod));
         let findings = findings_for(pod, &pdbs);
         let misconfigured = findings
             .iter()
@@ -179,8 +215,9 @@ impl NodeDrain {
         let blocking = misconfigured
             .or_else(|| findings.iter().find(|f| f.verdict != PdbVerdict::Allows))
             .map_or_else(|| message.to_string(), |f| f.description.clone());
-        let stuck = misconfigured.is_some() || refusals >= self.job.settings.max_evict_retries;
-        self.deps
+        let stuck = misconfigured.is_some() || refusals >= self.d.job.settings.max_evict_retries;
+        self.d
+            .deps
             .metrics
             .record_eviction(if misconfigured.is_some() {
                 EvictionResult::MisconfiguredPdb
@@ -196,7 +233,7 @@ impl NodeDrain {
         } else {
             format!("pod {key}: eviction refused: {blocking}")
         };
-        let warn = (stuck && refusals == self.job.settings.max_evict_retries.max(1))
+        let warn = (stuck && refusals == self.d.job.settings.max_evict_retries.max(1))
             || (misconfigured.is_some() && refusals == 1);
         self.blocked(pod, key, "EvictionBlocked", why, warn);
         stuck
@@ -206,9 +243,11 @@ impl NodeDrain {
     /// Warning of `reason` when `warn` (each caller warns once).
     fn blocked(&self, pod: &Pod, key: &str, reason: &str, why: String, warn: bool) {
         if warn {
-            self.event(EventType::Warning, reason, why.clone(), Some(pod_ref(pod)));
+            self.d
+                .reports
+                .event(EventType::Warning, reason, why.clone(), Some(pod_ref(pod)));
         }
-        self.update(|p| p.block(key, why));
+        self.d.progress.update(|p| p.block(key, why));
     }
 
     /// More than one PodDisruptionBudget selects the pod, and the Eviction
@@ -216,10 +255,11 @@ impl NodeDrain {
     /// at once (a Warning, once, and `blockedBy`), and retried at the
     /// backoff's ceiling or when a budget changes.
     fn budgets_conflict(&self, pod: &Pod, key: &str, refusals: u32, message: &str) {
-        self.deps
+        self.d
+            .deps
             .metrics
             .record_eviction(EvictionResult::MisconfiguredPdb);
-        let pdbs = self.view().pdbs_for(std::slice::from_ref(pod));
+        let pdbs = self.d.view().pdbs_for(std::slice::from_ref(pod));
         let names: Vec<String> = findings_for(pod, &pdbs)
             .iter()
             .map(|f| crate::drain::select::fmt_key(&f.pdb))
@@ -240,7 +280,7 @@ impl NodeDrain {
     /// error, the network): after `maxEvictRetries` in a row it is named (a
     /// Warning, once, and `blockedBy`) while the retries go on.
     fn failing(&self, pod: &Pod, key: &str, failures: u32, error: &kube::Error) {
-        let after = self.job.settings.max_evict_retries.max(1);
+        let after = self.d.job.settings.max_evict_retries.max(1);
         if failures < after {
             return;
         }

@@ -27,8 +27,8 @@ use std::time::Duration;
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::reflector::ObjectRef;
 
-use super::budget::{move_done, replaced};
 use super::drainer::Drainer;
+use super::permits::{move_done, replaced};
 use crate::drain::ledger::{Held, WorkloadFacts, earliest, kind_label, workload_name};
 
 /// The least time between two judgements: the changes that wake the

@@ -22,20 +22,20 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use k8s_openapi::jiff::Timestamp;
 use kube::runtime::events::EventType;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use super::eviction::Eviction;
+use super::eviction::{Eviction, PodEviction};
 use super::node_drain::NodeDrain;
-use super::reattach::{Awaited, Reattach};
-use super::refs::{pod_ref_key, pv_ref};
+use super::permits::DrainPermits;
+use super::records::MoveRecords;
+use super::reports::{pod_ref_key, pv_ref};
+use super::waits::{Awaited, Reattach, Waits};
 use crate::api::VolumeMove;
 use crate::drain::class::{VolumeClass, allows_data_loss};
 use crate::drain::ledger::workload::wants_ordinal;
-use crate::drain::ledger::workload_name;
 use crate::drain::plan::{DrainPlan, PlannedPod, PlannedVolume};
 use crate::drain::resume::resumed_pod;
 use crate::drain::select::fmt_key;
@@ -50,7 +50,7 @@ use crate::volumes::{Interest, Registration};
 const REPLACEMENT_WAIT: Duration = Duration::from_secs(30);
 
 /// One stateful pod being moved.
-struct Migration<'a> {
+pub(super) struct Migration<'a> {
     run: &'a NodeDrain,
     /// The plan the pod was moved by (what must be gone before its volumes
     /// detach); none for a move resumed after a restart.
@@ -71,25 +71,25 @@ struct Migration<'a> {
     head: Option<&'a watch::Sender<bool>>,
 }
 
-impl NodeDrain {
+impl Migration<'_> {
     /// Moves one stateful pod of `plan`: evict → gone → detached →
     /// replacement → attached elsewhere. Says whether its volumes left this
     /// Node (the pod went and they detached); if not, no other stateful pod
     /// may go in this pass.
     /// `head`, for the head of the drain's chain, is told once its eviction
     /// is answered, or once none will be sent soon.
-    pub(super) async fn migrate(
-        &self,
+    pub(super) async fn start(
+        d: &NodeDrain,
         plan: &DrainPlan,
         pod: &PlannedPod,
         head: Option<&watch::Sender<bool>>,
     ) -> bool {
-        let mut m = Migration::register(self, Some(plan), pod, None);
+        let mut m = Migration::register(d, Some(plan), pod, None);
         m.head = head;
         let key = m.key.clone();
         let span = tracing::info_span!("migrate", pod = %key, pvs = %m.pvs.join(","));
         let moved = m.steps().instrument(span).await;
-        self.update(|p| {
+        d.progress.update(|p| {
             if p.current_pod.as_deref() == Some(key.as_str()) {
                 p.current_pod = None;
                 p.current_volume = None;
@@ -98,34 +98,32 @@ impl NodeDrain {
         });
         moved
     }
-}
 
-impl NodeDrain {
     /// Resumes move `m`, which an earlier run recorded and whose pod is
     /// gone, by the rules of a first run (see
     /// [`resumed_pod`](crate::drain::resume::resumed_pod)): its attachable
     /// volumes detached from this Node, the replacement its controller
     /// makes, and each volume moved to it (an attach-free one when the
     /// replacement is Ready). Ends the move.
-    pub(super) async fn resume(&self, m: &VolumeMove) {
+    pub(super) async fn resume(d: &NodeDrain, m: &VolumeMove) {
         let pvs: Vec<_> = m
             .volumes
             .iter()
-            .filter_map(|pv| self.view().pv(pv))
+            .filter_map(|pv| d.view().pv(pv))
             .map(|pv| (*pv).clone())
             .collect();
-        let planned = resumed_pod(m, &pvs, &self.volume_context(), &self.job.settings);
+        let planned = resumed_pod(m, &pvs, &d.volume_context(), &d.job.settings);
         let Some(planned) = planned else {
-            self.end_move(&m.pod);
+            MoveRecords::new(d).end(&m.pod);
             return;
         };
         let since = m.since.as_ref().map(|t| t.0);
-        let mut mig = Migration::register(self, None, &planned, since);
+        let mut mig = Migration::register(d, None, &planned, since);
         let span = tracing::info_span!("resume", pod = %m.pod, pvs = %m.volumes.join(","));
         mig.after_gone(std::time::Instant::now())
             .instrument(span)
             .await;
-        self.update(|p| {
+        d.progress.update(|p| {
             if p.current_pod.as_deref() == Some(m.pod.as_str()) {
                 p.current_pod = None;
                 p.current_volume = None;
@@ -198,14 +196,14 @@ impl<'a> Migration<'a> {
                 .iter()
                 .map(|v| v.volume.pv.clone())
                 .collect();
-            if !run.begin_move(&key, self.pod, &pvs).await {
+            if !MoveRecords::new(run).begin(&key, self.pod, &pvs).await {
                 return false;
             }
         }
         let evicted = self.evict().await;
         self.head_done();
         if !evicted {
-            run.end_move(&key);
+            MoveRecords::new(run).end(&key);
             return false;
         }
         let evicted_at = std::time::Instant::now();
@@ -224,7 +222,7 @@ impl<'a> Migration<'a> {
         let (run, key) = (self.run, self.key.clone());
         let detached = self.pvs.is_empty() || self.detached(evicted_at).await;
         let mut held = false;
-        if detached && run.expired() {
+        if detached && run.clock.expired() {
             // Past the deadline availability is given up, data is not: the
             // volumes left this Node, the next pod may go.
             tracing::info!(pvs = %self.pvs.join(","), "deadline passed: not waiting for the volumes to move");
@@ -239,13 +237,13 @@ impl<'a> Migration<'a> {
         }
         // A move held for an unplaceable replacement stays recorded: it
         // goes on, by these same steps, once the replacement is placed
-        // (`NodeDrain::resume`), in this run or the next. So does one whose
+        // (`Migration::resume`), in this run or the next. So does one whose
         // volumes did not detach in time, with its workload's permit: no
         // other pod of the workload goes while a volume of this one is
         // still on the Node. It goes on once they are off (see
-        // `NodeDrain::stalled_move`), or ends with the Machine.
+        // `MoveRecords::stalled`), or ends with the Machine.
         if !held && detached {
-            run.end_move(&key);
+            MoveRecords::new(run).end(&key);
         }
         detached
     }
@@ -269,12 +267,12 @@ impl<'a> Migration<'a> {
             return true;
         };
         // At the deadline, with forcing, the deadline rules apply to it too.
-        let forced = || run.expired() && run.job.settings.force_after_deadline;
+        let forced = || run.clock.expired() && run.job.settings.force_after_deadline;
         if forced() {
             return true;
         }
         let held = why.clone();
-        run.update(|p| {
+        run.progress.update(|p| {
             p.current_pod = Some(key.clone());
             p.current_volume = Some(self.pod.node_local().join(", "));
             p.waiting_for = Some(format!(
@@ -283,7 +281,7 @@ impl<'a> Migration<'a> {
             p.blocked_by = Some(held.clone());
             p.local_held = Some(held);
         });
-        run.event(
+        run.reports.event(
             EventType::Warning,
             "NodeLocalEvictionHeld",
             why.clone(),
@@ -299,7 +297,7 @@ impl<'a> Migration<'a> {
         };
         let mut machine = run.data_loss_allowed.clone();
         let mut pods = run.deps.caches.pod_changes.clone();
-        let until = run.deadline();
+        let until = run.clock.deadline();
         let allowed = loop {
             machine.borrow_and_update();
             pods.borrow_and_update();
@@ -312,7 +310,7 @@ impl<'a> Migration<'a> {
                 () = tokio::time::sleep_until(until) => break permitted(),
             }
         };
-        run.update(|p| {
+        run.progress.update(|p| {
             p.blocked_by = None;
             p.local_held = None;
         });
@@ -320,7 +318,7 @@ impl<'a> Migration<'a> {
             return true;
         }
         if allowed {
-            run.event(
+            run.reports.event(
                 EventType::Normal,
                 "NodeLocalEvictionAllowed",
                 format!(
@@ -350,7 +348,7 @@ impl<'a> Migration<'a> {
             .iter()
             .map(|v| format!("{} ({})", v.volume.pv, v.class_why))
             .collect();
-        run.event(
+        run.reports.event(
             EventType::Warning,
             "NodeLocalDataLost",
             format!(
@@ -361,7 +359,7 @@ impl<'a> Migration<'a> {
             ),
             local.first().and_then(|v| pv_ref(&v.volume.pv)),
         );
-        run.update(|p| {
+        run.progress.update(|p| {
             for v in &local {
                 let entry = format!("PV {} (pod {})", v.volume.pv, self.key);
                 if !p.node_local_lost.contains(&entry) {
@@ -375,15 +373,15 @@ impl<'a> Migration<'a> {
     async fn evict(&self) -> bool {
         let (run, key) = (self.run, &self.key);
         let volumes = (!self.pvs.is_empty()).then(|| self.pvs.join(", "));
-        run.update(|p| {
+        run.progress.update(|p| {
             p.current_pod = Some(key.clone());
             p.current_volume = volumes;
             p.waiting_for = Some(format!("eviction of {key}"));
         });
-        match run.evict(self.pod).await {
+        match PodEviction::new(run, self.pod).run().await {
             Eviction::Expired => false,
             Eviction::Accepted(pod) => {
-                run.announce_evicted(vec![pod]);
+                run.reports.evicted(vec![pod]);
                 true
             }
             Eviction::Gone | Eviction::Forced => true,
@@ -402,13 +400,14 @@ impl<'a> Migration<'a> {
     /// then, with a warning, until the deadline. False if it is still there.
     async fn pod_gone(&self) -> bool {
         let (run, key, planned) = (self.run, &self.key, self.pod);
-        run.step(|p| p.waiting_for = Some(format!("pod {key} to terminate")));
+        run.progress
+            .step(|p| p.waiting_for = Some(format!("pod {key} to terminate")));
         let uid = planned.uid.as_deref();
-        let bound = run.volume_bound(planned.bounds.pod_gone);
-        if run.wait_gone(&planned.pod, uid, bound).await {
+        let bound = run.clock.volume_bound(planned.bounds.pod_gone);
+        if Waits::new(run).gone(&planned.pod, uid, bound).await {
             return true;
         }
-        run.event(
+        run.reports.event(
             EventType::Warning,
             "PodTerminationSlow",
             format!(
@@ -416,7 +415,9 @@ impl<'a> Migration<'a> {
             ),
             Some(pod_ref_key(&planned.pod)),
         );
-        run.wait_gone(&planned.pod, uid, run.deadline()).await
+        Waits::new(run)
+            .gone(&planned.pod, uid, run.clock.deadline())
+            .await
     }
 
     /// Waits for the volumes to detach from this Node, within the detach
@@ -429,10 +430,10 @@ impl<'a> Migration<'a> {
             .bounds
             .detach
             .unwrap_or(run.job.settings.volume_detach_timeout);
-        let until = run.volume_bound(bound);
+        let until = run.clock.volume_bound(bound);
         self.others_gone(&pvs, until).await;
         let node = &run.job.node;
-        run.step(|p| {
+        run.progress.step(|p| {
             p.waiting_for = Some(format!("attachable PV {pvs} to detach from Node {node}"));
         });
         match self.reg.wait_detached(until).await {
@@ -442,7 +443,7 @@ impl<'a> Migration<'a> {
                     .metrics
                     .volume_detach_wait
                     .observe(took.as_secs_f64());
-                run.event(
+                run.reports.event(
                     EventType::Normal,
                     "VolumeDetached",
                     format!(
@@ -455,9 +456,10 @@ impl<'a> Migration<'a> {
                 true
             }
             Err(e) => {
-                run.abandon(self.pvs.iter().cloned());
+                run.held.give_up(self.pvs.iter().cloned());
                 let first = self.pvs.first().map(String::as_str);
-                run.warn_volume("VolumeDetachTimeout", &e, first);
+                run.reports
+                    .volume_wait_failed("VolumeDetachTimeout", &e, first);
                 false
             }
         }
@@ -482,8 +484,8 @@ impl<'a> Migration<'a> {
         }
         let names: Vec<String> = first.iter().map(|(k, _)| fmt_key(k)).collect();
         let waiting = format!("{} to be gone before {pvs} can detach", names.join(", "));
-        run.update(|p| p.waiting_for = Some(waiting));
-        run.wait_pods_until(until, all_gone).await;
+        run.progress.update(|p| p.waiting_for = Some(waiting));
+        Waits::new(run).pods_until(until, all_gone).await;
     }
 
     /// The volumes to wait for on another Node: those whose claim some pod
@@ -522,9 +524,10 @@ impl<'a> Migration<'a> {
             && reattach.iter().any(missing)
         {
             let waiting = format!("{controller} to create the replacement of pod {key}");
-            run.update(|p| p.waiting_for = Some(waiting));
-            let until = run.bounded(replacement_wait);
-            run.wait_pods_until(until, || !reattach.iter().any(missing))
+            run.progress.update(|p| p.waiting_for = Some(waiting));
+            let until = run.clock.bounded(replacement_wait);
+            Waits::new(run)
+                .pods_until(until, || !reattach.iter().any(missing))
                 .await;
         }
         let (expected, orphaned): (Vec<_>, Vec<_>) =
@@ -538,7 +541,7 @@ impl<'a> Migration<'a> {
                 ),
                 (None, None) => "scaled down?".to_string(),
             };
-            run.event(
+            run.reports.event(
                 EventType::Normal,
                 "NoReplacement",
                 format!(
@@ -585,19 +588,19 @@ impl<'a> Migration<'a> {
             "replacement {pod} of evicted pod {} cannot be scheduled: {message}; {holds}",
             self.key
         );
-        run.event(
+        run.reports.event(
             EventType::Warning,
             "ReplacementUnschedulable",
             why.clone(),
             Some(pod_ref_key(&self.pod.pod)),
         );
-        run.update(|p| p.block(&self.key, why));
+        run.progress.update(|p| p.block(&self.key, why));
         let Some(c) = &self.pod.controller else {
             return false;
         };
         // The move as recorded (when it began tells a ReadWriteMany peer
         // from the replacement once it is placed).
-        let recorded = run.progress.borrow().moves.get(&self.key).cloned();
+        let recorded = run.progress.move_of(&self.key);
         let moved = recorded.unwrap_or_else(|| VolumeMove {
             pod: self.key.clone(),
             uid: self.pod.uid.clone(),
@@ -611,13 +614,13 @@ impl<'a> Migration<'a> {
             workload: None,
             since: None,
         });
-        run.hold_workload(c, moved, self.pod.order);
+        run.held.hold(c, moved, self.pod.order);
         true
     }
 
     /// Waits, within the reattach timeout, for the `expected` volumes to
     /// have moved with the pod that replaces this one (see
-    /// [`reattach`](super::reattach)). True when the move is held instead:
+    /// [`waits`](super::waits)). True when the move is held instead:
     /// the scheduler cannot place the replacement (see `unplaceable`).
     async fn moved(&mut self, expected: &[&PlannedVolume], left_at: std::time::Instant) -> bool {
         let run = self.run;
@@ -626,8 +629,8 @@ impl<'a> Migration<'a> {
             Self::named(expected),
             self.key
         );
-        run.step(|p| p.waiting_for = Some(waiting));
-        let until = run.bounded(run.job.settings.volume_reattach_timeout);
+        run.progress.step(|p| p.waiting_for = Some(waiting));
+        let until = run.clock.bounded(run.job.settings.volume_reattach_timeout);
         let uid = self.pod.uid.clone().unwrap_or_default();
         let none = BTreeSet::new();
         let volumes: Vec<Awaited> = expected
@@ -639,126 +642,26 @@ impl<'a> Migration<'a> {
                 users_before: self.users_before.get(&v.volume.pv).unwrap_or(&none),
             })
             .collect();
-        match run
-            .await_reattach(&mut self.reg, &volumes, &uid, true, left_at, until)
+        match Waits::new(run)
+            .reattach(&mut self.reg, &volumes, &uid, true, left_at, until)
             .await
         {
             Reattach::Moved(pods) => {
                 // The replacements healthy: Ready (for the workload's
                 // minimum healthy time), within its healthy deadline or
                 // else what is left of the reattach timeout.
-                let budget = run.pod_ask(self.pod).budget;
+                let budget = DrainPermits::new(run).pod_ask(self.pod).budget;
                 let until = match budget.healthy_deadline {
-                    Some(d) => run.bounded(d),
+                    Some(d) => run.clock.bounded(d),
                     None => until,
                 };
-                run.await_healthy(&pods, budget.min_healthy, until).await;
+                Waits::new(run)
+                    .healthy(&pods, budget.min_healthy, until)
+                    .await;
                 false
             }
             Reattach::TimedOut => false,
             Reattach::Unplaceable(pod, message) => self.unplaceable(&fmt_key(&pod), &message),
         }
-    }
-}
-
-/// How long a volume move's record may take to be written before the
-/// wait for it is named.
-pub(super) const FLUSH_BOUND: Duration = Duration::from_secs(5);
-
-/// A move's record in `status.drain.moves`, written before its eviction.
-impl NodeDrain {
-    /// Records a volume move in `status.drain.moves` and waits until it is
-    /// written: no record, no eviction, so that a controller killed right
-    /// after the eviction that follows always finds the move on restart
-    /// (and the ledger of a new leader counts it). A record not written
-    /// within [`FLUSH_BOUND`] is named (a Warning, once per pod, and
-    /// `blockedBy`) while the writer tries again with backoff; the move is
-    /// given up (false, the pod not evicted) at the drain's deadline, or
-    /// after one more bound once it passed.
-    pub(super) async fn begin_move(&self, key: &str, pod: &PlannedPod, pvs: &[String]) -> bool {
-        let uid = pod.uid.as_deref();
-        // Written while its permit was asked (see `NodeDrain::record_early`).
-        if self
-            .progress
-            .borrow()
-            .moves
-            .get(key)
-            .is_some_and(|m| m.uid.as_deref() == uid)
-        {
-            return true;
-        }
-        let target = self.record_move(key, pod, pvs);
-        let mut flushed = self.flushed.clone();
-        let quick = tokio::time::timeout(FLUSH_BOUND, flushed.wait_for(|f| f.steps >= target));
-        if matches!(quick.await, Ok(Ok(_))) {
-            return true;
-        }
-        self.unrecorded(key, uid, target).await
-    }
-
-    /// Puts the move of `pod` (`key`) with its PVs `pvs` in the record the
-    /// status writer writes next; the step at which it is written.
-    pub(super) fn record_move(&self, key: &str, pod: &PlannedPod, pvs: &[String]) -> u64 {
-        let uid = pod.uid.as_deref();
-        let workload = workload_name(&self.pod_ask(pod).workload);
-        let mut target = 0;
-        self.step(|p| {
-            p.moves.insert(
-                key.to_string(),
-                VolumeMove {
-                    pod: key.to_string(),
-                    uid: uid.map(String::from),
-                    volumes: pvs.to_vec(),
-                    controller: pod.controller.clone(),
-                    workload: Some(workload),
-                    since: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
-                        Timestamp::now(),
-                    )),
-                },
-            );
-            // `step` counts the step once this closure returns.
-            target = p.steps_done + 1;
-        });
-        target
-    }
-
-    /// A move's record not written within [`FLUSH_BOUND`]: named, and
-    /// waited for until the deadline (see [`NodeDrain::begin_move`]).
-    async fn unrecorded(&self, key: &str, uid: Option<&str>, target: u64) -> bool {
-        let mut flushed = self.flushed.clone();
-        let error = flushed.borrow().error.clone();
-        let why = format!(
-            "the move of pod {key} could not be recorded in status.drain.moves{}: it is not evicted until it is (the write is retried with backoff)",
-            error.map(|e| format!(" ({e})")).unwrap_or_default()
-        );
-        tracing::warn!(pod = key, "{why}");
-        if self.first_report(format!("unrecorded/{}", uid.unwrap_or(key))) {
-            let (ns, name) = key.split_once('/').unwrap_or(("", key));
-            self.event(
-                EventType::Warning,
-                "MoveNotRecorded",
-                why.clone(),
-                Some(pod_ref_key(&(ns.to_string(), name.to_string()))),
-            );
-        }
-        self.update(|p| p.block(key, why));
-        // `status.drain` cannot carry the block (its write is what fails),
-        // and nothing else changes the Machine: the reconciler is woken to
-        // say it in the `Drained` condition, which it writes apart.
-        let _ = self.wake.send(self.job.machine.clone());
-        let until = if self.expired() {
-            Instant::now() + FLUSH_BOUND
-        } else {
-            self.deadline()
-        };
-        let recorded = tokio::select! {
-            r = flushed.wait_for(|f| f.steps >= target) => r.is_ok(),
-            () = tokio::time::sleep_until(until) => false,
-        };
-        self.update(|p| p.unblock(key));
-        if !recorded {
-            self.end_move(key);
-        }
-        recorded
     }
 }

@@ -6,23 +6,32 @@
 //! from the informer caches, takes the lowest order group with a pod left
 //! (critical pods last; see [`rules`](super::rules)), then
 //!
-//! 1. deletes terminal pods;
+//! 1. deletes finished pods;
 //! 2. evicts the pods without persistent volumes, at most
-//!    `maxConcurrentEvictions` at a time, and waits for each to be gone;
+//!    `maxConcurrentEvictions` at a time, each after a permit of the move
+//!    [ledger](super::ledger) when its workload bounds its moves, and waits
+//!    for each to be gone;
 //! 3. at the same time moves the stateful pods in priority order, at most
-//!    `maxParallelVolumeMigrations` at a time: register with the volume
-//!    tracker → evict → pod gone → its volumes detached from this Node →
-//!    attached on another Node (a warning if not in time, and not waited
-//!    for at all when no pod still references the claim). Before the first
-//!    stateful eviction it waits for volumes still detaching from pods that
-//!    left earlier (a restart mid-drain resumes exactly here);
+//!    `maxParallelVolumeMigrations` at a time: a permit of the ledger for
+//!    its workload (a pod that must wait is left to a later pass, and its
+//!    Machine waits in the ledger's line) → the move recorded in
+//!    `status.drain.moves` → register with the volume tracker → evict → pod
+//!    gone → its volumes detached from this Node → attached on another Node
+//!    where the replacement runs, and the replacement healthy (a warning if
+//!    not in time; not waited for when no pod still references the claim)
+//!    → the record and the permit end. Before the first stateful eviction
+//!    it waits for the moves an earlier run recorded (a restart mid-drain
+//!    resumes exactly here) and for volumes still detaching from pods that
+//!    left earlier;
 //! 4. waits for pods that were already terminating, and for the group's
-//!    pods that a drain rule says to wait on until they complete.
+//!    pods that a drain rule says to wait on until they complete;
+//! 5. waits, when pods wait for a permit, until one frees (or the
+//!    deadline).
 //!
 //! and repeats until a pass finds nothing left to do. Nothing polls: pod
 //! and PodDisruptionBudget waits wake on the informers' change signals,
-//! volume waits on the tracker, and the only timers are bounds, backoff
-//! ceilings and the drain deadline.
+//! volume waits on the tracker, permit waits on the ledger, and the only
+//! timers are bounds, backoff ceilings and the drain deadline.
 //!
 //! A PodDisruptionBudget is never bypassed before the deadline: a refused
 //! eviction (429) is retried with exponential backoff and jitter, and sooner
@@ -49,36 +58,55 @@
 //! [`DrainPlan`](super::plan::DrainPlan): what `berth plan` prints is what a
 //! pass does.
 //!
+//! The modules, from the bottom: the drain's parts, which do no I/O; the
+//! drain, which owns them; the steps, each a type that borrows the drain;
+//! the run; the registry.
+//!
 //! | module | what it holds |
 //! | --- | --- |
-//! | `drainer` | the registry of running drains, one task per Machine |
-//! | `progress` | the drain's progress and its writer to `status.drain` |
-//! | `node_drain` | one drain's state (`NodeDrain`): what it did and judged, its move records, its pod waits |
-//! | `pass` | a drain from its first pass to its outcome, and the deadline |
-//! | `eviction` | one pod's eviction, retried while a budget refuses it |
-//! | `migration` | one stateful pod's move, step by step |
-//! | `budget` | a drain's use of the [ledger](crate::drain::ledger) (its permits are there): each pod's ask, its Events and `status.drain` words, its gated moves of pods without volumes, whether a move no drain watches is over |
-//! | `forced` | a forced deletion's moves, asked of the ledger and recorded before its pods go |
+//! | `clock` | `Clock`: the deadline as instants (a step's bound, a volume wait's bound, force-at, expired, the last try) |
+//! | `tally` | `Tally`: what this run evicted, forced, or found first |
+//! | `held` | `HeldMoves`: workloads held for an unplaceable replacement, volumes given up on |
+//! | `groups` | `Groups`: the order groups entered, and the rules named once |
+//! | `batch` | `Batch`: pods evicted together, announced in one Event |
+//! | `reports` | `Reports`: Events about the Machine, what was reported once (`Memory`, kept across runs), the objects Events relate to |
+//! | `progress` | `Progress` and its writer, the only writer of `status.drain`; `ProgressTx`, the drain's side of it |
+//! | `view` | `View`: the read-only queries of the caches, for one Node |
+//! | `node_drain` | `NodeDrain`: one drain's parts, its plan and its pods |
+//! | `waits` | `Waits`: a pod gone, a condition over the pods, replacements healthy, volumes moved with their pod |
+//! | `permits` | `DrainPermits`: the drain's asks of the [ledger](crate::drain::ledger), with their Events and words, gated pods without volumes, and whether a move no drain watches is over |
+//! | `records` | `MoveRecords`: the moves in `status.drain.moves` (written before the eviction, resumed after a restart, stalled, held, handed over) |
+//! | `eviction` | `PodEviction`: one pod's eviction with its retry state |
+//! | `terminating` | `Terminating`: a pod that was already being deleted |
+//! | `completion` | `WaitCompleted`: pods a drain rule says to wait on |
+//! | `migration` | `Migration`: one stateful pod's move, step by step |
+//! | `pass` | `Pass`: one pass, in named stages |
+//! | `run` | a drain from its first pass to its outcome |
+//! | `drainer` | `Drainer`: the registry of running drains, one task per Machine |
 //! | `keeper` | the permits of moves no drain watches any more, until their workload is whole or they expire |
-//! | `reattach` | the one wait for volumes to move with the pod that now uses them |
-//! | `batch` | Events for pods evicted together |
-//! | `view` | the engine's read-only queries of the caches, for one Node |
-//! | `rules` | the drain rules and order groups: one group a pass, pods waited on to complete |
+//! | `forced` | a forced deletion's moves, asked of the ledger and recorded before its pods go |
 
 mod batch;
-mod budget;
+mod clock;
+mod completion;
 mod drainer;
 mod eviction;
 mod forced;
+mod groups;
+mod held;
 mod keeper;
 mod migration;
 mod node_drain;
 mod pass;
+mod permits;
 mod progress;
-mod reattach;
-mod refs;
-mod rules;
+mod records;
+mod reports;
+mod run;
+mod tally;
+mod terminating;
 mod view;
+mod waits;
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::Client;

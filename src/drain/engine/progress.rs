@@ -136,6 +136,88 @@ pub(crate) struct Flushed {
     pub(crate) error: Option<String>,
 }
 
+/// The drain's side of its progress: every change goes through here to
+/// the writer, and what the writer wrote comes back.
+pub(super) struct ProgressTx {
+    tx: watch::Sender<Progress>,
+    flushed: watch::Receiver<Flushed>,
+}
+
+impl ProgressTx {
+    pub(super) fn new(tx: watch::Sender<Progress>, flushed: watch::Receiver<Flushed>) -> Self {
+        Self { tx, flushed }
+    }
+
+    /// Changes the progress; the writer hears of it only if it changed.
+    pub(super) fn update(&self, f: impl FnOnce(&mut Progress)) {
+        self.tx.send_if_modified(|p| {
+            let before = p.clone();
+            f(p);
+            *p != before
+        });
+    }
+
+    /// A step of a volume migration completed: counted (see
+    /// [`Progress::steps_done`]), and written at the writer's pace unless
+    /// it changes a move's record. Returns the step's number.
+    pub(super) fn step(&self, f: impl FnOnce(&mut Progress)) -> u64 {
+        let mut n = 0;
+        self.tx.send_modify(|p| {
+            f(p);
+            p.steps_done += 1;
+            n = p.steps_done;
+        });
+        n
+    }
+
+    /// Changes the progress and tells the writer, changed or not.
+    pub(super) fn send_modify(&self, f: impl FnOnce(&mut Progress)) {
+        self.tx.send_modify(f);
+    }
+
+    /// One more pod evicted or deleted, one fewer left.
+    pub(super) fn one_evicted(&self) {
+        self.update(|p| {
+            p.pods_evicted += 1;
+            p.pods_remaining = p.pods_remaining.saturating_sub(1);
+        });
+    }
+
+    /// Pods evicted or deleted and migration steps completed so far: a pass
+    /// after the deadline that changes neither made no progress.
+    pub(super) fn work_done(&self) -> (u32, u64) {
+        let p = self.tx.borrow();
+        (p.pods_evicted, p.steps_done)
+    }
+
+    /// The moves recorded now.
+    pub(super) fn moves(&self) -> Vec<VolumeMove> {
+        self.tx.borrow().moves.values().cloned().collect()
+    }
+
+    /// The recorded move of pod `key`.
+    pub(super) fn move_of(&self, key: &str) -> Option<VolumeMove> {
+        self.tx.borrow().moves.get(key).cloned()
+    }
+
+    pub(super) fn subscribe(&self) -> watch::Receiver<Progress> {
+        self.tx.subscribe()
+    }
+
+    /// What the writer has written.
+    pub(super) fn flushed(&self) -> watch::Receiver<Flushed> {
+        self.flushed.clone()
+    }
+
+    /// Waits until the writer wrote step `target`, or `bound` passed; true
+    /// once written.
+    pub(super) async fn written_within(&self, target: u64, bound: Duration) -> bool {
+        let mut flushed = self.flushed();
+        let written = tokio::time::timeout(bound, flushed.wait_for(|f| f.steps >= target));
+        matches!(written.await, Ok(Ok(_)))
+    }
+}
+
 /// Writes progress to the Machine's status. Bursts are coalesced (at most
 /// one write per [`STATUS_WRITE_INTERVAL`], always of the latest value),
 /// except that a change of the volume moves' records is written at once. A write that
@@ -297,6 +379,28 @@ fn hold_until(last_write: Option<Instant>, record: bool, now: Instant) -> Option
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn the_drain_counts_steps_and_pods_and_waits_for_the_writer() {
+        let (tx, rx) = watch::channel(Progress::default());
+        let (done, flushed) = watch::channel(Flushed::default());
+        let p = ProgressTx::new(tx, flushed);
+        let mut seen = rx.clone();
+        seen.borrow_and_update();
+        p.update(|_| {});
+        assert!(!seen.has_changed().unwrap(), "no change, no news");
+        p.one_evicted();
+        assert!(seen.has_changed().unwrap());
+        let step = p.step(|p| p.waiting_for = Some("x".into()));
+        assert_eq!(step, 1);
+        assert_eq!(p.work_done(), (1, 1));
+        assert!(!p.written_within(step, Duration::from_millis(10)).await);
+        done.send_replace(Flushed {
+            steps: 1,
+            error: None,
+        });
+        assert!(p.written_within(step, Duration::from_millis(10)).await);
+    }
 
     #[tokio::test]
     async fn the_reconciler_is_woken_when_the_drain_is_blocked_or_unblocked() {

@@ -11,8 +11,9 @@ use kube::runtime::events::EventType;
 use kube::runtime::reflector::ObjectRef;
 
 use super::node_drain::NodeDrain;
-use super::reattach::Health;
-use super::refs::pod_ref_key;
+use super::reports::pod_ref_key;
+use super::waits::Health;
+use super::waits::Waits;
 use crate::cache::Caches;
 use crate::drain::ledger::{
     Answer, Asker, Budget, Permit, PodAsk, PodToMove, Workload, WorkloadFacts, WorkloadTerms,
@@ -21,14 +22,24 @@ use crate::drain::ledger::{
 use crate::drain::plan::PlannedPod;
 use crate::drain::select::fmt_key;
 
-impl NodeDrain {
+/// One drain's asks of the move ledger.
+#[derive(Clone, Copy)]
+pub(super) struct DrainPermits<'d> {
+    d: &'d NodeDrain,
+}
+
+impl<'d> DrainPermits<'d> {
+    pub(super) fn new(d: &'d NodeDrain) -> Self {
+        Self { d }
+    }
+
     /// Ends the permit of `p`, of `workload`, unless its move is recorded
     /// (a move that never began: not allowed, not evicted, or nothing to
-    /// wait for; or one that ended), by [`NodeDrain::end_permit`].
-    pub(super) fn end_unrecorded_permit(&self, p: &PlannedPod, workload: &Workload) {
+    /// wait for; or one that ended), by [`DrainPermits::end`].
+    pub(super) fn end_unrecorded(self, p: &PlannedPod, workload: &Workload) {
         let key = fmt_key(&p.pod);
-        if !self.progress.borrow().moves.contains_key(&key) {
-            self.end_permit(workload, p.uid.as_deref().unwrap_or(&key));
+        if self.d.progress.move_of(&key).is_none() {
+            self.end(workload, p.uid.as_deref().unwrap_or(&key));
         }
     }
 
@@ -37,54 +48,63 @@ impl NodeDrain {
     /// not read (see [`replaced`]), only once the move is over: until then
     /// the permit is kept and the keeper judges it, as a workload whose
     /// availability berth reads keeps its budget by its replicas down.
-    pub(super) fn end_permit(&self, workload: &Workload, uid: &str) {
-        let caches = &self.deps.caches;
+    pub(super) fn end(self, workload: &Workload, uid: &str) {
+        let caches = &self.d.deps.caches;
         let lingers = workload.kind != "Pod"
-            && self.deps.permits.held_for(workload, uid).is_some_and(|p| {
-                caches.terms(workload).availability.is_none() && !move_done(caches, workload, &p)
-            });
+            && self
+                .d
+                .deps
+                .permits
+                .held_for(workload, uid)
+                .is_some_and(|p| {
+                    caches.terms(workload).availability.is_none()
+                        && !move_done(caches, workload, &p)
+                });
         if lingers {
             tracing::debug!(%workload, uid, "the move's replacement is not healthy yet: its permit is left to the keeper");
-            self.deps.permits.linger(uid);
+            self.d.deps.permits.linger(uid);
         } else {
-            self.deps.permits.end(workload, uid);
+            self.d.deps.permits.end(workload, uid);
         }
     }
 
     /// Ends the permits of this Machine that its move records do not hold
     /// and whose move is over (see [`move_done`]): a permit granted to an
     /// earlier run that stopped before it evicted, or a gated move that
-    /// ended. A move handed over (see `NodeDrain::hand_over_held`), or
+    /// ended. A move handed over (see `MoveRecords::hand_over_held`), or
     /// one an earlier run began without recording (a pod without volumes),
     /// keeps its permit until its workload is whole again.
-    pub(super) fn release_unrecorded_permits(&self) {
+    pub(super) fn release_unrecorded(self) {
         let recorded: Vec<String> = self
+            .d
             .progress
-            .borrow()
-            .moves
-            .values()
+            .moves()
+            .iter()
             .map(|m| m.uid.clone().unwrap_or_else(|| m.pod.clone()))
             .collect();
-        let caches = &self.deps.caches;
-        self.deps.permits.release_done(&self.machine_key(), |w, p| {
-            !recorded.contains(&p.uid) && move_done(caches, w, p)
-        });
+        let caches = &self.d.deps.caches;
+        self.d
+            .deps
+            .permits
+            .release_done(&self.machine_key(), |w, p| {
+                !recorded.contains(&p.uid) && move_done(caches, w, p)
+            });
     }
 
     /// This drain's Machine as the ledger names it, `namespace/name`.
-    pub(super) fn machine_key(&self) -> String {
+    pub(super) fn machine_key(self) -> String {
         format!(
             "{}/{}",
-            self.job.machine.namespace.as_deref().unwrap_or_default(),
-            self.job.machine.name
+            self.d.job.machine.namespace.as_deref().unwrap_or_default(),
+            self.d.job.machine.name
         )
     }
 
     /// What the ledger makes of `p` for this drain now (see [`pod_ask`]):
     /// its workload, its budget and its ask; each value berth cannot read
     /// warned about once.
-    pub(super) fn pod_ask(&self, p: &PlannedPod) -> PodAsk {
-        let pod = self.view().pod(&p.pod, p.uid.as_deref());
+    pub(super) fn pod_ask(self, p: &PlannedPod) -> PodAsk {
+        let pod = self.d.view().pod(&p.pod, p.uid.as_deref());
         // The budget is on the pod template: the pod's, or once it is gone
         // its replacement's (a pod that uses one of its claims now).
         let replacement = match pod {
@@ -92,21 +112,21 @@ impl NodeDrain {
             None => p
                 .volumes
                 .iter()
-                .flat_map(|v| self.view().claim_users(&v.volume.claim))
+                .flat_map(|v| self.d.view().claim_users(&v.volume.claim))
                 .find(|u| u.metadata.uid != p.uid),
         };
         let drain = Asker {
             machine: self.machine_key(),
-            requested: self.job.deadline.started,
-            past_deadline: self.expired(),
-            moves_left: self.moves_left.load(std::sync::atomic::Ordering::Acquire),
+            requested: self.d.job.deadline.started,
+            past_deadline: self.d.clock.expired(),
+            moves_left: self.d.moves_left.load(std::sync::atomic::Ordering::Acquire),
         };
         let to_move = PodToMove::planned(p, pod.as_deref()).replaced_by(replacement.as_deref());
-        let asked = pod_ask(&self.deps.caches, to_move, &drain);
+        let asked = pod_ask(&self.d.deps.caches, to_move, &drain);
         for b in &asked.bad {
             let workload = &asked.workload;
-            if self.first_report(format!("budget/{workload}/{}", b.key)) {
-                self.event(
+            if self.d.reports.first(format!("budget/{workload}/{}", b.key)) {
+                self.d.reports.event(
                     EventType::Warning,
                     "InvalidMoveBudget",
                     format!("{workload}: {b}; the default holds"),
@@ -122,64 +142,16 @@ impl NodeDrain {
     /// past the deadline, which is warned); `Err`: what it waits for, which
     /// `status.drain` and an Event (once per pod and what it waits for)
     /// say.
-    pub(super) async fn permit(&self, p: &PlannedPod) -> Result<Workload, String> {
+    pub(super) async fn permit(self, p: &PlannedPod) -> Result<Workload, String> {
         let asked = self.pod_ask(p);
         self.permit_for(p, &asked).await?;
         Ok(asked.workload)
     }
 
-    /// Writes the record of `p`'s move while its permit is asked, when the
-    /// ledger would grant it now: both must be in the API server before
-    /// the eviction, and neither needs the other, so the first stateful
-    /// eviction of a drain waits for one round trip instead of two (under
-    /// twenty drains starting at once, each took up to a second). True
-    /// once written. A drain that would wait for its permit writes
-    /// nothing; a record whose permit is then refused is withdrawn (see
-    /// [`NodeDrain::withdraw_record`]), and a restart in between finds its
-    /// pod still there and drops it (see `NodeDrain::resumed_moves`).
-    pub(super) async fn record_early(&self, p: &PlannedPod) -> bool {
-        let key = fmt_key(&p.pod);
-        if p.held.is_some()
-            || p.volumes.is_empty()
-            || self.progress.borrow().moves.contains_key(&key)
-        {
-            return false;
-        }
-        let asked = self.pod_ask(p);
-        let Some(ask) = &asked.ask else {
-            return false;
-        };
-        if !self.deps.permits.would_grant(ask, &asked.budget) {
-            return false;
-        }
-        let pvs: Vec<String> = p.volumes.iter().map(|v| v.volume.pv.clone()).collect();
-        let target = self.record_move(&key, p, &pvs);
-        let mut flushed = self.flushed.clone();
-        let written = tokio::time::timeout(
-            super::migration::FLUSH_BOUND,
-            flushed.wait_for(|f| f.steps >= target),
-        );
-        if matches!(written.await, Ok(Ok(_))) {
-            return true;
-        }
-        // Recorded the usual way, with its Warnings, once allowed.
-        self.withdraw_record(p);
-        false
-    }
-
-    /// Withdraws the record of `p`'s move, written before its permit was
-    /// granted (see [`NodeDrain::record_early`]).
-    pub(super) fn withdraw_record(&self, p: &PlannedPod) {
-        let key = fmt_key(&p.pod);
-        self.update(|pr| {
-            pr.moves.remove(&key);
-        });
-    }
-
-    /// [`NodeDrain::permit`] for `p`, as the ledger made it (`asked`); a
+    /// [`DrainPermits::permit`] for `p`, as the ledger made it (`asked`); a
     /// pod whose move the ledger does not count (no volumes, no bound: not
     /// a stateful pod) may go.
-    async fn permit_for(&self, p: &PlannedPod, asked: &PodAsk) -> Result<(), String> {
+    async fn permit_for(self, p: &PlannedPod, asked: &PodAsk) -> Result<(), String> {
         let Some(ask) = &asked.ask else {
             return Ok(());
         };
@@ -189,18 +161,19 @@ impl NodeDrain {
         let owner = asked.owner.as_ref();
         let now = Timestamp::now();
         let deadline = self
+            .d
             .job
             .deadline
             .started
-            .checked_add(self.job.deadline.timeout)
+            .checked_add(self.d.job.deadline.timeout)
             .unwrap_or(Timestamp::MAX);
         let expires = permit_expires(
             now,
             budget.healthy_deadline,
             deadline,
-            self.job.settings.volume_reattach_timeout,
+            self.d.job.settings.volume_reattach_timeout,
         );
-        let answer = self.deps.permits.ask(ask, budget, owner, expires);
+        let answer = self.d.deps.permits.ask(ask, budget, owner, expires);
         let (why, holders) = match answer.await {
             Answer::Granted(_) => return Ok(()),
             Answer::Bypassed { moving, .. } => {
@@ -210,10 +183,10 @@ impl NodeDrain {
                     }
                     _ => format!(
                         "beyond berth's cap of {} volume moves in flight (--max-volume-moves)",
-                        self.deps.permits.cap().unwrap_or(0)
+                        self.d.deps.permits.cap().unwrap_or(0)
                     ),
                 };
-                self.event(
+                self.d.reports.event(
                     EventType::Warning,
                     "MoveBudgetBypassed",
                     format!("drain deadline passed: pod {key} of {workload} moves {beyond}"),
@@ -264,8 +237,8 @@ impl NodeDrain {
             ),
         };
         // Once per pod and what holds it: a new holder is news.
-        if self.first_report(format!("waits/{}/{holders}", ask.uid)) {
-            self.event(
+        if self.d.reports.first(format!("waits/{}/{holders}", ask.uid)) {
+            self.d.reports.event(
                 EventType::Normal,
                 "WaitingForMoveBudget",
                 why.clone(),
@@ -280,7 +253,7 @@ impl NodeDrain {
     /// counts unavailable, and for a StatefulSet which of its pods are not
     /// Ready and since when (e.g. `has 1 of 3 replicas unavailable (db-2
     /// not Ready for 4m)`).
-    fn degraded(&self, workload: &Workload, terms: &WorkloadTerms, degraded: u32) -> String {
+    fn degraded(self, workload: &Workload, terms: &WorkloadTerms, degraded: u32) -> String {
         let a = terms.availability.unwrap_or_default();
         let mut words = format!(
             "has {} of {} replica{} unavailable, {degraded} down besides berth's moves",
@@ -288,7 +261,7 @@ impl NodeDrain {
             a.replicas,
             if a.replicas == 1 { "" } else { "s" }
         );
-        let caches = &self.deps.caches;
+        let caches = &self.d.deps.caches;
         let uid = (workload.kind == "StatefulSet")
             .then(|| {
                 caches
@@ -340,12 +313,12 @@ impl NodeDrain {
     /// for pods without volumes, where PodDisruptionBudgets alone govern),
     /// a permit of the ledger, as a stateful pod's. `Ok(None)`: no gate;
     /// `Err`: what it waits for (the pod is left to a later pass).
-    pub(super) async fn stateless_gate(&self, p: &PlannedPod) -> Result<Option<Gate>, String> {
+    pub(super) async fn stateless_gate(self, p: &PlannedPod) -> Result<Option<Gate>, String> {
         let asked = self.pod_ask(p);
         if asked.budget.max_moving.is_none() {
             return Ok(None);
         }
-        let controller = self.view().pod(&p.pod, p.uid.as_deref()).and_then(|pod| {
+        let controller = self.d.view().pod(&p.pod, p.uid.as_deref()).and_then(|pod| {
             crate::drain::ledger::workload::controller(pod.metadata.owner_references.as_deref())
                 .map(|c| c.uid.clone())
         });
@@ -364,7 +337,7 @@ impl NodeDrain {
     /// long elsewhere, within its healthy deadline (else the reattach
     /// timeout: then a Warning, and the move ends anyway). Its permit is
     /// free.
-    pub(super) async fn end_stateless_move(&self, p: &PlannedPod, gate: &Gate) {
+    pub(super) async fn end_stateless_move(self, p: &PlannedPod, gate: &Gate) {
         if !gate.budget.min_healthy.is_zero()
             && let Some(controller) = &gate.controller
         {
@@ -375,20 +348,20 @@ impl NodeDrain {
 
     /// The permit of a gated pod without volumes is free (its move ended,
     /// or it was never evicted).
-    pub(super) fn release_gate(&self, p: &PlannedPod, gate: &Gate) {
+    pub(super) fn release_gate(self, p: &PlannedPod, gate: &Gate) {
         let key = fmt_key(&p.pod);
-        self.end_permit(&gate.workload, p.uid.as_deref().unwrap_or(&key));
+        self.end(&gate.workload, p.uid.as_deref().unwrap_or(&key));
     }
 
-    async fn await_replacement_healthy(&self, p: &PlannedPod, gate: &Gate, controller: &str) {
+    async fn await_replacement_healthy(self, p: &PlannedPod, gate: &Gate, controller: &str) {
         let key = fmt_key(&p.pod);
         let min = gate.budget.min_healthy;
         let bound = gate
             .budget
             .healthy_deadline
-            .unwrap_or(self.job.settings.volume_reattach_timeout);
+            .unwrap_or(self.d.job.settings.volume_reattach_timeout);
         let uid = p.uid.clone().unwrap_or_default();
-        let caches = &self.deps.caches;
+        let caches = &self.d.deps.caches;
         let ready = || {
             let pods = caches
                 .indexes
@@ -397,12 +370,12 @@ impl NodeDrain {
             vec![crate::drain::ledger::workload::replacement_ready_since(
                 pods.iter().map(AsRef::as_ref),
                 &uid,
-                Some(&self.job.node),
+                Some(&self.d.job.node),
                 gate.evicted_at,
             )]
         };
         let waiting = || {
-            self.update(|pr| {
+            self.d.progress.update(|pr| {
                 pr.waiting_for = Some(format!(
                     "a replacement of pod {key} ({}) to be Ready for {}",
                     gate.workload,
@@ -410,9 +383,12 @@ impl NodeDrain {
                 ));
             });
         };
-        let until = self.bounded(bound);
-        if let Health::TimedOut = self.wait_healthy(min, until, ready, waiting).await {
-            self.event(
+        let until = self.d.clock.bounded(bound);
+        if let Health::TimedOut = Waits::new(self.d)
+            .wait_healthy(min, until, ready, waiting)
+            .await
+        {
+            self.d.reports.event(
                 EventType::Warning,
                 "ReplacementNotHealthy",
                 format!(

@@ -1,4 +1,7 @@
-//! The wait for volumes to move with the pod that now uses their claims:
+//! A drain's waits on pods and volumes, woken by the caches' change
+//! signals and the volume tracker, never by polling: a pod gone, a
+//! condition over the pods, replacements healthy, and the wait for volumes
+//! to move with the pod that now uses their claims:
 //! an attachable volume attached on the Node where that pod runs (attached
 //! on some other Node is not enough: a ReadWriteMany volume can be attached
 //! elsewhere all along), an attach-free one with that pod Running and Ready
@@ -7,7 +10,7 @@
 //! One wait for every path that needs it, so that each applies the same
 //! rules: a stateful pod moved in this run, a move resumed after a restart
 //! or held for its replacement ([`Migration`](super::migration)), and the
-//! volumes of pods that left before this run ([`NodeDrain::wait_detaching`]).
+//! volumes of pods that left before this run ([`Pass::wait_detaching`](super::pass::Pass)).
 //! Woken by the tracker (VolumeAttachment and Node events) and by pod
 //! events; bounded by the reattach timeout; a Warning when not in time.
 
@@ -18,7 +21,7 @@ use kube::runtime::events::EventType;
 use tokio::time::Instant;
 
 use super::node_drain::NodeDrain;
-use super::refs::{pod_ref_key, pv_ref};
+use super::reports::{pod_ref_key, pv_ref};
 use crate::drain::class::VolumeClass;
 use crate::drain::ledger::{healthy, ready_since};
 use crate::drain::select::{NamespacedName, fmt_key};
@@ -56,7 +59,45 @@ pub(super) enum Reattach {
     Unplaceable(NamespacedName, String),
 }
 
-impl NodeDrain {
+/// The waits of one drain, for its Node.
+#[derive(Clone, Copy)]
+pub(super) struct Waits<'d> {
+    d: &'d NodeDrain,
+}
+
+impl<'d> Waits<'d> {
+    pub(super) fn new(d: &'d NodeDrain) -> Self {
+        Self { d }
+    }
+
+    /// Waits until the pod (this UID) is gone from the cache, woken by pod
+    /// events; false if `until` passed first.
+    pub(super) async fn gone(
+        self,
+        key: &NamespacedName,
+        uid: Option<&str>,
+        until: Instant,
+    ) -> bool {
+        self.pods_until(until, || self.d.view().pod(key, uid).is_none())
+            .await
+    }
+
+    /// Waits until `done` holds over the pod cache, checked after every pod
+    /// event, or `until`. Returns whether it held.
+    pub(super) async fn pods_until(self, until: Instant, done: impl Fn() -> bool) -> bool {
+        let mut changes = self.d.deps.caches.pod_changes.clone();
+        loop {
+            changes.borrow_and_update();
+            if done() {
+                return true;
+            }
+            tokio::select! {
+                changed = changes.changed() => if changed.is_err() { return false },
+                _ = tokio::time::sleep_until(until) => return done(),
+            }
+        }
+    }
+
     /// Waits, until `until`, for every volume of `volumes` to have moved
     /// with the pod that replaced `evicted_uid` (`""`: any pod that uses
     /// the claim on another Node and is not a user from before). `reg`
@@ -64,8 +105,8 @@ impl NodeDrain {
     /// `watch_scheduler`, ends at once when the scheduler says a
     /// replacement cannot be placed. `left_at`: when the volumes left this
     /// Node, for the metric and the Events.
-    pub(super) async fn await_reattach(
-        &self,
+    pub(super) async fn reattach(
+        self,
         reg: &mut Registration,
         volumes: &[Awaited<'_>],
         evicted_uid: &str,
@@ -82,10 +123,13 @@ impl NodeDrain {
         let check = || -> Result<Vec<(&Awaited, Moved)>, Vec<String>> {
             let (mut moved, mut pending) = (Vec::new(), Vec::new());
             for v in volumes {
-                match self
-                    .view()
-                    .volume_moved(v.pv, v.claim, v.class, evicted_uid, v.users_before)
-                {
+                match self.d.view().volume_moved(
+                    v.pv,
+                    v.claim,
+                    v.class,
+                    evicted_uid,
+                    v.users_before,
+                ) {
                     Ok(m) => moved.push((v, m)),
                     Err(why) => pending.push(why),
                 }
@@ -97,11 +141,13 @@ impl NodeDrain {
             }
         };
         let unplaceable = || {
-            volumes
-                .iter()
-                .find_map(|v| self.view().unschedulable_replacement(v.claim, evicted_uid))
+            volumes.iter().find_map(|v| {
+                self.d
+                    .view()
+                    .unschedulable_replacement(v.claim, evicted_uid)
+            })
         };
-        let mut pods = self.deps.caches.pod_changes.clone();
+        let mut pods = self.d.deps.caches.pod_changes.clone();
         let mut tracker_open = !attachable.is_empty();
         let outcome = loop {
             pods.borrow_and_update();
@@ -132,7 +178,7 @@ impl NodeDrain {
                 Reattach::Moved(pods)
             }
             Err(waiting_for) => {
-                self.warn_volume(
+                self.d.reports.volume_wait_failed(
                     "VolumeReattachTimeout",
                     &WaitError::Timeout { waiting_for },
                     volumes.first().map(|v| v.pv),
@@ -147,8 +193,8 @@ impl NodeDrain {
     /// zero): a replica whose volume is attached but whose database has not
     /// started is still down. A Warning naming them when not in time; the
     /// move ends either way.
-    pub(super) async fn await_healthy(
-        &self,
+    pub(super) async fn healthy(
+        self,
         pods: &[NamespacedName],
         min_healthy: std::time::Duration,
         until: Instant,
@@ -156,7 +202,7 @@ impl NodeDrain {
         let names = pods.iter().map(fmt_key).collect::<Vec<_>>().join(", ");
         let ready = || {
             pods.iter()
-                .map(|p| self.view().pod(p, None).and_then(|p| ready_since(&p)))
+                .map(|p| self.d.view().pod(p, None).and_then(|p| ready_since(&p)))
                 .collect()
         };
         let waiting = || {
@@ -168,10 +214,10 @@ impl NodeDrain {
                     humantime::format_duration(min_healthy)
                 )
             };
-            self.update(|p| p.waiting_for = Some(waiting));
+            self.d.progress.update(|p| p.waiting_for = Some(waiting));
         };
         if let Health::TimedOut = self.wait_healthy(min_healthy, until, ready, waiting).await {
-            self.event(
+            self.d.reports.event(
                 EventType::Warning,
                 "ReplacementNotHealthy",
                 format!(
@@ -190,13 +236,13 @@ impl NodeDrain {
     /// enough. `waiting` is called once, when a look finds them not
     /// healthy yet.
     pub(super) async fn wait_healthy(
-        &self,
+        self,
         min_healthy: std::time::Duration,
         until: Instant,
         ready: impl Fn() -> Vec<Option<Timestamp>>,
         waiting: impl FnOnce(),
     ) -> Health {
-        let mut changes = self.deps.caches.pod_changes.clone();
+        let mut changes = self.d.deps.caches.pod_changes.clone();
         let mut waiting = Some(waiting);
         loop {
             changes.borrow_and_update();
@@ -222,9 +268,9 @@ impl NodeDrain {
     }
 
     /// Each volume moved, in the metric and an Event of its own.
-    fn announce_moved(&self, moved: &[(&Awaited, Moved)], left_at: std::time::Instant) {
+    fn announce_moved(self, moved: &[(&Awaited, Moved)], left_at: std::time::Instant) {
         let took = left_at.elapsed().as_secs_f64();
-        self.deps.metrics.volume_reattach_wait.observe(took);
+        self.d.deps.metrics.volume_reattach_wait.observe(took);
         for (v, m) in moved {
             let (reason, how) = match v.class {
                 VolumeClass::AttachFree => (
@@ -244,12 +290,12 @@ impl NodeDrain {
                     ),
                 ),
             };
-            self.event(
+            self.d.reports.event(
                 EventType::Normal,
                 reason,
                 format!(
                     "{} PV {} {how}, {took:.1}s after it left Node {}",
-                    v.class, v.pv, self.job.node
+                    v.class, v.pv, self.d.job.node
                 ),
                 pv_ref(v.pv),
             );

@@ -1,0 +1,88 @@
+//! The drain rules and order groups ([`crate::drain::rules`]) as a drain
+//! follows them: each pass works on one order group (the lowest with a pod
+//! left); pods a rule skips, and rules not understood, are named once; pods
+//! a rule says to wait on are waited on until they complete, bounded by the
+//! deadline, and never evicted before it.
+
+use kube::runtime::events::EventType;
+
+use super::reports::{Reports, pod_ref_key};
+use crate::drain::plan::DrainPlan;
+use crate::drain::rules::enter_group;
+use crate::drain::select::{PodClass, fmt_key};
+
+/// The order groups one drain entered: the first, and the last.
+#[derive(Debug, Default)]
+pub(super) struct Groups {
+    seen: std::sync::Mutex<Option<(i32, i32)>>,
+}
+
+impl Groups {
+    /// Says once per pod what its drain rule makes of it: skipped (a
+    /// Normal Event), or an annotation not understood (a Warning, the
+    /// default used).
+    pub(super) fn announce_rules(&self, reports: &Reports, plan: &DrainPlan) {
+        for p in plan.skipped.iter().filter(|p| p.class == PodClass::Skipped) {
+            let uid = p.uid.clone().unwrap_or_else(|| fmt_key(&p.pod));
+            if reports.first(format!("skip/{uid}")) {
+                reports.event(
+                    EventType::Normal,
+                    "PodSkipped",
+                    format!(
+                        "pod {} is not evicted: {}",
+                        fmt_key(&p.pod),
+                        PodClass::Skipped
+                    ),
+                    Some(pod_ref_key(&p.pod)),
+                );
+            }
+        }
+        for (pod, problem) in &plan.rule_problems {
+            if reports.first(format!("rule/{}/{problem}", fmt_key(pod))) {
+                reports.event(
+                    EventType::Warning,
+                    "DrainRuleInvalid",
+                    format!("pod {}: {problem}", fmt_key(pod)),
+                    Some(pod_ref_key(pod)),
+                );
+            }
+        }
+    }
+
+    /// A pass works on order group `order` of `plan`: says whether nothing
+    /// of it is evicted before the volumes of the pods that left are off
+    /// the Node (see [`enter_group`]), and announces a group later than the
+    /// last one, once.
+    pub(super) fn enter(&self, reports: &Reports, plan: &DrainPlan, order: i32) -> bool {
+        let Ok(mut groups) = self.seen.lock() else {
+            return false;
+        };
+        let step = enter_group(*groups, order);
+        *groups = Some(step.seen);
+        drop(groups);
+        if let Some(last) = step.after {
+            let group = plan.groups().into_iter().find(|g| g.order == order);
+            let why = group
+                .as_ref()
+                .filter(|g| !g.why.is_empty())
+                .map(|g| {
+                    let why: Vec<&str> = g.why.iter().map(String::as_str).collect();
+                    format!(" ({})", why.join("; "))
+                })
+                .unwrap_or_default();
+            let pods = match group.map_or(0, |g| g.stateless + g.stateful + g.waiting) {
+                1 => "1 pod".to_string(),
+                n => format!("{n} pods"),
+            };
+            reports.event(
+                EventType::Normal,
+                "OrderGroupStarted",
+                format!(
+                    "order group {order}{why}: {pods}, now that every pod of order {last} and below is gone and their volumes have moved"
+                ),
+                None,
+            );
+        }
+        step.after_volumes
+    }
+}

@@ -86,3 +86,71 @@ impl Groups {
         step.after_volumes
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use k8s_openapi::api::core::v1::ObjectReference;
+
+    use super::*;
+    use crate::api::settings::ResolvedSettings;
+    use crate::drain::class::VolumeContext;
+    use crate::drain::plan::plan;
+    use crate::telemetry::events::EventSink;
+
+    fn empty() -> DrainPlan {
+        let settings = ResolvedSettings::default();
+        plan(
+            "n1",
+            &[],
+            &[],
+            &[],
+            &[],
+            &[],
+            &VolumeContext::default(),
+            &settings,
+        )
+    }
+
+    #[test]
+    fn a_later_group_waits_for_volumes_and_is_announced_once() {
+        let (sink, mut rx) = EventSink::captured(8);
+        let reports = Reports::new(sink, ObjectReference::default(), Arc::default());
+        let groups = Groups::default();
+        let plan = empty();
+        assert!(
+            !groups.enter(&reports, &plan, 0),
+            "the first, default group"
+        );
+        assert!(rx.try_recv().is_err());
+        assert!(groups.enter(&reports, &plan, 1000), "after the first group");
+        let (ev, _) = rx.try_recv().expect("the group's Event");
+        assert_eq!(ev.reason, "OrderGroupStarted");
+        assert!(
+            ev.note
+                .as_deref()
+                .unwrap_or_default()
+                .contains("order 0 and below")
+        );
+        assert!(groups.enter(&reports, &plan, 1000), "still after the first");
+        assert!(rx.try_recv().is_err(), "announced once");
+    }
+
+    #[test]
+    fn a_rule_not_understood_is_named_once() {
+        let (sink, mut rx) = EventSink::captured(8);
+        let reports = Reports::new(sink, ObjectReference::default(), Arc::default());
+        let mut plan = empty();
+        plan.rule_problems.push((
+            ("ns".into(), "a".into()),
+            "order \"x\" is not a number".into(),
+        ));
+        let groups = Groups::default();
+        groups.announce_rules(&reports, &plan);
+        groups.announce_rules(&reports, &plan);
+        let (ev, _) = rx.try_recv().expect("a Warning");
+        assert_eq!(ev.reason, "DrainRuleInvalid");
+        assert!(rx.try_recv().is_err());
+    }
+}

@@ -37,6 +37,14 @@ pub(super) enum Eviction {
     Expired,
 }
 
+/// What one attempt's answer means.
+enum Answered {
+    /// Try again after this pause (or when a budget changes).
+    Retry(Duration),
+    /// The eviction is over.
+    Done(Eviction),
+}
+
 /// One pod's eviction, with its retry state.
 pub(super) struct PodEviction<'d> {
     d: &'d NodeDrain,
@@ -97,54 +105,9 @@ impl<'d> PodEviction<'d> {
             } else {
                 evict::evict(client, &pod).await
             };
-            let pause = match answer {
-                Evicted::Accepted => return self.accepted(&pod, forcing),
-                Evicted::Gone => return Eviction::Gone,
-                Evicted::Refused { message } => {
-                    self.refusals += 1;
-                    if self.refused(&pod, &key, self.refusals, &message) {
-                        MAX_EVICT_BACKOFF
-                    } else {
-                        self.backoff.next().unwrap_or(MAX_EVICT_BACKOFF)
-                    }
-                }
-                Evicted::Throttled {
-                    message,
-                    retry_after,
-                } => {
-                    // Not a budget: nothing to report as a block, and it
-                    // counts as no refusal.
-                    self.d
-                        .deps
-                        .metrics
-                        .record_eviction(EvictionResult::Throttled);
-                    tracing::info!(pod = %key, %message, ?retry_after, "eviction throttled by the API server");
-                    retry_after
-                        .map(|d| d.min(MAX_EVICT_BACKOFF))
-                        .or_else(|| self.backoff.next())
-                        .unwrap_or(MAX_EVICT_BACKOFF)
-                }
-                Evicted::MultipleBudgets { message } => {
-                    self.refusals += 1;
-                    self.budgets_conflict(&pod, &key, self.refusals, &message);
-                    MAX_EVICT_BACKOFF
-                }
-                Evicted::Failed(e) => {
-                    self.d.deps.metrics.record_eviction(EvictionResult::Error);
-                    self.failures += 1;
-                    self.failing(&pod, &key, self.failures, &e);
-                    tracing::warn!(pod = %key, forcing, error = %e, "eviction failed");
-                    if self.d.clock.expired() {
-                        // After the deadline nothing else ends the retries.
-                        self.failures_after_deadline += 1;
-                        if self.failures_after_deadline
-                            >= self.d.job.settings.max_evict_retries.max(1)
-                        {
-                            return Eviction::Expired;
-                        }
-                    }
-                    self.backoff.next().unwrap_or(MAX_EVICT_BACKOFF)
-                }
+            let pause = match self.answered(answer, &pod, &key, forcing) {
+                Answered::Retry(pause) => pause,
+                Answered::Done(done) => return done,
             };
             // Retry after the pause, or as soon as a PodDisruptionBudget
             // changes, or when the pod is due to be deleted, or give up at
@@ -165,6 +128,60 @@ impl<'d> PodEviction<'d> {
                 return Eviction::Gone;
             }
         }
+    }
+
+    /// What an answer to the eviction of `pod` means: the pause before the
+    /// next attempt, or what became of the eviction.
+    fn answered(&mut self, answer: Evicted, pod: &Pod, key: &str, forcing: bool) -> Answered {
+        let pause = match answer {
+            Evicted::Accepted => return Answered::Done(self.accepted(pod, forcing)),
+            Evicted::Gone => return Answered::Done(Eviction::Gone),
+            Evicted::Refused { message } => {
+                self.refusals += 1;
+                if self.refused(pod, key, self.refusals, &message) {
+                    MAX_EVICT_BACKOFF
+                } else {
+                    self.backoff.next().unwrap_or(MAX_EVICT_BACKOFF)
+                }
+            }
+            Evicted::Throttled {
+                message,
+                retry_after,
+            } => {
+                // Not a budget: nothing to report as a block, and it
+                // counts as no refusal.
+                self.d
+                    .deps
+                    .metrics
+                    .record_eviction(EvictionResult::Throttled);
+                tracing::info!(pod = %key, %message, ?retry_after, "eviction throttled by the API server");
+                retry_after
+                    .map(|d| d.min(MAX_EVICT_BACKOFF))
+                    .or_else(|| self.backoff.next())
+                    .unwrap_or(MAX_EVICT_BACKOFF)
+            }
+            Evicted::MultipleBudgets { message } => {
+                self.refusals += 1;
+                self.budgets_conflict(pod, key, self.refusals, &message);
+                MAX_EVICT_BACKOFF
+            }
+            Evicted::Failed(e) => {
+                self.d.deps.metrics.record_eviction(EvictionResult::Error);
+                self.failures += 1;
+                self.failing(pod, key, self.failures, &e);
+                tracing::warn!(pod = %key, forcing, error = %e, "eviction failed");
+                if self.d.clock.expired() {
+                    // After the deadline nothing else ends the retries.
+                    self.failures_after_deadline += 1;
+                    if self.failures_after_deadline >= self.d.job.settings.max_evict_retries.max(1)
+                    {
+                        return Answered::Done(Eviction::Expired);
+                    }
+                }
+                self.backoff.next().unwrap_or(MAX_EVICT_BACKOFF)
+            }
+        };
+        Answered::Retry(pause)
     }
 
     /// The eviction (or, `forcing`, the deletion) of `pod` was accepted:

@@ -33,7 +33,7 @@ use crate::drain::evict::{self, Evicted};
 use crate::drain::plan::{DetachingVolume, DrainPlan};
 use crate::drain::select::{NamespacedName, fmt_key};
 use crate::telemetry::EvictionResult;
-use crate::volumes::Interest;
+use crate::volumes::{Interest, Registration};
 
 /// One pass of a drain over its Node.
 pub(super) struct Pass<'d> {
@@ -616,9 +616,15 @@ impl<'d> Pass<'d> {
         }
         // And attached where a pod still needs them, unless the deadline
         // passed (availability is what it gives up).
-        if self.d.clock.expired() {
-            return;
+        if !self.d.clock.expired() {
+            self.reattached(&names, &mut reg).await;
         }
+    }
+
+    /// The volumes `names` of pods that left before this run, now detached
+    /// from this Node: waited for where a pod that uses their claim runs,
+    /// for those whose claim a pod still needs.
+    async fn reattached(&self, names: &[&str], reg: &mut Registration) {
         // Each volume whose claim a pod still needs, with that claim.
         let view = self.d.view();
         let needed: Vec<(&str, NamespacedName)> = names
@@ -657,7 +663,7 @@ impl<'d> Pass<'d> {
             })
             .collect();
         Waits::new(self.d)
-            .reattach(&mut reg, &volumes, "", false, detached_at, until)
+            .reattach(reg, &volumes, "", false, detached_at, until)
             .await;
     }
 }

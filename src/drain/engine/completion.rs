@@ -8,7 +8,6 @@ use tokio::time::Instant;
 
 use super::node_drain::NodeDrain;
 use super::reports::{pod_ref, pod_ref_key};
-use super::waits::Waits;
 use crate::drain::evict::{self, Evicted};
 use crate::drain::plan::PlannedPod;
 use crate::drain::rules::DRAIN_ANNOTATION;
@@ -85,7 +84,7 @@ impl<'d> WaitCompleted<'d> {
         };
         let force_at = self.d.clock.force_at(p.grace);
         let until = force_at.unwrap_or_else(|| self.d.clock.deadline());
-        if Waits::new(self.d).pods_until(until, done).await {
+        if self.d.waits().pods_until(until, done).await {
             return;
         }
         if force_at.is_none_or(|at| Instant::now() < at) {

@@ -32,7 +32,7 @@ use super::node_drain::NodeDrain;
 use super::permits::DrainPermits;
 use super::records::MoveRecords;
 use super::reports::{pod_ref_key, pv_ref};
-use super::waits::{Awaited, Reattach, Waits};
+use super::waits::{Awaited, Reattach};
 use crate::api::VolumeMove;
 use crate::drain::class::{VolumeClass, allows_data_loss};
 use crate::drain::ledger::workload::wants_ordinal;
@@ -404,7 +404,7 @@ impl<'a> Migration<'a> {
             .step(|p| p.waiting_for = Some(format!("pod {key} to terminate")));
         let uid = planned.uid.as_deref();
         let bound = run.clock.volume_bound(planned.bounds.pod_gone);
-        if Waits::new(run).gone(&planned.pod, uid, bound).await {
+        if run.waits().gone(&planned.pod, uid, bound).await {
             return true;
         }
         run.reports.event(
@@ -415,7 +415,7 @@ impl<'a> Migration<'a> {
             ),
             Some(pod_ref_key(&planned.pod)),
         );
-        Waits::new(run)
+        run.waits()
             .gone(&planned.pod, uid, run.clock.deadline())
             .await
     }
@@ -485,7 +485,7 @@ impl<'a> Migration<'a> {
         let names: Vec<String> = first.iter().map(|(k, _)| fmt_key(k)).collect();
         let waiting = format!("{} to be gone before {pvs} can detach", names.join(", "));
         run.progress.update(|p| p.waiting_for = Some(waiting));
-        Waits::new(run).pods_until(until, all_gone).await;
+        run.waits().pods_until(until, all_gone).await;
     }
 
     /// The volumes to wait for on another Node: those whose claim some pod
@@ -526,7 +526,7 @@ impl<'a> Migration<'a> {
             let waiting = format!("{controller} to create the replacement of pod {key}");
             run.progress.update(|p| p.waiting_for = Some(waiting));
             let until = run.clock.bounded(replacement_wait);
-            Waits::new(run)
+            run.waits()
                 .pods_until(until, || !reattach.iter().any(missing))
                 .await;
         }
@@ -642,7 +642,8 @@ impl<'a> Migration<'a> {
                 users_before: self.users_before.get(&v.volume.pv).unwrap_or(&none),
             })
             .collect();
-        match Waits::new(run)
+        match run
+            .waits()
             .reattach(&mut self.reg, &volumes, &uid, true, left_at, until)
             .await
         {
@@ -655,9 +656,7 @@ impl<'a> Migration<'a> {
                     Some(d) => run.clock.bounded(d),
                     None => until,
                 };
-                Waits::new(run)
-                    .healthy(&pods, budget.min_healthy, until)
-                    .await;
+                run.waits().healthy(&pods, budget.min_healthy, until).await;
                 false
             }
             Reattach::TimedOut => false,

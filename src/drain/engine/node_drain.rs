@@ -31,6 +31,7 @@ use super::progress::ProgressTx;
 use super::reports::{Memory, Reports, pod_ref_key};
 use super::tally::Tally;
 use super::view::{View, pvs_of};
+use super::waits::Waits;
 use super::{Deps, DrainClients, Job};
 use crate::api::Machine;
 use crate::drain::class::VolumeContext;
@@ -100,6 +101,17 @@ impl NodeDrain {
     /// The caches, read for this drain's Node.
     pub(super) fn view(&self) -> View<'_> {
         View::new(&self.deps.caches, &self.job.node)
+    }
+
+    /// The waits on pods and volumes, for this drain's Node.
+    pub(super) fn waits(&self) -> Waits<'_> {
+        Waits {
+            caches: &self.deps.caches,
+            node: &self.job.node,
+            progress: &self.progress,
+            reports: &self.reports,
+            metrics: &self.deps.metrics,
+        }
     }
 
     /// What classifying this Node's volumes needs (see

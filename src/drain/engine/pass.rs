@@ -27,7 +27,7 @@ use super::permits::DrainPermits;
 use super::records::MoveRecords;
 use super::reports::pv_ref;
 use super::terminating::Terminating;
-use super::waits::{Awaited, Waits};
+use super::waits::Awaited;
 use crate::drain::class::VolumeClass;
 use crate::drain::evict::{self, Evicted};
 use crate::drain::plan::{DetachingVolume, DrainPlan};
@@ -199,7 +199,8 @@ impl<'d> Pass<'d> {
     /// the placed ones' moves.
     async fn await_placement(&self, why: String) {
         self.d.progress.update(|p| p.waiting_for = Some(why));
-        Waits::new(self.d)
+        self.d
+            .waits()
             .pods_until(self.d.clock.deadline(), || {
                 MoveRecords::new(self.d).any_placed()
             })
@@ -376,9 +377,7 @@ impl<'d> Pass<'d> {
                     .d
                     .clock
                     .bounded(p.grace.saturating_add(LEFT_TO_NEXT_PASS));
-                if Waits::new(self.d)
-                    .gone(&p.pod, p.uid.as_deref(), until)
-                    .await
+                if self.d.waits().gone(&p.pod, p.uid.as_deref(), until).await
                     && let Some(gate) = gate
                 {
                     DrainPermits::new(self.d).end_stateless_move(p, gate).await;
@@ -515,7 +514,8 @@ impl<'d> Pass<'d> {
             .collect::<Vec<()>>()
             .await;
         if held.load(Ordering::Acquire) {
-            Waits::new(self.d)
+            self.d
+                .waits()
                 .pods_until(self.d.clock.deadline(), || {
                     MoveRecords::new(self.d).any_placed()
                 })
@@ -662,7 +662,8 @@ impl<'d> Pass<'d> {
                 users_before: &none,
             })
             .collect();
-        Waits::new(self.d)
+        self.d
+            .waits()
             .reattach(reg, &volumes, "", false, detached_at, until)
             .await;
     }

@@ -13,7 +13,6 @@ use kube::runtime::reflector::ObjectRef;
 use super::node_drain::NodeDrain;
 use super::reports::pod_ref_key;
 use super::waits::Health;
-use super::waits::Waits;
 use crate::cache::Caches;
 use crate::drain::ledger::{
     Answer, Asker, Budget, Permit, PodAsk, PodToMove, Workload, WorkloadFacts, WorkloadTerms,
@@ -384,7 +383,9 @@ impl<'d> DrainPermits<'d> {
             });
         };
         let until = self.d.clock.bounded(bound);
-        if let Health::TimedOut = Waits::new(self.d)
+        if let Health::TimedOut = self
+            .d
+            .waits()
             .wait_healthy(min, until, ready, waiting)
             .await
         {

@@ -14,7 +14,6 @@ use tokio::time::Instant;
 
 use super::node_drain::NodeDrain;
 use super::reports::pod_ref_key;
-use super::waits::Waits;
 use crate::drain::evict::{self, Evicted};
 use crate::drain::plan::TerminatingPod;
 use crate::drain::select::{NamespacedName, fmt_key, held_by_finalizers};
@@ -41,7 +40,9 @@ impl<'d> Terminating<'d> {
         let release = self.d.clock.release_of(t.grace);
         let grace_ends = Instant::now()
             + Duration::try_from(t.since.duration_since(Timestamp::now())).unwrap_or_default();
-        if Waits::new(self.d)
+        if self
+            .d
+            .waits()
             .gone(&t.pod, uid, grace_ends.min(release))
             .await
         {
@@ -82,7 +83,9 @@ impl<'d> Terminating<'d> {
             // Its grace period is over and no finalizer holds it: the kubelet
             // did not confirm it stopped. At the deadline, and only then,
             // such a pod is deleted at once (grace 0).
-            if Waits::new(self.d)
+            if self
+                .d
+                .waits()
                 .gone(&t.pod, uid, self.d.clock.deadline())
                 .await
             {
@@ -94,7 +97,7 @@ impl<'d> Terminating<'d> {
                 self.force_gone(&t.pod, &pod).await;
             }
         }
-        Waits::new(self.d).gone(&t.pod, uid, release).await;
+        self.d.waits().gone(&t.pod, uid, release).await;
         self.d.progress.update(|p| p.unblock(&key));
     }
 

@@ -9,8 +9,8 @@
 //!
 //! One wait for every path that needs it, so that each applies the same
 //! rules: a stateful pod moved in this run, a move resumed after a restart
-//! or held for its replacement ([`Migration`](super::migration)), and the
-//! volumes of pods that left before this run ([`Pass::wait_detaching`](super::pass::Pass)).
+//! or held for its replacement (`migration`), and the
+//! volumes of pods that left before this run (`Pass::wait_detaching`).
 //! Woken by the tracker (VolumeAttachment and Node events) and by pod
 //! events; bounded by the reattach timeout; a Warning when not in time.
 
@@ -20,12 +20,15 @@ use k8s_openapi::jiff::Timestamp;
 use kube::runtime::events::EventType;
 use tokio::time::Instant;
 
-use super::node_drain::NodeDrain;
-use super::reports::{pod_ref_key, pv_ref};
+use super::progress::ProgressTx;
+use super::reports::{Reports, pod_ref_key, pv_ref};
+use super::view::View;
+use crate::cache::Caches;
 use crate::drain::class::VolumeClass;
 use crate::drain::ledger::{healthy, ready_since};
 use crate::drain::select::{NamespacedName, fmt_key};
 use crate::drain::volume::Moved;
+use crate::telemetry::Metrics;
 use crate::volumes::{Registration, Signal, WaitError};
 
 /// How a wait for healthy replacements ended.
@@ -59,15 +62,20 @@ pub(super) enum Reattach {
     Unplaceable(NamespacedName, String),
 }
 
-/// The waits of one drain, for its Node.
+/// The waits of one drain, for its Node: what they read (the caches),
+/// and what they tell (the drain's progress, its Events, the metrics).
 #[derive(Clone, Copy)]
 pub(super) struct Waits<'d> {
-    d: &'d NodeDrain,
+    pub(super) caches: &'d Caches,
+    pub(super) node: &'d str,
+    pub(super) progress: &'d ProgressTx,
+    pub(super) reports: &'d Reports,
+    pub(super) metrics: &'d Metrics,
 }
 
-impl<'d> Waits<'d> {
-    pub(super) fn new(d: &'d NodeDrain) -> Self {
-        Self { d }
+impl Waits<'_> {
+    fn view(&self) -> View<'_> {
+        View::new(self.caches, self.node)
     }
 
     /// Waits until the pod (this UID) is gone from the cache, woken by pod
@@ -78,14 +86,14 @@ impl<'d> Waits<'d> {
         uid: Option<&str>,
         until: Instant,
     ) -> bool {
-        self.pods_until(until, || self.d.view().pod(key, uid).is_none())
+        self.pods_until(until, || self.view().pod(key, uid).is_none())
             .await
     }
 
     /// Waits until `done` holds over the pod cache, checked after every pod
     /// event, or `until`. Returns whether it held.
     pub(super) async fn pods_until(self, until: Instant, done: impl Fn() -> bool) -> bool {
-        let mut changes = self.d.deps.caches.pod_changes.clone();
+        let mut changes = self.caches.pod_changes.clone();
         loop {
             changes.borrow_and_update();
             if done() {
@@ -123,13 +131,10 @@ impl<'d> Waits<'d> {
         let check = || -> Result<Vec<(&Awaited, Moved)>, Vec<String>> {
             let (mut moved, mut pending) = (Vec::new(), Vec::new());
             for v in volumes {
-                match self.d.view().volume_moved(
-                    v.pv,
-                    v.claim,
-                    v.class,
-                    evicted_uid,
-                    v.users_before,
-                ) {
+                match self
+                    .view()
+                    .volume_moved(v.pv, v.claim, v.class, evicted_uid, v.users_before)
+                {
                     Ok(m) => moved.push((v, m)),
                     Err(why) => pending.push(why),
                 }
@@ -141,13 +146,11 @@ impl<'d> Waits<'d> {
             }
         };
         let unplaceable = || {
-            volumes.iter().find_map(|v| {
-                self.d
-                    .view()
-                    .unschedulable_replacement(v.claim, evicted_uid)
-            })
+            volumes
+                .iter()
+                .find_map(|v| self.view().unschedulable_replacement(v.claim, evicted_uid))
         };
-        let mut pods = self.d.deps.caches.pod_changes.clone();
+        let mut pods = self.caches.pod_changes.clone();
         let mut tracker_open = !attachable.is_empty();
         let outcome = loop {
             pods.borrow_and_update();
@@ -178,7 +181,7 @@ impl<'d> Waits<'d> {
                 Reattach::Moved(pods)
             }
             Err(waiting_for) => {
-                self.d.reports.volume_wait_failed(
+                self.reports.volume_wait_failed(
                     "VolumeReattachTimeout",
                     &WaitError::Timeout { waiting_for },
                     volumes.first().map(|v| v.pv),
@@ -202,7 +205,7 @@ impl<'d> Waits<'d> {
         let names = pods.iter().map(fmt_key).collect::<Vec<_>>().join(", ");
         let ready = || {
             pods.iter()
-                .map(|p| self.d.view().pod(p, None).and_then(|p| ready_since(&p)))
+                .map(|p| self.view().pod(p, None).and_then(|p| ready_since(&p)))
                 .collect()
         };
         let waiting = || {
@@ -214,10 +217,10 @@ impl<'d> Waits<'d> {
                     humantime::format_duration(min_healthy)
                 )
             };
-            self.d.progress.update(|p| p.waiting_for = Some(waiting));
+            self.progress.update(|p| p.waiting_for = Some(waiting));
         };
         if let Health::TimedOut = self.wait_healthy(min_healthy, until, ready, waiting).await {
-            self.d.reports.event(
+            self.reports.event(
                 EventType::Warning,
                 "ReplacementNotHealthy",
                 format!(
@@ -242,7 +245,7 @@ impl<'d> Waits<'d> {
         ready: impl Fn() -> Vec<Option<Timestamp>>,
         waiting: impl FnOnce(),
     ) -> Health {
-        let mut changes = self.d.deps.caches.pod_changes.clone();
+        let mut changes = self.caches.pod_changes.clone();
         let mut waiting = Some(waiting);
         loop {
             changes.borrow_and_update();
@@ -270,7 +273,7 @@ impl<'d> Waits<'d> {
     /// Each volume moved, in the metric and an Event of its own.
     fn announce_moved(self, moved: &[(&Awaited, Moved)], left_at: std::time::Instant) {
         let took = left_at.elapsed().as_secs_f64();
-        self.d.deps.metrics.volume_reattach_wait.observe(took);
+        self.metrics.volume_reattach_wait.observe(took);
         for (v, m) in moved {
             let (reason, how) = match v.class {
                 VolumeClass::AttachFree => (
@@ -290,12 +293,12 @@ impl<'d> Waits<'d> {
                     ),
                 ),
             };
-            self.d.reports.event(
+            self.reports.event(
                 EventType::Normal,
                 reason,
                 format!(
                     "{} PV {} {how}, {took:.1}s after it left Node {}",
-                    v.class, v.pv, self.d.job.node
+                    v.class, v.pv, self.node
                 ),
                 pv_ref(v.pv),
             );

@@ -72,8 +72,8 @@
 //! | `reports` | `Reports`: Events about the Machine, what was reported once (`Memory`, kept across runs), the objects Events relate to |
 //! | `progress` | `Progress` and its writer, the only writer of `status.drain`; `ProgressTx`, the drain's side of it |
 //! | `view` | `View`: the read-only queries of the caches, for one Node |
-//! | `node_drain` | `NodeDrain`: one drain's parts, its plan and its pods |
 //! | `waits` | `Waits`: a pod gone, a condition over the pods, replacements healthy, volumes moved with their pod |
+//! | `node_drain` | `NodeDrain`: one drain's parts, its plan and its pods |
 //! | `permits` | `DrainPermits`: the drain's asks of the [ledger](crate::drain::ledger), with their Events and words, gated pods without volumes, and whether a move no drain watches is over |
 //! | `records` | `MoveRecords`: the moves in `status.drain.moves` (written before the eviction, resumed after a restart, stalled, held, handed over) |
 //! | `eviction` | `PodEviction`: one pod's eviction with its retry state |

@@ -51,7 +51,7 @@ const REPLACEMENT_WAIT: Duration = Duration::from_secs(30);
 
 /// One stateful pod being moved.
 pub(super) struct Migration<'a> {
-    run: &'a NodeDrain,
+    d: &'a NodeDrain,
     /// The plan the pod was moved by (what must be gone before its volumes
     /// detach); none for a move resumed after a restart.
     plan: Option<&'a DrainPlan>,
@@ -99,8 +99,8 @@ impl Migration<'_> {
         moved
     }
 
-    /// Resumes move `m`, which an earlier run recorded and whose pod is
-    /// gone, by the rules of a first run (see
+    /// Resumes move `m`, which an earlier d recorded and whose pod is
+    /// gone, by the rules of a first d (see
     /// [`resumed_pod`](crate::drain::resume::resumed_pod)): its attachable
     /// volumes detached from this Node, the replacement its controller
     /// makes, and each volume moved to it (an attach-free one when the
@@ -139,7 +139,7 @@ impl<'a> Migration<'a> {
     /// a move resumed after a restart (`since`: when it began), those that
     /// did before it began.
     fn register(
-        run: &'a NodeDrain,
+        d: &'a NodeDrain,
         plan: Option<&'a DrainPlan>,
         pod: &'a PlannedPod,
         since: Option<k8s_openapi::jiff::Timestamp>,
@@ -149,7 +149,7 @@ impl<'a> Migration<'a> {
             .iter()
             .filter(|v| v.wait.waits_for_detach())
             .collect();
-        let interest = detach.iter().fold(Interest::new(&run.job.node), |i, v| {
+        let interest = detach.iter().fold(Interest::new(&d.job.node), |i, v| {
             i.volume(v.volume.pv.clone(), v.volume.unique_name.clone())
         });
         let users_before = pod
@@ -157,17 +157,17 @@ impl<'a> Migration<'a> {
             .iter()
             .filter(|v| v.wait.waits_for_reattach())
             .map(|v| {
-                let users = run.view().users_elsewhere(&v.volume.claim, since);
+                let users = d.view().users_elsewhere(&v.volume.claim, since);
                 (v.volume.pv.clone(), users)
             })
             .collect();
         Self {
-            run,
+            d,
             plan,
             pod,
             key: fmt_key(&pod.pod),
             pvs: detach.iter().map(|v| v.volume.pv.clone()).collect(),
-            reg: run.deps.tracker.register(interest),
+            reg: d.deps.tracker.register(interest),
             users_before,
             head: None,
         }
@@ -181,7 +181,7 @@ impl<'a> Migration<'a> {
     /// going (a restart resumes it); it ends once the volumes moved, or
     /// when nothing is left to wait for.
     async fn steps(&mut self) -> bool {
-        let (run, key) = (self.run, self.key.clone());
+        let (d, key) = (self.d, self.key.clone());
         if self.pod.held.is_some() {
             self.head_done();
         }
@@ -196,14 +196,14 @@ impl<'a> Migration<'a> {
                 .iter()
                 .map(|v| v.volume.pv.clone())
                 .collect();
-            if !MoveRecords::new(run).begin(&key, self.pod, &pvs).await {
+            if !MoveRecords::new(d).begin(&key, self.pod, &pvs).await {
                 return false;
             }
         }
         let evicted = self.evict().await;
         self.head_done();
         if !evicted {
-            MoveRecords::new(run).end(&key);
+            MoveRecords::new(d).end(&key);
             return false;
         }
         let evicted_at = std::time::Instant::now();
@@ -214,15 +214,15 @@ impl<'a> Migration<'a> {
         self.after_gone(evicted_at).await
     }
 
-    /// The steps once the pod is gone, for a first run and a resumed move
+    /// The steps once the pod is gone, for a first d and a resumed move
     /// alike: its attachable volumes detached, the replacement that needs
     /// them again, and their move to it. Ends the move; says whether its
     /// volumes left the Node.
     async fn after_gone(&mut self, evicted_at: std::time::Instant) -> bool {
-        let (run, key) = (self.run, self.key.clone());
+        let (d, key) = (self.d, self.key.clone());
         let detached = self.pvs.is_empty() || self.detached(evicted_at).await;
         let mut held = false;
-        if detached && run.clock.expired() {
+        if detached && d.clock.expired() {
             // Past the deadline availability is given up, data is not: the
             // volumes left this Node, the next pod may go.
             tracing::info!(pvs = %self.pvs.join(","), "deadline passed: not waiting for the volumes to move");
@@ -237,13 +237,13 @@ impl<'a> Migration<'a> {
         }
         // A move held for an unplaceable replacement stays recorded: it
         // goes on, by these same steps, once the replacement is placed
-        // (`Migration::resume`), in this run or the next. So does one whose
+        // (`Migration::resume`), in this d or the next. So does one whose
         // volumes did not detach in time, with its workload's permit: no
         // other pod of the workload goes while a volume of this one is
         // still on the Node. It goes on once they are off (see
         // `MoveRecords::stalled`), or ends with the Machine.
         if !held && detached {
-            MoveRecords::new(run).end(&key);
+            MoveRecords::new(d).end(&key);
         }
         detached
     }
@@ -262,17 +262,17 @@ impl<'a> Migration<'a> {
     /// and the reconciler; false when the deadline passed first (the
     /// deadline rules then apply).
     async fn allowed(&self) -> bool {
-        let (run, key) = (self.run, &self.key);
+        let (d, key) = (self.d, &self.key);
         let Some(why) = &self.pod.held else {
             return true;
         };
         // At the deadline, with forcing, the deadline rules apply to it too.
-        let forced = || run.clock.expired() && run.job.settings.force_after_deadline;
+        let forced = || d.clock.expired() && d.job.settings.force_after_deadline;
         if forced() {
             return true;
         }
         let held = why.clone();
-        run.progress.update(|p| {
+        d.progress.update(|p| {
             p.current_pod = Some(key.clone());
             p.current_volume = Some(self.pod.node_local().join(", "));
             p.waiting_for = Some(format!(
@@ -281,7 +281,7 @@ impl<'a> Migration<'a> {
             p.blocked_by = Some(held.clone());
             p.local_held = Some(held);
         });
-        run.reports.event(
+        d.reports.event(
             EventType::Warning,
             "NodeLocalEvictionHeld",
             why.clone(),
@@ -289,15 +289,14 @@ impl<'a> Migration<'a> {
         );
         let uid = self.pod.uid.as_deref();
         let permitted = || {
-            *run.data_loss_allowed.borrow()
-                || run
-                    .view()
+            *d.data_loss_allowed.borrow()
+                || d.view()
                     .pod(&self.pod.pod, uid)
                     .is_none_or(|p| allows_data_loss(p.metadata.annotations.as_ref()))
         };
-        let mut machine = run.data_loss_allowed.clone();
-        let mut pods = run.deps.caches.pod_changes.clone();
-        let until = run.clock.deadline();
+        let mut machine = d.data_loss_allowed.clone();
+        let mut pods = d.deps.caches.pod_changes.clone();
+        let until = d.clock.deadline();
         let allowed = loop {
             machine.borrow_and_update();
             pods.borrow_and_update();
@@ -310,7 +309,7 @@ impl<'a> Migration<'a> {
                 () = tokio::time::sleep_until(until) => break permitted(),
             }
         };
-        run.progress.update(|p| {
+        d.progress.update(|p| {
             p.blocked_by = None;
             p.local_held = None;
         });
@@ -318,7 +317,7 @@ impl<'a> Migration<'a> {
             return true;
         }
         if allowed {
-            run.reports.event(
+            d.reports.event(
                 EventType::Normal,
                 "NodeLocalEvictionAllowed",
                 format!(
@@ -334,7 +333,7 @@ impl<'a> Migration<'a> {
     /// The pod is gone: names each node-local volume it used, whose data
     /// stays on this Node and is lost with the VM.
     fn data_lost(&self) {
-        let run = self.run;
+        let d = self.d;
         let local: Vec<&PlannedVolume> = self
             .pod
             .volumes
@@ -348,18 +347,18 @@ impl<'a> Migration<'a> {
             .iter()
             .map(|v| format!("{} ({})", v.volume.pv, v.class_why))
             .collect();
-        run.reports.event(
+        d.reports.event(
             EventType::Warning,
             "NodeLocalDataLost",
             format!(
                 "pod {} left Node {} without its node-local PV {}: the data cannot follow the pod and is lost with the VM",
                 self.key,
-                run.job.node,
+                d.job.node,
                 which.join(", ")
             ),
             local.first().and_then(|v| pv_ref(&v.volume.pv)),
         );
-        run.progress.update(|p| {
+        d.progress.update(|p| {
             for v in &local {
                 let entry = format!("PV {} (pod {})", v.volume.pv, self.key);
                 if !p.node_local_lost.contains(&entry) {
@@ -371,17 +370,17 @@ impl<'a> Migration<'a> {
 
     /// Evicts the pod; false when the deadline passed first.
     async fn evict(&self) -> bool {
-        let (run, key) = (self.run, &self.key);
+        let (d, key) = (self.d, &self.key);
         let volumes = (!self.pvs.is_empty()).then(|| self.pvs.join(", "));
-        run.progress.update(|p| {
+        d.progress.update(|p| {
             p.current_pod = Some(key.clone());
             p.current_volume = volumes;
             p.waiting_for = Some(format!("eviction of {key}"));
         });
-        match PodEviction::new(run, self.pod).run().await {
+        match PodEviction::new(d, self.pod).run().await {
             Eviction::Expired => false,
             Eviction::Accepted(pod) => {
-                run.reports.evicted(vec![pod]);
+                d.reports.evicted(vec![pod]);
                 true
             }
             Eviction::Gone | Eviction::Forced => true,
@@ -399,15 +398,15 @@ impl<'a> Migration<'a> {
     /// Waits for the pod to be gone: within its grace period and slack,
     /// then, with a warning, until the deadline. False if it is still there.
     async fn pod_gone(&self) -> bool {
-        let (run, key, planned) = (self.run, &self.key, self.pod);
-        run.progress
+        let (d, key, planned) = (self.d, &self.key, self.pod);
+        d.progress
             .step(|p| p.waiting_for = Some(format!("pod {key} to terminate")));
         let uid = planned.uid.as_deref();
-        let bound = run.clock.volume_bound(planned.bounds.pod_gone);
-        if run.waits().gone(&planned.pod, uid, bound).await {
+        let bound = d.clock.volume_bound(planned.bounds.pod_gone);
+        if d.waits().gone(&planned.pod, uid, bound).await {
             return true;
         }
-        run.reports.event(
+        d.reports.event(
             EventType::Warning,
             "PodTerminationSlow",
             format!(
@@ -415,35 +414,33 @@ impl<'a> Migration<'a> {
             ),
             Some(pod_ref_key(&planned.pod)),
         );
-        run.waits()
-            .gone(&planned.pod, uid, run.clock.deadline())
-            .await
+        d.waits().gone(&planned.pod, uid, d.clock.deadline()).await
     }
 
     /// Waits for the volumes to detach from this Node, within the detach
     /// bound; false (and the volumes given up on) when they did not.
     async fn detached(&mut self, evicted_at: std::time::Instant) -> bool {
-        let run = self.run;
+        let d = self.d;
         let pvs = self.pvs.join(", ");
         let bound = self
             .pod
             .bounds
             .detach
-            .unwrap_or(run.job.settings.volume_detach_timeout);
-        let until = run.clock.volume_bound(bound);
+            .unwrap_or(d.job.settings.volume_detach_timeout);
+        let until = d.clock.volume_bound(bound);
         self.others_gone(&pvs, until).await;
-        let node = &run.job.node;
-        run.progress.step(|p| {
+        let node = &d.job.node;
+        d.progress.step(|p| {
             p.waiting_for = Some(format!("attachable PV {pvs} to detach from Node {node}"));
         });
         match self.reg.wait_detached(until).await {
             Ok(()) => {
                 let took = evicted_at.elapsed();
-                run.deps
+                d.deps
                     .metrics
                     .volume_detach_wait
                     .observe(took.as_secs_f64());
-                run.reports.event(
+                d.reports.event(
                     EventType::Normal,
                     "VolumeDetached",
                     format!(
@@ -456,9 +453,9 @@ impl<'a> Migration<'a> {
                 true
             }
             Err(e) => {
-                run.held.give_up(self.pvs.iter().cloned());
+                d.held.give_up(self.pvs.iter().cloned());
                 let first = self.pvs.first().map(String::as_str);
-                run.reports
+                d.reports
                     .volume_wait_failed("VolumeDetachTimeout", &e, first);
                 false
             }
@@ -469,7 +466,7 @@ impl<'a> Migration<'a> {
     /// the volumes can detach (earlier users, pods already terminating).
     /// With one migration at a time they are gone already.
     async fn others_gone(&self, pvs: &str, until: Instant) {
-        let run = self.run;
+        let d = self.d;
         let first = self
             .plan
             .map(|p| p.gone_first(self.pod))
@@ -477,15 +474,15 @@ impl<'a> Migration<'a> {
         let all_gone = || {
             first
                 .iter()
-                .all(|(k, uid)| run.view().pod(k, uid.as_deref()).is_none())
+                .all(|(k, uid)| d.view().pod(k, uid.as_deref()).is_none())
         };
         if all_gone() {
             return;
         }
         let names: Vec<String> = first.iter().map(|(k, _)| fmt_key(k)).collect();
         let waiting = format!("{} to be gone before {pvs} can detach", names.join(", "));
-        run.progress.update(|p| p.waiting_for = Some(waiting));
-        run.waits().pods_until(until, all_gone).await;
+        d.progress.update(|p| p.waiting_for = Some(waiting));
+        d.waits().pods_until(until, all_gone).await;
     }
 
     /// The volumes to wait for on another Node: those whose claim some pod
@@ -495,7 +492,7 @@ impl<'a> Migration<'a> {
     /// before concluding none is coming. Says so for each volume nobody
     /// needs any more.
     async fn replacement(&self) -> Vec<&'a PlannedVolume> {
-        let (run, planned, key) = (self.run, self.pod, &self.key);
+        let (d, planned, key) = (self.d, self.pod, &self.key);
         let uid = planned.uid.clone().unwrap_or_default();
         let reattach: Vec<&PlannedVolume> = planned
             .volumes
@@ -504,8 +501,8 @@ impl<'a> Migration<'a> {
             .collect();
         let none = BTreeSet::new();
         let before = |v: &PlannedVolume| self.users_before.get(&v.volume.pv).unwrap_or(&none);
-        let missing = |v: &&PlannedVolume| !run.view().replaced(&v.volume.claim, &uid, before(v));
-        let reattach_bound = run.job.settings.volume_reattach_timeout;
+        let missing = |v: &&PlannedVolume| !d.view().replaced(&v.volume.claim, &uid, before(v));
+        let reattach_bound = d.job.settings.volume_reattach_timeout;
         let mut replacement_wait = REPLACEMENT_WAIT.min(reattach_bound);
         let mut scaled_down = None;
         if let Some(controller) = &planned.controller
@@ -524,9 +521,9 @@ impl<'a> Migration<'a> {
             && reattach.iter().any(missing)
         {
             let waiting = format!("{controller} to create the replacement of pod {key}");
-            run.progress.update(|p| p.waiting_for = Some(waiting));
-            let until = run.clock.bounded(replacement_wait);
-            run.waits()
+            d.progress.update(|p| p.waiting_for = Some(waiting));
+            let until = d.clock.bounded(replacement_wait);
+            d.waits()
                 .pods_until(until, || !reattach.iter().any(missing))
                 .await;
         }
@@ -541,7 +538,7 @@ impl<'a> Migration<'a> {
                 ),
                 (None, None) => "scaled down?".to_string(),
             };
-            run.reports.event(
+            d.reports.event(
                 EventType::Normal,
                 "NoReplacement",
                 format!(
@@ -567,7 +564,7 @@ impl<'a> Migration<'a> {
         }
         let (ns, pod) = &self.pod.pod;
         let key = kube::runtime::reflector::ObjectRef::new(name).within(ns);
-        match self.run.deps.caches.stateful_sets.get(&key) {
+        match self.d.deps.caches.stateful_sets.get(&key) {
             Some(sts) => wants_ordinal(&sts, pod),
             // Gone: nothing recreates the pod.
             None => Some(false),
@@ -579,7 +576,7 @@ impl<'a> Migration<'a> {
     /// same workload until it is placed (other workloads go on). Says
     /// whether the move is held (the pod has a controller).
     fn unplaceable(&self, pod: &str, message: &str) -> bool {
-        let run = self.run;
+        let d = self.d;
         let holds = match &self.pod.controller {
             Some(c) => format!("no other pod of {c} is evicted until it is placed"),
             None => "it has no controller; nothing else is held back".to_string(),
@@ -588,19 +585,19 @@ impl<'a> Migration<'a> {
             "replacement {pod} of evicted pod {} cannot be scheduled: {message}; {holds}",
             self.key
         );
-        run.reports.event(
+        d.reports.event(
             EventType::Warning,
             "ReplacementUnschedulable",
             why.clone(),
             Some(pod_ref_key(&self.pod.pod)),
         );
-        run.progress.update(|p| p.block(&self.key, why));
+        d.progress.update(|p| p.block(&self.key, why));
         let Some(c) = &self.pod.controller else {
             return false;
         };
         // The move as recorded (when it began tells a ReadWriteMany peer
         // from the replacement once it is placed).
-        let recorded = run.progress.move_of(&self.key);
+        let recorded = d.progress.move_of(&self.key);
         let moved = recorded.unwrap_or_else(|| VolumeMove {
             pod: self.key.clone(),
             uid: self.pod.uid.clone(),
@@ -614,7 +611,7 @@ impl<'a> Migration<'a> {
             workload: None,
             since: None,
         });
-        run.held.hold(c, moved, self.pod.order);
+        d.held.hold(c, moved, self.pod.order);
         true
     }
 
@@ -623,14 +620,14 @@ impl<'a> Migration<'a> {
     /// [`waits`](super::waits)). True when the move is held instead:
     /// the scheduler cannot place the replacement (see `unplaceable`).
     async fn moved(&mut self, expected: &[&PlannedVolume], left_at: std::time::Instant) -> bool {
-        let run = self.run;
+        let d = self.d;
         let waiting = format!(
             "{} to move with the pod that replaces {}",
             Self::named(expected),
             self.key
         );
-        run.progress.step(|p| p.waiting_for = Some(waiting));
-        let until = run.clock.bounded(run.job.settings.volume_reattach_timeout);
+        d.progress.step(|p| p.waiting_for = Some(waiting));
+        let until = d.clock.bounded(d.job.settings.volume_reattach_timeout);
         let uid = self.pod.uid.clone().unwrap_or_default();
         let none = BTreeSet::new();
         let volumes: Vec<Awaited> = expected
@@ -642,7 +639,7 @@ impl<'a> Migration<'a> {
                 users_before: self.users_before.get(&v.volume.pv).unwrap_or(&none),
             })
             .collect();
-        match run
+        match d
             .waits()
             .reattach(&mut self.reg, &volumes, &uid, true, left_at, until)
             .await
@@ -651,12 +648,12 @@ impl<'a> Migration<'a> {
                 // The replacements healthy: Ready (for the workload's
                 // minimum healthy time), within its healthy deadline or
                 // else what is left of the reattach timeout.
-                let budget = DrainPermits::new(run).pod_ask(self.pod).budget;
+                let budget = DrainPermits::new(d).pod_ask(self.pod).budget;
                 let until = match budget.healthy_deadline {
-                    Some(d) => run.clock.bounded(d),
+                    Some(bound) => d.clock.bounded(bound),
                     None => until,
                 };
-                run.waits().healthy(&pods, budget.min_healthy, until).await;
+                d.waits().healthy(&pods, budget.min_healthy, until).await;
                 false
             }
             Reattach::TimedOut => false,

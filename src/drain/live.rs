@@ -14,7 +14,6 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet, StatefulSet};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
-use super::class::{VolumeContext, allows_data_loss};
 use super::ledger::workload::{controller, workload_of};
 use super::ledger::{
     Answer, Asker, Ledger, MOVE_GROUP_ANNOTATION, PodAsk, PodToMove, Workload, WorkloadFacts,
@@ -22,6 +21,7 @@ use super::ledger::{
 };
 use super::plan::{DrainPlan, plan};
 use super::select::{fmt_key, pod_key};
+use super::volume_kind::{VolumeContext, allows_data_loss};
 use crate::api::settings::resolve;
 use crate::api::{DrainStatus, Machine, MachineClass};
 

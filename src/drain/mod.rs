@@ -3,7 +3,6 @@
 //! [`ledger`] that keeps each workload's moves within its budget across
 //! every drain.
 
-pub mod class;
 pub mod deadline;
 pub mod engine;
 pub mod evict;
@@ -16,6 +15,7 @@ pub mod resume;
 pub mod rules;
 pub mod select;
 pub mod volume;
+pub mod volume_kind;
 
 #[cfg(test)]
 pub(crate) mod fixtures;

@@ -8,11 +8,11 @@ use std::fmt;
 use humantime::format_duration;
 
 use crate::api::settings::NodeLocalVolumes;
-use crate::drain::class::VolumeClass;
 use crate::drain::plan::{DrainPlan, PlannedPod, PlannedVolume, VolumeWait};
 use crate::drain::rules;
 use crate::drain::select::{NamespacedName, fmt_key};
 use crate::drain::volume::is_inline;
+use crate::drain::volume_kind::VolumeKind;
 
 fn list(keys: &[NamespacedName]) -> String {
     keys.iter().map(fmt_key).collect::<Vec<_>>().join(", ")
@@ -36,7 +36,7 @@ impl fmt::Display for PlannedVolume {
         write!(f, "), {}: {}", self.class, self.class_why)?;
         match (&self.volume.unique_name, self.class) {
             (Some(unique), _) => write!(f, "; on the Node as {unique}")?,
-            (None, VolumeClass::Attachable) => {
+            (None, VolumeKind::Attachable) => {
                 f.write_str("; no unique name: recognised by VolumeAttachment only")?;
             }
             (None, _) => {}

@@ -533,7 +533,9 @@ async fn await_drain(
         settings: o.settings.clone(),
         deadline,
         moves: recorded_moves(m),
-        data_loss_allowed: crate::drain::class::allows_data_loss(m.metadata.annotations.as_ref()),
+        data_loss_allowed: crate::drain::volume_kind::allows_data_loss(
+            m.metadata.annotations.as_ref(),
+        ),
     };
     if let Some(gone) = &o.node_gone
         && !ctx.drainer.knows(&ObjectRef::from_obj(m))

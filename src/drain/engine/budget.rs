@@ -543,7 +543,7 @@ fn volumes_moved(caches: &Caches, p: &Permit) -> bool {
             view.volume_moved(
                 pv,
                 &claim,
-                crate::drain::class::VolumeClass::Attachable,
+                crate::drain::volume_kind::VolumeKind::Attachable,
                 &p.uid,
                 &none,
             )

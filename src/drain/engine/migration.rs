@@ -33,12 +33,12 @@ use super::node_drain::NodeDrain;
 use super::reattach::{Awaited, Reattach};
 use super::refs::{pod_ref_key, pv_ref};
 use crate::api::VolumeMove;
-use crate::drain::class::{VolumeClass, allows_data_loss};
 use crate::drain::ledger::workload::wants_ordinal;
 use crate::drain::ledger::workload_name;
 use crate::drain::plan::{DrainPlan, PlannedPod, PlannedVolume};
 use crate::drain::resume::resumed_pod;
 use crate::drain::select::fmt_key;
+use crate::drain::volume_kind::{VolumeKind, allows_data_loss};
 use crate::volumes::{Interest, Registration};
 
 /// How long a drain waits, after a controlled stateful pod's volumes have
@@ -341,7 +341,7 @@ impl<'a> Migration<'a> {
             .pod
             .volumes
             .iter()
-            .filter(|v| v.class == VolumeClass::NodeLocal)
+            .filter(|v| v.class == VolumeKind::NodeLocal)
             .collect();
         if local.is_empty() {
             return;

@@ -23,7 +23,6 @@ use super::refs::{pod_ref_key, pv_ref};
 use super::view::{View, pvs_of};
 use super::{Deps, Job, Progress};
 use crate::api::VolumeMove;
-use crate::drain::class::VolumeContext;
 use crate::drain::evict::{self, Evicted};
 use crate::drain::ledger::workload_of_record;
 use crate::drain::plan::{
@@ -33,6 +32,7 @@ use crate::drain::plan::{
 use crate::drain::select::{
     Arrivals, NamespacedName, came_back, fmt_key, held_by_finalizers, pod_key,
 };
+use crate::drain::volume_kind::VolumeContext;
 use crate::telemetry::EvictionResult;
 use crate::volumes::{Interest, WaitError, pv_of};
 

@@ -30,11 +30,11 @@ use super::refs::pv_ref;
 use super::{Deps, Job, Outcome, Progress};
 use crate::api::Machine;
 use crate::controller::AbortOnDrop;
-use crate::drain::class::VolumeClass;
 use crate::drain::evict::{self, Evicted};
 use crate::drain::pdb::PdbVerdict;
 use crate::drain::plan::{DetachingVolume, DrainPlan};
 use crate::drain::select::{NamespacedName, fmt_key};
+use crate::drain::volume_kind::VolumeKind;
 use crate::telemetry::{EvictionResult, GaugeHold};
 use crate::volumes::Interest;
 
@@ -796,7 +796,7 @@ impl NodeDrain {
             .map(|(pv, claim)| Awaited {
                 pv,
                 claim,
-                class: VolumeClass::Attachable,
+                class: VolumeKind::Attachable,
                 users_before: &none,
             })
             .collect();

@@ -19,10 +19,10 @@ use tokio::time::Instant;
 
 use super::node_drain::NodeDrain;
 use super::refs::{pod_ref_key, pv_ref};
-use crate::drain::class::VolumeClass;
 use crate::drain::ledger::{healthy, ready_since};
 use crate::drain::select::{NamespacedName, fmt_key};
 use crate::drain::volume::Moved;
+use crate::drain::volume_kind::VolumeKind;
 use crate::volumes::{Registration, Signal, WaitError};
 
 /// How a wait for healthy replacements ended.
@@ -39,7 +39,7 @@ pub(super) struct Awaited<'v> {
     pub(super) pv: &'v str,
     /// The claim it moves with.
     pub(super) claim: &'v NamespacedName,
-    pub(super) class: VolumeClass,
+    pub(super) class: VolumeKind,
     /// The pods that used the claim on other Nodes before the move began:
     /// none of them is the replacement.
     pub(super) users_before: &'v BTreeSet<String>,
@@ -75,7 +75,7 @@ impl NodeDrain {
     ) -> Reattach {
         let attachable: BTreeSet<&str> = volumes
             .iter()
-            .filter(|v| v.class == VolumeClass::Attachable)
+            .filter(|v| v.class == VolumeKind::Attachable)
             .map(|v| v.pv)
             .collect();
         reg.retain_volumes(|pv| attachable.contains(pv));
@@ -227,7 +227,7 @@ impl NodeDrain {
         self.deps.metrics.volume_reattach_wait.observe(took);
         for (v, m) in moved {
             let (reason, how) = match v.class {
-                VolumeClass::AttachFree => (
+                VolumeKind::AttachFree => (
                     "VolumeMoved",
                     format!(
                         "moved with pod {}, Running and Ready on Node {} (nothing to detach or attach)",

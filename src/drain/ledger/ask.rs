@@ -15,9 +15,9 @@ use super::{
     Ask, Asker, BadAnnotation, Budget, MOVE_GROUP_KIND, Workload, WorkloadFacts, WorkloadTerms,
     budget_of, grouped, ready_since,
 };
-use crate::drain::class::VolumeClass;
 use crate::drain::plan::PlannedPod;
 use crate::drain::select::{NamespacedName, pod_key};
+use crate::drain::volume_kind::VolumeKind;
 
 /// A pod whose move is asked for, as its asker knows it.
 #[derive(Debug, Clone)]
@@ -44,8 +44,8 @@ pub struct PodToMove<'a> {
 
 impl<'a> PodToMove<'a> {
     /// Planned pod `p`, and the pod as it is now (`None`: gone): its
-    /// volumes are the plan's, its attachable PVs those the plan classes
-    /// attachable.
+    /// volumes are the plan's, its attachable PVs those of kind
+    /// attachable in the plan.
     pub fn planned(p: &PlannedPod, pod: Option<&'a Pod>) -> Self {
         Self {
             key: p.pod.clone(),
@@ -58,7 +58,7 @@ impl<'a> PodToMove<'a> {
             attach: p
                 .volumes
                 .iter()
-                .filter(|v| v.class == VolumeClass::Attachable)
+                .filter(|v| v.class == VolumeKind::Attachable)
                 .map(|v| v.volume.pv.clone())
                 .collect(),
         }
@@ -292,7 +292,7 @@ mod tests {
                 unique_name: None,
                 ephemeral: false,
             },
-            class: VolumeClass::Attachable,
+            class: VolumeKind::Attachable,
             class_why: String::new(),
             attached_to: Vec::new(),
             wait: crate::drain::plan::VolumeWait::Detach {

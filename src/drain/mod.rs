@@ -5,11 +5,11 @@
 
 pub mod deadline;
 pub mod engine;
-pub mod evict;
 pub mod ledger;
 pub mod live;
 pub mod pdb;
 pub mod plan;
+pub mod pod_writes;
 mod print;
 pub mod resume;
 pub mod rules;

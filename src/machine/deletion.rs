@@ -33,7 +33,7 @@ use crate::api::{FORCE_DELETION_LABEL, Machine, PRE_DRAIN_HOOK_PREFIX, PRE_TERMI
 use crate::api::{VolumeMove, cordoned_at};
 use crate::drain::deadline::{Deadline, released};
 use crate::drain::engine::{Job, Outcome, Progress, RESTART_ENDED_AFTER, RETRY_FAILED_AFTER};
-use crate::drain::evict::Evicted;
+use crate::drain::pod_writes::Evicted;
 use crate::drain::select::{Arrivals, came_back};
 use crate::providers::ProviderError;
 
@@ -499,7 +499,7 @@ async fn force_delete_pods(
         let Some(pod) = ctx.caches.pods.get(&ObjectRef::new(name).within(ns)) else {
             continue;
         };
-        match crate::drain::evict::delete(&ctx.client, &pod, Some(0)).await {
+        match crate::drain::pod_writes::delete(&ctx.client, &pod, Some(0)).await {
             Evicted::Accepted | Evicted::Gone => {}
             Evicted::Refused { message }
             | Evicted::Throttled { message, .. }

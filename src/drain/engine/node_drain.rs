@@ -23,12 +23,12 @@ use super::refs::{pod_ref_key, pv_ref};
 use super::view::{View, pvs_of};
 use super::{Deps, Job, Progress};
 use crate::api::VolumeMove;
-use crate::drain::evict::{self, Evicted};
 use crate::drain::ledger::workload_of_record;
 use crate::drain::plan::{
     DetachingVolume, DrainPlan, TerminatingPod, controller_of, detaching_volumes, plan,
     still_to_wait_for,
 };
+use crate::drain::pod_writes::{self, Evicted};
 use crate::drain::select::{
     Arrivals, NamespacedName, came_back, fmt_key, held_by_finalizers, pod_key,
 };
@@ -257,7 +257,7 @@ impl NodeDrain {
 
     /// Deletes with grace 0 a pod whose grace period already passed.
     async fn force_gone(&self, key: &NamespacedName, pod: &Pod) {
-        match evict::delete(&self.client, pod, Some(0)).await {
+        match pod_writes::delete(&self.client, pod, Some(0)).await {
             Evicted::Accepted => {
                 self.deps.metrics.record_eviction(EvictionResult::Forced);
                 self.forced(key);

@@ -30,9 +30,9 @@ use super::refs::pv_ref;
 use super::{Deps, Job, Outcome, Progress};
 use crate::api::Machine;
 use crate::controller::AbortOnDrop;
-use crate::drain::evict::{self, Evicted};
 use crate::drain::pdb::PdbVerdict;
 use crate::drain::plan::{DetachingVolume, DrainPlan};
+use crate::drain::pod_writes::{self, Evicted};
 use crate::drain::select::{NamespacedName, fmt_key};
 use crate::drain::volume_kind::VolumeKind;
 use crate::telemetry::{EvictionResult, GaugeHold};
@@ -704,7 +704,7 @@ impl NodeDrain {
             let Some(pod) = self.view().pod(&p.pod, p.uid.as_deref()) else {
                 continue;
             };
-            match evict::delete(&self.client, &pod, None).await {
+            match pod_writes::delete(&self.client, &pod, None).await {
                 Evicted::Accepted | Evicted::Gone => {
                     self.deps.metrics.record_eviction(EvictionResult::Deleted);
                     self.count_evicted(&p.pod);

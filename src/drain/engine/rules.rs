@@ -10,8 +10,8 @@ use tokio::time::Instant;
 
 use super::node_drain::NodeDrain;
 use super::refs::{pod_ref, pod_ref_key};
-use crate::drain::evict::{self, Evicted};
 use crate::drain::plan::{DrainPlan, PlannedPod};
+use crate::drain::pod_writes::{self, Evicted};
 use crate::drain::rules::{DRAIN_ANNOTATION, enter_group};
 use crate::drain::select::{PodClass, finished, fmt_key};
 use crate::telemetry::EvictionResult;
@@ -153,7 +153,7 @@ impl NodeDrain {
             return;
         };
         let key = fmt_key(&p.pod);
-        match evict::delete(&self.client, &pod, None).await {
+        match pod_writes::delete(&self.client, &pod, None).await {
             Evicted::Accepted => {
                 self.deps.metrics.record_eviction(EvictionResult::Forced);
                 self.count_evicted(&p.pod);

@@ -15,6 +15,7 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 
 use super::Context;
+use super::commit::{Next, Recorded, Write, announce, elapsed_since, record, truncate};
 use super::decide::{self, DeletionFacts, DeletionStep, NodeFacts, next_deletion_step};
 use super::error::{Error, Step, at};
 use super::lookup::{
@@ -25,7 +26,6 @@ use super::record::{
     DeletionOutcome, DrainView, StepRecord, Unresolved, VOLUMES_LEFT_REASONS, deletion_record,
     owner_unknown_record, settings_message, with_settings_condition,
 };
-use super::recorder::{Next, Recorded, Write, announce, elapsed_since, record, truncate};
 use super::status::condition;
 use crate::api::conditions::{DRAIN_SETTINGS, VM_REQUESTED, VOLUMES_DETACHED};
 use crate::api::settings::{ResolvedSettings, resolve};

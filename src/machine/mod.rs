@@ -13,9 +13,10 @@
 //! `decide` chooses the next step from facts, `record` what a step records,
 //! `status` folds that into the status, `write` writes it without undoing a
 //! newer write. `reconcile` is the entry: `creation` and `deletion` observe,
-//! act and record (through `recorder`), each step in a function of its
+//! act and record (through `commit`), each step in a function of its
 //! own; `node` holds every write to a Node.
 
+mod commit;
 mod creation;
 pub(crate) mod decide;
 mod deletion;
@@ -24,7 +25,6 @@ mod lookup;
 pub(crate) mod node;
 mod reconcile;
 pub(crate) mod record;
-mod recorder;
 pub(crate) mod status;
 pub mod write;
 

@@ -1,6 +1,7 @@
-//! Recording a step: the status it implies, written with the
-//! compare-and-swap of `write`, and the Event that tells it, and where a
-//! reconcile leaves the Machine ([`Next`]).
+//! A step committed: the status its record implies (see `record`, which
+//! says what a step records), written with the compare-and-swap of
+//! `write`, and the Event that tells it; and where a reconcile leaves the
+//! Machine ([`Next`]).
 
 use std::time::Duration;
 

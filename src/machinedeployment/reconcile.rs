@@ -115,12 +115,12 @@ pub(crate) async fn reconcile(
     let mut wanted = Wanted::of(&md);
 
     // The decision and its writes, one deployment at a time.
-    let mut ledger = ctx.ledger.lock().await;
+    let mut expectations = ctx.expectations.lock().await;
     if adopt_orphaned_sets(&md, &ns, &ctx).await? > 0 {
         // Their watch events bring them back as members.
         return Ok(Action::await_change());
     }
-    let members = members(&md, &ns, &uid, &ctx, &mut ledger, now);
+    let members = members(&md, &ns, &uid, &ctx, &mut expectations, now);
     // A class edited in place rolls the pool as a new template does.
     wanted.class_hash = ctx
         .caches
@@ -153,11 +153,20 @@ pub(crate) async fn reconcile(
         // The old Nodes are tainted before any old Machine is asked to go,
         // so that no pod evicted in this rollout lands on one.
         taint_old_nodes(&new, &old, &ctx).await;
-        roll(&md, &ns, &wanted, &mut new, &mut old, &ctx, &mut ledger).await?
+        roll(
+            &md,
+            &ns,
+            &wanted,
+            &mut new,
+            &mut old,
+            &ctx,
+            &mut expectations,
+        )
+        .await?
     } else {
         None
     };
-    drop(ledger);
+    drop(expectations);
 
     trim_history(&md, &ns, &mut old, &ctx).await;
 
@@ -187,11 +196,11 @@ async fn roll(
     new: &mut [Member],
     old: &mut [Member],
     ctx: &Context,
-    ledger: &mut super::Ledger,
+    expectations: &mut super::Expectations,
 ) -> Result<Option<Hold>, Error> {
     let new_counts = new.first().map(|m| m.counts).unwrap_or_default();
     let old_counts = sum(old.iter().map(|m| m.counts));
-    let drains = drains_everywhere(ctx, ledger);
+    let drains = drains_everywhere(ctx, expectations);
     ctx.metrics
         .rollout_drains
         .set(i64::try_from(drains).unwrap_or(i64::MAX));
@@ -214,7 +223,7 @@ async fn roll(
     match new.first_mut() {
         None => {
             let created = create_set(md, ns, wanted, step.new_replicas, next_revision, ctx).await?;
-            ledger.wrote(&created);
+            expectations.wrote(&created);
             let note = if old.is_empty() {
                 format!(
                     "created MachineSet {} with {} Machines",
@@ -238,13 +247,24 @@ async fn roll(
                 Some(&created),
             );
         }
-        Some(m) => scale_new(md, ns, m, step.new_replicas, next_revision, ctx, ledger).await?,
+        Some(m) => {
+            scale_new(
+                md,
+                ns,
+                m,
+                step.new_replicas,
+                next_revision,
+                ctx,
+                expectations,
+            )
+            .await?
+        }
     }
     let new_name = new
         .first()
         .map(Member::name)
         .unwrap_or_else(|| set_name(md, &wanted.hash));
-    scale_old(md, ns, &new_name, old, step.delete_old, ctx, ledger).await?;
+    scale_old(md, ns, &new_name, old, step.delete_old, ctx, expectations).await?;
     // Held by its own pace, unless the drains it waits for wait for a
     // workload's move budget.
     let budget = |m: &Arc<Machine>| {
@@ -269,7 +289,7 @@ async fn scale_new(
     replicas: usize,
     next_revision: i64,
     ctx: &Context,
-    ledger: &mut super::Ledger,
+    expectations: &mut super::Expectations,
 ) -> Result<(), Error> {
     let revision_behind = m.revision < next_revision - 1;
     let superseded = m.set.annotations().contains_key(SUPERSEDED_ANNOTATION);
@@ -288,7 +308,7 @@ async fn scale_new(
         }});
     }
     let written = patch_set(ctx, ns, &m.name(), patch, "scaling").await?;
-    ledger.wrote(&written);
+    expectations.wrote(&written);
     if m.counts.replicas != replicas {
         publish(
             ctx,
@@ -389,7 +409,7 @@ fn members(
     ns: &str,
     uid: &str,
     ctx: &Context,
-    ledger: &mut super::Ledger,
+    expectations: &mut super::Expectations,
     now: Timestamp,
 ) -> Vec<Member> {
     let min_ready = SignedDuration::from_secs(md.spec.min_ready_seconds.unwrap_or(0).into());
@@ -409,7 +429,7 @@ fn members(
                 .map(|u| ctx.caches.machines_by_set.get(&ctx.caches.machines, &u))
                 .unwrap_or_default();
             let mut counts = SetCounts {
-                replicas: ledger.replicas(&set),
+                replicas: expectations.replicas(&set),
                 ..SetCounts::default()
             };
             for m in &machines {
@@ -449,7 +469,7 @@ fn sum(counts: impl Iterator<Item = SetCounts>) -> SetCounts {
 
 /// Old Machines being deleted by the rollouts of every deployment, the
 /// deletions asked of their sets and not yet begun included.
-fn drains_everywhere(ctx: &Context, ledger: &mut super::Ledger) -> usize {
+fn drains_everywhere(ctx: &Context, expectations: &mut super::Expectations) -> usize {
     ctx.caches
         .sets
         .state()
@@ -465,7 +485,7 @@ fn drains_everywhere(ctx: &Context, ledger: &mut super::Ledger) -> usize {
                 .filter(|m| m.metadata.deletion_timestamp.is_some())
                 .count();
             let active = machines.len() - deleting;
-            deleting + active.saturating_sub(ledger.replicas(s))
+            deleting + active.saturating_sub(expectations.replicas(s))
         })
         .sum()
 }
@@ -666,7 +686,7 @@ async fn scale_old(
     old: &mut [Member],
     delete: usize,
     ctx: &Context,
-    ledger: &mut super::Ledger,
+    expectations: &mut super::Expectations,
 ) -> Result<(), Error> {
     // The Machines each old set will delete already: its own first ones.
     let mut candidates: Vec<(usize, Candidate)> = Vec::new();
@@ -711,7 +731,7 @@ async fn scale_old(
             "spec": {"replicas": keep},
         });
         let written = patch_set(ctx, ns, &m.name(), patch, "scaling down").await?;
-        ledger.wrote(&written);
+        expectations.wrote(&written);
         // One Event per Machine (an Event names one related object, and
         // Events that differ only in their note are folded into one).
         for c in &goes[i] {

@@ -15,7 +15,7 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 
 use super::Context;
-use super::commit::{Next, Recorded, Write, announce, elapsed_since, record, truncate};
+use super::commit::{Next, Recorded, Write, elapsed_since, event, record, truncate};
 use super::decide::{self, DeletionFacts, DeletionStep, NodeFacts, next_deletion_step};
 use super::error::{Error, Step, at};
 use super::lookup::{
@@ -443,7 +443,7 @@ async fn mark_terminating(
 }
 
 /// Cordons the Node, and goes on to the next step (starting the drain) at
-/// once: the cordon is announced (its Event) but not written on its own,
+/// once: the cordon is told by its Event but not written on its own,
 /// the next step's record says where the deletion is. Under a saturated
 /// API server each write before the drain takes up to a second (the scale
 /// benchmark: 0.6 to 1.0 s), and every drain's first eviction waited for
@@ -463,7 +463,7 @@ async fn cordon(
         .map_err(at(Step::Cordon))?;
     let last = m.status.as_ref().and_then(|s| s.last_operation.as_ref());
     if !rec.report.recorded_in(last) {
-        announce(ctx, m, &rec.report);
+        event(ctx, m, &rec.report);
     }
     Ok(Stepped::Advanced {
         machine: None,

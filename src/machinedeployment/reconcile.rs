@@ -238,7 +238,7 @@ async fn roll(
                     old_counts.active + old_counts.deleting
                 )
             };
-            publish(
+            event(
                 ctx,
                 md,
                 "RolloutStarted",
@@ -310,7 +310,7 @@ async fn scale_new(
     let written = patch_set(ctx, ns, &m.name(), patch, "scaling").await?;
     expectations.wrote(&written);
     if m.counts.replicas != replicas {
-        publish(
+        event(
             ctx,
             md,
             "ScaledNewMachineSet",
@@ -378,7 +378,7 @@ fn observe(
 }
 
 /// The status written by compare-and-swap (see `crate::controller::status`)
-/// and announced once written. `false`: refused, the watch brings the newer
+/// and told by its Events once written. `false`: refused, the watch brings the newer
 /// copy and the deployment is reconciled again on it.
 async fn write(
     md: &MachineDeployment,
@@ -393,7 +393,7 @@ async fn write(
         .map_err(Error::Status)?
     {
         StatusWrite::Written(_) => {
-            announce(ctx, md, current, status);
+            event_progressing(ctx, md, current, status);
             Ok(true)
         }
         StatusWrite::Conflict => {
@@ -820,7 +820,7 @@ async fn trim_history(md: &MachineDeployment, ns: &str, old: &mut Vec<Member>, c
 }
 
 /// Events for the transitions of `Progressing` an operator acts on.
-fn announce(
+fn event_progressing(
     ctx: &Context,
     md: &MachineDeployment,
     before: &crate::api::MachineDeploymentStatus,
@@ -858,7 +858,8 @@ fn announce(
         .event(type_, md.object_ref(&()), "Rollout", &now, message, None);
 }
 
-fn publish(
+/// A Normal Event on `md` (related to `set`, if any), logged too.
+fn event(
     ctx: &Context,
     md: &MachineDeployment,
     reason: &str,

@@ -4,13 +4,12 @@
 //! every drain.
 
 pub mod deadline;
+mod describe;
 pub mod engine;
 pub mod ledger;
-pub mod live;
 pub mod pdb;
 pub mod plan;
 pub mod pod_writes;
-mod print;
 pub mod resume;
 pub mod rules;
 pub mod select;

@@ -1,7 +1,8 @@
 //! The drain plan: every pod on a Node, what happens to it and in what order,
 //! computed from cached objects in one pure function, `plan`. The drain
 //! engine executes it and `berth plan` prints it ([`DrainPlan`]'s `Display`,
-//! in `drain::print`).
+//! in `crate::cli::print`; a volume and its wait in words, in
+//! `drain::describe`).
 //!
 //! How the plan is made:
 //!

@@ -15,8 +15,8 @@ use super::reattach::Health;
 use super::refs::pod_ref_key;
 use crate::cache::Caches;
 use crate::drain::ledger::{
-    Answer, Asker, Budget, Permit, PodAsk, PodToMove, Workload, WorkloadFacts, WorkloadTerms,
-    moving_names, permit_expires, pod_ask, ready_since,
+    Answer, Asker, Budget, Permit, PodAsk, Workload, WorkloadFacts, WorkloadTerms, moving_names,
+    permit_expires, planned_ask, ready_since,
 };
 use crate::drain::plan::PlannedPod;
 use crate::drain::select::fmt_key;
@@ -80,7 +80,7 @@ impl NodeDrain {
         )
     }
 
-    /// What the ledger makes of `p` for this drain now (see [`pod_ask`]):
+    /// What the ledger makes of `p` for this drain now (see [`planned_ask`]):
     /// its workload, its budget and its ask; each value berth cannot read
     /// warned about once.
     pub(super) fn pod_ask(&self, p: &PlannedPod) -> PodAsk {
@@ -101,8 +101,13 @@ impl NodeDrain {
             past_deadline: self.expired(),
             moves_left: self.moves_left.load(std::sync::atomic::Ordering::Acquire),
         };
-        let to_move = PodToMove::planned(p, pod.as_deref()).replaced_by(replacement.as_deref());
-        let asked = pod_ask(&self.deps.caches, to_move, &drain);
+        let asked = planned_ask(
+            &self.deps.caches,
+            p,
+            pod.as_deref(),
+            replacement.as_deref(),
+            &drain,
+        );
         for b in &asked.bad {
             let workload = &asked.workload;
             if self.first_report(format!("budget/{workload}/{}", b.key)) {

@@ -15,7 +15,7 @@ use super::{
     Ask, Asker, BadAnnotation, Budget, MOVE_GROUP_KIND, Workload, WorkloadFacts, WorkloadTerms,
     budget_of, grouped, ready_since,
 };
-use crate::drain::plan::PlannedPod;
+use crate::drain::plan::{DrainPlan, PlannedPod};
 use crate::drain::select::{NamespacedName, pod_key};
 use crate::drain::volume_kind::VolumeKind;
 
@@ -194,6 +194,31 @@ pub fn pod_ask(facts: &(impl WorkloadFacts + ?Sized), pod: PodToMove<'_>, drain:
         ask: Some(ask),
         owner,
     }
+}
+
+/// Planned pod `p`'s ask of the ledger for `drain`, read from `facts`:
+/// [`pod_ask`] of `p` as it is now (`pod`; `None`: gone, and then
+/// `replacement`, a pod that uses one of its claims now, speaks for its
+/// pod template). The engine's drains and `berth plan` ask through it
+/// alike.
+pub fn planned_ask(
+    facts: &(impl WorkloadFacts + ?Sized),
+    p: &PlannedPod,
+    pod: Option<&Pod>,
+    replacement: Option<&Pod>,
+    drain: &Asker,
+) -> PodAsk {
+    pod_ask(
+        facts,
+        PodToMove::planned(p, pod).replaced_by(replacement),
+        drain,
+    )
+}
+
+/// The volume moves a drain of `plan` has left before its first eviction:
+/// one a stateful pod (see [`Asker::moves_left`]).
+pub fn moves_in(plan: &DrainPlan) -> u32 {
+    u32::try_from(plan.stateful.len()).unwrap_or(u32::MAX)
 }
 
 #[cfg(test)]

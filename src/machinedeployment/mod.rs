@@ -20,6 +20,7 @@
 //! deployment at a time, so the global cap holds.
 
 pub(crate) mod decide;
+mod members;
 mod reconcile;
 
 use std::collections::HashMap;

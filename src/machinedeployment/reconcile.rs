@@ -15,7 +15,8 @@ use kube::runtime::events::EventType;
 use kube::{Resource, ResourceExt};
 
 use super::Context;
-use super::decide::{self, Facts, Failing, Hold, Observed, Pace, SetCounts};
+use super::decide::{self, Facts, Failing, Hold, Observed, Pace};
+use super::members::{Member, drains_everywhere, members, sum};
 use crate::api::conditions::READY;
 use crate::api::machinedeployment::conditions::PROGRESSING;
 use crate::api::{
@@ -25,8 +26,8 @@ use crate::api::{
 use crate::controller::status::{StatusWrite, write_status};
 use crate::machine::status::condition;
 use crate::machineset::decide::{selector_string, selects};
+use crate::machineset::observe::candidate;
 use crate::machineset::order::{self, Candidate};
-use crate::machineset::reconcile::{candidate, facts, node_of};
 
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum Error {
@@ -43,26 +44,6 @@ pub(crate) enum Error {
     },
     #[error("writing the status: {0}")]
     Status(#[source] kube::Error),
-}
-
-/// One of the deployment's sets, with its Machines.
-struct Member {
-    set: Arc<MachineSet>,
-    machines: Vec<Arc<Machine>>,
-    counts: SetCounts,
-    revision: i64,
-}
-
-impl Member {
-    fn name(&self) -> String {
-        self.set.name_any()
-    }
-
-    fn active(&self) -> impl Iterator<Item = &Arc<Machine>> {
-        self.machines
-            .iter()
-            .filter(|m| m.metadata.deletion_timestamp.is_none())
-    }
 }
 
 /// What the deployment's spec asks for, read once per reconcile.
@@ -403,93 +384,6 @@ async fn write(
     }
 }
 
-/// The deployment's sets from the cache, each with its Machines and counts.
-fn members(
-    md: &MachineDeployment,
-    ns: &str,
-    uid: &str,
-    ctx: &Context,
-    expectations: &mut super::Expectations,
-    now: Timestamp,
-) -> Vec<Member> {
-    let min_ready = SignedDuration::from_secs(md.spec.min_ready_seconds.unwrap_or(0).into());
-    ctx.caches
-        .sets
-        .state()
-        .into_iter()
-        .filter(|s| s.namespace().as_deref() == Some(ns))
-        .filter(|s| {
-            s.owner_references()
-                .iter()
-                .any(|o| o.controller == Some(true) && o.uid == uid)
-        })
-        .map(|set| {
-            let machines: Vec<Arc<Machine>> = set
-                .uid()
-                .map(|u| ctx.caches.machines_by_set.get(&ctx.caches.machines, &u))
-                .unwrap_or_default();
-            let mut counts = SetCounts {
-                replicas: expectations.replicas(&set),
-                ..SetCounts::default()
-            };
-            for m in &machines {
-                if m.metadata.deletion_timestamp.is_some() {
-                    counts.deleting += 1;
-                    continue;
-                }
-                counts.active += 1;
-                let f = facts(m, &ctx.caches);
-                counts.ready += usize::from(f.ready());
-                counts.available += usize::from(f.available(min_ready, now));
-            }
-            let revision = set
-                .annotations()
-                .get(REVISION_ANNOTATION)
-                .and_then(|r| r.parse().ok())
-                .unwrap_or(0);
-            Member {
-                set,
-                machines,
-                counts,
-                revision,
-            }
-        })
-        .collect()
-}
-
-fn sum(counts: impl Iterator<Item = SetCounts>) -> SetCounts {
-    counts.fold(SetCounts::default(), |a, c| SetCounts {
-        replicas: a.replicas + c.replicas,
-        active: a.active + c.active,
-        deleting: a.deleting + c.deleting,
-        ready: a.ready + c.ready,
-        available: a.available + c.available,
-    })
-}
-
-/// Old Machines being deleted by the rollouts of every deployment, the
-/// deletions asked of their sets and not yet begun included.
-fn drains_everywhere(ctx: &Context, expectations: &mut super::Expectations) -> usize {
-    ctx.caches
-        .sets
-        .state()
-        .iter()
-        .filter(|s| s.annotations().contains_key(SUPERSEDED_ANNOTATION))
-        .map(|s| {
-            let machines = s
-                .uid()
-                .map(|u| ctx.caches.machines_by_set.get(&ctx.caches.machines, &u))
-                .unwrap_or_default();
-            let deleting = machines
-                .iter()
-                .filter(|m| m.metadata.deletion_timestamp.is_some())
-                .count();
-            let active = machines.len() - deleting;
-            deleting + active.saturating_sub(expectations.replicas(s))
-        })
-        .sum()
-}
-
 /// Adopts the MachineSets of this namespace that no controller owns and
 /// that were made by a deployment of this selector (their labels match it,
 /// with a template hash): a deployment deleted with its sets orphaned and
@@ -765,7 +659,7 @@ async fn taint_old_nodes(new: &[Member], old: &[Member], ctx: &Context) {
     let want = old.iter().flat_map(|m| m.active()).map(|m| (m, true));
     let drop = new.iter().flat_map(|m| m.active()).map(|m| (m, false));
     for (machine, tainted) in want.chain(drop) {
-        let Some(node) = node_of(machine, &ctx.caches) else {
+        let Some(node) = ctx.caches.node_of(machine) else {
             continue;
         };
         if let Err(e) = crate::machine::node::rollout_taint(&ctx.client, &node, tainted).await {

@@ -17,8 +17,9 @@
 //! goes, `reconcile` observes, acts and records.
 
 pub(crate) mod decide;
+pub(crate) mod observe;
 pub(crate) mod order;
-pub(crate) mod reconcile;
+mod reconcile;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};

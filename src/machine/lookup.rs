@@ -1,5 +1,8 @@
-//! What a reconcile looks up: the Machine's class, driver and settings,
-//! and its Node.
+//! What a reconcile looks up: the Machine's class, driver and settings
+//! ([`resolve_machine`]), its Node from the cache or the API server, and
+//! whether a Node is the Machine's ([`belongs`]: a Node that took its
+//! Node's name is not), and whose VM a hand-written providerID names
+//! ([`vm_owner`]).
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -415,6 +415,11 @@ mod tests {
             PodToMove::planned(&gone, None).replaced_by(Some(&next)),
             &drain(),
         );
+        assert_eq!(
+            planned_ask(&facts, &gone, None, Some(&next), &drain()),
+            asked,
+            "the engine's and berth plan's way to the same ask"
+        );
         assert_eq!(asked.workload, sts);
         assert_eq!(
             asked.budget.max_moving,

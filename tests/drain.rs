@@ -172,7 +172,7 @@ async fn a_node_is_drained_in_volume_aware_order() {
 
     // The replacement Node, then the plan, then the deletion.
     let node_b = running_machine(&client, ns, "b", ns).await;
-    let live = berth::drain::live::plan_machine(&client, ns, "a")
+    let live = berth::cli::plan::plan_machine(&client, ns, "a")
         .await
         .expect("plan");
     let planned: Vec<String> = live
@@ -1685,7 +1685,7 @@ async fn a_machine_whose_class_is_gone_keeps_its_own_drain_settings() {
     );
     // `berth plan` plans with the settings the drain uses, says why, and
     // shows where the drain stands.
-    let live = berth::drain::live::plan_machine(&client, ns, "k")
+    let live = berth::cli::plan::plan_machine(&client, ns, "k")
         .await
         .expect("a plan without the class");
     let notes = live.notes();

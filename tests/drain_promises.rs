@@ -1438,7 +1438,7 @@ async fn an_eviction_the_api_server_throttles_is_not_a_budget_refusal() {
 /// the new pod's own state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_eviction_never_takes_the_pod_that_took_the_name() {
-    use berth::drain::evict::{Evicted, evict};
+    use berth::drain::pod_writes::{Evicted, evict};
     let ns = "promise-pinned";
     let client = BED.case(ns, serde_json::json!({})).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);

@@ -267,7 +267,7 @@ async fn scenario(
     machine(client, clock, "machine-c").await?;
 
     // The plan, then the deletion, followed live.
-    let live = berth::drain::live::plan_machine(client, NS, "machine-a").await?;
+    let live = berth::cli::plan::plan_machine(client, NS, "machine-a").await?;
     println!("\n--- berth plan {NS}/machine-a ---\n{}---", live.plan);
     clock.say("deleting machine-a");
     let started = Instant::now();

@@ -1,11 +1,31 @@
 //! Machines filed by their Node, so that an event of a Node, a pod or a
-//! VolumeAttachment finds its Machine without a scan of every Machine.
+//! VolumeAttachment finds its Machine without a scan of every Machine;
+//! and the lookups of a Machine's objects that every controller makes
+//! (its Node, a set's Machines).
 
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::Node;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 
-use super::Index;
+use super::{Caches, Index};
 use crate::api::Machine;
+
+impl Caches {
+    /// The Node `m`'s `status.nodeRef` names, from the cache (whoever's
+    /// it is: the Machine controller also checks that it is `m`'s).
+    pub(crate) fn node_of(&self, m: &Machine) -> Option<Arc<Node>> {
+        let name = &m.status.as_ref()?.node_ref.as_ref()?.name;
+        self.nodes.get(&ObjectRef::new(name))
+    }
+
+    /// The Machines the MachineSet of UID `set_uid` controls, from the
+    /// cache.
+    pub(crate) fn machines_of_set(&self, set_uid: &str) -> Vec<Arc<Machine>> {
+        self.machines_by_set.get(&self.machines, set_uid)
+    }
+}
 
 /// Machines filed by their Node: by `status.nodeRef` and by
 /// `spec.providerID` (the Node that has just registered with it), fed by the

@@ -1,9 +1,11 @@
 //! The controller's caches: one store per kind the controllers read
-//! (`Caches`), the secondary indexes over them ([`Index`]), and the wake
-//! plumbing between controllers (`wakes`). `crate::wiring::watches` fills
-//! them from one watch per kind; the Machine, MachineSet and
-//! MachineDeployment controllers, the drain and orphan collection only
-//! read them.
+//! (`Caches`), the secondary indexes over them ([`Index`]; Machines by
+//! Node and a Machine's Node in `machines`), the wake plumbing between
+//! controllers (`wakes`), what is trimmed from objects before they are
+//! cached (`trim`), and pods' inline volumes that attach (`inline`).
+//! `crate::wiring::watches` fills them from one watch per kind; the
+//! Machine, MachineSet and MachineDeployment controllers, the drain and
+//! orphan collection only read them.
 //!
 //! kube's reflector stores answer "this object by name"; the drain and the
 //! reconciler also ask "the pods on this Node", "the VolumeAttachments of

@@ -162,11 +162,11 @@ pub fn deployment(d: &mut Deployment) {
 mod tests {
     use super::*;
     use crate::api::settings::ResolvedSettings;
-    use crate::drain::class::VolumeContext;
     use crate::drain::fixtures::{
         PodFixture, csi_pv, match_labels, pdb, pod as fixture_pod, pvc, va,
     };
     use crate::drain::plan::plan;
+    use crate::drain::volume_kind::VolumeContext;
 
     /// A pod as the API server sends it, with everything a kubelet and the
     /// admission plugins add.

@@ -1,7 +1,8 @@
 //! What the Machine, MachineSet and MachineDeployment controllers share:
-//! the per-object backoff of failed reconciles, the error policy and the
-//! loop that drives a controller (`skeleton`), and the compare-and-swap
-//! status write (`status`).
+//! the per-object backoff of failed reconciles (`backoff`), the error
+//! policy and the loop that drives a controller (`skeleton`), the
+//! compare-and-swap status write (`status`), and tasks that end with their
+//! owner ([`AbortOnDrop`]).
 
 pub(crate) mod backoff;
 pub(crate) mod skeleton;

@@ -3,19 +3,18 @@
 //! [`ledger`] that keeps each workload's moves within its budget across
 //! every drain.
 
-pub mod class;
 pub mod deadline;
+mod describe;
 pub mod engine;
-pub mod evict;
 pub mod ledger;
-pub mod live;
 pub mod pdb;
 pub mod plan;
-mod print;
+pub mod pod_writes;
 pub mod resume;
 pub mod rules;
 pub mod select;
 pub mod volume;
+pub mod volume_kind;
 
 #[cfg(test)]
 pub(crate) mod fixtures;

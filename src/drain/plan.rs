@@ -1,7 +1,8 @@
 //! The drain plan: every pod on a Node, what happens to it and in what order,
 //! computed from cached objects in one pure function, `plan`. The drain
 //! engine executes it and `berth plan` prints it ([`DrainPlan`]'s `Display`,
-//! in `drain::print`).
+//! in `crate::cli::print`; a volume and its wait in words, in
+//! `drain::describe`).
 //!
 //! How the plan is made:
 //!
@@ -28,7 +29,7 @@
 //!   uses a node-local volume and no annotation allows losing it) goes after
 //!   all the others of its group, so that waiting for an operator holds up
 //!   no other pod of it.
-//! - Each volume of a stateful pod has a class ([`crate::drain::class`]):
+//! - Each volume of a stateful pod has a kind ([`crate::drain::volume_kind`]):
 //!   attachable volumes are waited on as below; an attach-free volume waits
 //!   for the pod that uses its claim next to be Running and Ready
 //!   elsewhere; a node-local volume is waited on for nothing (its data is
@@ -63,9 +64,6 @@ use k8s_openapi::api::storage::v1::VolumeAttachment;
 use k8s_openapi::jiff::Timestamp;
 
 use crate::api::settings::{NodeLocalVolumes, ResolvedSettings};
-use crate::drain::class::{
-    Classified, VolumeClass, VolumeContext, allows_data_loss, scratch_volumes,
-};
 use crate::drain::deadline::{
     StepBounds, detach_bound, grace_period, pod_gone_bound, reattach_bound,
 };
@@ -73,6 +71,9 @@ use crate::drain::pdb::{PdbFinding, findings_for};
 use crate::drain::rules;
 use crate::drain::select::{NamespacedName, PodClass, classify, finished, fmt_key, pod_key};
 use crate::drain::volume::{VolumeIndex, VolumeRef, attached_nodes, inline_pv_of, is_inline};
+use crate::drain::volume_kind::{
+    Classified, VolumeContext, VolumeKind, allows_data_loss, scratch_volumes,
+};
 use crate::volumes::{pv_of, unique_name_of};
 
 /// A pod the drain does not evict: skipped, or deleted outright.
@@ -159,8 +160,8 @@ impl VolumeWait {
 pub struct PlannedVolume {
     pub volume: VolumeRef,
     /// Its kind, which decides the wait, and why.
-    pub class: VolumeClass,
-    pub class_why: String,
+    pub kind: VolumeKind,
+    pub kind_why: String,
     /// Nodes its VolumeAttachments say it is attached to now.
     pub attached_to: Vec<String>,
     pub wait: VolumeWait,
@@ -212,7 +213,7 @@ impl PlannedPod {
     pub(crate) fn node_local(&self) -> Vec<&str> {
         self.volumes
             .iter()
-            .filter(|v| v.class == VolumeClass::NodeLocal)
+            .filter(|v| v.kind == VolumeKind::NodeLocal)
             .map(|v| v.volume.pv.as_str())
             .collect()
     }
@@ -438,7 +439,7 @@ pub(crate) fn plan(
 }
 
 /// A stateful pod before its volumes' waits are known, with each volume's
-/// class.
+/// kind.
 type Unsequenced = (PlannedPod, Vec<(VolumeRef, Classified)>);
 
 /// The pass of `plan` over a Node's pods: each pod into its list, and what
@@ -556,7 +557,7 @@ impl Sorter<'_> {
                 .refs
                 .into_iter()
                 .map(|v| {
-                    let c = self.class_of(pod, &v);
+                    let c = self.kind_of(pod, &v);
                     (v, c)
                 })
                 .collect();
@@ -565,19 +566,19 @@ impl Sorter<'_> {
         }
     }
 
-    fn class_of(&self, pod: &Pod, v: &VolumeRef) -> Classified {
+    fn kind_of(&self, pod: &Pod, v: &VolumeRef) -> Classified {
         let inline = is_inline(&v.pv).then(|| inline_pv_of(pod, &v.pv)).flatten();
         match inline.as_ref().or_else(|| self.index.pv(&v.pv)) {
             Some(pv) if inline.is_some() => {
                 let c = self.volumes.classify(pv);
                 Classified {
-                    class: c.class,
+                    kind: c.kind,
                     why: format!("inline volume of the pod, {}", c.why),
                 }
             }
             Some(pv) => self.volumes.classify(pv),
             None => Classified {
-                class: VolumeClass::Attachable,
+                kind: VolumeKind::Attachable,
                 why: "PV not found".into(),
             },
         }
@@ -608,11 +609,11 @@ impl Sorter<'_> {
             p.volumes = refs
                 .into_iter()
                 .zip(waits)
-                .map(|((volume, class), wait)| PlannedVolume {
+                .map(|((volume, kind), wait)| PlannedVolume {
                     attached_to: attached_nodes(&volume.pv, vas),
                     volume,
-                    class: class.class,
-                    class_why: class.why,
+                    kind: kind.kind,
+                    kind_why: kind.why,
                     wait,
                 })
                 .collect();
@@ -634,7 +635,7 @@ impl Sorter<'_> {
         let mut users: BTreeMap<&str, Vec<NamespacedName>> = BTreeMap::new();
         for (p, refs) in &self.stateful {
             for (v, c) in refs {
-                if c.class == VolumeClass::Attachable {
+                if c.kind == VolumeKind::Attachable {
                     users.entry(&v.pv).or_default().push(p.pod.clone());
                 }
             }
@@ -643,13 +644,13 @@ impl Sorter<'_> {
             .iter()
             .map(|(p, refs)| {
                 refs.iter()
-                    .map(|(v, c)| match c.class {
-                        VolumeClass::Attachable => {
+                    .map(|(v, c)| match c.kind {
+                        VolumeKind::Attachable => {
                             volume_wait(&p.pod, v, &users, &self.pinned, &self.already_going)
                         }
-                        VolumeClass::AttachFree if v.ephemeral => VolumeWait::DiesWithPod,
-                        VolumeClass::AttachFree => VolumeWait::ReplacementReady,
-                        VolumeClass::NodeLocal | VolumeClass::Scratch => VolumeWait::DataLost,
+                        VolumeKind::AttachFree if v.ephemeral => VolumeWait::DiesWithPod,
+                        VolumeKind::AttachFree => VolumeWait::ReplacementReady,
+                        VolumeKind::NodeLocal | VolumeKind::Scratch => VolumeWait::DataLost,
                     })
                     .collect()
             })
@@ -667,7 +668,7 @@ fn hold(
 ) -> Option<String> {
     let local: Vec<&str> = volumes
         .iter()
-        .filter(|(_, c)| c.class == VolumeClass::NodeLocal)
+        .filter(|(_, c)| c.kind == VolumeKind::NodeLocal)
         .map(|(v, _)| v.pv.as_str())
         .collect();
     if local.is_empty()
@@ -1351,8 +1352,8 @@ mod tests {
                 unique_name: Some("kubernetes.io/csi/d.csi^e".into()),
                 ephemeral: true,
             },
-            class: VolumeClass::Attachable,
-            class_why: "CSIDriver d.csi requires attach".into(),
+            kind: VolumeKind::Attachable,
+            kind_why: "CSIDriver d.csi requires attach".into(),
             attached_to: vec![NODE.into(), "node-2".into()],
             wait: VolumeWait::LeftTo {
                 last_user: key("db", "b"),
@@ -1582,54 +1583,54 @@ mod tests {
                 .unwrap_or_else(|| panic!("{name}"))
         };
         // (pod, its volumes' classes and waits, held, reattach bound)
-        type Case<'a> = (&'a str, Vec<(VolumeClass, VolumeWait)>, bool, bool);
+        type Case<'a> = (&'a str, Vec<(VolumeKind, VolumeWait)>, bool, bool);
         let cases: Vec<Case> = vec![
             (
                 "block",
-                vec![(VolumeClass::NodeLocal, VolumeWait::DataLost)],
+                vec![(VolumeKind::NodeLocal, VolumeWait::DataLost)],
                 true,
                 false,
             ),
             (
                 "free",
                 vec![
-                    (VolumeClass::AttachFree, VolumeWait::ReplacementReady),
-                    (VolumeClass::AttachFree, VolumeWait::DiesWithPod),
+                    (VolumeKind::AttachFree, VolumeWait::ReplacementReady),
+                    (VolumeKind::AttachFree, VolumeWait::DiesWithPod),
                 ],
                 false,
                 true,
             ),
             (
                 "allowed",
-                vec![(VolumeClass::NodeLocal, VolumeWait::DataLost)],
+                vec![(VolumeKind::NodeLocal, VolumeWait::DataLost)],
                 false,
                 false,
             ),
             (
                 "not-true",
-                vec![(VolumeClass::NodeLocal, VolumeWait::DataLost)],
+                vec![(VolumeKind::NodeLocal, VolumeWait::DataLost)],
                 true,
                 false,
             ),
             (
                 "shared-a",
-                vec![(VolumeClass::AttachFree, VolumeWait::ReplacementReady)],
+                vec![(VolumeKind::AttachFree, VolumeWait::ReplacementReady)],
                 false,
                 true,
             ),
             (
                 "shared-b",
-                vec![(VolumeClass::AttachFree, VolumeWait::ReplacementReady)],
+                vec![(VolumeKind::AttachFree, VolumeWait::ReplacementReady)],
                 false,
                 true,
             ),
         ];
         for (name, waits, held, reattach) in cases {
             let planned = find(name);
-            let got: Vec<(VolumeClass, VolumeWait)> = planned
+            let got: Vec<(VolumeKind, VolumeWait)> = planned
                 .volumes
                 .iter()
-                .map(|v| (v.class, v.wait.clone()))
+                .map(|v| (v.kind, v.wait.clone()))
                 .collect();
             assert_eq!(got, waits, "{name}");
             assert_eq!(planned.held.is_some(), held, "{name}: {:?}", planned.held);

@@ -16,15 +16,15 @@ use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume};
 use crate::api::VolumeMove;
 use crate::api::settings::ResolvedSettings;
 use crate::cache::inline::{inline_as_pv, inline_volume_named};
-use crate::drain::class::{VolumeClass, VolumeContext};
 use crate::drain::deadline::StepBounds;
 use crate::drain::plan::{PlannedPod, PlannedVolume, VolumeWait};
 use crate::drain::rules::DEFAULT_ORDER;
 use crate::drain::volume::{VolumeRef, is_inline};
+use crate::drain::volume_kind::{VolumeContext, VolumeKind};
 use crate::volumes::unique_name_of;
 
 /// The pod of recorded move `m`, as a first run would have planned its
-/// volumes: each of `pvs` (those of the record that still exist) classed
+/// volumes: each of `pvs` (those of the record that still exist) given its kind
 /// by `ctx`; an attachable one waited for to detach and to attach where the
 /// replacement runs, an attach-free one until the replacement is Ready, a
 /// node-local one not at all (its data stayed). A PV bound to no claim any
@@ -62,13 +62,13 @@ pub(crate) fn resumed_pod(
             let claim = pv.spec.as_ref()?.claim_ref.as_ref()?;
             let claim = (claim.namespace.clone()?, claim.name.clone()?);
             let classified = ctx.classify(pv);
-            let wait = match classified.class {
-                VolumeClass::Attachable => VolumeWait::Detach {
+            let wait = match classified.kind {
+                VolumeKind::Attachable => VolumeWait::Detach {
                     gone_first: Vec::new(),
                     reattach: true,
                 },
-                VolumeClass::AttachFree => VolumeWait::ReplacementReady,
-                VolumeClass::NodeLocal | VolumeClass::Scratch => VolumeWait::DataLost,
+                VolumeKind::AttachFree => VolumeWait::ReplacementReady,
+                VolumeKind::NodeLocal | VolumeKind::Scratch => VolumeWait::DataLost,
             };
             Some(PlannedVolume {
                 volume: VolumeRef {
@@ -77,8 +77,8 @@ pub(crate) fn resumed_pod(
                     unique_name: unique_name_of(pv),
                     ephemeral: false,
                 },
-                class: classified.class,
-                class_why: classified.why,
+                kind: classified.kind,
+                kind_why: classified.why,
                 attached_to: Vec::new(),
                 wait,
             })
@@ -144,13 +144,13 @@ mod tests {
         let p = resumed_pod(&m, &pvs, &ctx, &ResolvedSettings::default()).expect("a pod");
         assert_eq!(p.pod, ("db".to_string(), "pg-0".to_string()));
         assert_eq!(p.controller.as_deref(), Some("StatefulSet/pg"));
-        let waits: Vec<(&str, VolumeClass, bool, bool)> = p
+        let waits: Vec<(&str, VolumeKind, bool, bool)> = p
             .volumes
             .iter()
             .map(|v| {
                 (
                     v.volume.pv.as_str(),
-                    v.class,
+                    v.kind,
                     v.wait.waits_for_detach(),
                     v.wait.waits_for_reattach(),
                 )
@@ -159,8 +159,8 @@ mod tests {
         assert_eq!(
             waits,
             [
-                ("block", VolumeClass::Attachable, true, true),
-                ("shared", VolumeClass::AttachFree, false, true),
+                ("block", VolumeKind::Attachable, true, true),
+                ("shared", VolumeKind::AttachFree, false, true),
             ],
             "the PV bound to no claim is left out"
         );

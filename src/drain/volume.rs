@@ -13,7 +13,7 @@
 //! An **inline** volume of a kind that attaches (an EBS volume, a GCE PD,
 //! an iSCSI LUN named in the pod spec itself) is a persistent volume too:
 //! it has no PV and no claim, so it goes by one name in place of both,
-//! `inline:<kind>:<id>` ([`inline_claim_name`]), and is classed and
+//! `inline:<kind>:<id>` ([`inline_claim_name`]), and is given its kind and
 //! recognised on the Node as the PV it would be ([`inline_as_pv`]).
 //!
 //! A volume is recognised by two computed identities, never by guessing:
@@ -35,8 +35,8 @@ use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod, V
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 
 use crate::cache::inline::{INLINE_PREFIX, inline_as_pv, inline_claim_name, inline_volume_named};
-use crate::drain::class::VolumeClass;
 use crate::drain::select::{NamespacedName, fmt_key, pod_key};
+use crate::drain::volume_kind::VolumeKind;
 use crate::volumes::{is_attached, pv_of, unique_name_of};
 
 /// One persistent volume a pod uses, with the names it is recognised by.
@@ -170,7 +170,7 @@ fn inline_ref(ns: &str, volume: &Volume) -> Option<VolumeRef> {
 }
 
 /// The PersistentVolume the inline volume of `pod` named `name` (see
-/// [`inline_claim_name`]) would be, for its class.
+/// [`inline_claim_name`]) would be, for its kind.
 pub fn inline_pv_of(pod: &Pod, name: &str) -> Option<PersistentVolume> {
     pod.spec
         .iter()
@@ -316,7 +316,7 @@ pub struct Moved {
     pub pod: NamespacedName,
 }
 
-/// Whether a volume of class `class` has moved off `old_node` with its
+/// Whether a volume of kind `kind` has moved off `old_node` with its
 /// claim's `replacements`: for an attachable volume, a replacement is
 /// bound to another Node and a VolumeAttachment of `pv` to that Node is
 /// attached (and not being deleted), or that Node lists the volume in
@@ -327,10 +327,10 @@ pub struct Moved {
 /// answer.
 ///
 /// # Errors
-/// What is still awaited, in words that name the class.
+/// What is still awaited, in words that name the kind.
 pub fn volume_moved(
     pv: &str,
-    class: VolumeClass,
+    kind: VolumeKind,
     old_node: &str,
     replacements: &[&Pod],
     attachments: &[VolumeAttachment],
@@ -356,8 +356,8 @@ pub fn volume_moved(
             pending.push(format!("{who} is on the draining Node {old_node}"));
             continue;
         }
-        let done = match class {
-            VolumeClass::AttachFree => {
+        let done = match kind {
+            VolumeKind::AttachFree => {
                 let ready = is_running_and_ready(pod);
                 if !ready {
                     pending.push(format!("{who} on Node {node} is not Running and Ready yet"));
@@ -387,7 +387,7 @@ pub fn volume_moved(
     if candidates.is_empty() {
         pending.push("no pod uses its claim yet".into());
     }
-    Err(format!("{class} PV {pv}: {}", pending.join("; ")))
+    Err(format!("{kind} PV {pv}: {}", pending.join("; ")))
 }
 
 /// Phase Running and condition Ready True.
@@ -795,8 +795,8 @@ mod tests {
 
     #[test]
     fn a_volume_moved_where_its_replacement_runs() {
-        let attachable = VolumeClass::Attachable;
-        let free = VolumeClass::AttachFree;
+        let attachable = VolumeKind::Attachable;
+        let free = VolumeKind::AttachFree;
         let new = |node: Option<&str>| {
             pod("db", "pg-0")
                 .uid("uid-new")
@@ -812,10 +812,10 @@ mod tests {
         let attached_2 = va("pv-1", "node-2", true);
         let attached_3 = va("pv-1", "node-3", true);
         let attaching_2 = va("pv-1", "node-2", false);
-        // (what, class, replacements, attachments, Ok(node) or a part of the error)
+        // (what, kind, replacements, attachments, Ok(node) or a part of the error)
         type Case<'a> = (
             &'a str,
-            VolumeClass,
+            VolumeKind,
             Vec<&'a Pod>,
             Vec<VolumeAttachment>,
             Result<&'a str, &'a str>,
@@ -893,8 +893,8 @@ mod tests {
             ),
         ];
         let listed_nowhere = |_: &str| false;
-        for (what, class, pods, vas, want) in cases {
-            let got = volume_moved("pv-1", class, NODE, &pods, &vas, &listed_nowhere);
+        for (what, kind, pods, vas, want) in cases {
+            let got = volume_moved("pv-1", kind, NODE, &pods, &vas, &listed_nowhere);
             match (got, want) {
                 (Ok(m), Ok(node)) => {
                     assert_eq!(m.node, node, "{what}");

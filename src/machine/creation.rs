@@ -9,13 +9,13 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::Action;
 
 use super::Context;
+use super::commit::{Next, Recorded, Write, elapsed_since, record};
 use super::decide::{self, CreationFacts, CreationStep, NodeFacts, next_creation_step};
 use super::error::{Error, Step, at};
 use super::lookup::{Resolved, find_node, resolve_machine};
 use super::record::{
     CreationContext, VmAnswer, creation_record, unresolved_record, vm_answer_record,
 };
-use super::recorder::{Next, Recorded, Write, elapsed_since, record};
 use crate::api::Machine;
 use crate::providers::ProviderError;
 

@@ -15,6 +15,7 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 
 use super::Context;
+use super::commit::{Next, Recorded, Write, elapsed_since, event, record, truncate};
 use super::decide::{self, DeletionFacts, DeletionStep, NodeFacts, next_deletion_step};
 use super::error::{Error, Step, at};
 use super::lookup::{
@@ -25,7 +26,6 @@ use super::record::{
     DeletionOutcome, DrainView, StepRecord, Unresolved, VOLUMES_LEFT_REASONS, deletion_record,
     owner_unknown_record, settings_message, with_settings_condition,
 };
-use super::recorder::{Next, Recorded, Write, announce, elapsed_since, record, truncate};
 use super::status::condition;
 use crate::api::conditions::{DRAIN_SETTINGS, VM_REQUESTED, VOLUMES_DETACHED};
 use crate::api::settings::{ResolvedSettings, resolve};
@@ -33,7 +33,7 @@ use crate::api::{FORCE_DELETION_LABEL, Machine, PRE_DRAIN_HOOK_PREFIX, PRE_TERMI
 use crate::api::{VolumeMove, cordoned_at};
 use crate::drain::deadline::{Deadline, released};
 use crate::drain::engine::{Job, Outcome, Progress, RESTART_ENDED_AFTER, RETRY_FAILED_AFTER};
-use crate::drain::evict::Evicted;
+use crate::drain::pod_writes::Evicted;
 use crate::drain::select::{Arrivals, came_back};
 use crate::providers::ProviderError;
 
@@ -443,7 +443,7 @@ async fn mark_terminating(
 }
 
 /// Cordons the Node, and goes on to the next step (starting the drain) at
-/// once: the cordon is announced (its Event) but not written on its own,
+/// once: the cordon is told by its Event but not written on its own,
 /// the next step's record says where the deletion is. Under a saturated
 /// API server each write before the drain takes up to a second (the scale
 /// benchmark: 0.6 to 1.0 s), and every drain's first eviction waited for
@@ -463,7 +463,7 @@ async fn cordon(
         .map_err(at(Step::Cordon))?;
     let last = m.status.as_ref().and_then(|s| s.last_operation.as_ref());
     if !rec.report.recorded_in(last) {
-        announce(ctx, m, &rec.report);
+        event(ctx, m, &rec.report);
     }
     Ok(Stepped::Advanced {
         machine: None,
@@ -499,7 +499,7 @@ async fn force_delete_pods(
         let Some(pod) = ctx.caches.pods.get(&ObjectRef::new(name).within(ns)) else {
             continue;
         };
-        match crate::drain::evict::delete(&ctx.client, &pod, Some(0)).await {
+        match crate::drain::pod_writes::delete(&ctx.client, &pod, Some(0)).await {
             Evicted::Accepted | Evicted::Gone => {}
             Evicted::Refused { message }
             | Evicted::Throttled { message, .. }
@@ -533,7 +533,9 @@ async fn await_drain(
         settings: o.settings.clone(),
         deadline,
         moves: recorded_moves(m),
-        data_loss_allowed: crate::drain::class::allows_data_loss(m.metadata.annotations.as_ref()),
+        data_loss_allowed: crate::drain::volume_kind::allows_data_loss(
+            m.metadata.annotations.as_ref(),
+        ),
     };
     if let Some(gone) = &o.node_gone
         && !ctx.drainer.knows(&ObjectRef::from_obj(m))

@@ -1,5 +1,8 @@
-//! What a reconcile looks up: the Machine's class, driver and settings,
-//! and its Node.
+//! What a reconcile looks up: the Machine's class, driver and settings
+//! ([`resolve_machine`]), its Node from the cache or the API server, and
+//! whether a Node is the Machine's ([`belongs`]: a Node that took its
+//! Node's name is not), and whose VM a hand-written providerID names
+//! ([`vm_owner`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -120,11 +123,7 @@ pub(super) fn belongs(m: &Machine, node: &Node) -> bool {
 /// The Node that holds the name of the Machine's Node but is another
 /// Machine's (see [`belongs`]), if one does.
 pub(super) fn node_name_taken(m: &Machine, ctx: &Context) -> Option<Arc<Node>> {
-    let name = &m.status.as_ref()?.node_ref.as_ref()?.name;
-    ctx.caches
-        .nodes
-        .get(&ObjectRef::new(name))
-        .filter(|n| !belongs(m, n))
+    ctx.caches.node_of(m).filter(|n| !belongs(m, n))
 }
 
 pub(super) fn find_node(m: &Machine, ctx: &Context) -> Option<Arc<Node>> {

@@ -12,10 +12,15 @@
 //!
 //! `decide` chooses the next step from facts, `record` what a step records,
 //! `status` folds that into the status, `write` writes it without undoing a
-//! newer write. `reconcile` is the entry: `creation` and `deletion` observe,
-//! act and record (through `recorder`), each step in a function of its
-//! own; `node` holds every write to a Node.
+//! newer write. `reconcile` is the entry: `creation` and `deletion` (with
+//! its last step, the VM, the volumes left and the Node, in
+//! `deletion::termination`) observe, act and record (through `commit`,
+//! which also says where a reconcile leaves the Machine), each step in a
+//! function of its own; `lookup` finds the class, driver, settings and
+//! Node they act on, `node` holds every write to a Node, and `error` says
+//! which call a failed reconcile failed at.
 
+mod commit;
 mod creation;
 pub(crate) mod decide;
 mod deletion;
@@ -24,7 +29,6 @@ mod lookup;
 pub(crate) mod node;
 mod reconcile;
 pub(crate) mod record;
-mod recorder;
 pub(crate) mod status;
 pub mod write;
 

@@ -1,8 +1,9 @@
 //! Every write berth makes to a Node: the cordon, the out-of-service taint
 //! once its VM is gone, the rollout taint of a MachineDeployment's old
-//! Nodes, and the deletion of a Node whose VM is gone. Each is a merge patch with the Node's resourceVersion in it, a
-//! compare-and-swap: a taint another writer added in between is never
-//! lost, the write is refused (409) and taken again on the newer copy.
+//! Nodes, and the deletion of a Node whose VM is gone. Each is a merge
+//! patch with the Node's resourceVersion in it, a compare-and-swap: a
+//! taint another writer added in between is never lost, the write is
+//! refused (409) and taken again on the newer copy.
 
 use k8s_openapi::api::core::v1::{Node, Taint};
 use k8s_openapi::jiff::Timestamp;

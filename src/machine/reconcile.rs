@@ -16,8 +16,8 @@ use kube::runtime::finalizer::{self, finalizer};
 use kube::runtime::reflector::ObjectRef;
 
 use super::Context;
+use super::commit::Next;
 use super::error::{Error, Step};
-use super::recorder::Next;
 use crate::api::{FINALIZER, Machine};
 use crate::telemetry::RESULT_CONFLICT;
 

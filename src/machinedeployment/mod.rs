@@ -14,12 +14,13 @@
 //! the controllers share (the MachineSets' included). A Machine event (or its
 //! Node's) wakes the deployment of its set, and a MachineSet event its
 //! deployment, so nothing polls. Writes to a set's `spec.replicas` are
-//! remembered until the cache has seen them (`Ledger`), so a reconcile
+//! remembered until the cache has seen them (`Expectations`), so a reconcile
 //! that runs on a cache a step behind never asks for a deletion twice; and
 //! the decisions that count drains across deployments are taken one
 //! deployment at a time, so the global cap holds.
 
 pub(crate) mod decide;
+mod members;
 mod reconcile;
 
 use std::collections::HashMap;
@@ -45,18 +46,21 @@ pub(crate) struct Context {
     /// The most old Machines being deleted by rollouts at once, across
     /// every deployment (`berth run --max-concurrent-drains`).
     pub(crate) drain_cap: usize,
-    /// Held while a deployment decides and writes its next step.
-    pub(crate) ledger: tokio::sync::Mutex<Ledger>,
+    /// Held while a deployment decides and writes its next step: the
+    /// writes the cache has yet to see.
+    pub(crate) expectations: tokio::sync::Mutex<Expectations>,
     pub(crate) metrics: Arc<Metrics>,
     backoff: crate::controller::Backoffs<MachineDeployment>,
 }
 
-/// `spec.replicas` written to MachineSets and not yet seen in the cache:
+/// The expectations of the deployment controller, as the MachineSet
+/// controller has its own (`crate::machineset::Expectations`):
+/// `spec.replicas` written to MachineSets and not yet seen in the cache,
 /// set UID to (the generation the write produced, the replicas written).
 #[derive(Default)]
-pub(crate) struct Ledger(HashMap<String, (i64, usize)>);
+pub(crate) struct Expectations(HashMap<String, (i64, usize)>);
 
-impl Ledger {
+impl Expectations {
     /// The set's replicas: ours when the cache has not yet seen our write.
     pub(crate) fn replicas(&mut self, set: &MachineSet) -> usize {
         let cached = usize::try_from(set.spec.replicas).unwrap_or(0);
@@ -115,7 +119,7 @@ pub(crate) async fn run(
         caches,
         events,
         drain_cap,
-        ledger: tokio::sync::Mutex::new(Ledger::default()),
+        expectations: tokio::sync::Mutex::new(Expectations::default()),
         metrics: Arc::clone(&metrics),
         backoff: Default::default(),
     });
@@ -173,8 +177,8 @@ mod tests {
     }
 
     #[test]
-    fn the_ledger_answers_until_the_cache_has_seen_the_write() {
-        let mut l = Ledger::default();
+    fn the_expectations_answer_until_the_cache_has_seen_the_write() {
+        let mut l = Expectations::default();
         assert_eq!(l.replicas(&set(3, 4)), 4);
         l.wrote(&set(4, 3));
         assert_eq!(l.replicas(&set(3, 4)), 3, "the cache is a step behind");

@@ -15,7 +15,8 @@ use kube::runtime::events::EventType;
 use kube::{Resource, ResourceExt};
 
 use super::Context;
-use super::decide::{self, Facts, Failing, Hold, Observed, Pace, SetCounts};
+use super::decide::{self, Facts, Failing, Hold, Observed, Pace};
+use super::members::{Member, drains_everywhere, members, sum};
 use crate::api::conditions::READY;
 use crate::api::machinedeployment::conditions::PROGRESSING;
 use crate::api::{
@@ -25,8 +26,8 @@ use crate::api::{
 use crate::controller::status::{StatusWrite, write_status};
 use crate::machine::status::condition;
 use crate::machineset::decide::{selector_string, selects};
+use crate::machineset::observe::candidate;
 use crate::machineset::order::{self, Candidate};
-use crate::machineset::reconcile::{candidate, facts, node_of};
 
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum Error {
@@ -43,26 +44,6 @@ pub(crate) enum Error {
     },
     #[error("writing the status: {0}")]
     Status(#[source] kube::Error),
-}
-
-/// One of the deployment's sets, with its Machines.
-struct Member {
-    set: Arc<MachineSet>,
-    machines: Vec<Arc<Machine>>,
-    counts: SetCounts,
-    revision: i64,
-}
-
-impl Member {
-    fn name(&self) -> String {
-        self.set.name_any()
-    }
-
-    fn active(&self) -> impl Iterator<Item = &Arc<Machine>> {
-        self.machines
-            .iter()
-            .filter(|m| m.metadata.deletion_timestamp.is_none())
-    }
 }
 
 /// What the deployment's spec asks for, read once per reconcile.
@@ -115,12 +96,12 @@ pub(crate) async fn reconcile(
     let mut wanted = Wanted::of(&md);
 
     // The decision and its writes, one deployment at a time.
-    let mut ledger = ctx.ledger.lock().await;
+    let mut expectations = ctx.expectations.lock().await;
     if adopt_orphaned_sets(&md, &ns, &ctx).await? > 0 {
         // Their watch events bring them back as members.
         return Ok(Action::await_change());
     }
-    let members = members(&md, &ns, &uid, &ctx, &mut ledger, now);
+    let members = members(&md, &ns, &uid, &ctx, &mut expectations, now);
     // A class edited in place rolls the pool as a new template does.
     wanted.class_hash = ctx
         .caches
@@ -153,11 +134,20 @@ pub(crate) async fn reconcile(
         // The old Nodes are tainted before any old Machine is asked to go,
         // so that no pod evicted in this rollout lands on one.
         taint_old_nodes(&new, &old, &ctx).await;
-        roll(&md, &ns, &wanted, &mut new, &mut old, &ctx, &mut ledger).await?
+        roll(
+            &md,
+            &ns,
+            &wanted,
+            &mut new,
+            &mut old,
+            &ctx,
+            &mut expectations,
+        )
+        .await?
     } else {
         None
     };
-    drop(ledger);
+    drop(expectations);
 
     trim_history(&md, &ns, &mut old, &ctx).await;
 
@@ -187,11 +177,11 @@ async fn roll(
     new: &mut [Member],
     old: &mut [Member],
     ctx: &Context,
-    ledger: &mut super::Ledger,
+    expectations: &mut super::Expectations,
 ) -> Result<Option<Hold>, Error> {
     let new_counts = new.first().map(|m| m.counts).unwrap_or_default();
     let old_counts = sum(old.iter().map(|m| m.counts));
-    let drains = drains_everywhere(ctx, ledger);
+    let drains = drains_everywhere(ctx, expectations);
     ctx.metrics
         .rollout_drains
         .set(i64::try_from(drains).unwrap_or(i64::MAX));
@@ -214,7 +204,7 @@ async fn roll(
     match new.first_mut() {
         None => {
             let created = create_set(md, ns, wanted, step.new_replicas, next_revision, ctx).await?;
-            ledger.wrote(&created);
+            expectations.wrote(&created);
             let note = if old.is_empty() {
                 format!(
                     "created MachineSet {} with {} Machines",
@@ -229,7 +219,7 @@ async fn roll(
                     old_counts.active + old_counts.deleting
                 )
             };
-            publish(
+            event(
                 ctx,
                 md,
                 "RolloutStarted",
@@ -238,13 +228,24 @@ async fn roll(
                 Some(&created),
             );
         }
-        Some(m) => scale_new(md, ns, m, step.new_replicas, next_revision, ctx, ledger).await?,
+        Some(m) => {
+            scale_new(
+                md,
+                ns,
+                m,
+                step.new_replicas,
+                next_revision,
+                ctx,
+                expectations,
+            )
+            .await?
+        }
     }
     let new_name = new
         .first()
         .map(Member::name)
         .unwrap_or_else(|| set_name(md, &wanted.hash));
-    scale_old(md, ns, &new_name, old, step.delete_old, ctx, ledger).await?;
+    scale_old(md, ns, &new_name, old, step.delete_old, ctx, expectations).await?;
     // Held by its own pace, unless the drains it waits for wait for a
     // workload's move budget.
     let budget = |m: &Arc<Machine>| {
@@ -269,7 +270,7 @@ async fn scale_new(
     replicas: usize,
     next_revision: i64,
     ctx: &Context,
-    ledger: &mut super::Ledger,
+    expectations: &mut super::Expectations,
 ) -> Result<(), Error> {
     let revision_behind = m.revision < next_revision - 1;
     let superseded = m.set.annotations().contains_key(SUPERSEDED_ANNOTATION);
@@ -288,9 +289,9 @@ async fn scale_new(
         }});
     }
     let written = patch_set(ctx, ns, &m.name(), patch, "scaling").await?;
-    ledger.wrote(&written);
+    expectations.wrote(&written);
     if m.counts.replicas != replicas {
-        publish(
+        event(
             ctx,
             md,
             "ScaledNewMachineSet",
@@ -358,7 +359,7 @@ fn observe(
 }
 
 /// The status written by compare-and-swap (see `crate::controller::status`)
-/// and announced once written. `false`: refused, the watch brings the newer
+/// and told by its Events once written. `false`: refused, the watch brings the newer
 /// copy and the deployment is reconciled again on it.
 async fn write(
     md: &MachineDeployment,
@@ -373,7 +374,7 @@ async fn write(
         .map_err(Error::Status)?
     {
         StatusWrite::Written(_) => {
-            announce(ctx, md, current, status);
+            event_progressing(ctx, md, current, status);
             Ok(true)
         }
         StatusWrite::Conflict => {
@@ -381,93 +382,6 @@ async fn write(
             Ok(false)
         }
     }
-}
-
-/// The deployment's sets from the cache, each with its Machines and counts.
-fn members(
-    md: &MachineDeployment,
-    ns: &str,
-    uid: &str,
-    ctx: &Context,
-    ledger: &mut super::Ledger,
-    now: Timestamp,
-) -> Vec<Member> {
-    let min_ready = SignedDuration::from_secs(md.spec.min_ready_seconds.unwrap_or(0).into());
-    ctx.caches
-        .sets
-        .state()
-        .into_iter()
-        .filter(|s| s.namespace().as_deref() == Some(ns))
-        .filter(|s| {
-            s.owner_references()
-                .iter()
-                .any(|o| o.controller == Some(true) && o.uid == uid)
-        })
-        .map(|set| {
-            let machines: Vec<Arc<Machine>> = set
-                .uid()
-                .map(|u| ctx.caches.machines_by_set.get(&ctx.caches.machines, &u))
-                .unwrap_or_default();
-            let mut counts = SetCounts {
-                replicas: ledger.replicas(&set),
-                ..SetCounts::default()
-            };
-            for m in &machines {
-                if m.metadata.deletion_timestamp.is_some() {
-                    counts.deleting += 1;
-                    continue;
-                }
-                counts.active += 1;
-                let f = facts(m, &ctx.caches);
-                counts.ready += usize::from(f.ready());
-                counts.available += usize::from(f.available(min_ready, now));
-            }
-            let revision = set
-                .annotations()
-                .get(REVISION_ANNOTATION)
-                .and_then(|r| r.parse().ok())
-                .unwrap_or(0);
-            Member {
-                set,
-                machines,
-                counts,
-                revision,
-            }
-        })
-        .collect()
-}
-
-fn sum(counts: impl Iterator<Item = SetCounts>) -> SetCounts {
-    counts.fold(SetCounts::default(), |a, c| SetCounts {
-        replicas: a.replicas + c.replicas,
-        active: a.active + c.active,
-        deleting: a.deleting + c.deleting,
-        ready: a.ready + c.ready,
-        available: a.available + c.available,
-    })
-}
-
-/// Old Machines being deleted by the rollouts of every deployment, the
-/// deletions asked of their sets and not yet begun included.
-fn drains_everywhere(ctx: &Context, ledger: &mut super::Ledger) -> usize {
-    ctx.caches
-        .sets
-        .state()
-        .iter()
-        .filter(|s| s.annotations().contains_key(SUPERSEDED_ANNOTATION))
-        .map(|s| {
-            let machines = s
-                .uid()
-                .map(|u| ctx.caches.machines_by_set.get(&ctx.caches.machines, &u))
-                .unwrap_or_default();
-            let deleting = machines
-                .iter()
-                .filter(|m| m.metadata.deletion_timestamp.is_some())
-                .count();
-            let active = machines.len() - deleting;
-            deleting + active.saturating_sub(ledger.replicas(s))
-        })
-        .sum()
 }
 
 /// Adopts the MachineSets of this namespace that no controller owns and
@@ -666,7 +580,7 @@ async fn scale_old(
     old: &mut [Member],
     delete: usize,
     ctx: &Context,
-    ledger: &mut super::Ledger,
+    expectations: &mut super::Expectations,
 ) -> Result<(), Error> {
     // The Machines each old set will delete already: its own first ones.
     let mut candidates: Vec<(usize, Candidate)> = Vec::new();
@@ -711,7 +625,7 @@ async fn scale_old(
             "spec": {"replicas": keep},
         });
         let written = patch_set(ctx, ns, &m.name(), patch, "scaling down").await?;
-        ledger.wrote(&written);
+        expectations.wrote(&written);
         // One Event per Machine (an Event names one related object, and
         // Events that differ only in their note are folded into one).
         for c in &goes[i] {
@@ -745,7 +659,7 @@ async fn taint_old_nodes(new: &[Member], old: &[Member], ctx: &Context) {
     let want = old.iter().flat_map(|m| m.active()).map(|m| (m, true));
     let drop = new.iter().flat_map(|m| m.active()).map(|m| (m, false));
     for (machine, tainted) in want.chain(drop) {
-        let Some(node) = node_of(machine, &ctx.caches) else {
+        let Some(node) = ctx.caches.node_of(machine) else {
             continue;
         };
         if let Err(e) = crate::machine::node::rollout_taint(&ctx.client, &node, tainted).await {
@@ -800,7 +714,7 @@ async fn trim_history(md: &MachineDeployment, ns: &str, old: &mut Vec<Member>, c
 }
 
 /// Events for the transitions of `Progressing` an operator acts on.
-fn announce(
+fn event_progressing(
     ctx: &Context,
     md: &MachineDeployment,
     before: &crate::api::MachineDeploymentStatus,
@@ -838,7 +752,8 @@ fn announce(
         .event(type_, md.object_ref(&()), "Rollout", &now, message, None);
 }
 
-fn publish(
+/// A Normal Event on `md` (related to `set`, if any), logged too.
+fn event(
     ctx: &Context,
     md: &MachineDeployment,
     reason: &str,

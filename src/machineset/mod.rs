@@ -7,18 +7,21 @@
 //! owning set), Nodes, pods by Node, claims and VolumeAttachments by Node.
 //! Its own watch is of MachineSets; a Machine event wakes the set that owns
 //! it, and a Node event the sets of that Node's Machines
-//! (`crate::cache::wakes`), so nothing polls. It never adopts a Machine it does not own (controller
-//! ownerReference), never deletes a Machine already being deleted, and
-//! never deletes or creates twice for one change: what it asked for is
-//! remembered until the Machine cache has seen it (`Expectations`), as
-//! the ReplicaSet controller does.
+//! (`crate::cache::wakes`), so nothing polls. It never adopts a Machine it
+//! does not own (controller ownerReference), never deletes a Machine
+//! already being deleted, and never deletes or creates twice for one
+//! change: what it asked for is remembered until the Machine cache has
+//! seen it (`Expectations`), as the ReplicaSet controller does.
 //!
 //! `decide` counts and builds the status, `order` chooses which Machine
-//! goes, `reconcile` observes, acts and records.
+//! goes, `observe` reads what both of them need of a Machine from the
+//! caches (the MachineDeployment controller reads it there too),
+//! `reconcile` observes, acts and records.
 
 pub(crate) mod decide;
+pub(crate) mod observe;
 pub(crate) mod order;
-pub(crate) mod reconcile;
+mod reconcile;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};

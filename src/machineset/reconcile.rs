@@ -5,8 +5,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Node, Pod};
-use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, DeleteParams, PostParams, Preconditions};
@@ -15,15 +13,11 @@ use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 
 use super::decide::{self, Failure, MachineFacts, Observed, Scale};
-use super::order::{self, Candidate, Health};
-use super::{Caches, Context, EXPECTATION_TTL};
-use crate::api::conditions::{NODE_HEALTHY, READY};
-use crate::api::{Machine, MachinePhase, MachineSet, MachineSetStatus, SUPERSEDED_ANNOTATION};
+use super::observe::{candidate, facts};
+use super::order::{self, Candidate};
+use super::{Context, EXPECTATION_TTL};
+use crate::api::{Machine, MachineSet, MachineSetStatus, SUPERSEDED_ANNOTATION};
 use crate::controller::status::{StatusWrite, write_status};
-use crate::drain::pdb::{PdbVerdict, findings_for};
-use crate::drain::select::{PodClass, classify};
-use crate::machine::decide::{node_ready, node_takes_pods};
-use crate::machine::status::condition;
 
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum Error {
@@ -51,8 +45,7 @@ pub(crate) async fn reconcile(set: Arc<MachineSet>, ctx: Arc<Context>) -> Result
     let caches = &ctx.caches;
     let now = Timestamp::now();
     let owned: Vec<Arc<Machine>> = caches
-        .machines_by_set
-        .get(&caches.machines, &uid)
+        .machines_of_set(&uid)
         .into_iter()
         .filter(|m| m.namespace().as_deref() == Some(ns.as_str()))
         .collect();
@@ -308,94 +301,6 @@ async fn scale_down(
         );
     }
     Ok(())
-}
-
-/// The Node of `m`, from the cache.
-pub(crate) fn node_of(m: &Machine, caches: &Caches) -> Option<Arc<Node>> {
-    let name = &m.status.as_ref()?.node_ref.as_ref()?.name;
-    caches.nodes.get(&ObjectRef::new(name))
-}
-
-pub(crate) fn facts(m: &Machine, caches: &Caches) -> MachineFacts {
-    let ready = condition(m.status.as_ref(), READY).filter(|c| c.status == "True");
-    MachineFacts {
-        phase: m.status.as_ref().and_then(|s| s.phase),
-        node_ready: node_of(m, caches).is_some_and(|n| node_takes_pods(&n)),
-        ready_since: ready.map(|c| c.last_transition_time.0),
-    }
-}
-
-/// What the deletion order knows of `m`, from the caches: its Node's pods
-/// by the pods-by-Node index and its attachments by the
-/// VolumeAttachments-by-Node index; no request.
-pub(crate) fn candidate(m: &Machine, caches: &Caches) -> Candidate {
-    let phase = m.status.as_ref().and_then(|s| s.phase);
-    let node = node_of(m, caches);
-    let health = match phase {
-        Some(MachinePhase::Running) => {
-            if let Some(c) =
-                condition(m.status.as_ref(), NODE_HEALTHY).filter(|c| c.status == "False")
-            {
-                Health::Unhealthy(format!("NodeHealthy False ({})", c.reason))
-            } else {
-                match &node {
-                    Some(n) if node_ready(n) => Health::Healthy,
-                    Some(n) => Health::Unhealthy(format!("Node {} NotReady", n.name_any())),
-                    None => Health::Unhealthy("its Node is gone".into()),
-                }
-            }
-        }
-        Some(p) => Health::Unhealthy(format!("phase {}", p.as_str())),
-        None => Health::Unhealthy("phase Pending".into()),
-    };
-    let (cost, pdb_blocked) = match &node {
-        Some(n) => {
-            let name = n.name_any();
-            let pods = caches.indexes.pods_by_node.get(&caches.pods, &name);
-            let attached = caches.indexes.attachments_by_node.refs(&name).len();
-            let cost = order::drain_cost(pods.iter().map(|p| &**p), attached, |ns, claim| {
-                caches
-                    .pvcs
-                    .get(&ObjectRef::new(claim).within(ns))
-                    .and_then(|c| c.spec.as_ref()?.volume_name.clone())
-                    .is_some()
-            });
-            (cost, pdb_blocked(pods.iter().map(|p| &**p), caches))
-        }
-        None => (order::DrainCost::default(), None),
-    };
-    Candidate {
-        name: m.name_any(),
-        priority: order::priority(m.metadata.annotations.as_ref()),
-        health,
-        pdb_blocked,
-        cost,
-        created: m.metadata.creation_timestamp.as_ref().map(|t| t.0),
-    }
-}
-
-/// Why a drain of `pods` would be blocked now: the first evictable pod a
-/// PodDisruptionBudget covers that allows no disruption (or is
-/// misconfigured), in words.
-fn pdb_blocked<'a>(pods: impl IntoIterator<Item = &'a Pod>, caches: &Caches) -> Option<String> {
-    let pdbs = caches.pdbs.state();
-    if pdbs.is_empty() {
-        return None;
-    }
-    pods.into_iter()
-        .filter(|p| classify(p) == PodClass::Evictable)
-        .find_map(|p| {
-            let ns = p.metadata.namespace.as_deref();
-            let local: Vec<PodDisruptionBudget> = pdbs
-                .iter()
-                .filter(|b| b.metadata.namespace.as_deref() == ns)
-                .map(|b| (**b).clone())
-                .collect();
-            findings_for(p, &local)
-                .into_iter()
-                .find(|f| f.verdict != PdbVerdict::Allows)
-                .map(|f| format!("pod {}/{}: {f}", ns.unwrap_or_default(), p.name_any()))
-        })
 }
 
 #[cfg(test)]

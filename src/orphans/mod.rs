@@ -369,7 +369,7 @@ impl Collector {
                     pods.iter().take(5).cloned().collect::<Vec<_>>().join(", ")
                 );
                 fields.log(OrphanOutcome::Held, Some(&why));
-                self.tell(&fields, namesake, OrphanOutcome::Held, Some(&why));
+                self.event(&fields, namesake, OrphanOutcome::Held, Some(&why));
                 return;
             }
         }
@@ -377,7 +377,7 @@ impl Collector {
             self.metrics
                 .record_orphan(driver, OrphanOutcome::WouldCollect);
             fields.log(OrphanOutcome::WouldCollect, None);
-            self.tell(&fields, namesake, OrphanOutcome::WouldCollect, None);
+            self.event(&fields, namesake, OrphanOutcome::WouldCollect, None);
             return;
         }
         let req = MachineRequest {
@@ -403,7 +403,7 @@ impl Collector {
         self.metrics.record_orphan(driver, outcome);
         let detail = error.as_ref().map(|e| e as &dyn std::fmt::Display);
         fields.log(outcome, detail);
-        self.tell(&fields, namesake, outcome, detail);
+        self.event(&fields, namesake, outcome, detail);
         // Its Node, empty, goes with it: pinned to the UID judged empty.
         if outcome == OrphanOutcome::Collected
             && let Some(node) = node
@@ -424,7 +424,7 @@ impl Collector {
     /// (`namesake`, its UID), if there is one: whoever looks at that Machine
     /// learns that a VM of an earlier Machine of that name was found. There
     /// is no other object to put it on.
-    fn tell(
+    fn event(
         &self,
         r: &Report<'_>,
         namesake: Option<String>,

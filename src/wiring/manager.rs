@@ -160,26 +160,9 @@ pub async fn run(
     let background = AbortOnDrop(tokio::spawn(background.for_each(|_| async {})));
 
     let providers = providers.instrumented(&metrics);
-    let (events, _publisher) = EventSink::new(
-        Recorder::new(
-            events_client,
-            Reporter {
-                controller: "berth".into(),
-                instance: Some(settings.instance.clone()),
-            },
-        ),
-        Arc::clone(&metrics),
-        crate::telemetry::events::QUEUE,
-    );
-    let permits = move_ledger(&per_drain, &caches, &settings, &metrics);
-    let (drainer, drains_done) = Drainer::new(DrainDeps {
-        drain_client: per_drain,
-        caches: caches.clone(),
-        tracker,
-        metrics: Arc::clone(&metrics),
-        events: events.clone(),
-        permits,
-    });
+    let (events, _publisher) = event_sink(events_client, &settings.instance, &metrics);
+    let (drainer, drains_done) =
+        drain_engine(per_drain, &caches, tracker, &events, &settings, &metrics);
 
     // One shutdown for every controller.
     let shutdown = shutdown.shared();
@@ -216,36 +199,22 @@ pub async fn run(
         deployment_wakes,
         shutdown.clone(),
     );
-    // Orphan collection acts only for a leader that is not stopping: it
-    // ends at the shutdown, before the reconciles in flight do. A delete
-    // cut short is asked again by the next leader.
-    let orphans = {
-        let shared = crate::orphans::Shared {
+    let orphans = orphan_collection(
+        settings.orphans,
+        crate::orphans::Shared {
             client,
             caches: caches.clone(),
             providers,
             events,
-        };
-        let round = crate::orphans::run(settings.orphans, shared, Arc::clone(&metrics));
-        let shutdown = shutdown.clone();
-        async move {
-            futures::future::select(Box::pin(round), shutdown).await;
-        }
-    };
-    let readiness = {
-        let mut synced = caches.synced.clone();
-        async move {
-            if synced.wait_for(|s| *s).await.is_ok() {
-                tracing::info!("caches synced; reconciling Machines");
-                ready();
-            }
-        }
-    };
+        },
+        &metrics,
+        shutdown,
+    );
     let controllers = async {
         tokio::join!(machines, machinesets, machinedeployments);
     };
     let beside = async {
-        tokio::join!(orphans, readiness);
+        tokio::join!(orphans, when_synced(&caches, ready));
         std::future::pending::<()>().await;
     };
     tokio::select! {
@@ -253,6 +222,72 @@ pub async fn run(
         _ = beside => {},
     }
     drop(background);
+}
+
+/// The drain engine, on its move ledger (see [`move_ledger`]), and the
+/// stream of the Machines whose drain ended, which wakes their controller.
+fn drain_engine(
+    per_drain: crate::drain::engine::ClientPerDrain,
+    caches: &crate::cache::Caches,
+    tracker: crate::volumes::Tracker,
+    events: &EventSink,
+    settings: &Settings,
+    metrics: &Arc<Metrics>,
+) -> (
+    Drainer,
+    tokio::sync::mpsc::UnboundedReceiver<kube::runtime::reflector::ObjectRef<crate::api::Machine>>,
+) {
+    let permits = move_ledger(&per_drain, caches, settings, metrics);
+    Drainer::new(DrainDeps {
+        drain_client: per_drain,
+        caches: caches.clone(),
+        tracker,
+        metrics: Arc::clone(metrics),
+        events: events.clone(),
+        permits,
+    })
+}
+
+/// Where the controllers' Events go: a queue, published in the background
+/// on the Events' own client as controller `berth`, instance `instance`.
+fn event_sink(
+    client: Client,
+    instance: &str,
+    metrics: &Arc<Metrics>,
+) -> (EventSink, tokio::task::JoinHandle<()>) {
+    EventSink::new(
+        Recorder::new(
+            client,
+            Reporter {
+                controller: "berth".into(),
+                instance: Some(instance.to_string()),
+            },
+        ),
+        Arc::clone(metrics),
+        crate::telemetry::events::QUEUE,
+    )
+}
+
+/// Orphan collection, which acts only for a leader that is not stopping:
+/// it ends at the shutdown, before the reconciles in flight do. A delete
+/// cut short is asked again by the next leader.
+async fn orphan_collection(
+    settings: crate::orphans::Settings,
+    shared: crate::orphans::Shared,
+    metrics: &Arc<Metrics>,
+    shutdown: impl std::future::Future<Output = ()> + Unpin,
+) {
+    let round = crate::orphans::run(settings, shared, Arc::clone(metrics));
+    futures::future::select(Box::pin(round), shutdown).await;
+}
+
+/// Calls `ready` once every cache has synced.
+async fn when_synced(caches: &crate::cache::Caches, ready: impl FnOnce()) {
+    let mut synced = caches.synced.clone();
+    if synced.wait_for(|s| *s).await.is_ok() {
+        tracing::info!("caches synced; reconciling Machines");
+        ready();
+    }
 }
 
 /// Controllers started by [`spawn`]: stop them with [`Spawned::stop`].

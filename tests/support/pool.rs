@@ -244,7 +244,7 @@ pub async fn release_hook(client: &Client, ns: &str, name: &str) {
 
 /// What `berth plan` prints for Machine `ns/machine` (the plan part).
 pub async fn plan_text(client: &Client, ns: &str, machine: &str) -> String {
-    berth::drain::live::plan_machine(client, ns, machine)
+    berth::cli::plan::plan_machine(client, ns, machine)
         .await
         .expect("plan")
         .plan

@@ -8,8 +8,8 @@ use tokio::time::Instant;
 
 use super::node_drain::NodeDrain;
 use super::reports::{pod_ref, pod_ref_key};
-use crate::drain::evict::{self, Evicted};
 use crate::drain::plan::PlannedPod;
+use crate::drain::pod_writes::{self, Evicted};
 use crate::drain::rules::DRAIN_ANNOTATION;
 use crate::drain::select::{finished, fmt_key};
 use crate::telemetry::EvictionResult;
@@ -94,7 +94,7 @@ impl<'d> WaitCompleted<'d> {
             return;
         };
         let key = fmt_key(&p.pod);
-        match evict::delete(&self.d.clients.rest, &pod, None).await {
+        match pod_writes::delete(&self.d.clients.rest, &pod, None).await {
             Evicted::Accepted => {
                 self.d.deps.metrics.record_eviction(EvictionResult::Forced);
                 self.d.count_evicted(&p.pod);

@@ -14,9 +14,9 @@ use tokio::time::Instant;
 
 use super::node_drain::NodeDrain;
 use super::reports::pod_ref;
-use crate::drain::evict::{self, Evicted};
 use crate::drain::pdb::{PdbVerdict, findings_for};
 use crate::drain::plan::PlannedPod;
+use crate::drain::pod_writes::{self, Evicted};
 use crate::drain::select::fmt_key;
 use crate::telemetry::EvictionResult;
 
@@ -101,9 +101,9 @@ impl<'d> PodEviction<'d> {
                 &self.d.clients.moves
             };
             let answer = if forcing {
-                evict::delete(client, &pod, None).await
+                pod_writes::delete(client, &pod, None).await
             } else {
-                evict::evict(client, &pod).await
+                pod_writes::evict(client, &pod).await
             };
             let pause = match self.answered(answer, &pod, &key, forcing) {
                 Answered::Retry(pause) => pause,

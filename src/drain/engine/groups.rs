@@ -95,8 +95,8 @@ mod tests {
 
     use super::*;
     use crate::api::settings::ResolvedSettings;
-    use crate::drain::class::VolumeContext;
     use crate::drain::plan::plan;
+    use crate::drain::volume_kind::VolumeContext;
     use crate::telemetry::events::EventSink;
 
     fn empty() -> DrainPlan {

@@ -34,11 +34,11 @@ use super::records::MoveRecords;
 use super::reports::{pod_ref_key, pv_ref};
 use super::waits::{Awaited, Reattach};
 use crate::api::VolumeMove;
-use crate::drain::class::{VolumeClass, allows_data_loss};
 use crate::drain::ledger::workload::wants_ordinal;
 use crate::drain::plan::{DrainPlan, PlannedPod, PlannedVolume};
 use crate::drain::resume::resumed_pod;
 use crate::drain::select::fmt_key;
+use crate::drain::volume_kind::{VolumeKind, allows_data_loss};
 use crate::volumes::{Interest, Registration};
 
 /// How long a drain waits, after a controlled stateful pod's volumes have
@@ -252,7 +252,7 @@ impl<'a> Migration<'a> {
     /// `attachable PV a, attach-free PV b`.
     fn named(vs: &[&PlannedVolume]) -> String {
         vs.iter()
-            .map(|v| format!("{} PV {}", v.class, v.volume.pv))
+            .map(|v| format!("{} PV {}", v.kind, v.volume.pv))
             .collect::<Vec<_>>()
             .join(", ")
     }
@@ -338,14 +338,14 @@ impl<'a> Migration<'a> {
             .pod
             .volumes
             .iter()
-            .filter(|v| v.class == VolumeClass::NodeLocal)
+            .filter(|v| v.kind == VolumeKind::NodeLocal)
             .collect();
         if local.is_empty() {
             return;
         }
         let which: Vec<String> = local
             .iter()
-            .map(|v| format!("{} ({})", v.volume.pv, v.class_why))
+            .map(|v| format!("{} ({})", v.volume.pv, v.kind_why))
             .collect();
         d.reports.event(
             EventType::Warning,
@@ -544,7 +544,7 @@ impl<'a> Migration<'a> {
                 format!(
                     "no new pod references claim {} ({why}): not waiting for {} PV {} to move",
                     fmt_key(&v.volume.claim),
-                    v.class,
+                    v.kind,
                     v.volume.pv
                 ),
                 pv_ref(&v.volume.pv),
@@ -635,7 +635,7 @@ impl<'a> Migration<'a> {
             .map(|v| Awaited {
                 pv: &v.volume.pv,
                 claim: &v.volume.claim,
-                class: v.class,
+                kind: v.kind,
                 users_before: self.users_before.get(&v.volume.pv).unwrap_or(&none),
             })
             .collect();

@@ -34,11 +34,11 @@ use super::view::{View, pvs_of};
 use super::waits::Waits;
 use super::{Deps, DrainClients, Job};
 use crate::api::Machine;
-use crate::drain::class::VolumeContext;
 use crate::drain::plan::{
     DetachingVolume, DrainPlan, controller_of, detaching_volumes, plan, still_to_wait_for,
 };
 use crate::drain::select::{Arrivals, NamespacedName, came_back, fmt_key, pod_key};
+use crate::drain::volume_kind::VolumeContext;
 
 /// One drain, from its first pass to its outcome.
 pub(super) struct NodeDrain {

@@ -28,10 +28,11 @@ use super::records::MoveRecords;
 use super::reports::pv_ref;
 use super::terminating::Terminating;
 use super::waits::Awaited;
-use crate::drain::class::VolumeClass;
-use crate::drain::evict::{self, Evicted};
+use crate::drain::ledger::moves_in;
 use crate::drain::plan::{DetachingVolume, DrainPlan};
+use crate::drain::pod_writes::{self, Evicted};
 use crate::drain::select::{NamespacedName, fmt_key};
+use crate::drain::volume_kind::VolumeKind;
 use crate::telemetry::EvictionResult;
 use crate::volumes::{Interest, Registration};
 
@@ -98,10 +99,7 @@ impl<'d> Pass<'d> {
     /// ([`Pass::evict_and_move`]).
     pub(super) async fn run(&self) -> PassEnd {
         let full = self.d.plan();
-        self.d.moves_left.store(
-            u32::try_from(full.stateful.len()).unwrap_or(u32::MAX),
-            Ordering::Release,
-        );
+        self.d.moves_left.store(moves_in(&full), Ordering::Release);
         let leftover = self.d.not_given_up(&full.detaching);
         // A move an earlier run recorded whose pod is gone is resumed
         // (its volumes waited for) even when nothing else is left: a
@@ -546,7 +544,7 @@ impl<'d> Pass<'d> {
             let Some(pod) = self.d.view().pod(&p.pod, p.uid.as_deref()) else {
                 continue;
             };
-            match evict::delete(&self.d.clients.rest, &pod, None).await {
+            match pod_writes::delete(&self.d.clients.rest, &pod, None).await {
                 Evicted::Accepted | Evicted::Gone => {
                     self.d.deps.metrics.record_eviction(EvictionResult::Deleted);
                     self.d.count_evicted(&p.pod);
@@ -658,7 +656,7 @@ impl<'d> Pass<'d> {
             .map(|(pv, claim)| Awaited {
                 pv,
                 claim,
-                class: VolumeClass::Attachable,
+                kind: VolumeKind::Attachable,
                 users_before: &none,
             })
             .collect();

@@ -15,8 +15,8 @@ use super::reports::pod_ref_key;
 use super::waits::Health;
 use crate::cache::Caches;
 use crate::drain::ledger::{
-    Answer, Asker, Budget, Permit, PodAsk, PodToMove, Workload, WorkloadFacts, WorkloadTerms,
-    moving_names, permit_expires, pod_ask, ready_since,
+    Answer, Asker, Budget, Permit, PodAsk, Workload, WorkloadFacts, WorkloadTerms, moving_names,
+    permit_expires, planned_ask, ready_since,
 };
 use crate::drain::plan::PlannedPod;
 use crate::drain::select::fmt_key;
@@ -99,7 +99,7 @@ impl<'d> DrainPermits<'d> {
         )
     }
 
-    /// What the ledger makes of `p` for this drain now (see [`pod_ask`]):
+    /// What the ledger makes of `p` for this drain now (see [`planned_ask`]):
     /// its workload, its budget and its ask; each value berth cannot read
     /// warned about once.
     pub(super) fn pod_ask(self, p: &PlannedPod) -> PodAsk {
@@ -120,8 +120,13 @@ impl<'d> DrainPermits<'d> {
             past_deadline: self.d.clock.expired(),
             moves_left: self.d.moves_left.load(std::sync::atomic::Ordering::Acquire),
         };
-        let to_move = PodToMove::planned(p, pod.as_deref()).replaced_by(replacement.as_deref());
-        let asked = pod_ask(&self.d.deps.caches, to_move, &drain);
+        let asked = planned_ask(
+            &self.d.deps.caches,
+            p,
+            pod.as_deref(),
+            replacement.as_deref(),
+            &drain,
+        );
         for b in &asked.bad {
             let workload = &asked.workload;
             if self.d.reports.first(format!("budget/{workload}/{}", b.key)) {
@@ -520,7 +525,7 @@ fn volumes_moved(caches: &Caches, p: &Permit) -> bool {
             view.volume_moved(
                 pv,
                 &claim,
-                crate::drain::class::VolumeClass::Attachable,
+                crate::drain::volume_kind::VolumeKind::Attachable,
                 &p.uid,
                 &none,
             )

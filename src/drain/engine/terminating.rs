@@ -14,8 +14,8 @@ use tokio::time::Instant;
 
 use super::node_drain::NodeDrain;
 use super::reports::pod_ref_key;
-use crate::drain::evict::{self, Evicted};
 use crate::drain::plan::TerminatingPod;
+use crate::drain::pod_writes::{self, Evicted};
 use crate::drain::select::{NamespacedName, fmt_key, held_by_finalizers};
 use crate::telemetry::EvictionResult;
 
@@ -103,7 +103,7 @@ impl<'d> Terminating<'d> {
 
     /// Deletes with grace 0 a pod whose grace period already passed.
     async fn force_gone(&self, key: &NamespacedName, pod: &Pod) {
-        match evict::delete(&self.d.clients.rest, pod, Some(0)).await {
+        match pod_writes::delete(&self.d.clients.rest, pod, Some(0)).await {
             Evicted::Accepted => {
                 self.d.deps.metrics.record_eviction(EvictionResult::Forced);
                 self.d.tally.forced(key);

@@ -18,12 +18,12 @@ use k8s_openapi::jiff::Timestamp;
 use kube::runtime::reflector::ObjectRef;
 
 use crate::cache::{Caches, claim_key, claim_names};
-use crate::drain::class::{VolumeClass, VolumeContext};
 use crate::drain::select::NamespacedName;
 use crate::drain::volume::{
     Moved, inline_unique_name, is_inline, replacement_expected, replacements,
     unschedulable_replacement, users_elsewhere, users_elsewhere_before, volume_moved,
 };
+use crate::drain::volume_kind::{VolumeContext, VolumeKind};
 use crate::volumes::{listed_on, unique_name_of};
 
 /// The caches as one drain of `node` reads them.
@@ -88,7 +88,7 @@ impl<'a> View<'a> {
         &self,
         pv: &str,
         claim: &NamespacedName,
-        class: VolumeClass,
+        class: VolumeKind,
         evicted_uid: &str,
         users_before: &BTreeSet<String>,
     ) -> Result<Moved, String> {

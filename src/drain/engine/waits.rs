@@ -24,10 +24,10 @@ use super::progress::ProgressTx;
 use super::reports::{Reports, pod_ref_key, pv_ref};
 use super::view::View;
 use crate::cache::Caches;
-use crate::drain::class::VolumeClass;
 use crate::drain::ledger::{healthy, ready_since};
 use crate::drain::select::{NamespacedName, fmt_key};
 use crate::drain::volume::Moved;
+use crate::drain::volume_kind::VolumeKind;
 use crate::telemetry::Metrics;
 use crate::volumes::{Registration, Signal, WaitError};
 
@@ -45,7 +45,7 @@ pub(super) struct Awaited<'v> {
     pub(super) pv: &'v str,
     /// The claim it moves with.
     pub(super) claim: &'v NamespacedName,
-    pub(super) class: VolumeClass,
+    pub(super) kind: VolumeKind,
     /// The pods that used the claim on other Nodes before the move began:
     /// none of them is the replacement.
     pub(super) users_before: &'v BTreeSet<String>,
@@ -124,7 +124,7 @@ impl Waits<'_> {
     ) -> Reattach {
         let attachable: BTreeSet<&str> = volumes
             .iter()
-            .filter(|v| v.class == VolumeClass::Attachable)
+            .filter(|v| v.kind == VolumeKind::Attachable)
             .map(|v| v.pv)
             .collect();
         reg.retain_volumes(|pv| attachable.contains(pv));
@@ -133,7 +133,7 @@ impl Waits<'_> {
             for v in volumes {
                 match self
                     .view()
-                    .volume_moved(v.pv, v.claim, v.class, evicted_uid, v.users_before)
+                    .volume_moved(v.pv, v.claim, v.kind, evicted_uid, v.users_before)
                 {
                     Ok(m) => moved.push((v, m)),
                     Err(why) => pending.push(why),
@@ -275,8 +275,8 @@ impl Waits<'_> {
         let took = left_at.elapsed().as_secs_f64();
         self.metrics.volume_reattach_wait.observe(took);
         for (v, m) in moved {
-            let (reason, how) = match v.class {
-                VolumeClass::AttachFree => (
+            let (reason, how) = match v.kind {
+                VolumeKind::AttachFree => (
                     "VolumeMoved",
                     format!(
                         "moved with pod {}, Running and Ready on Node {} (nothing to detach or attach)",
@@ -298,7 +298,7 @@ impl Waits<'_> {
                 reason,
                 format!(
                     "{} PV {} {how}, {took:.1}s after it left Node {}",
-                    v.class, v.pv, self.node
+                    v.kind, v.pv, self.node
                 ),
                 pv_ref(v.pv),
             );

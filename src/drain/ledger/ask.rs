@@ -15,9 +15,9 @@ use super::{
     Ask, Asker, BadAnnotation, Budget, MOVE_GROUP_KIND, Workload, WorkloadFacts, WorkloadTerms,
     budget_of, grouped, ready_since,
 };
-use crate::drain::class::VolumeClass;
-use crate::drain::plan::PlannedPod;
+use crate::drain::plan::{DrainPlan, PlannedPod};
 use crate::drain::select::{NamespacedName, pod_key};
+use crate::drain::volume_kind::VolumeKind;
 
 /// A pod whose move is asked for, as its asker knows it.
 #[derive(Debug, Clone)]
@@ -44,8 +44,8 @@ pub struct PodToMove<'a> {
 
 impl<'a> PodToMove<'a> {
     /// Planned pod `p`, and the pod as it is now (`None`: gone): its
-    /// volumes are the plan's, its attachable PVs those the plan classes
-    /// attachable.
+    /// volumes are the plan's, its attachable PVs those of kind
+    /// attachable in the plan.
     pub fn planned(p: &PlannedPod, pod: Option<&'a Pod>) -> Self {
         Self {
             key: p.pod.clone(),
@@ -58,7 +58,7 @@ impl<'a> PodToMove<'a> {
             attach: p
                 .volumes
                 .iter()
-                .filter(|v| v.class == VolumeClass::Attachable)
+                .filter(|v| v.kind == VolumeKind::Attachable)
                 .map(|v| v.volume.pv.clone())
                 .collect(),
         }
@@ -196,6 +196,31 @@ pub fn pod_ask(facts: &(impl WorkloadFacts + ?Sized), pod: PodToMove<'_>, drain:
     }
 }
 
+/// Planned pod `p`'s ask of the ledger for `drain`, read from `facts`:
+/// [`pod_ask`] of `p` as it is now (`pod`; `None`: gone, and then
+/// `replacement`, a pod that uses one of its claims now, speaks for its
+/// pod template). The engine's drains and `berth plan` ask through it
+/// alike.
+pub fn planned_ask(
+    facts: &(impl WorkloadFacts + ?Sized),
+    p: &PlannedPod,
+    pod: Option<&Pod>,
+    replacement: Option<&Pod>,
+    drain: &Asker,
+) -> PodAsk {
+    pod_ask(
+        facts,
+        PodToMove::planned(p, pod).replaced_by(replacement),
+        drain,
+    )
+}
+
+/// The volume moves a drain of `plan` has left before its first eviction:
+/// one a stateful pod (see [`Asker::moves_left`]).
+pub fn moves_in(plan: &DrainPlan) -> u32 {
+    u32::try_from(plan.stateful.len()).unwrap_or(u32::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
@@ -292,8 +317,8 @@ mod tests {
                 unique_name: None,
                 ephemeral: false,
             },
-            class: VolumeClass::Attachable,
-            class_why: String::new(),
+            kind: VolumeKind::Attachable,
+            kind_why: String::new(),
             attached_to: Vec::new(),
             wait: crate::drain::plan::VolumeWait::Detach {
                 gone_first: Vec::new(),
@@ -389,6 +414,11 @@ mod tests {
             &facts,
             PodToMove::planned(&gone, None).replaced_by(Some(&next)),
             &drain(),
+        );
+        assert_eq!(
+            planned_ask(&facts, &gone, None, Some(&next), &drain()),
+            asked,
+            "the engine's and berth plan's way to the same ask"
         );
         assert_eq!(asked.workload, sts);
         assert_eq!(

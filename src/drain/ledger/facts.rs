@@ -3,7 +3,7 @@
 //! pod's workload, budget and ask through, and its answers from the
 //! controller's caches, for the drains and a forced deletion. `berth plan`
 //! answers from the objects it lists (see
-//! [`KnownWorkloads`](crate::drain::live::KnownWorkloads)).
+//! [`KnownWorkloads`](crate::cli::plan::KnownWorkloads)).
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::jiff::Timestamp;

@@ -39,7 +39,7 @@
 //! | `records` | a permit as a `MovePermit` and as a Machine's move record say it, and when it expires (pure) |
 //! | `workload` | a pod's workload from its owner references, and what a workload object says of its moves (pure) |
 //! | `facts` | [`WorkloadFacts`]: what is known of pods' workloads, answered from the controller's caches (`berth plan` answers from its lists) |
-//! | `ask` | [`pod_ask`]: a pod turned into its ask (workload, budget, terms, permit owner, bad annotations), one way for the engine, a forced deletion and `berth plan` |
+//! | `ask` | [`pod_ask`]: a pod turned into its ask (workload, budget, terms, permit owner, bad annotations), one way for the engine, a forced deletion and `berth plan`; [`planned_ask`] for a planned pod, the engine's and `berth plan`'s |
 //! | `permits` | the ledger of this process, shared by its drains, and its permits in the API server (`Permits`, `PermitStore`) |
 //! | `line` | this process's parked asks in the API server, renewed while they wait, and the other processes' read (`AskStore`) |
 
@@ -62,7 +62,7 @@ mod records;
 mod store;
 pub mod workload;
 
-pub use self::ask::{PodAsk, PodToMove, pod_ask};
+pub use self::ask::{PodAsk, PodToMove, moves_in, planned_ask, pod_ask};
 pub use self::budget::{availability_of, budget_of, grouped, healthy, ready_since};
 pub use self::decide::{Ledger, Lined};
 pub use self::facts::WorkloadFacts;

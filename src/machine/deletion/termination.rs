@@ -14,6 +14,7 @@ use super::{DetachState, Observed, await_change, warn};
 use crate::api::Machine;
 use crate::api::conditions::VM_REQUESTED;
 use crate::machine::Context;
+use crate::machine::commit::{Next, Recorded, Write, elapsed_since, event, record};
 use crate::machine::decide::{self, DeletionStep};
 use crate::machine::error::{Error, Step, at};
 use crate::machine::lookup::{Resolved, VmOwner};
@@ -21,7 +22,6 @@ use crate::machine::node;
 use crate::machine::record::{
     DeletionOutcome, OUT_OF_SERVICE_TAINT, StepRecord, deletion_record, volumes_left_message,
 };
-use crate::machine::recorder::{Next, Recorded, Write, announce, elapsed_since, record};
 use crate::machine::status::condition;
 use crate::providers::ProviderError;
 
@@ -104,7 +104,7 @@ pub(super) async fn await_instance_termination(
     let rec = deletion_record(step, &DeletionOutcome::AsDecided);
     if let Recorded::Stale = record(ctx, &m, &rec, Write::IfChanged).await? {
         // Not written, but taken: said all the same.
-        announce(ctx, &m, &rec.report);
+        event(ctx, &m, &rec.report);
     }
     Ok(Next::Finished)
 }

@@ -2,7 +2,7 @@
 //! drain waits for when the pod moves. Pure: the CSIDriver objects and the
 //! Node come in as plain data.
 //!
-//! | class | what it is | what the drain does |
+//! | kind | what it is | what the drain does |
 //! | --- | --- | --- |
 //! | **attachable** | a CSI PV whose CSIDriver requires attach (or has no CSIDriver object: Kubernetes then assumes attach), an in-tree PV CSI migration moves to such a driver (EBS, GCE PD, Azure disk, Cinder, vSphere, Portworx), an in-tree iSCSI, FC, RBD or FlexVolume PV the Node lists in `status.volumesAttached` (the attach-detach controller attaches those itself, without a VolumeAttachment) | waits for it to detach from the Node, then to be attached where the replacement pod runs |
 //! | **attach-free** | a CSI PV whose CSIDriver says `attachRequired: false` (NFS, EFS, CephFS, SMB, many local-volume drivers), in-tree network kinds that are never attached (nfs, cephfs, glusterfs, azureFile, ...), an iSCSI, FC, RBD or FlexVolume PV the Node does not list (a FlexVolume driver without attach, a Node whose kubelet attaches) | no detach or attach wait: the move is done when the pod that now uses the claim is Running and Ready on another Node |
@@ -25,15 +25,15 @@ const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
 
 /// The kind of a volume, for the drain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum VolumeClass {
+pub enum VolumeKind {
     Attachable,
     AttachFree,
     NodeLocal,
     Scratch,
 }
 
-impl VolumeClass {
-    /// The class as `berth plan`, `status.drain` and Events name it.
+impl VolumeKind {
+    /// The kind as `berth plan`, `status.drain` and Events name it.
     pub fn name(self) -> &'static str {
         match self {
             Self::Attachable => "attachable",
@@ -44,24 +44,24 @@ impl VolumeClass {
     }
 }
 
-impl fmt::Display for VolumeClass {
+impl fmt::Display for VolumeKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
     }
 }
 
-/// A class and why.
+/// A volume's kind and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Classified {
-    pub class: VolumeClass,
-    /// What made it that class, in words.
+    pub kind: VolumeKind,
+    /// What made it that kind, in words.
     pub why: String,
 }
 
 impl Classified {
-    fn new(class: VolumeClass, why: impl Into<String>) -> Self {
+    fn new(kind: VolumeKind, why: impl Into<String>) -> Self {
         Self {
-            class,
+            kind,
             why: why.into(),
         }
     }
@@ -124,9 +124,9 @@ impl VolumeContext {
         self
     }
 
-    /// The class of a PersistentVolume used by a pod on this Node.
+    /// The kind of a PersistentVolume used by a pod on this Node.
     pub fn classify(&self, pv: &PersistentVolume) -> Classified {
-        use VolumeClass::{AttachFree, Attachable, NodeLocal};
+        use VolumeKind::{AttachFree, Attachable, NodeLocal};
         let Some(spec) = pv.spec.as_ref() else {
             return Classified::new(AttachFree, "PV without a spec: nothing attaches it");
         };
@@ -178,15 +178,15 @@ impl VolumeContext {
     fn by_driver(&self, driver: &str, prefix: &str) -> Classified {
         match self.attach_required.get(driver) {
             Some(false) => Classified::new(
-                VolumeClass::AttachFree,
+                VolumeKind::AttachFree,
                 format!("{prefix}CSIDriver {driver} has attachRequired: false"),
             ),
             Some(true) => Classified::new(
-                VolumeClass::Attachable,
+                VolumeKind::Attachable,
                 format!("{prefix}CSIDriver {driver} requires attach"),
             ),
             None => Classified::new(
-                VolumeClass::Attachable,
+                VolumeKind::Attachable,
                 format!("{prefix}{driver} has no CSIDriver object, so attach is required"),
             ),
         }
@@ -281,7 +281,7 @@ mod tests {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
     use super::*;
-    use VolumeClass::{AttachFree, Attachable, NodeLocal};
+    use VolumeKind::{AttachFree, Attachable, NodeLocal};
 
     fn driver(name: &str, attach: Option<bool>) -> CSIDriver {
         CSIDriver {
@@ -343,7 +343,7 @@ mod tests {
     }
 
     #[test]
-    fn every_persistent_volume_gets_a_class() {
+    fn every_persistent_volume_gets_a_kind() {
         let node = Node {
             metadata: ObjectMeta {
                 name: Some("node-1".into()),
@@ -387,7 +387,7 @@ mod tests {
         );
         let hostname = |op, v: &[&str]| requirement(HOSTNAME_LABEL, op, v);
         let zone = requirement("topology.kubernetes.io/zone", "In", &["us-east-1a"]);
-        let cases: Vec<(&str, PersistentVolumeSpec, VolumeClass, &str)> = vec![
+        let cases: Vec<(&str, PersistentVolumeSpec, VolumeKind, &str)> = vec![
             (
                 "CSI, attach required",
                 csi("ebs.csi.aws.com"),
@@ -549,9 +549,9 @@ mod tests {
                 "unknown",
             ),
         ];
-        for (what, spec, class, why) in cases {
+        for (what, spec, kind, why) in cases {
             let got = ctx.classify(&pv(spec));
-            assert_eq!(got.class, class, "{what}: {}", got.why);
+            assert_eq!(got.kind, kind, "{what}: {}", got.why);
             assert!(got.why.contains(why), "{what}: {:?} lacks {why:?}", got.why);
         }
         // Without the Node object only its name pins.
@@ -560,12 +560,12 @@ mod tests {
             csi("x"),
             vec![(vec![hostname("In", &["ip-10-0-0-1"])], vec![])],
         );
-        assert_eq!(bare.classify(&pv(by_hostname)).class, Attachable);
+        assert_eq!(bare.classify(&pv(by_hostname)).kind, Attachable);
         let by_name = pinned(csi("x"), vec![(vec![hostname("In", &["node-1"])], vec![])]);
-        assert_eq!(bare.classify(&pv(by_name)).class, NodeLocal);
+        assert_eq!(bare.classify(&pv(by_name)).kind, NodeLocal);
         // Nor can it tell an in-tree kind that attaches from one that does
         // not: the safe side waits.
-        assert_eq!(bare.classify(&pv(iscsi(1))).class, Attachable);
+        assert_eq!(bare.classify(&pv(iscsi(1))).kind, Attachable);
     }
 
     #[test]
@@ -588,6 +588,6 @@ mod tests {
         };
         assert_eq!(scratch_volumes(&pod), ["cache", "tmp"]);
         assert!(scratch_volumes(&Pod::default()).is_empty());
-        assert_eq!(VolumeClass::Scratch.to_string(), "scratch");
+        assert_eq!(VolumeKind::Scratch.to_string(), "scratch");
     }
 }

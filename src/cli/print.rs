@@ -1,99 +1,17 @@
-//! How `berth plan` prints a drain plan, and how the engine names a
-//! volume's wait in its reports: the `Display` of [`DrainPlan`],
-//! [`PlannedVolume`] and [`VolumeWait`], apart from how the plan is made
-//! (`drain::plan`).
+//! How `berth plan` prints a drain plan: the `Display` of [`DrainPlan`]
+//! (each volume and its wait as the drain names them, see
+//! `crate::drain::describe`), and the drain in progress as `status.drain`
+//! records it ([`in_progress`]).
 
 use std::fmt;
 
 use humantime::format_duration;
 
+use crate::api::DrainStatus;
 use crate::api::settings::NodeLocalVolumes;
-use crate::drain::class::VolumeClass;
-use crate::drain::plan::{DrainPlan, PlannedPod, PlannedVolume, VolumeWait};
+use crate::drain::plan::{DrainPlan, PlannedPod};
 use crate::drain::rules;
-use crate::drain::select::{NamespacedName, fmt_key};
-use crate::drain::volume::is_inline;
-
-fn list(keys: &[NamespacedName]) -> String {
-    keys.iter().map(fmt_key).collect::<Vec<_>>().join(", ")
-}
-
-impl fmt::Display for PlannedVolume {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if is_inline(&self.volume.pv) {
-            write!(f, "{} (in the pod spec", self.volume.pv)?;
-        } else {
-            write!(
-                f,
-                "PV {} (claim {}",
-                self.volume.pv,
-                fmt_key(&self.volume.claim)
-            )?;
-        }
-        if self.volume.ephemeral {
-            f.write_str(", ephemeral")?;
-        }
-        write!(f, "), {}: {}", self.class, self.class_why)?;
-        match (&self.volume.unique_name, self.class) {
-            (Some(unique), _) => write!(f, "; on the Node as {unique}")?,
-            (None, VolumeClass::Attachable) => {
-                f.write_str("; no unique name: recognised by VolumeAttachment only")?;
-            }
-            (None, _) => {}
-        }
-        if self.attached_to.is_empty() {
-            f.write_str(", attached nowhere per VolumeAttachments")
-        } else {
-            write!(f, ", attached to {}", self.attached_to.join(", "))
-        }
-    }
-}
-
-impl fmt::Display for VolumeWait {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Detach {
-                gone_first,
-                reattach,
-            } => {
-                f.write_str("last user: waits ")?;
-                if !gone_first.is_empty() {
-                    write!(
-                        f,
-                        "until {} {} gone, then ",
-                        list(gone_first),
-                        if gone_first.len() == 1 { "is" } else { "are" }
-                    )?;
-                }
-                f.write_str("for detach")?;
-                if *reattach {
-                    f.write_str(", then for attach to another Node")
-                } else {
-                    f.write_str("; no reattach (ephemeral claim dies with its pod)")
-                }
-            }
-            Self::LeftTo { last_user } => write!(
-                f,
-                "shared: {} uses it later and waits for it",
-                fmt_key(last_user)
-            ),
-            Self::StaysAttached { pinned_by } => write!(
-                f,
-                "stays attached: also used by {}, which end(s) with the VM; no detach wait",
-                list(pinned_by)
-            ),
-            Self::ReplacementReady => f.write_str(
-                "no detach or attach: waits for the pod that uses the claim next to be Running and Ready on another Node",
-            ),
-            Self::DiesWithPod => {
-                f.write_str("no wait: the ephemeral claim dies with its pod")
-            }
-            Self::DataLost => f.write_str(
-                "its data stays on this Node and is lost with the VM; evicted without any reattach wait",
-            ),
-        }
-    }
-}
+use crate::drain::select::fmt_key;
 
 /// `order 1000, critical: …` for a pod not in the default order group or
 /// with an order of its own, else nothing.
@@ -339,5 +257,81 @@ impl DrainPlan {
             writeln!(f, "  {}. {}: {}", i + 1, fmt_key(&step.pod), step.bounds)?;
         }
         Ok(())
+    }
+}
+
+/// The drain `status.drain` records, in words: how far it got, what it
+/// waits for or what blocks it, and the volume moves in flight (each
+/// resumed by a restarted controller before any other stateful eviction).
+pub fn in_progress(d: &DrainStatus) -> String {
+    let mut out = String::new();
+    let Some(started) = &d.started_at else {
+        return out;
+    };
+    match &d.finished_at {
+        Some(done) => out.push_str(&format!(
+            "Drain started at {}, ended at {} ({} of {} pods evicted)\n",
+            started.0, done.0, d.pods_evicted, d.pods_total
+        )),
+        None => out.push_str(&format!(
+            "Drain in progress since {} ({} of {} pods evicted, {} left)\n",
+            started.0, d.pods_evicted, d.pods_total, d.pods_remaining
+        )),
+    }
+    if let Some(w) = &d.waiting_for {
+        out.push_str(&format!("  waiting for: {w}\n"));
+    }
+    if let Some(b) = &d.blocked_by {
+        out.push_str(&format!("  blocked by: {b}\n"));
+    }
+    if let Some(w) = &d.waiting_for_budget {
+        out.push_str(&format!("  waiting for a move budget: {w}\n"));
+    }
+    if !d.moves.is_empty() {
+        out.push_str(
+            "  volume moves in flight (each waited for before the next stateful eviction):\n",
+        );
+        for m in &d.moves {
+            out.push_str(&format!("    {}: {}\n", m.pod, m.volumes.join(", ")));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+    use super::*;
+    use crate::api::VolumeMove;
+
+    #[test]
+    fn a_drain_in_progress_names_its_wait_its_block_and_its_moves() {
+        assert_eq!(in_progress(&DrainStatus::default()), "", "never started");
+        let started = "2026-11-23T09:00:00Z".parse().expect("time");
+        let d = DrainStatus {
+            started_at: Some(Time(started)),
+            pods_total: 3,
+            pods_evicted: 1,
+            pods_remaining: 2,
+            waiting_for: Some("pv-db-0 to detach from Node n1".into()),
+            blocked_by: Some("PodDisruptionBudget web".into()),
+            moves: vec![VolumeMove {
+                pod: "db/db-0".into(),
+                uid: Some("u0".into()),
+                volumes: vec!["pv-db-0".into()],
+                ..VolumeMove::default()
+            }],
+            ..DrainStatus::default()
+        };
+        let text = in_progress(&d);
+        for needle in [
+            "Drain in progress since 2026-11-23T09:00:00Z (1 of 3 pods evicted, 2 left)",
+            "waiting for: pv-db-0 to detach from Node n1",
+            "blocked by: PodDisruptionBudget web",
+            "db/db-0: pv-db-0",
+        ] {
+            assert!(text.contains(needle), "{needle}: {text}");
+        }
     }
 }

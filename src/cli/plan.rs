@@ -14,16 +14,17 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet, StatefulSet};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
-use super::class::{VolumeContext, allows_data_loss};
-use super::ledger::workload::{controller, workload_of};
-use super::ledger::{
-    Answer, Asker, Ledger, MOVE_GROUP_ANNOTATION, PodAsk, PodToMove, Workload, WorkloadFacts,
-    WorkloadTerms, held_permit, lined_ask, pod_ask, recorded_moves,
-};
-use super::plan::{DrainPlan, plan};
-use super::select::{fmt_key, pod_key};
+use super::print::in_progress;
 use crate::api::settings::resolve;
-use crate::api::{DrainStatus, Machine, MachineClass};
+use crate::api::{Machine, MachineClass};
+use crate::drain::ledger::workload::{controller, workload_of};
+use crate::drain::ledger::{
+    Answer, Asker, Ledger, MOVE_GROUP_ANNOTATION, PodAsk, Workload, WorkloadFacts, WorkloadTerms,
+    held_permit, lined_ask, moves_in, planned_ask, recorded_moves,
+};
+use crate::drain::plan::{DrainPlan, plan};
+use crate::drain::select::{fmt_key, pod_key};
+use crate::drain::volume_kind::{VolumeContext, allows_data_loss};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
@@ -151,7 +152,7 @@ pub fn budget_lines(
             machine: machine.to_string(),
             requested,
             past_deadline: false,
-            moves_left: u32::try_from(plan.stateful.len()).unwrap_or(u32::MAX),
+            moves_left: moves_in(plan),
         };
         let PodAsk {
             workload,
@@ -160,7 +161,7 @@ pub fn budget_lines(
             bad,
             ask,
             ..
-        } = pod_ask(known, PodToMove::planned(p, Some(pod)), &drain);
+        } = planned_ask(known, p, Some(pod), None, &drain);
         let Some(ask) = ask else {
             // Never for a stateful pod: its volumes move.
             continue;
@@ -212,44 +213,6 @@ pub fn budget_lines(
             line.push_str(&format!(" (ignored: {b})"));
         }
         out.push(line);
-    }
-    out
-}
-
-/// The drain `status.drain` records, in words: how far it got, what it
-/// waits for or what blocks it, and the volume moves in flight (each
-/// resumed by a restarted controller before any other stateful eviction).
-pub fn in_progress(d: &DrainStatus) -> String {
-    let mut out = String::new();
-    let Some(started) = &d.started_at else {
-        return out;
-    };
-    match &d.finished_at {
-        Some(done) => out.push_str(&format!(
-            "Drain started at {}, ended at {} ({} of {} pods evicted)\n",
-            started.0, done.0, d.pods_evicted, d.pods_total
-        )),
-        None => out.push_str(&format!(
-            "Drain in progress since {} ({} of {} pods evicted, {} left)\n",
-            started.0, d.pods_evicted, d.pods_total, d.pods_remaining
-        )),
-    }
-    if let Some(w) = &d.waiting_for {
-        out.push_str(&format!("  waiting for: {w}\n"));
-    }
-    if let Some(b) = &d.blocked_by {
-        out.push_str(&format!("  blocked by: {b}\n"));
-    }
-    if let Some(w) = &d.waiting_for_budget {
-        out.push_str(&format!("  waiting for a move budget: {w}\n"));
-    }
-    if !d.moves.is_empty() {
-        out.push_str(
-            "  volume moves in flight (each waited for before the next stateful eviction):\n",
-        );
-        for m in &d.moves {
-            out.push_str(&format!("    {}: {}\n", m.pod, m.volumes.join(", ")));
-        }
     }
     out
 }
@@ -407,7 +370,7 @@ async fn known_workloads(client: &Client, pods: &[Pod]) -> Result<KnownWorkloads
         if let Some(rs) = rs {
             known.terms.insert(
                 Workload::new("ReplicaSet", &ns, &c.name),
-                super::ledger::workload::terms(&rs.metadata, None),
+                crate::drain::ledger::workload::terms(&rs.metadata, None),
             );
             known.rs_owners.insert(
                 (ns, c.name.clone()),
@@ -427,11 +390,11 @@ async fn known_workloads(client: &Client, pods: &[Pod]) -> Result<KnownWorkloads
             "StatefulSet" => Api::<StatefulSet>::namespaced(client.clone(), &ns)
                 .get_opt(&w.name)
                 .await?
-                .map(|s| super::ledger::workload::stateful_set_terms(&s)),
+                .map(|s| crate::drain::ledger::workload::stateful_set_terms(&s)),
             "Deployment" => Api::<Deployment>::namespaced(client.clone(), &ns)
                 .get_opt(&w.name)
                 .await?
-                .map(|d| super::ledger::workload::deployment_terms(&d)),
+                .map(|d| crate::drain::ledger::workload::deployment_terms(&d)),
             _ => None,
         };
         if let Some(t) = terms {
@@ -470,53 +433,21 @@ async fn group_members(
     let mut members: Vec<WorkloadTerms> = sets
         .iter()
         .filter(|s| named(s.metadata.annotations.as_ref()))
-        .map(super::ledger::workload::stateful_set_terms)
+        .map(crate::drain::ledger::workload::stateful_set_terms)
         .collect();
     members.extend(
         deployments
             .iter()
             .filter(|d| named(d.metadata.annotations.as_ref()))
-            .map(super::ledger::workload::deployment_terms),
+            .map(crate::drain::ledger::workload::deployment_terms),
     );
     Ok(members)
 }
 
 #[cfg(test)]
 mod tests {
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-
     use super::*;
-    use crate::api::VolumeMove;
 
-    #[test]
-    fn a_drain_in_progress_names_its_wait_its_block_and_its_moves() {
-        assert_eq!(in_progress(&DrainStatus::default()), "", "never started");
-        let started = "2026-11-23T09:00:00Z".parse().expect("time");
-        let d = DrainStatus {
-            started_at: Some(Time(started)),
-            pods_total: 3,
-            pods_evicted: 1,
-            pods_remaining: 2,
-            waiting_for: Some("pv-db-0 to detach from Node n1".into()),
-            blocked_by: Some("PodDisruptionBudget web".into()),
-            moves: vec![VolumeMove {
-                pod: "db/db-0".into(),
-                uid: Some("u0".into()),
-                volumes: vec!["pv-db-0".into()],
-                ..VolumeMove::default()
-            }],
-            ..DrainStatus::default()
-        };
-        let text = in_progress(&d);
-        for needle in [
-            "Drain in progress since 2026-11-23T09:00:00Z (1 of 3 pods evicted, 2 left)",
-            "waiting for: pv-db-0 to detach from Node n1",
-            "blocked by: PodDisruptionBudget web",
-            "db/db-0: pv-db-0",
-        ] {
-            assert!(text.contains(needle), "{needle}: {text}");
-        }
-    }
     #[test]
     fn the_budget_section_says_what_each_stateful_pod_would_wait_for() {
         use crate::drain::fixtures::{NODE, PodFixture, csi_pv, pod, pvc};

@@ -1,7 +1,7 @@
-//! The writes of a drain: evicting a pod through the `policy/v1` Eviction
-//! subresource and deleting one outright, each pinned to the pod's UID so
-//! that a replacement that took the same name (a StatefulSet pod) is never
-//! touched.
+//! The drain's writes to pods: evicting a pod through the `policy/v1`
+//! Eviction subresource and deleting one outright, each pinned to the
+//! pod's UID so that a replacement that took the same name (a StatefulSet
+//! pod) is never touched.
 //!
 //! The eviction is sent by hand rather than by kube's `Api::evict`, for
 //! two reasons. That call puts the delete options under the key

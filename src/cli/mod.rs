@@ -1,5 +1,10 @@
 //! Command-line entry points. Each subcommand parses its flags here and hands
-//! over to the module that does the work.
+//! over to the module that does the work: `berth run` to
+//! `crate::wiring::process`, `berth plan` to [`plan`](self::plan) (which lists what it
+//! needs from the cluster) and `print` (how it shows a plan).
+
+pub mod plan;
+mod print;
 
 use std::process::ExitCode;
 
@@ -48,7 +53,7 @@ pub fn main() -> ExitCode {
                 .map(|yaml| print!("{yaml}"))
                 .map_err(anyhow::Error::from),
             Command::Run(args) => crate::wiring::process::run(*args).await,
-            Command::Plan(args) => plan(args).await,
+            Command::Plan(args) => print_plan(args).await,
         }
     })
 }
@@ -79,7 +84,7 @@ pub fn run_to_exit(
     }
 }
 
-async fn plan(args: PlanArgs) -> anyhow::Result<()> {
+async fn print_plan(args: PlanArgs) -> anyhow::Result<()> {
     use anyhow::Context as _;
     let Some((ns, name)) = args.machine.split_once('/') else {
         anyhow::bail!("expected <namespace>/<machine>, got {:?}", args.machine);
@@ -93,7 +98,7 @@ async fn plan(args: PlanArgs) -> anyhow::Result<()> {
         None => kube::Config::infer().await?,
     };
     let client = kube::Client::try_from(config)?;
-    let live = crate::drain::live::plan_machine(&client, ns, name).await?;
+    let live = self::plan::plan_machine(&client, ns, name).await?;
     println!("Machine {ns}/{name}");
     print!("{}", live.notes());
     print!("{}", live.plan);

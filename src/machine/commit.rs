@@ -1,6 +1,7 @@
-//! Recording a step: the status it implies, written with the
-//! compare-and-swap of `write`, and the Event that tells it, and where a
-//! reconcile leaves the Machine ([`Next`]).
+//! A step committed: the status its record implies (see `record`, which
+//! says what a step records), written with the compare-and-swap of
+//! `write`, and the Event that tells it; and where a reconcile leaves the
+//! Machine ([`Next`]).
 
 use std::time::Duration;
 
@@ -98,13 +99,13 @@ pub(super) async fn record(
         Recorded::Unchanged
     };
     if !rec.report.recorded_in(current.last_operation.as_ref()) {
-        announce(ctx, m, &rec.report);
+        event(ctx, m, &rec.report);
     }
     Ok(recorded)
 }
 
 /// Logs a step's report and publishes it as an Event on the Machine.
-pub(super) fn announce(ctx: &Context, m: &Machine, report: &Report) {
+pub(super) fn event(ctx: &Context, m: &Machine, report: &Report) {
     let type_ = if report.state == State::Failed {
         EventType::Warning
     } else {

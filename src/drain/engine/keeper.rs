@@ -13,7 +13,7 @@
 //! A running drain may leave it a move too: for a workload whose
 //! availability berth does not read (an operator's custom resource, a
 //! Job), a move whose replacement is not healthy when the drain is done
-//! with it keeps its permit until it is (see `NodeDrain::end_permit`).
+//! with it keeps its permit until it is (see `DrainPermits::end`).
 //!
 //! Nothing polls: the keeper judges again when a permit, a workload's
 //! availability, a VolumeAttachment, a Machine or a drain's end changes, a

@@ -3,9 +3,13 @@
 
 pub mod audit;
 pub mod aws;
+pub mod case;
 pub mod oracle;
 pub mod pool;
 pub mod process;
+
+#[allow(unused_imports)]
+pub use case::Case;
 
 use std::sync::Arc;
 use std::time::Duration;

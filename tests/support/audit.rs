@@ -128,16 +128,6 @@ pub fn deleted(bed: &TestBed, ns: &str, resource: &str) -> Vec<String> {
     names
 }
 
-/// The controller's [`Load`] for the case in namespace `ns`.
-pub fn load(bed: &TestBed, ns: &str) -> Load {
-    load_of(bed, ns, &controller_user())
-}
-
-/// [`load`] of `user`.
-pub fn load_of(bed: &TestBed, ns: &str, user: &str) -> Load {
-    load_in(requests_of(bed, ns, user))
-}
-
 /// The [`Load`] of `mine`, a case's requests, oldest first.
 fn load_in(mine: Vec<Request>) -> Load {
     let window = k8s_openapi::jiff::SignedDuration::from_secs(10);
@@ -169,12 +159,6 @@ fn load_in(mine: Vec<Request>) -> Load {
     }
 }
 
-/// Asserts that the controller made no request loop in the case in `ns`
-/// (see [`PEAK_10S_CEILING`]), and prints its load for the record.
-pub fn assert_no_request_loop(bed: &TestBed, case: &str, ns: &str) {
-    assert_no_request_loop_below(bed, case, ns, PEAK_10S_CEILING);
-}
-
 /// The ceiling for a MachineDeployment rollout case: a rollout of 4
 /// Machines on the fake provider makes and deletes 8 Machines, scales two
 /// sets and writes the deployment's status at each step, all within 10
@@ -182,23 +166,6 @@ pub fn assert_no_request_loop(bed: &TestBed, case: &str, ns: &str) {
 /// deleted. 400 is above that and still a sixth of a 60/s loop's first 10 s
 /// beyond the case's work.
 pub const ROLLOUT_PEAK_10S_CEILING: usize = 400;
-
-/// [`assert_no_request_loop`] with the ceiling of a case that does more
-/// work in 10 seconds than a drain case.
-pub fn assert_no_request_loop_below(bed: &TestBed, case: &str, ns: &str, ceiling: usize) {
-    assert_below(load(bed, ns), case, ceiling);
-}
-
-/// [`assert_no_request_loop`] for a controller running as `user`.
-pub fn assert_no_request_loop_of(bed: &TestBed, case: &str, ns: &str, user: &str) {
-    assert_below(load_of(bed, ns, user), case, PEAK_10S_CEILING);
-}
-
-fn assert_below(l: Load, case: &str, ceiling: usize) {
-    if let Err(e) = verdict(l, case, ceiling) {
-        panic!("{e}");
-    }
-}
 
 /// The request-loop check of the case `case` in `ns` for the controller
 /// running as `user` (`support::Case` makes it at the case's end): no

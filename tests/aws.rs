@@ -18,10 +18,9 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
-use support::audit::{assert_no_request_loop, controller};
 use support::aws::{CHAIN_CREDENTIALS, Cloud, CredentialsEndpoint};
 use support::pool::{POOL, create, delete_machine, gone, on_node};
-use support::{LONG, bed, client, condition, last_operation, machine, phase, wait_machine};
+use support::{Case, LONG, bed, condition, last_operation, machine, phase, wait_machine};
 
 fn provider_id(m: &Machine) -> Option<String> {
     m.spec.provider_id.clone()
@@ -51,30 +50,31 @@ async fn running_on(client: &Client, ns: &str, name: &str) -> (Machine, String) 
 }
 
 /// A case of its own: namespace `ns`, a cloud (behind the fault proxy when
-/// `proxied`) with a class named `ns`, and `berth run` with `flags`.
-async fn case(ns: &str, proxied: bool, flags: &[&str]) -> (Client, Cloud, support::process::Berth) {
-    let client = client().await;
-    support::namespace(&client, ns).await;
+/// `proxied`) with a class named `ns`, and `berth run` with `flags`, the
+/// case's controller; an admin client.
+async fn aws_case(ns: &str, proxied: bool, flags: &[&str]) -> (Case, Client, Cloud) {
+    let mut case = Case::builder(ns).build().await;
+    let client = case.client();
     let cloud = Cloud::start(&client, ns, proxied).await;
     cloud
         .class(&client, ns, ns, cloud.spec(serde_json::json!({})))
         .await;
-    let kubeconfig = &controller(bed().await).await.kubeconfig;
-    let berth = cloud.berth(kubeconfig, ns, flags);
-    (client, cloud, berth)
+    let kubeconfig = case.kubeconfig().await;
+    case.adopt(cloud.berth(&kubeconfig, ns, flags));
+    (case, client, cloud)
 }
 
 /// A case of its own whose class has no secretRef (berth signs with the
 /// AWS chain of its own environment), on moto without the proxy; `berth
 /// run` is the case's to start, with the chain's environment.
-async fn chain_case(ns: &str) -> (Client, Cloud) {
-    let client = client().await;
-    support::namespace(&client, ns).await;
+async fn chain_case(ns: &str) -> (Case, Client, Cloud) {
+    let case = Case::builder(ns).build().await;
+    let client = case.client();
     let cloud = Cloud::start(&client, ns, false).await;
     cloud
         .class_with(&client, ns, ns, cloud.spec(serde_json::json!({})), false)
         .await;
-    (client, cloud)
+    (case, client, cloud)
 }
 
 /// A Machine gets exactly one instance, tagged (instance and volumes) for
@@ -85,7 +85,8 @@ async fn chain_case(ns: &str) -> (Client, Cloud) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machine_runs_on_one_tagged_instance_and_leaves_after_a_volume_aware_drain() {
     let ns = "aws-life";
-    let (client, cloud, berth) = case(ns, false, &[]).await;
+    let (case, client, cloud) = aws_case(ns, false, &[]).await;
+    let berth = case.berth();
 
     create_machine(&client, ns, "a", ns).await;
     let (a, node_a) = running_on(&client, ns, "a").await;
@@ -195,8 +196,6 @@ async fn a_machine_runs_on_one_tagged_instance_and_leaves_after_a_volume_aware_d
         !berth.logs_contain("berth-test-secret-key"),
         "no secret in logs"
     );
-    assert_no_request_loop(bed().await, "aws-life", ns);
-    berth.terminate().await;
 }
 
 /// `berth run` killed right after EC2 accepted `RunInstances`, before the
@@ -208,8 +207,8 @@ async fn a_controller_killed_right_after_run_instances_adopts_the_instance_on_re
     let ns = "aws-crash";
     // No secretRef: these processes sign with the standard chain's
     // credentials, from their environment.
-    let (client, cloud) = chain_case(ns).await;
-    let kubeconfig = &controller(bed().await).await.kubeconfig;
+    let (mut case, client, cloud) = chain_case(ns).await;
+    let kubeconfig = &case.kubeconfig().await;
     let mut crash_env = CHAIN_CREDENTIALS.to_vec();
     crash_env.push(("BERTH_FAULT_ABORT_AFTER_RUN_INSTANCES", "1"));
     let crashing = cloud.berth_with(kubeconfig, ns, &[], &crash_env);
@@ -225,7 +224,7 @@ async fn a_controller_killed_right_after_run_instances_adopts_the_instance_on_re
         "killed before the providerID was written"
     );
 
-    let berth = cloud.berth_with(kubeconfig, ns, &[], CHAIN_CREDENTIALS);
+    let berth = case.adopt(cloud.berth_with(kubeconfig, ns, &[], CHAIN_CREDENTIALS));
     let (m, _) = running_on(&client, ns, "m").await;
     assert_eq!(
         provider_id(&m),
@@ -249,7 +248,6 @@ async fn a_controller_killed_right_after_run_instances_adopts_the_instance_on_re
         !berth.logs_contain("berth-chain-secret-key"),
         "no secret in logs"
     );
-    berth.terminate().await;
 }
 
 /// Each class of EC2 failure, injected by a proxy in front of moto (moto
@@ -261,7 +259,8 @@ async fn a_controller_killed_right_after_run_instances_adopts_the_instance_on_re
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_class_of_ec2_failure_is_named_retried_or_refused_as_it_should() {
     let ns = "aws-errors";
-    let (client, cloud, berth) = case(ns, true, &[]).await;
+    let (case, client, cloud) = aws_case(ns, true, &[]).await;
+    let berth = case.berth();
     let proxy = cloud.proxy();
 
     // A load balancer's 502 page on the look-up by tag: retried at once
@@ -453,8 +452,6 @@ async fn each_class_of_ec2_failure_is_named_retried_or_refused_as_it_should() {
         condition(&bad, "Ready")
     );
     assert_eq!(proxy.requests("RunInstances"), 0, "{:?}", proxy.counts());
-    assert_no_request_loop(bed().await, "aws-errors", ns);
-    berth.terminate().await;
 }
 
 /// Orphan collection against EC2: an instance tagged for this cluster and
@@ -467,9 +464,9 @@ async fn each_class_of_ec2_failure_is_named_retried_or_refused_as_it_should() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn orphan_instances_are_terminated_after_their_grace_and_no_other() {
     use berth_devkit::moto::ec2::Launch;
-    let client = client().await;
     let ns = "aws-orphans";
-    support::namespace(&client, ns).await;
+    let mut case = Case::builder(ns).build().await;
+    let client = case.client();
     let cloud = Cloud::start(&client, ns, false).await;
     cloud
         .class(&client, ns, ns, cloud.spec(serde_json::json!({})))
@@ -496,12 +493,12 @@ async fn orphan_instances_are_terminated_after_their_grace_and_no_other() {
     .await;
     let cluster_only = launch(Launch::tagged(&[("berth.dev/cluster", ns)])).await;
 
-    let kubeconfig = &controller(bed().await).await.kubeconfig;
-    let berth = cloud.berth(
+    let kubeconfig = &case.kubeconfig().await;
+    let berth = case.adopt(cloud.berth(
         kubeconfig,
         ns,
         &["--orphan-interval=2s", "--orphan-grace=20s"],
-    );
+    ));
     create_machine(&client, ns, "kept", ns).await;
     let (kept, _) = running_on(&client, ns, "kept").await;
     let own = cloud.instances_of(&kept).await;
@@ -556,8 +553,6 @@ async fn orphan_instances_are_terminated_after_their_grace_and_no_other() {
     berth
         .wait_metrics(&[r#"berth_orphan_vms_total{driver="aws",outcome="collected"} 2"#])
         .await;
-    assert_no_request_loop(bed().await, "aws-orphans", ns);
-    berth.terminate().await;
 }
 
 /// EC2 is eventually consistent: it can answer `InvalidInstanceID.NotFound`
@@ -569,7 +564,7 @@ async fn orphan_instances_are_terminated_after_their_grace_and_no_other() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_ec2_does_not_find_for_a_while_is_not_taken_for_gone() {
     let ns = "aws-notfound";
-    let (client, cloud, berth) = case(ns, true, &["--vm-not-found-grace=2m"]).await;
+    let (_case, client, cloud) = aws_case(ns, true, &["--vm-not-found-grace=2m"]).await;
     let proxy = cloud.proxy();
 
     create_machine(&client, ns, "a", ns).await;
@@ -602,8 +597,6 @@ async fn an_instance_ec2_does_not_find_for_a_while_is_not_taken_for_gone() {
     assert_eq!(proxy.passed("TerminateInstances"), 1, "terminated once");
     let nodes: Api<Node> = Api::all(client.clone());
     assert!(nodes.get_opt(&node_a).await.expect("get").is_none());
-    assert_no_request_loop(bed().await, "aws-notfound", ns);
-    berth.terminate().await;
 }
 
 /// EC2 may keep an instance `shutting-down` for a long while (moto
@@ -616,7 +609,7 @@ async fn an_instance_ec2_does_not_find_for_a_while_is_not_taken_for_gone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_that_stays_shutting_down_keeps_its_machine_and_node_until_terminated() {
     let ns = "aws-shutting-down";
-    let (client, cloud, berth) = case(ns, true, &[]).await;
+    let (_case, client, cloud) = aws_case(ns, true, &[]).await;
     let proxy = cloud.proxy();
 
     create_machine(&client, ns, "a", ns).await;
@@ -657,8 +650,6 @@ async fn an_instance_that_stays_shutting_down_keeps_its_machine_and_node_until_t
     proxy.clear();
     gone(&client, ns, "a", LONG).await;
     assert!(nodes.get_opt(&node_a).await.expect("get").is_none());
-    assert_no_request_loop(bed().await, "aws-shutting-down", ns);
-    berth.terminate().await;
 }
 
 /// A Machine whose providerID was written by hand for another Machine's
@@ -672,7 +663,7 @@ async fn an_instance_that_stays_shutting_down_keeps_its_machine_and_node_until_t
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hand_written_provider_id_is_left_alone_while_ec2_cannot_say_whose_it_is() {
     let ns = "aws-owner";
-    let (client, cloud, berth) = case(ns, true, &[]).await;
+    let (_case, client, cloud) = aws_case(ns, true, &[]).await;
     let proxy = cloud.proxy();
     create_machine(&client, ns, "a", ns).await;
     let (a, node_a) = running_on(&client, ns, "a").await;
@@ -724,8 +715,6 @@ async fn a_hand_written_provider_id_is_left_alone_while_ec2_cannot_say_whose_it_
     assert_eq!(state.as_deref(), Some("running"));
     let a = wait_machine(&client, ns, "a", "a", |_| true).await;
     assert_eq!(phase(&a), Some("Running"));
-    assert_no_request_loop(bed().await, "aws-owner", ns);
-    berth.terminate().await;
 }
 
 /// A class without a secretRef signs with the AWS chain. A chain whose
@@ -738,10 +727,10 @@ async fn a_hand_written_provider_id_is_left_alone_while_ec2_cannot_say_whose_it_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_credentials_chain_that_fails_for_a_while_is_retried_not_taken_for_unauthorized() {
     let ns = "aws-chain";
-    let (client, cloud) = chain_case(ns).await;
+    let (mut case, client, cloud) = chain_case(ns).await;
     let endpoint = CredentialsEndpoint::start().await;
-    let kubeconfig = &controller(bed().await).await.kubeconfig;
-    let berth = cloud.berth_with(kubeconfig, ns, &[], &endpoint.env());
+    let kubeconfig = &case.kubeconfig().await;
+    let berth = case.adopt(cloud.berth_with(kubeconfig, ns, &[], &endpoint.env()));
 
     create_machine(&client, ns, "m", ns).await;
     let failing = wait_machine(&client, ns, "m", "the chain's failure said", |m| {
@@ -770,6 +759,4 @@ async fn a_credentials_chain_that_fails_for_a_while_is_retried_not_taken_for_una
             && !berth.logs_contain("berth-container-token"),
         "no secret in logs"
     );
-    assert_no_request_loop(bed().await, "aws-chain", ns);
-    berth.terminate().await;
 }

@@ -23,13 +23,12 @@ use k8s_openapi::api::scheduling::v1::PriorityClass;
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
-use support::audit::controller;
 use support::oracle::{self, Watches, accepted_evictions_of, evictions};
 use support::pool::{
     Bed, POOL, create, delete_machine, events, first, gone, json, log_of, on_node, pod_running,
     pool_class, running_machine, stateful, stateful_in_pool,
 };
-use support::{LONG, machine, phase};
+use support::{Case, LONG, machine, phase};
 
 const ATTACH_DELAY: Duration = Duration::from_millis(1500);
 const DETACH_DELAY: Duration = Duration::from_millis(1500);
@@ -55,12 +54,15 @@ async fn priority_classes(client: &Client) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_is_drained_in_volume_aware_order() {
-    let client = BED.client().await;
     let ns = "drain-main";
-    support::namespace(&client, ns).await;
+    let mut case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m"}))
+        .build()
+        .await;
+    let client = case.client();
     priority_classes(&client).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = BED.start_as(ns, "drain-main").await;
+    case.start_as("drain-main").await;
     let node_a = running_machine(&client, ns, "a", ns).await;
 
     // Stateful: `cache` (high priority) and `db` (3 replicas, low priority).
@@ -317,9 +319,6 @@ async fn a_node_is_drained_in_volume_aware_order() {
         .collect();
     assert_eq!(on_b.len(), 4, "{on_b:?}");
     assert!(on_b.values().all(|n| *n == node_b), "{on_b:?}");
-    BED.calm("a_node_is_drained_in_volume_aware_order", ns)
-        .await;
-    ctl.stop().await;
 }
 
 /// A bare pod on `node` guarded by a PDB that can never allow its eviction
@@ -373,9 +372,9 @@ async fn a_budget_spent_by_an_eviction_is_waiting_not_misconfigured() {
     use futures::TryStreamExt;
     use kube::api::{EvictParams, WatchEvent, WatchParams};
 
-    let client = BED.client().await;
     let ns = "drain-pdb-in-flight";
-    support::namespace(&client, ns).await;
+    let case = Case::builder(ns).on(BED).build().await;
+    let client = case.client();
     let node = format!("{ns}-n");
     create(
         Api::all(client.clone()),
@@ -509,16 +508,13 @@ async fn a_budget_spent_by_an_eviction_is_waiting_not_misconfigured() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_passed_deadline_force_deletes_what_a_pdb_holds() {
-    let client = BED.client().await;
     let ns = "drain-force";
-    support::namespace(&client, ns).await;
-    pool_class(
-        &client,
-        ns,
-        serde_json::json!({"timeout": "12s", "forceAfterDeadline": true}),
-    )
-    .await;
-    let ctl = BED.start_as(ns, "drain-force").await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "12s", "forceAfterDeadline": true}))
+        .start_as("drain-force")
+        .await;
+    let client = case.client();
     let node = running_machine(&client, ns, "f", ns).await;
     guarded_pod(&client, ns, &node).await;
 
@@ -554,9 +550,6 @@ async fn a_passed_deadline_force_deletes_what_a_pdb_holds() {
             .expect("get")
             .is_none()
     );
-    BED.calm("a_passed_deadline_force_deletes_what_a_pdb_holds", ns)
-        .await;
-    ctl.stop().await;
 }
 
 /// At the deadline a pod a PodDisruptionBudget still holds is deleted with
@@ -564,16 +557,13 @@ async fn a_passed_deadline_force_deletes_what_a_pdb_holds() {
 /// it, and is gone by the deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_the_deadline_a_pod_is_deleted_with_its_whole_grace_period() {
-    let client = BED.client().await;
     let ns = "drain-grace";
-    support::namespace(&client, ns).await;
-    pool_class(
-        &client,
-        ns,
-        serde_json::json!({"timeout": "14s", "forceAfterDeadline": true}),
-    )
-    .await;
-    let ctl = BED.start_as(ns, "drain-grace").await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "14s", "forceAfterDeadline": true}))
+        .start_as("drain-grace")
+        .await;
+    let client = case.client();
     let node = running_machine(&client, ns, "g", ns).await;
     guarded_pod_with_grace(&client, ns, &node, 6).await;
 
@@ -632,12 +622,6 @@ async fn at_the_deadline_a_pod_is_deleted_with_its_whole_grace_period() {
         first(&evs, "ForcedAtDeadline", &format!("{ns}/guarded")).is_some(),
         "{evs:?}"
     );
-    BED.calm(
-        "at_the_deadline_a_pod_is_deleted_with_its_whole_grace_period",
-        ns,
-    )
-    .await;
-    ctl.stop().await;
 }
 
 /// After the deadline budgets are bypassed but volumes are not: stateful
@@ -645,16 +629,13 @@ async fn at_the_deadline_a_pod_is_deleted_with_its_whole_grace_period() {
 /// volume of the one before has left the Node.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_the_deadline_stateful_pods_still_move_one_at_a_time() {
-    let client = BED.client().await;
     let ns = "drain-after";
-    support::namespace(&client, ns).await;
-    pool_class(
-        &client,
-        ns,
-        serde_json::json!({"timeout": "8s", "forceAfterDeadline": true}),
-    )
-    .await;
-    let ctl = BED.start_as(ns, "drain-after").await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "8s", "forceAfterDeadline": true}))
+        .start_as("drain-after")
+        .await;
+    let client = case.client();
     let node = running_machine(&client, ns, "s", ns).await;
     stateful_in_pool(&client, ns, "db", 2, None).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
@@ -753,12 +734,6 @@ async fn after_the_deadline_stateful_pods_still_move_one_at_a_time() {
             "{pod} forced: {log}"
         );
     }
-    BED.calm(
-        "after_the_deadline_stateful_pods_still_move_one_at_a_time",
-        ns,
-    )
-    .await;
-    ctl.stop().await;
 }
 
 /// A pod that a finalizer keeps after its grace period is reported once
@@ -768,16 +743,13 @@ async fn after_the_deadline_stateful_pods_still_move_one_at_a_time() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_held_by_a_finalizer_is_reported_once_and_lets_the_machine_go() {
     const FINALIZER: &str = "example.com/keep";
-    let client = BED.client().await;
     let ns = "drain-held";
-    support::namespace(&client, ns).await;
-    pool_class(
-        &client,
-        ns,
-        serde_json::json!({"timeout": "10s", "forceAfterDeadline": true}),
-    )
-    .await;
-    let ctl = BED.start_as(ns, "drain-held").await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10s", "forceAfterDeadline": true}))
+        .start_as("drain-held")
+        .await;
+    let client = case.client();
     let node = running_machine(&client, ns, "h", ns).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     create(
@@ -876,26 +848,17 @@ async fn a_pod_held_by_a_finalizer_is_reported_once_and_lets_the_machine_go() {
         .filter(|r| r.verb == "delete" && r.resource == "pods" && r.name.as_deref() == Some("done"))
         .count();
     assert_eq!(deletes, 1, "the finished pod is deleted once");
-    BED.calm(
-        "a_pod_held_by_a_finalizer_is_reported_once_and_lets_the_machine_go",
-        ns,
-    )
-    .await;
-    ctl.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_forcing_a_passed_deadline_fails_the_drain_until_the_pdb_is_relaxed() {
-    let client = BED.client().await;
     let ns = "drain-noforce";
-    support::namespace(&client, ns).await;
-    pool_class(
-        &client,
-        ns,
-        serde_json::json!({"timeout": "8s", "forceAfterDeadline": false}),
-    )
-    .await;
-    let ctl = BED.start_as(ns, "drain-noforce").await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "8s", "forceAfterDeadline": false}))
+        .start_as("drain-noforce")
+        .await;
+    let client = case.client();
     let node = running_machine(&client, ns, "n", ns).await;
     guarded_pod(&client, ns, &node).await;
 
@@ -945,26 +908,17 @@ async fn without_forcing_a_passed_deadline_fails_the_drain_until_the_pdb_is_rela
     })
     .await
     .expect("the retried drain completes");
-    BED.calm(
-        "without_forcing_a_passed_deadline_fails_the_drain_until_the_pdb_is_relaxed",
-        ns,
-    )
-    .await;
-    ctl.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_no_pod_needs_any_more_is_not_waited_for() {
-    let client = BED.client().await;
     let ns = "drain-orphan";
-    support::namespace(&client, ns).await;
-    pool_class(
-        &client,
-        ns,
-        serde_json::json!({"volumeReattachTimeout": "5m"}),
-    )
-    .await;
-    let ctl = BED.start_as(ns, "drain-orphan").await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"volumeReattachTimeout": "5m"}))
+        .start_as("drain-orphan")
+        .await;
+    let client = case.client();
     let node = running_machine(&client, ns, "o", ns).await;
     let pv = format!("{ns}-pv");
     claim_and_volume(&client, ns, &pv).await;
@@ -1015,9 +969,6 @@ async fn a_claim_no_pod_needs_any_more_is_not_waited_for() {
         "no reattach wait: {log}"
     );
     assert!(took < Duration::from_secs(45), "took {took:?}: {log}");
-    BED.calm("a_claim_no_pod_needs_any_more_is_not_waited_for", ns)
-        .await;
-    ctl.stop().await;
 }
 
 /// A claim and its CSI volume, for the tests that place pods by hand.
@@ -1120,11 +1071,13 @@ async fn node_went_after_attach(ns: &str, pv: &str, old: &str, new: &str, watche
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_controlled_pod_whose_replacement_comes_late_is_still_waited_for() {
-    let client = BED.client().await;
     let ns = "drain-late";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = BED.start_as(ns, "drain-late").await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m"}))
+        .start_as("drain-late")
+        .await;
+    let client = case.client();
     let old = running_machine(&client, ns, "old", ns).await;
     let new = running_machine(&client, ns, "new", ns).await;
     let (pv, owner) = first_claim_user(&client, ns, &old).await;
@@ -1163,12 +1116,6 @@ async fn a_controlled_pod_whose_replacement_comes_late_is_still_waited_for() {
     assert!(first(&evs, "NoReplacement", "").is_none(), "{log}");
     let attached = first(&evs, "VolumeAttached", &pv).expect("a VolumeAttached Event");
     assert!(attached.2.contains(&new), "{log}");
-    BED.calm(
-        "a_controlled_pod_whose_replacement_comes_late_is_still_waited_for",
-        ns,
-    )
-    .await;
-    ctl.stop().await;
 }
 
 /// Class 7 of the drain's promises: a move resumed after a restart waits
@@ -1179,14 +1126,14 @@ async fn a_controlled_pod_whose_replacement_comes_late_is_still_waited_for() {
 /// attached on the new Node.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replacement_that_comes_late_after_a_restart_is_still_waited_for() {
-    use support::process::Berth;
-    let client = BED.client().await;
     let ns = "drain-late-restart";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
     let flags = ["--namespace", ns, "--leader-elect=false"];
-    let kubeconfig = &controller(BED.bed().await).await.kubeconfig;
-    let berth = Berth::spawn(kubeconfig, &flags);
+    let mut case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m"}))
+        .spawn(&flags)
+        .await;
+    let client = case.client();
     let old = running_machine(&client, ns, "old", ns).await;
     let new = running_machine(&client, ns, "new", ns).await;
     let (pv, owner) = first_claim_user(&client, ns, &old).await;
@@ -1214,8 +1161,8 @@ async fn a_replacement_that_comes_late_after_a_restart_is_still_waited_for() {
     )
     .await
     .expect("the volume detaches");
-    berth.kill().await;
-    let berth = Berth::spawn(kubeconfig, &flags);
+    case.kill().await;
+    case.spawn(&flags).await;
     tokio::time::sleep(Duration::from_secs(4)).await;
     create(pods.clone(), claim_user("second", &new, &owner)).await;
     wait::for_none(machines, LONG, "old gone", |m| m.name_any() == "old")
@@ -1223,21 +1170,17 @@ async fn a_replacement_that_comes_late_after_a_restart_is_still_waited_for() {
         .expect("the resumed drain ends once the volume attached on the new Node");
 
     node_went_after_attach(ns, &pv, &old, &new, &watches).await;
-    BED.calm(
-        "a_replacement_that_comes_late_after_a_restart_is_still_waited_for",
-        ns,
-    )
-    .await;
-    berth.terminate().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_mid_drain_never_evicts_while_a_volume_is_detaching() {
-    let client = BED.client().await;
     let ns = "drain-restart";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = BED.start_as(ns, "restart-1").await;
+    let mut case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m"}))
+        .start_as("restart-1")
+        .await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     // Two replicas that take 6 s to stop: the first is still terminating
     // (its volume still attached) when the controller restarts.
@@ -1256,8 +1199,8 @@ async fn a_restart_mid_drain_never_evicts_while_a_volume_is_detaching() {
     .await
     .expect("the first eviction");
     // Restart while db-0 terminates and its volume is attached to A.
-    ctl.stop().await;
-    let ctl = BED.start_as(ns, "restart-2").await;
+    case.stop().await;
+    case.start_as("restart-2").await;
     wait::for_none(machines, Duration::from_secs(180), "a gone", |m| {
         m.name_any() == "a"
     })
@@ -1265,12 +1208,6 @@ async fn a_restart_mid_drain_never_evicts_while_a_volume_is_detaching() {
     .expect("the resumed drain completes");
 
     each_evicted_once_and_db_1_after_db_0_moved(&client, ns, &node_a, &watches).await;
-    BED.calm(
-        "a_restart_mid_drain_never_evicts_while_a_volume_is_detaching",
-        ns,
-    )
-    .await;
-    ctl.stop().await;
 }
 
 /// A controller killed with SIGKILL at each point of a volume move (after
@@ -1280,14 +1217,14 @@ async fn a_restart_mid_drain_never_evicts_while_a_volume_is_detaching() {
 /// and the Machine goes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_controller_resumes_a_volume_move_wherever_it_stopped() {
-    use support::process::Berth;
-    let client = BED.client().await;
     let ns = "drain-killed";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
     let flags = ["--namespace", ns, "--leader-elect=false"];
-    let kubeconfig = &controller(BED.bed().await).await.kubeconfig;
-    let mut berth = Berth::spawn(kubeconfig, &flags);
+    let mut case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m"}))
+        .spawn(&flags)
+        .await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     // Two replicas that take 4 s to stop: time to kill the controller after
     // the eviction and before the pod is gone.
@@ -1320,8 +1257,8 @@ async fn a_killed_controller_resumes_a_volume_move_wherever_it_stopped() {
         "the move is recorded before its eviction"
     );
     // 1. Killed right after the eviction.
-    berth.kill().await;
-    berth = Berth::spawn(kubeconfig, &flags);
+    case.kill().await;
+    case.spawn(&flags).await;
     // 2. Killed right after the pod is gone.
     let old_uid = old.metadata.uid.clone();
     wait::until(pods.clone(), LONG, "the old db-0 gone", |ps| {
@@ -1329,8 +1266,8 @@ async fn a_killed_controller_resumes_a_volume_move_wherever_it_stopped() {
     })
     .await
     .expect("db-0 goes");
-    berth.kill().await;
-    berth = Berth::spawn(kubeconfig, &flags);
+    case.kill().await;
+    case.spawn(&flags).await;
     // 3. Killed right after its volume detached from A.
     let pv0 = format!("{ns}-db-0");
     wait::until(vas, LONG, "db-0's volume detached from A", |all| {
@@ -1341,8 +1278,8 @@ async fn a_killed_controller_resumes_a_volume_move_wherever_it_stopped() {
     })
     .await
     .expect("the volume detaches");
-    berth.kill().await;
-    let berth = Berth::spawn(kubeconfig, &flags);
+    case.kill().await;
+    case.spawn(&flags).await;
 
     wait::for_none(machines, Duration::from_secs(180), "a gone", |m| {
         m.name_any() == "a"
@@ -1350,12 +1287,6 @@ async fn a_killed_controller_resumes_a_volume_move_wherever_it_stopped() {
     .await
     .expect("the resumed drain completes");
     each_evicted_once_and_db_1_after_db_0_moved(&client, ns, &node_a, &watches).await;
-    BED.calm(
-        "a_killed_controller_resumes_a_volume_move_wherever_it_stopped",
-        ns,
-    )
-    .await;
-    berth.terminate().await;
 }
 
 /// StatefulSet `db`, 2 replicas with a PV each and grace period `grace`, on
@@ -1443,16 +1374,13 @@ async fn each_evicted_once_and_db_1_after_db_0_moved(
 /// not held up by it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replacement_that_cannot_be_placed_holds_back_its_workload_only() {
-    let client = BED.client().await;
     let ns = "drain-unplaced";
-    support::namespace(&client, ns).await;
-    pool_class(
-        &client,
-        ns,
-        serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "5m"}),
-    )
-    .await;
-    let ctl = BED.start_as(ns, "drain-unplaced").await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "5m"}))
+        .start_as("drain-unplaced")
+        .await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     stateful_in_pool(&client, ns, "db", 2, None).await;
     stateful_in_pool(&client, ns, "solo", 1, None).await;
@@ -1549,23 +1477,19 @@ async fn a_replacement_that_cannot_be_placed_holds_back_its_workload_only() {
         "{}",
         log_of(&evs)
     );
-    BED.calm(
-        "a_replacement_that_cannot_be_placed_holds_back_its_workload_only",
-        ns,
-    )
-    .await;
-    ctl.stop().await;
 }
 
 /// A replacement that tolerates the cordon and is scheduled back onto the
 /// draining Node is reported once and not evicted again: no eviction loop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_scheduled_back_onto_the_draining_node_is_not_evicted_in_a_loop() {
-    let client = BED.client().await;
     let ns = "drain-back";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = BED.start_as(ns, "drain-back").await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m"}))
+        .start_as("drain-back")
+        .await;
+    let client = case.client();
     let node = running_machine(&client, ns, "a", ns).await;
     create(
         Api::namespaced(client.clone(), ns),
@@ -1617,12 +1541,6 @@ async fn a_pod_scheduled_back_onto_the_draining_node_is_not_evicted_in_a_loop() 
     let returned: Vec<_> = evs.iter().filter(|(_, r, _)| r == "PodReturned").collect();
     assert_eq!(returned.len(), 1, "reported once: {log}");
     assert!(returned[0].2.contains("tolerates the cordon"), "{log}");
-    BED.calm(
-        "a_pod_scheduled_back_onto_the_draining_node_is_not_evicted_in_a_loop",
-        ns,
-    )
-    .await;
-    ctl.stop().await;
 }
 
 /// A Machine whose class is gone still drains with its own settings: its
@@ -1631,11 +1549,13 @@ async fn a_pod_scheduled_back_onto_the_draining_node_is_not_evicted_in_a_loop() 
 /// the drain uses instead of the class.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machine_whose_class_is_gone_keeps_its_own_drain_settings() {
-    let client = BED.client().await;
     let ns = "drain-noclass";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = BED.start_as(ns, "drain-noclass").await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m"}))
+        .start_as("drain-noclass")
+        .await;
+    let client = case.client();
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     let mut m = machine("k", ns);
     m.spec.drain = Some(json(
@@ -1724,12 +1644,6 @@ async fn a_machine_whose_class_is_gone_keeps_its_own_drain_settings() {
     })
     .await
     .expect("the deletion completes");
-    BED.calm(
-        "a_machine_whose_class_is_gone_keeps_its_own_drain_settings",
-        ns,
-    )
-    .await;
-    ctl.stop().await;
 }
 
 /// The Node object deleted by hand while its VM runs: the deletion still
@@ -1738,7 +1652,7 @@ async fn a_machine_whose_class_is_gone_keeps_its_own_drain_settings() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machine_whose_node_object_is_gone_is_still_drained_before_its_vm_goes() {
     let ns = "drain-nodegone";
-    let (client, ctl, node) = machine_a_with_app(ns).await;
+    let (_case, client, node) = machine_a_with_app(ns).await;
 
     delete_node(&client, &node).await;
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
@@ -1778,12 +1692,6 @@ async fn a_machine_whose_node_object_is_gone_is_still_drained_before_its_vm_goes
     let gone = first(&evs, "NodeGone", &node).unwrap_or_else(|| panic!("{log}"));
     let told = first(&evs, "Evicted", &format!("{ns}/app")).unwrap_or_else(|| panic!("{log}"));
     assert!(gone.0 <= told.0, "said, then drained: {log}");
-    BED.calm(
-        "a_machine_whose_node_object_is_gone_is_still_drained_before_its_vm_goes",
-        ns,
-    )
-    .await;
-    ctl.stop().await;
 }
 
 /// A volume still attached when the VM goes (here a DaemonSet's pod keeps
@@ -1794,16 +1702,13 @@ async fn a_machine_whose_node_object_is_gone_is_still_drained_before_its_vm_goes
 /// volume, and only then is the Node deleted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_volume_left_attached_at_vm_deletion_is_named_and_released_out_of_service() {
-    let client = BED.client().await;
     let ns = "drain-left";
-    support::namespace(&client, ns).await;
-    pool_class(
-        &client,
-        ns,
-        serde_json::json!({"timeout": "10m", "volumeDetachTimeout": "3s"}),
-    )
-    .await;
-    let ctl = BED.start_as(ns, "left").await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m", "volumeDetachTimeout": "3s"}))
+        .start_as("left")
+        .await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     let pv = format!("{ns}-data");
     claim_and_volume(&client, ns, &pv).await;
@@ -1900,16 +1805,10 @@ async fn a_volume_left_attached_at_vm_deletion_is_named_and_released_out_of_serv
         "{evs:?}"
     );
     assert_eq!(
-        ctl.metrics().volumes_left_attached.get(),
+        case.running().metrics().volumes_left_attached.get(),
         1,
         "the volume counted once"
     );
-    BED.calm(
-        "a_volume_left_attached_at_vm_deletion_is_named_and_released_out_of_service",
-        ns,
-    )
-    .await;
-    ctl.stop().await;
 }
 
 /// A Machine whose Node object *and* VM are both gone (berth deleted them
@@ -1919,7 +1818,7 @@ async fn a_volume_left_attached_at_vm_deletion_is_named_and_released_out_of_serv
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machine_whose_node_and_vm_are_both_gone_goes_without_a_drain() {
     let ns = "drain-allgone";
-    let (client, ctl, node) = machine_a_with_app(ns).await;
+    let (_case, client, node) = machine_a_with_app(ns).await;
     // The fake provider's VM is a ConfigMap: both go, by hand.
     Api::<ConfigMap>::namespaced(client.clone(), ns)
         .delete("fake-vm-a", &DeleteParams::default())
@@ -1950,24 +1849,20 @@ async fn a_machine_whose_node_and_vm_are_both_gone_goes_without_a_drain() {
         .map(|r| r.kind())
         .collect();
     assert!(touched.is_empty(), "berth left the pods alone: {touched:?}");
-    BED.calm(
-        "a_machine_whose_node_and_vm_are_both_gone_goes_without_a_drain",
-        ns,
-    )
-    .await;
-    ctl.stop().await;
 }
 
 /// A case of its own in `ns`: its pool class, the controller, Machine `a`
 /// running with a bare pod `app` on its Node; the Node's name.
-async fn machine_a_with_app(ns: &str) -> (Client, support::Running, String) {
-    let client = BED.client().await;
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = BED.start_as(ns, ns).await;
+async fn machine_a_with_app(ns: &str) -> (Case, Client, String) {
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m"}))
+        .start()
+        .await;
+    let client = case.client();
     let node = running_machine(&client, ns, "a", ns).await;
     app_running_on(&client, ns, &node).await;
-    (client, ctl, node)
+    (case, client, node)
 }
 
 /// A bare pod `app` on `node`, Running.
@@ -1999,11 +1894,13 @@ async fn app_running_on(client: &Client, ns: &str, node: &str) {
 /// Node is still there with its own UID), and the Machine goes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_that_took_the_name_of_the_machines_node_is_left_alone() {
-    let client = BED.client().await;
     let ns = "drain-renamed";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = BED.start_as(ns, "drain-renamed").await;
+    let mut case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m"}))
+        .start_as("drain-renamed")
+        .await;
+    let client = case.client();
     let node = running_machine(&client, ns, "a", ns).await;
     let nodes: Api<Node> = Api::all(client.clone());
     let mut other = nodes.get(&node).await.expect("the Machine's Node");
@@ -2042,12 +1939,12 @@ async fn a_node_that_took_the_name_of_the_machines_node_is_left_alone() {
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     let app = pods.get("app").await.expect("its pod");
     assert!(app.metadata.deletion_timestamp.is_none());
-    BED.calm("drain_renamed", ns).await;
+    // The clean-up below is not the case's work.
+    case.assert_no_request_loop();
     nodes
         .delete(&node, &DeleteParams::default())
         .await
         .expect("clean up the other Node");
-    ctl.stop().await;
 }
 
 /// A Machine created with the providerID of another Machine's VM (written
@@ -2057,7 +1954,7 @@ async fn a_node_that_took_the_name_of_the_machines_node_is_left_alone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machine_pointing_at_another_machines_vm_leaves_it_alone() {
     let ns = "drain-foreign";
-    let (client, ctl, node) = machine_a_with_app(ns).await;
+    let (_case, client, node) = machine_a_with_app(ns).await;
     let mut b = support::machine("b", ns);
     b.spec.provider_id = Some(format!("fake:///{ns}/a"));
     support::pool::running(&client, ns, b).await;
@@ -2074,8 +1971,6 @@ async fn a_machine_pointing_at_another_machines_vm_leaves_it_alone() {
     let a = machines.get("a").await.expect("a");
     assert!(a.metadata.deletion_timestamp.is_none());
     assert_eq!(support::phase(&a), Some("Running"));
-    BED.calm("drain_foreign", ns).await;
-    ctl.stop().await;
 }
 
 /// A Machine whose providerID was written by hand, deleted while its class
@@ -2086,7 +1981,7 @@ async fn a_machine_pointing_at_another_machines_vm_leaves_it_alone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machine_whose_vm_cannot_be_asked_about_touches_nothing_until_it_can() {
     let ns = "drain-owner-unknown";
-    let (client, ctl, node) = machine_a_with_app(ns).await;
+    let (_case, client, node) = machine_a_with_app(ns).await;
     let own = format!("{ns}-b");
     let class = || berth_devkit::testbed::fixtures::pool_class(&own, ns, serde_json::json!({}));
     let classes: Api<berth::api::MachineClass> = Api::all(client.clone());
@@ -2124,8 +2019,6 @@ async fn a_machine_whose_vm_cannot_be_asked_about_touches_nothing_until_it_can()
         .await
         .expect("a");
     assert_eq!(support::phase(&a), Some("Running"));
-    BED.calm("drain_owner_unknown", ns).await;
-    ctl.stop().await;
 }
 
 /// The controller's writes in `ns` received after `since` to Node `node`

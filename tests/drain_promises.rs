@@ -20,13 +20,13 @@ use k8s_openapi::api::storage::v1::VolumeAttachment;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
-use support::LONG;
-use support::audit::{self, controller};
+use support::audit;
 use support::oracle::{self, Seen, Watches, accepted_evictions_of, evictions, requests_once};
 use support::pool::{
     Bed, POOL, create, delete_machine, gone, json, on_node, pod_running, pool_class,
     running_machine,
 };
+use support::{Case, LONG};
 
 const ATTACH_DELAY: Duration = Duration::from_millis(1000);
 const DETACH_DELAY: Duration = Duration::from_millis(1000);
@@ -126,15 +126,14 @@ async fn blocked_by(
 /// (`attachRequired: false`); its deadline (10 min) and reattach timeout
 /// (5 min) are far beyond what a test waits, so that a volume taken for an
 /// attachable one shows as a Machine never gone.
-async fn attach_free_case(ns: &str, driver: &str) -> Client {
-    let client = BED
-        .case(
-            ns,
-            serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "5m"}),
-        )
+async fn attach_free_case(ns: &str, driver: &str) -> Case {
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "5m"}))
+        .build()
         .await;
-    support::pool::attach_free_driver(&client, driver).await;
-    client
+    support::pool::attach_free_driver(&case.client, driver).await;
+    case
 }
 
 /// StatefulSet `share` of two pods kept to pool `ns`, each with a PV on
@@ -198,8 +197,12 @@ async fn node_deleted(bed: &TestBed, ns: &str, node: &str) -> Timestamp {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_that_tolerates_the_cordon_is_evicted_in_a_later_pass() {
     let ns = "promise-tolerant";
-    let client = BED.case(ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m"}))
+        .start()
+        .await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     // It tolerates berth's cordon taint, not the unschedulable one: the
     // scheduler never puts a replacement back on A.
@@ -247,8 +250,6 @@ async fn a_replica_that_tolerates_the_cordon_is_evicted_in_a_later_pass() {
         "{}",
         support::pool::log_of(&evs)
     );
-    BED.calm("tolerant_replica", ns).await;
-    ctl.stop().await;
 }
 
 /// Class 3. A controller that is not a DaemonSet recreates its per-node
@@ -259,8 +260,12 @@ async fn a_replica_that_tolerates_the_cordon_is_evicted_in_a_later_pass() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_recreated_by_name_on_the_node_is_not_evicted_for_ever() {
     let ns = "promise-byname";
-    let client = BED.case(ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m"}))
+        .start()
+        .await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     let owner: ConfigMap = Api::namespaced(client.clone(), ns)
         .create(
@@ -307,8 +312,6 @@ async fn a_pod_recreated_by_name_on_the_node_is_not_evicted_for_ever() {
     let returned: Vec<_> = evs.iter().filter(|(_, r, _)| r == "PodReturned").collect();
     assert_eq!(returned.len(), 1, "{}", support::pool::log_of(&evs));
     assert!(returned[0].2.contains("spec.nodeName"), "{:?}", returned[0]);
-    BED.calm("recreated_by_name", ns).await;
-    ctl.stop().await;
 }
 
 /// Keeps one pod `mgr-<n>` bound to `node` by name, owned by `owner` (a
@@ -364,8 +367,12 @@ async fn per_node_controller(client: Client, ns: String, node: String, owner: Co
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_eviction_until_its_move_is_recorded() {
     let ns = "promise-record";
-    let client = BED.case(ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m"}))
+        .start()
+        .await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     stateful(&client, ns, "db", 1, Policy::OrderedReady, |_| {}).await;
     attached_to(&client, &node_a, 1).await;
@@ -459,8 +466,6 @@ async fn no_eviction_until_its_move_is_recorded() {
         recorded.is_some_and(|w| w.completed <= evicted[0].received),
         "a status write landed before the eviction: {log}"
     );
-    BED.calm("record_before_eviction", ns).await;
-    ctl.stop().await;
 }
 
 /// A ValidatingAdmissionPolicy (and its binding) that refuses any status
@@ -531,8 +536,12 @@ async fn policy_in_force(machines: &Api<Machine>, name: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_two_budgets_select_is_named_and_evicted_once_one_goes() {
     let ns = "promise-budgets";
-    let client = BED.case(ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m"}))
+        .start()
+        .await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     create(
         Api::namespaced(client.clone(), ns),
@@ -590,8 +599,6 @@ async fn a_pod_two_budgets_select_is_named_and_evicted_once_one_goes() {
     // a loop: a handful of refusals.
     let refusals = all.iter().filter(|r| r.code == 500).count();
     assert!((1..=6).contains(&refusals), "{refusals} refusals: {log}");
-    BED.calm("two_budgets", ns).await;
-    ctl.stop().await;
 }
 
 /// Class 2. The scheduler cannot place the replacement of the last pod of
@@ -602,13 +609,12 @@ async fn a_pod_two_budgets_select_is_named_and_evicted_once_one_goes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unplaceable_replacement_holds_the_next_order_group() {
     let ns = "promise-groups";
-    let client = BED
-        .case(
-            ns,
-            serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "5m"}),
-        )
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "5m"}))
+        .start()
         .await;
-    let ctl = BED.start(ns).await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     stateful(&client, ns, "db", 1, Policy::OrderedReady, |_| {}).await;
     let mut dns = deployment("dns", 1, 1, ns);
@@ -657,8 +663,6 @@ async fn an_unplaceable_replacement_holds_the_next_order_group() {
             &log,
         )
         .await;
-    BED.calm("unplaceable_holds_next_group", ns).await;
-    ctl.stop().await;
 }
 
 /// Class 9. A drain that fails at its deadline and is retried every 30 s
@@ -668,13 +672,12 @@ async fn an_unplaceable_replacement_holds_the_next_order_group() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retried_drain_does_not_repeat_its_reports() {
     let ns = "promise-retried";
-    let client = BED
-        .case(
-            ns,
-            serde_json::json!({"timeout": "5s", "forceAfterDeadline": false}),
-        )
+    let mut case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5s", "forceAfterDeadline": false}))
+        .start()
         .await;
-    let ctl = BED.start(ns).await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     // A pod a budget keeps (the drain fails at each deadline), with an
     // order the drain cannot read.
@@ -743,13 +746,12 @@ async fn a_retried_drain_does_not_repeat_its_reports() {
     };
     assert_eq!(count("PodSkipped"), 1, "{evs:?}");
     assert_eq!(count("DrainRuleInvalid"), 1, "{evs:?}");
-    BED.calm("retried_drain_reports_once", ns).await;
+    case.assert_no_request_loop();
     // Let the Machine go: the budget goes.
     Api::<PodDisruptionBudget>::namespaced(client.clone(), ns)
         .delete("guarded", &DeleteParams::default())
         .await
         .expect("delete the budget");
-    ctl.stop().await;
 }
 
 /// Class 5. A leader frozen (SIGSTOP) past its Lease loses it to another
@@ -761,7 +763,12 @@ async fn a_retried_drain_does_not_repeat_its_reports() {
 async fn a_leader_that_wakes_after_losing_its_lease_changes_nothing() {
     use support::process::Berth;
     let ns = "promise-fence";
-    let client = BED.case(ns, serde_json::json!({"timeout": "10m"})).await;
+    let mut case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m"}))
+        .build()
+        .await;
+    let client = case.client();
     let flags = |id: &'static str| {
         [
             "--identity",
@@ -773,14 +780,14 @@ async fn a_leader_that_wakes_after_losing_its_lease_changes_nothing() {
             ns,
         ]
     };
-    let first = &controller(BED.bed().await).await.kubeconfig;
     let standby = BED
         .bed()
         .await
         .identity(&client, "kube-system", "berth-standby")
         .await
         .expect("a second identity");
-    let a = Berth::spawn(first, &flags("replica-a"));
+    // The audited identity's: the case's controller.
+    let a = case.spawn(&flags("replica-a")).await;
     a.wait_log("caches synced").await;
     let node_a = running_machine(&client, ns, "a", ns).await;
     // db-0 and db-1 take 4 s to stop: the drain is mid-move when frozen.
@@ -800,7 +807,7 @@ async fn a_leader_that_wakes_after_losing_its_lease_changes_nothing() {
     )
     .await
     .expect("the first eviction");
-    a.freeze();
+    case.berth().freeze();
     let b = Berth::spawn(&standby.kubeconfig, &flags("replica-b"));
     let leases: Api<Lease> = Api::namespaced(client.clone(), ns);
     let lease = wait::for_one(leases, LONG, "replica-b holds the Lease", |l| {
@@ -814,6 +821,7 @@ async fn a_leader_that_wakes_after_losing_its_lease_changes_nothing() {
         .and_then(|s| s.acquire_time.as_ref())
         .map(|t| t.0)
         .expect("acquireTime");
+    let a = case.take_berth();
     a.resume();
     let status = a.exited().await;
     assert!(!status.success(), "the old leader exits: {status:?}");
@@ -843,12 +851,14 @@ async fn a_leader_that_wakes_after_losing_its_lease_changes_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_in_the_last_reattach_wait_resumes_it_and_clears_its_record() {
     use support::pool::{release_hook, running_held};
-    use support::process::Berth;
     let ns = "promise-lastmove";
-    let client = BED.case(ns, serde_json::json!({"timeout": "10m"})).await;
     let flags = ["--namespace", ns, "--leader-elect=false"];
-    let kubeconfig = &controller(BED.bed().await).await.kubeconfig;
-    let berth = Berth::spawn(kubeconfig, &flags);
+    let mut case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m"}))
+        .spawn(&flags)
+        .await;
+    let client = case.client();
     let node_a = running_held(&client, ns, "a", ns, true).await;
     stateful(&client, ns, "db", 1, Policy::OrderedReady, |_| {}).await;
     attached_to(&client, &node_a, 1).await;
@@ -870,8 +880,8 @@ async fn a_restart_in_the_last_reattach_wait_resumes_it_and_clears_its_record() 
     )
     .await
     .expect("the volume detaches");
-    berth.kill().await;
-    let berth = Berth::spawn(kubeconfig, &flags);
+    case.kill().await;
+    case.spawn(&flags).await;
 
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     let m = wait::for_one(machines, Duration::from_secs(120), "a drained", |m| {
@@ -901,8 +911,6 @@ async fn a_restart_in_the_last_reattach_wait_resumes_it_and_clears_its_record() 
     );
     release_hook(&client, ns, "a").await;
     gone(&client, ns, "a", LONG).await;
-    BED.calm("restart_in_last_reattach_wait", ns).await;
-    berth.terminate().await;
 }
 
 /// Class 7, a resumed move follows the rules of a first run. The
@@ -916,13 +924,12 @@ async fn a_restart_in_the_last_reattach_wait_resumes_it_and_clears_its_record() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resumed_attach_free_move_waits_for_readiness_not_a_timeout() {
     use berth_devkit::testbed::stages::READY_AFTER_ANNOTATION;
-    use support::process::Berth;
     let ns = "promise-resume-free";
     let driver = "attach-free.promises.berth.dev";
-    let client = attach_free_case(ns, driver).await;
+    let mut case = attach_free_case(ns, driver).await;
+    let client = case.client();
     let flags = ["--namespace", ns, "--leader-elect=false"];
-    let kubeconfig = &controller(BED.bed().await).await.kubeconfig;
-    let berth = Berth::spawn(kubeconfig, &flags);
+    case.spawn(&flags).await;
     let node_a = running_machine(&client, ns, "a", ns).await;
     share(&client, ns, driver, |t| {
         t.metadata
@@ -960,8 +967,8 @@ async fn a_resumed_attach_free_move_waits_for_readiness_not_a_timeout() {
     .await
     .expect("share-0 goes");
     // Its replacement is not Ready for 8 s: the move waits for it.
-    berth.kill().await;
-    let berth = Berth::spawn(kubeconfig, &flags);
+    case.kill().await;
+    case.spawn(&flags).await;
     gone(&client, ns, "a", Duration::from_secs(90)).await;
 
     let all = evictions(BED.bed().await, ns);
@@ -985,8 +992,6 @@ async fn a_resumed_attach_free_move_waits_for_readiness_not_a_timeout() {
         "share-1 evicted at {} only once share-0's replacement (started {started}) was Ready: {log}",
         second[0].received
     );
-    BED.calm("resumed_attach_free_move", ns).await;
-    berth.terminate().await;
 }
 
 /// Class 7, a held move follows the rules of a first run, across a
@@ -999,19 +1004,17 @@ async fn a_resumed_attach_free_move_waits_for_readiness_not_a_timeout() {
 /// evicted once, after that attach (audit log).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_move_survives_a_restart_and_ends_where_its_replacement_runs() {
-    use support::process::Berth;
     let ns = "promise-held";
     let peers = "promise-held-peers";
-    let client = BED
-        .case(
-            ns,
-            serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "5m"}),
-        )
+    let mut case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "5m"}))
+        .build()
         .await;
+    let client = case.client();
     pool_class(&client, peers, serde_json::json!({})).await;
     let flags = ["--namespace", ns, "--leader-elect=false"];
-    let kubeconfig = &controller(BED.bed().await).await.kubeconfig;
-    let berth = Berth::spawn(kubeconfig, &flags);
+    case.spawn(&flags).await;
     let node_a = running_machine(&client, ns, "a", ns).await;
     let node_c = running_machine(&client, ns, "c", peers).await;
     // db's volumes are ReadWriteMany; a peer on C shares db-0's.
@@ -1054,9 +1057,9 @@ async fn a_held_move_survives_a_restart_and_ends_where_its_replacement_runs() {
 
     delete_machine(&client, ns, "a").await;
     blocked_by(&client, ns, "a", "cannot be scheduled", LONG).await;
-    berth.kill().await;
+    case.kill().await;
     let restarted = Timestamp::now();
-    let berth = Berth::spawn(kubeconfig, &flags);
+    case.spawn(&flags).await;
     // B comes once the restarted drain has planned: it holds db again (a
     // ReplacementUnschedulable published after the restart: the killed
     // process may have died with its own still queued, so they are not
@@ -1102,8 +1105,6 @@ async fn a_held_move_survives_a_restart_and_ends_where_its_replacement_runs() {
         db1[0].received > on_b,
         "db-1 evicted only after db-0's volume attached on B, where its replacement runs (not because C had it): {log}"
     );
-    BED.calm("held_move_restart", ns).await;
-    berth.terminate().await;
 }
 
 /// Class 8, the CSIDriver cache. `berth run` starts while a Machine's
@@ -1118,12 +1119,12 @@ async fn a_held_move_survives_a_restart_and_ends_where_its_replacement_runs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_drain_is_planned_before_the_csi_drivers_are_known() {
     use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
-    use support::process::Berth;
     let ns = "promise-csidrivers";
     let driver = "attach-free.csidrivers.berth.dev";
-    let client = attach_free_case(ns, driver).await;
+    let mut case = attach_free_case(ns, driver).await;
+    let client = case.client();
     // The Machines and the workload, with the usual controller.
-    let ctl = BED.start(ns).await;
+    case.start().await;
     let node_a = running_machine(&client, ns, "a", ns).await;
     share(&client, ns, driver, |_| {}).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
@@ -1136,7 +1137,7 @@ async fn no_drain_is_planned_before_the_csi_drivers_are_known() {
     .await
     .expect("the pods run");
     running_machine(&client, ns, "b", ns).await;
-    ctl.stop().await;
+    case.stop().await;
 
     // An identity with everything berth calls but the CSIDrivers.
     let role = format!("{ns}-all-but-csidrivers");
@@ -1160,7 +1161,13 @@ async fn no_drain_is_planned_before_the_csi_drivers_are_known() {
         .expect("the identity");
     delete_machine(&client, ns, "a").await;
     let watches = Watches::start(&client, ns).await;
-    let berth = Berth::spawn(&id.kubeconfig, &["--namespace", ns, "--leader-elect=false"]);
+    // The case's request-loop check is of this identity's requests.
+    case.audited_as(audit::restricted_user());
+    case.spawn_with(
+        &id.kubeconfig,
+        &["--namespace", ns, "--leader-elect=false"],
+        &[],
+    );
     // Refused for a while: long enough that a drain planned without them
     // evicts share-0 (it would within a second of the start).
     tokio::time::sleep(Duration::from_secs(5)).await;
@@ -1240,8 +1247,6 @@ async fn no_drain_is_planned_before_the_csi_drivers_are_known() {
         !sent.is_empty() && sent.iter().all(|r| r.received > known),
         "evictions only after the CSIDrivers were listed ({known}): {sent:?}"
     );
-    audit::assert_no_request_loop_of(bed, "late_csidrivers", ns, &user);
-    berth.terminate().await;
 }
 
 /// Class 4, its other half. The API server's own flow control (API
@@ -1258,9 +1263,13 @@ async fn no_drain_is_planned_before_the_csi_drivers_are_known() {
 async fn an_eviction_the_api_server_throttles_is_not_a_budget_refusal() {
     use k8s_openapi::api::flowcontrol::v1::{FlowSchema, PriorityLevelConfiguration};
     let ns = "promise-throttled";
-    let client = BED.case(ns, serde_json::json!({"timeout": "10m"})).await;
-    let bed = BED.bed().await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m"}))
+        .start()
+        .await;
+    let client = case.client();
+    let bed = case.bed;
     let node_a = running_machine(&client, ns, "a", ns).await;
     create(
         Api::namespaced(client.clone(), ns),
@@ -1426,8 +1435,6 @@ async fn an_eviction_the_api_server_throttles_is_not_a_budget_refusal() {
         .map(|e| e.message.unwrap_or_default())
         .collect();
     assert!(warned.is_empty(), "no EvictionBlocked Warning: {warned:?}");
-    BED.calm("throttled", ns).await;
-    ctl.stop().await;
     drop(hold);
 }
 
@@ -1440,7 +1447,12 @@ async fn an_eviction_the_api_server_throttles_is_not_a_budget_refusal() {
 async fn an_eviction_never_takes_the_pod_that_took_the_name() {
     use berth::drain::pod_writes::{Evicted, evict};
     let ns = "promise-pinned";
-    let client = BED.case(ns, serde_json::json!({})).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({}))
+        .build()
+        .await;
+    let client = case.client();
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     // Kept Pending (no Node has the label): an eviction works the same.
     let pod = || -> Pod {

@@ -16,12 +16,12 @@ use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::Api;
-use support::LONG;
 use support::oracle::{self, Seen, Watches, accepted_evictions_of, evictions};
 use support::pool::{
     Bed, Ev, assert_contains, create, delete_machine, events, first, gone, json, log_of, plan_text,
-    pool_class, release_hook, running_held, running_pods,
+    release_hook, running_held, running_pods,
 };
+use support::{Case, LONG};
 
 const ATTACH_DELAY: Duration = Duration::from_secs(3);
 const DETACH_DELAY: Duration = Duration::from_secs(1);
@@ -66,11 +66,13 @@ fn waiting_for(m: &Machine) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn critical_pods_leave_after_every_other_pod_and_its_volumes() {
-    let client = BED.client().await;
     let ns = "rules-tiers";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .start()
+        .await;
+    let client = case.client();
     let node_a = running_held(&client, ns, "a", ns, false).await;
     // A stateful workload and a critical stateful one (a CSI controller,
     // say), each with an attachable volume; a stateless pod and a
@@ -169,17 +171,17 @@ async fn critical_pods_leave_after_every_other_pod_and_its_volumes() {
     assert!(db_told.2.contains(&node_b), "{}", db_told.2);
     assert!(db_told.0 <= group.0, "{log}");
     assert!(first(&evs, "Drained", "").is_some(), "{log}");
-    BED.calm(ns, ns).await;
-    ctl.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_skip_rule_leaves_a_pod_to_the_vm_and_a_rule_not_understood_is_named() {
-    let client = BED.client().await;
     let ns = "rules-skip";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .start()
+        .await;
+    let client = case.client();
     let node = running_held(&client, ns, "a", ns, true).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     create(
@@ -243,17 +245,17 @@ async fn a_skip_rule_leaves_a_pod_to_the_vm_and_a_rule_not_understood_is_named()
     );
     release_hook(&client, ns, "a").await;
     gone(&client, ns, "a", LONG).await;
-    BED.calm(ns, ns).await;
-    ctl.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wait_completed_rule_holds_the_critical_group_until_the_pod_completes() {
-    let client = BED.client().await;
     let ns = "rules-wait";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .start()
+        .await;
+    let client = case.client();
     let node = running_held(&client, ns, "a", ns, false).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
     create(
@@ -335,24 +337,19 @@ async fn a_wait_completed_rule_holds_the_critical_group_until_the_pod_completes(
     assert!(waiting.0 <= dns_told.0, "{log}");
     assert!(first(&evs, "ForcedAtDeadline", "").is_none(), "{log}");
     assert!(first(&evs, "Drained", "").is_some(), "{log}");
-    BED.calm(ns, ns).await;
-    ctl.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_waited_on_that_never_completes_meets_the_deadline_rules() {
-    let client = BED.client().await;
     // With forceAfterDeadline it is deleted with its grace period at the
     // deadline; without, the drain fails naming it.
     for (ns, force) in [("rules-wait-forced", true), ("rules-wait-failed", false)] {
-        support::namespace(&client, ns).await;
-        pool_class(
-            &client,
-            ns,
-            serde_json::json!({"timeout": "10s", "forceAfterDeadline": force}),
-        )
-        .await;
-        let ctl = BED.start(ns).await;
+        let case = Case::builder(ns)
+            .on(BED)
+            .pool(serde_json::json!({"timeout": "10s", "forceAfterDeadline": force}))
+            .start()
+            .await;
+        let client = case.client();
         let node = running_held(&client, ns, "a", ns, false).await;
         let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
         create(
@@ -389,7 +386,5 @@ async fn a_pod_waited_on_that_never_completes_meets_the_deadline_rules() {
             let pod = pods.get("forever").await.expect("still there");
             assert!(pod.metadata.deletion_timestamp.is_none(), "never evicted");
         }
-        BED.calm(ns, ns).await;
-        ctl.stop().await;
     }
 }

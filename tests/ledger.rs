@@ -12,9 +12,10 @@ use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::api::Api;
 use kube::{Client, ResourceExt};
-use support::LONG;
+use support::audit::ROLLOUT_PEAK_10S_CEILING;
 use support::oracle::{self, Watches, accepted_evictions_of, evicted_once, evictions, in_order};
 use support::pool::{Bed, delete_machine, gone, json, running_machine};
+use support::{Case, LONG};
 
 const ATTACH_DELAY: Duration = Duration::from_millis(1000);
 const DETACH_DELAY: Duration = Duration::from_millis(1000);
@@ -131,8 +132,12 @@ async fn attached(client: &Client, ns: &str, n: usize) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_machines_deleted_at_once_move_one_replica_at_a_time() {
     let ns = "ledger-two";
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .start()
+        .await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     let node_b = running_machine(&client, ns, "b", ns).await;
     stateful(&client, ns, "db", 2, true).await;
@@ -149,8 +154,6 @@ async fn two_machines_deleted_at_once_move_one_replica_at_a_time() {
     watches
         .assert_after_moved(BED.bed().await, second, &first_pv, &first_node, &log)
         .await;
-    BED.calm("ledger_two", ns).await;
-    ctl.stop().await;
 }
 
 /// The Node a PV was first seen attached to, of `a` and `b`.
@@ -169,13 +172,12 @@ fn node_of(watches: &Watches, pv: &str, a: &str, b: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parallel_moves_overlap_across_workloads_never_within_one() {
     let ns = "ledger-parallel";
-    let client = BED
-        .case(
-            ns,
-            serde_json::json!({"timeout": "5m", "maxParallelVolumeMigrations": 2}),
-        )
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m", "maxParallelVolumeMigrations": 2}))
+        .start()
         .await;
-    let ctl = BED.start(ns).await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     stateful(&client, ns, "db", 2, false).await;
     stateful(&client, ns, "solo", 1, false).await;
@@ -200,8 +202,6 @@ async fn parallel_moves_overlap_across_workloads_never_within_one() {
         first.received,
         solo[0].received
     );
-    BED.calm("ledger_parallel", ns).await;
-    ctl.stop().await;
 }
 
 /// A permit outlives the process. Machine `a`'s move of db-0 is held (its
@@ -212,12 +212,14 @@ async fn parallel_moves_overlap_across_workloads_never_within_one() {
 /// db-0's volume is attached where its replacement runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_permit_survives_a_killed_controller() {
-    use support::process::Berth;
     let ns = "ledger-restart";
-    let client = BED.case(ns, serde_json::json!({"timeout": "10m"})).await;
     let flags = ["--namespace", ns, "--leader-elect=false"];
-    let kubeconfig = &support::audit::controller(BED.bed().await).await.kubeconfig;
-    let berth = Berth::spawn(kubeconfig, &flags);
+    let mut case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m"}))
+        .spawn(&flags)
+        .await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     let node_b = running_machine(&client, ns, "b", ns).await;
     stateful(&client, ns, "db", 2, true).await;
@@ -242,8 +244,8 @@ async fn a_permit_survives_a_killed_controller() {
         "one replica moves: {}",
         oracle::log_of(&first)
     );
-    berth.kill().await;
-    let berth = Berth::spawn(kubeconfig, &flags);
+    case.kill().await;
+    case.spawn(&flags).await;
     running_machine(&client, ns, "c", ns).await;
     running_machine(&client, ns, "d", ns).await;
     gone(&client, ns, "a", Duration::from_secs(120)).await;
@@ -264,8 +266,6 @@ async fn a_permit_survives_a_killed_controller() {
     watches
         .assert_after_moved(BED.bed().await, later, &pv, &from, &log)
         .await;
-    BED.calm("ledger_restart", ns).await;
-    berth.terminate().await;
 }
 
 /// A leader hand-over while a permit is held across two Machines. Two
@@ -281,7 +281,12 @@ async fn a_new_leader_holds_the_permit_the_killed_one_took() {
     use k8s_openapi::api::core::v1::Pod;
     use support::process::Berth;
     let ns = "ledger-leader";
-    let client = BED.case(ns, serde_json::json!({"timeout": "10m"})).await;
+    let mut case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m"}))
+        .build()
+        .await;
+    let client = case.client();
     let flags = |id: &'static str| {
         [
             "--identity",
@@ -293,15 +298,17 @@ async fn a_new_leader_holds_the_permit_the_killed_one_took() {
             ns,
         ]
     };
-    let first_id = support::audit::controller(BED.bed().await).await;
     let standby = BED
         .bed()
         .await
         .identity(&client, "kube-system", "berth-standby")
         .await
         .expect("a second identity");
-    let leader = Berth::spawn(&first_id.kubeconfig, &flags("replica-a"));
-    leader.wait_log("caches synced").await;
+    // The leader is the audited identity's: the case's controller.
+    case.spawn(&flags("replica-a"))
+        .await
+        .wait_log("caches synced")
+        .await;
     let other = Berth::spawn(&standby.kubeconfig, &flags("replica-b"));
     let node_a = running_machine(&client, ns, "a", ns).await;
     let node_b = running_machine(&client, ns, "b", ns).await;
@@ -328,7 +335,7 @@ async fn a_new_leader_holds_the_permit_the_killed_one_took() {
         "one replica moves: {}",
         oracle::log_of(&first)
     );
-    leader.kill().await;
+    case.kill().await;
     gone(&client, ns, "a", Duration::from_secs(180)).await;
     gone(&client, ns, "b", Duration::from_secs(180)).await;
 
@@ -379,8 +386,12 @@ async fn a_new_leader_holds_the_permit_the_killed_one_took() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_workloads_min_ready_seconds_holds_the_next_move() {
     let ns = "ledger-healthy";
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .start()
+        .await;
+    let client = case.client();
     running_machine(&client, ns, "a", ns).await;
     stateful_set_with(&client, ns, "db", 2, false, |sts| {
         if let Some(spec) = sts.spec.as_mut() {
@@ -414,8 +425,6 @@ async fn the_workloads_min_ready_seconds_holds_the_next_move() {
         held >= k8s_openapi::jiff::SignedDuration::from_secs(4),
         "the next replica went {held} after {first}'s replacement was Ready, not 5 s: {log}"
     );
-    BED.calm("ledger_healthy", ns).await;
-    ctl.stop().await;
 }
 
 /// The finalizer with which a test keeps a VolumeAttachment from going: a
@@ -464,13 +473,12 @@ async fn hold_attachment(client: &Client, pv: &str, node: &str, hold: bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_detach_that_times_out_keeps_its_workload_permit() {
     let ns = "ledger-stuck";
-    let client = BED
-        .case(
-            ns,
-            serde_json::json!({"timeout": "5m", "volumeDetachTimeout": "2s"}),
-        )
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m", "volumeDetachTimeout": "2s"}))
+        .start()
         .await;
-    let ctl = BED.start(ns).await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     stateful(&client, ns, "db", 2, false).await;
     stateful(&client, ns, "solo", 1, false).await;
@@ -512,8 +520,6 @@ async fn a_detach_that_times_out_keeps_its_workload_permit() {
     watches
         .assert_after_moved(BED.bed().await, later, &db0, &node_a, &log)
         .await;
-    BED.calm("ledger_stuck", ns).await;
-    ctl.stop().await;
 }
 
 /// A detach that stalls to the end (case 5 of issue 36): Machine `a` runs
@@ -529,13 +535,12 @@ async fn a_detach_that_times_out_keeps_its_workload_permit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_detach_stalled_past_its_machine_keeps_the_permit_until_the_volume_moved() {
     let ns = "ledger-stalled";
-    let client = BED
-        .case(
-            ns,
-            serde_json::json!({"timeout": "5m", "volumeDetachTimeout": "2s"}),
-        )
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m", "volumeDetachTimeout": "2s"}))
+        .start()
         .await;
-    let ctl = BED.start(ns).await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     running_machine(&client, ns, "b", ns).await;
     stateful(&client, ns, "db", 2, true).await;
@@ -608,8 +613,6 @@ async fn a_detach_stalled_past_its_machine_keeps_the_permit_until_the_volume_mov
     watches
         .assert_after_moved(BED.bed().await, later, &pv, &node_a, &log)
         .await;
-    BED.calm("ledger_stalled", ns).await;
-    ctl.stop().await;
 }
 
 /// `berth.dev/healthy-deadline: 4s` on a StatefulSet whose pods never turn
@@ -621,8 +624,12 @@ async fn a_healthy_deadline_ends_a_move_whose_replacement_never_turns_ready() {
     use berth::drain::ledger::{HEALTHY_DEADLINE_ANNOTATION, MIN_HEALTHY_ANNOTATION};
     use berth_devkit::testbed::stages::READY_AFTER_ANNOTATION;
     let ns = "ledger-deadline";
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .start()
+        .await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     support::pool::stateful(&client, ns, "db", 2, |sts| {
         let Some(spec) = sts.spec.as_mut() else {
@@ -675,8 +682,6 @@ async fn a_healthy_deadline_ends_a_move_whose_replacement_never_turns_ready() {
         notes.iter().any(|n| n.contains(&format!("{ns}/{first}"))),
         "a ReplacementNotHealthy Warning names {first}: {notes:?}"
     );
-    BED.calm("ledger_deadline", ns).await;
-    ctl.stop().await;
 }
 
 /// A drain past its deadline moves beyond its workload's budget, and says
@@ -688,8 +693,12 @@ async fn a_healthy_deadline_ends_a_move_whose_replacement_never_turns_ready() {
 async fn past_its_deadline_a_drain_moves_beyond_the_budget() {
     use berth::drain::ledger::MIN_HEALTHY_ANNOTATION;
     let ns = "ledger-bypass";
-    let client = BED.case(ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m"}))
+        .start()
+        .await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     let mut b = berth_devkit::testbed::fixtures::machine("b", ns);
     b.spec.drain = Some(json(serde_json::json!({"timeout": "20s"})));
@@ -772,8 +781,6 @@ async fn past_its_deadline_a_drain_moves_beyond_the_budget() {
             .any(|n| n.contains(&format!("{ns}/{second}")) && n.contains("StatefulSet")),
         "{notes:?}"
     );
-    BED.calm("ledger_bypass", ns).await;
-    ctl.stop().await;
 }
 
 /// A move held for a replacement the scheduler cannot place does not pin
@@ -789,8 +796,12 @@ async fn past_its_deadline_a_drain_moves_beyond_the_budget() {
 async fn a_move_held_for_placement_lets_its_machine_go_and_keeps_its_permit() {
     use berth::api::MovePermit;
     let ns = "ledger-held";
-    let client = BED.case(ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m"}))
+        .start()
+        .await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     let node_b = running_machine(&client, ns, "b", ns).await;
     stateful(&client, ns, "db", 2, true).await;
@@ -844,8 +855,6 @@ async fn a_move_held_for_placement_lets_its_machine_go_and_keeps_its_permit() {
     wait::for_none(permits, LONG, "no permit left", |_| true)
         .await
         .expect("every move ended and freed its permit");
-    BED.calm("ledger_held", ns).await;
-    ctl.stop().await;
 }
 
 /// `berth.dev/max-moving: 2` on a StatefulSet (the object, not its pod
@@ -857,8 +866,13 @@ async fn a_move_held_for_placement_lets_its_machine_go_and_keeps_its_permit() {
 async fn a_budget_of_two_lets_two_replicas_move_at_once() {
     use berth::drain::ledger::MAX_MOVING_ANNOTATION;
     let ns = "ledger-pair";
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .ceiling(ROLLOUT_PEAK_10S_CEILING)
+        .start()
+        .await;
+    let client = case.client();
     let olds = [
         running_machine(&client, ns, "a", ns).await,
         running_machine(&client, ns, "b", ns).await,
@@ -912,13 +926,6 @@ async fn a_budget_of_two_lets_two_replicas_move_at_once() {
         went[2].received
     );
     // Six Machines and three drains within seconds: a rollout's burst.
-    support::audit::assert_no_request_loop_below(
-        BED.bed().await,
-        "ledger_pair",
-        ns,
-        support::audit::ROLLOUT_PEAK_10S_CEILING,
-    );
-    ctl.stop().await;
 }
 
 /// A Deployment without volumes whose object asks `berth.dev/max-moving:
@@ -931,8 +938,12 @@ async fn a_budget_of_two_lets_two_replicas_move_at_once() {
 async fn a_deployment_that_asks_for_a_budget_moves_one_pod_at_a_time() {
     use berth::drain::ledger::{MAX_MOVING_ANNOTATION, MIN_HEALTHY_ANNOTATION};
     let ns = "ledger-web";
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .start()
+        .await;
+    let client = case.client();
     running_machine(&client, ns, "a", ns).await;
     running_machine(&client, ns, "b", ns).await;
     let mut web: Deployment = json(serde_json::json!({
@@ -991,8 +1002,6 @@ async fn a_deployment_that_asks_for_a_budget_moves_one_pod_at_a_time() {
         held >= k8s_openapi::jiff::SignedDuration::from_secs(2),
         "the second web pod went {held} after {first}'s replacement was Ready, not 3 s: {log}"
     );
-    BED.calm("ledger_web", ns).await;
-    ctl.stop().await;
 }
 
 /// A workload already degraded before the drain: a StatefulSet of three
@@ -1007,8 +1016,12 @@ async fn a_deployment_that_asks_for_a_budget_moves_one_pod_at_a_time() {
 async fn a_workload_already_degraded_moves_nothing_until_it_is_whole() {
     use k8s_openapi::api::core::v1::Pod;
     let ns = "ledger-degraded";
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .start()
+        .await;
+    let client = case.client();
     for m in ["a", "b", "c"] {
         running_machine(&client, ns, m, ns).await;
     }
@@ -1085,8 +1098,6 @@ async fn a_workload_already_degraded_moves_nothing_until_it_is_whole() {
         "db-0 was evicted at {} while db-2 was down (Ready at {ready}): {log}",
         evicted.received
     );
-    BED.calm("ledger_degraded", ns).await;
-    ctl.stop().await;
 }
 
 /// The UID of the pod `name` the watches saw Ready.
@@ -1114,10 +1125,17 @@ async fn two_processes_of_different_scopes_share_a_workloads_permit() {
     use support::process::Berth;
     let (ns, other) = ("ledger-scope-a", "ledger-scope-b");
     // The pool is ns's class; Machines of both namespaces are of it.
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
-    support::namespace(&client, other).await;
-    let kubeconfig = &support::audit::controller(BED.bed().await).await.kubeconfig;
-    let first = Berth::spawn(kubeconfig, &["--namespace", ns, "--leader-elect=false"]);
+    // The case is ns's, and its controller the first process; the
+    // second, of scope `other` (a namespace with no case's controller), is
+    // the test's own.
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .spawn(&["--namespace", ns, "--leader-elect=false"])
+        .await;
+    let client = case.client();
+    let _other = Case::builder(other).on(BED).build().await;
+    let kubeconfig = &case.kubeconfig().await;
     let second = Berth::spawn(kubeconfig, &["--namespace", other, "--leader-elect=false"]);
     let node_a = running_machine(&client, ns, "a", ns).await;
     let node_b = running_machine(&client, other, "b", ns).await;
@@ -1205,8 +1223,6 @@ async fn two_processes_of_different_scopes_share_a_workloads_permit() {
     )
     .await;
     assert!(left.is_ok(), "no permit is left once both moves ended");
-    BED.calm("ledger_scopes", ns).await;
-    first.terminate().await;
     second.terminate().await;
 }
 
@@ -1225,10 +1241,17 @@ async fn a_freed_permit_goes_to_the_first_in_line_of_any_process() {
     use k8s_openapi::api::core::v1::Pod;
     use support::process::Berth;
     let (ns, other) = ("ledger-across-a", "ledger-across-b");
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
-    support::namespace(&client, other).await;
-    let kubeconfig = &support::audit::controller(BED.bed().await).await.kubeconfig;
-    let first = Berth::spawn(kubeconfig, &["--namespace", ns, "--leader-elect=false"]);
+    // The case is ns's, and its controller the first process; the
+    // second, of scope `other` (a namespace with no case's controller), is
+    // the test's own.
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .spawn(&["--namespace", ns, "--leader-elect=false"])
+        .await;
+    let client = case.client();
+    let _other = Case::builder(other).on(BED).build().await;
+    let kubeconfig = &case.kubeconfig().await;
     let second = Berth::spawn(kubeconfig, &["--namespace", other, "--leader-elect=false"]);
     let node_a = running_machine(&client, ns, "a", ns).await;
     let node_b = running_machine(&client, other, "b", ns).await;
@@ -1319,8 +1342,6 @@ async fn a_freed_permit_goes_to_the_first_in_line_of_any_process() {
         "no ask is left once every drain ended: {writes:#?}"
     );
     eprintln!("MoveAsk writes: {writes:#?}");
-    BED.calm("ledger_across", ns).await;
-    first.terminate().await;
     second.terminate().await;
 }
 
@@ -1336,10 +1357,17 @@ async fn an_ask_of_a_process_that_died_holds_the_line_until_it_expires() {
     use k8s_openapi::api::core::v1::Pod;
     use support::process::Berth;
     let (ns, other) = ("ledger-dead-a", "ledger-dead-b");
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
-    support::namespace(&client, other).await;
-    let kubeconfig = &support::audit::controller(BED.bed().await).await.kubeconfig;
-    let first = Berth::spawn(kubeconfig, &["--namespace", ns, "--leader-elect=false"]);
+    // The case is ns's, and its controller the first process; the
+    // second, of scope `other` (a namespace with no case's controller), is
+    // the test's own.
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .spawn(&["--namespace", ns, "--leader-elect=false"])
+        .await;
+    let client = case.client();
+    let _other = Case::builder(other).on(BED).build().await;
+    let kubeconfig = &case.kubeconfig().await;
     let second = Berth::spawn(kubeconfig, &["--namespace", other, "--leader-elect=false"]);
     let node_a = running_machine(&client, ns, "a", ns).await;
     let node_b = running_machine(&client, other, "b", ns).await;
@@ -1419,8 +1447,6 @@ async fn an_ask_of_a_process_that_died_holds_the_line_until_it_expires() {
     })
     .await;
     assert!(left.is_ok(), "no ask is left once every drain ended");
-    BED.calm("ledger_dead", ns).await;
-    first.terminate().await;
     again.terminate().await;
 }
 
@@ -1435,8 +1461,12 @@ async fn an_ask_of_a_process_that_died_holds_the_line_until_it_expires() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replacement_slower_than_every_timeout_still_holds_the_next_replica() {
     let ns = "ledger-slow-replica";
-    let client = BED.case(ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m"}))
+        .start()
+        .await;
+    let client = case.client();
     running_machine(&client, ns, "a", ns).await;
     stateful_set_with(&client, ns, "db", 2, false, on_delete).await;
     attached(&client, ns, 2).await;
@@ -1459,8 +1489,6 @@ async fn a_replacement_slower_than_every_timeout_still_holds_the_next_replica() 
         held >= k8s_openapi::jiff::SignedDuration::from_secs(140),
         "held {held}, not the 150 s the replacement took: {log}"
     );
-    BED.calm("ledger_slow_replica", ns).await;
-    ctl.stop().await;
 }
 
 /// Case 4: a move with nothing to reattach (an attach-free CSI volume,
@@ -1477,9 +1505,14 @@ async fn an_attach_free_move_holds_the_next_replica_until_its_replacement_is_rea
     use k8s_openapi::api::core::v1::Pod;
     use support::pool::{ATTACH_FREE_DRIVER as DRIVER, attach_free_driver, csi_pv_on};
     let ns = "ledger-attach-free";
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    let mut case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .build()
+        .await;
+    let client = case.client();
     attach_free_driver(&client, DRIVER).await;
-    let ctl = BED.start(ns).await;
+    case.start().await;
     running_machine(&client, ns, "a", ns).await;
     for i in 0..2 {
         let pv = csi_pv_on(
@@ -1520,8 +1553,6 @@ async fn an_attach_free_move_holds_the_next_replica_until_its_replacement_is_rea
         !vas.items.iter().any(|va| va.spec.attacher == DRIVER),
         "an attach-free volume is never attached"
     );
-    BED.calm("ledger_attach_free", ns).await;
-    ctl.stop().await;
 }
 
 /// Case 4 with a node-local volume: each replica of `db` keeps its data on
@@ -1542,8 +1573,12 @@ async fn a_node_local_move_holds_the_next_replica_until_its_replacement_is_ready
     use k8s_openapi::api::core::v1::{PersistentVolume, Pod};
     use kube::runtime::watcher::{self, Event};
     let ns = "ledger-node-local";
-    let client = BED.case(ns, serde_json::json!({"timeout": "10m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m"}))
+        .start()
+        .await;
+    let client = case.client();
     let local_pv = move |name: &str, claim: &str, node: &str| -> PersistentVolume {
         json(serde_json::json!({
             "metadata": {"name": name},
@@ -1621,8 +1656,6 @@ async fn a_node_local_move_holds_the_next_replica_until_its_replacement_is_ready
         "held {held}, not the 20 s the replacement took: {log}"
     );
     provisioner.abort();
-    BED.calm("ledger_node_local", ns).await;
-    ctl.stop().await;
 }
 
 /// A workload of a kind berth reads no availability of: a database run
@@ -1643,13 +1676,12 @@ async fn a_move_of_a_kind_berth_does_not_read_holds_until_its_replacement_is_rea
     use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod};
     use kube::runtime::watcher::{self, Event};
     let ns = "ledger-operator";
-    let client = BED
-        .case(
-            ns,
-            serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "10s"}),
-        )
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "10s"}))
+        .start()
         .await;
-    let ctl = BED.start(ns).await;
+    let client = case.client();
     let nodes = [
         running_machine(&client, ns, "a", ns).await,
         running_machine(&client, ns, "b", ns).await,
@@ -1744,8 +1776,6 @@ async fn a_move_of_a_kind_berth_does_not_read_holds_until_its_replacement_is_rea
         "held {held}, not the 40 s the replacement took: {log}"
     );
     operator.abort();
-    BED.calm("ledger_operator", ns).await;
-    ctl.stop().await;
 }
 
 /// A Machine whose finalizer is removed by hand while its drain moves a
@@ -1762,8 +1792,12 @@ async fn a_machine_removed_by_hand_stops_its_drain_and_its_move_keeps_the_permit
     use berth::api::MovePermit;
     use k8s_openapi::api::core::v1::Pod;
     let ns = "ledger-vanished";
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .start()
+        .await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     running_machine(&client, ns, "b", ns).await;
     stateful_set_with(&client, ns, "db", 2, true, on_delete).await;
@@ -1871,16 +1905,15 @@ async fn a_machine_removed_by_hand_stops_its_drain_and_its_move_keeps_the_permit
     // And no drain is left running in the process (a's would spin on its
     // record, which it can no longer write).
     let until = std::time::Instant::now() + Duration::from_secs(10);
-    while ctl.metrics().drains_in_progress.get() > 0 && std::time::Instant::now() < until {
+    while case.running().metrics().drains_in_progress.get() > 0 && std::time::Instant::now() < until
+    {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert_eq!(
-        ctl.metrics().drains_in_progress.get(),
+        case.running().metrics().drains_in_progress.get(),
         0,
         "a's drain still runs after a is gone"
     );
-    BED.calm("ledger_vanished", ns).await;
-    ctl.stop().await;
 }
 
 /// A forced deletion (case 2 of issue 36) skips PodDisruptionBudgets and
@@ -1897,8 +1930,12 @@ async fn a_forced_deletion_takes_its_workloads_permit_and_holds_the_next_replica
     use berth::api::MovePermit;
     use k8s_openapi::api::core::v1::Pod;
     let ns = "ledger-forced";
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .start()
+        .await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     running_machine(&client, ns, "b", ns).await;
     stateful_set_with(&client, ns, "db", 2, true, on_delete).await;
@@ -1954,8 +1991,6 @@ async fn a_forced_deletion_takes_its_workloads_permit_and_holds_the_next_replica
     wait::for_none(permits, LONG, "no permit left", |_| true)
         .await
         .expect("the forced move's permit ends once db is whole");
-    BED.calm("ledger_forced", ns).await;
-    ctl.stop().await;
 }
 
 /// A drain busy elsewhere keeps no place in line (case 8 of issue 36).
@@ -1974,8 +2009,13 @@ async fn a_drain_busy_elsewhere_keeps_no_place_in_line() {
     use berth_devkit::testbed::stages::READY_AFTER_ANNOTATION;
     use k8s_openapi::api::core::v1::Pod;
     let ns = "ledger-line";
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .ceiling(ROLLOUT_PEAK_10S_CEILING)
+        .start()
+        .await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     let node_b = running_machine(&client, ns, "b", ns).await;
     let node_c = running_machine(&client, ns, "c", ns).await;
@@ -2055,13 +2095,6 @@ async fn a_drain_busy_elsewhere_keeps_no_place_in_line() {
         from_c.received
     );
     // Six Machines and three drains within seconds: a rollout's burst.
-    support::audit::assert_no_request_loop_below(
-        BED.bed().await,
-        "ledger_line",
-        ns,
-        support::audit::ROLLOUT_PEAK_10S_CEILING,
-    );
-    ctl.stop().await;
 }
 
 /// A drain that begins a volume move gives up its place in line until its
@@ -2083,8 +2116,13 @@ async fn a_drain_that_begins_another_move_gives_up_its_place_in_line() {
     use berth::api::MovePermit;
     use k8s_openapi::api::core::v1::Pod;
     let ns = "ledger-busy";
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .ceiling(ROLLOUT_PEAK_10S_CEILING)
+        .start()
+        .await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     let node_b = running_machine(&client, ns, "b", ns).await;
     let node_c = running_machine(&client, ns, "c", ns).await;
@@ -2203,13 +2241,6 @@ async fn a_drain_that_begins_another_move_gives_up_its_place_in_line() {
         "{db_c} went at {}, only once b's move was over ({other_b}'s replacement Ready at {ready}): {log}",
         db_from_c.received
     );
-    support::audit::assert_no_request_loop_below(
-        BED.bed().await,
-        "ledger_busy",
-        ns,
-        support::audit::ROLLOUT_PEAK_10S_CEILING,
-    );
-    ctl.stop().await;
 }
 
 /// One application over two controllers (an Elasticsearch with a
@@ -2224,13 +2255,12 @@ async fn a_drain_that_begins_another_move_gives_up_its_place_in_line() {
 async fn a_move_group_moves_one_replica_of_its_workloads_at_a_time() {
     use berth::drain::ledger::MOVE_GROUP_ANNOTATION;
     let ns = "ledger-group";
-    let client = BED
-        .case(
-            ns,
-            serde_json::json!({"timeout": "5m", "maxParallelVolumeMigrations": 2}),
-        )
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m", "maxParallelVolumeMigrations": 2}))
+        .start()
         .await;
-    let ctl = BED.start(ns).await;
+    let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     for (name, replicas) in [("db", 2), ("solo", 1)] {
         stateful_set_with(&client, ns, name, replicas, false, |sts| {
@@ -2269,8 +2299,6 @@ async fn a_move_group_moves_one_replica_of_its_workloads_at_a_time() {
             )
             .await;
     }
-    BED.calm("ledger_group", ns).await;
-    ctl.stop().await;
 }
 
 /// A StatefulSet that its controller does not roll on a template change

@@ -23,9 +23,9 @@ async fn create_class(client: &Client, name: &str, provider: &str, spec: serde_j
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machine_is_created_then_deleted_with_its_vm_and_node() {
-    let client = client().await;
     let ns = "lifecycle-basic";
-    namespace(&client, ns).await;
+    let mut case = Case::builder(ns).run_as_admin().build().await;
+    let client = case.client();
     create_class(
         &client,
         "basic",
@@ -33,7 +33,7 @@ async fn a_machine_is_created_then_deleted_with_its_vm_and_node() {
         serde_json::json!({"failCreateTimes": 1}),
     )
     .await;
-    let ctl = start_controller(&client, ns, "basic").await;
+    case.start_as("basic").await;
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     machines
         .create(&PostParams::default(), &machine("m1", "basic"))
@@ -104,14 +104,13 @@ async fn a_machine_is_created_then_deleted_with_its_vm_and_node() {
             "an Event for {step}: {reasons:?}"
         );
     }
-    ctl.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deletion_waits_for_pods_and_resumes_after_a_restart() {
-    let client = client().await;
     let ns = "lifecycle-resume";
-    namespace(&client, ns).await;
+    let mut case = Case::builder(ns).run_as_admin().build().await;
+    let client = case.client();
     create_class(
         &client,
         "resume",
@@ -119,7 +118,7 @@ async fn deletion_waits_for_pods_and_resumes_after_a_restart() {
         serde_json::json!({"nodeLabels": {"pool": "resume"}}),
     )
     .await;
-    let ctl = start_controller(&client, ns, "resume-1").await;
+    case.start_as("resume-1").await;
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     let mut m = machine("m2", "resume");
     m.annotations_mut().insert(
@@ -251,8 +250,8 @@ async fn deletion_waits_for_pods_and_resumes_after_a_restart() {
 
     // Restart the controller in the middle of the drain: the new instance
     // is blocked by the same PDB and evicts nothing else.
-    ctl.stop().await;
-    let ctl = start_controller(&client, ns, "resume-mid").await;
+    case.stop().await;
+    case.start_as("resume-mid").await;
     wait_machine(&client, ns, "m2", "still held at Drain", |m| {
         last_step(m) == Some(("Drain".into(), "Waiting".into()))
     })
@@ -270,8 +269,8 @@ async fn deletion_waits_for_pods_and_resumes_after_a_restart() {
     .await;
 
     // Restart the controller in the middle of the deletion.
-    ctl.stop().await;
-    let ctl = start_controller(&client, ns, "resume-2").await;
+    case.stop().await;
+    case.start_as("resume-2").await;
     // The new instance resumes at the same step: it does not start over.
     let m = wait_machine(&client, ns, "m2", "still held by the hook", |m| {
         last_step(m) == Some(("WaitPreTerminateHooks".into(), "Waiting".into()))
@@ -306,14 +305,13 @@ async fn deletion_waits_for_pods_and_resumes_after_a_restart() {
             .expect("get")
             .is_none()
     );
-    ctl.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_becomes_a_condition_and_an_event_and_nothing_is_deleted() {
-    let client = client().await;
     let ns = "lifecycle-bad";
-    namespace(&client, ns).await;
+    let mut case = Case::builder(ns).run_as_admin().build().await;
+    let client = case.client();
     create_class(&client, "unknown-provider", "nimbus", serde_json::json!({})).await;
     create_class(
         &client,
@@ -322,7 +320,7 @@ async fn bad_input_becomes_a_condition_and_an_event_and_nothing_is_deleted() {
         serde_json::json!({"failCreateTime": 1}),
     )
     .await;
-    let ctl = start_controller(&client, ns, "bad").await;
+    case.start_as("bad").await;
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
 
     let mut zero = machine("zero-timeout", "typo");
@@ -423,14 +421,13 @@ async fn bad_input_becomes_a_condition_and_an_event_and_nothing_is_deleted() {
     })
     .await
     .expect("a Machine that never had a VM is released");
-    ctl.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_force_deletion_label_skips_hooks_and_drain_and_force_deletes_pods() {
-    let client = client().await;
     let ns = "lifecycle-force";
-    namespace(&client, ns).await;
+    let mut case = Case::builder(ns).build().await;
+    let client = case.client();
     create_class(
         &client,
         "force",
@@ -439,7 +436,7 @@ async fn the_force_deletion_label_skips_hooks_and_drain_and_force_deletes_pods()
     )
     .await;
     // As its own identity: the audit log shows its requests.
-    let ctl = start_controller(&audit::controller_client(bed().await).await, ns, "force-1").await;
+    case.start_as("force-1").await;
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     let mut m = machine("m4", "force");
     // A pre-drain hook would hold a normal deletion forever.
@@ -571,12 +568,6 @@ async fn the_force_deletion_label_skips_hooks_and_drain_and_force_deletes_pods()
         reasons.iter().any(|r| r.contains("ForceDeletePods")),
         "the forced pod deletion is on record: {reasons:?}"
     );
-    audit::assert_no_request_loop(
-        bed().await,
-        "the_force_deletion_label_skips_hooks_and_drain_and_force_deletes_pods",
-        ns,
-    );
-    ctl.stop().await;
 }
 
 /// The reconciler's status write is a compare-and-swap on the Machine's
@@ -588,9 +579,9 @@ async fn a_status_built_from_a_stale_copy_never_overwrites_a_newer_one() {
     use berth::api::MachineStatus;
     use berth::machine::write::{StatusWrite, write_status};
 
-    let client = client().await;
     let ns = "lifecycle-stale-write";
-    namespace(&client, ns).await;
+    let case = Case::builder(ns).build().await;
+    let client = case.client();
     // No controller runs here: this test is the only writer.
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     let a = machines
@@ -749,30 +740,12 @@ async fn a_status_built_from_a_stale_copy_never_overwrites_a_newer_one() {
 /// is refused, so it does not ask the provider for a second VM.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_machine_asks_its_provider_for_one_vm() {
-    use berth::providers::Registry;
-    use std::sync::Arc;
-
     const MACHINES: usize = 8;
-    let client = client().await;
     let ns = "lifecycle-one-create";
-    namespace(&client, ns).await;
+    let mut case = Case::builder(ns).run_as_admin().build().await;
+    let client = case.client();
     create_class(&client, "one-create", "fake", serde_json::json!({})).await;
-    let metrics = Arc::new(berth::telemetry::Metrics::new().expect("metrics"));
-    let mut ctl = berth::wiring::manager::spawn(
-        client.clone(),
-        Registry::default().with(Arc::new(FakeProvider::new(client.clone()))),
-        berth::wiring::manager::Settings {
-            namespace: Some(ns.to_string()),
-            instance: "one-create".into(),
-            concurrency: 4,
-            ..Default::default()
-        },
-        Arc::clone(&metrics),
-    );
-    tokio::time::timeout(LONG, &mut ctl.ready)
-        .await
-        .expect("caches sync in time")
-        .expect("controller reports ready");
+    case.start_as("one-create").await;
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     for i in 0..MACHINES {
         let mut m = machine(&format!("m{i}"), "one-create");
@@ -789,7 +762,9 @@ async fn each_machine_asks_its_provider_for_one_vm() {
     })
     .await
     .unwrap_or_else(|e| panic!("{e}"));
-    let creates = metrics
+    let creates = case
+        .running()
+        .metrics()
         .provider_requests
         .with_label_values(&["fake", "create", "ok"])
         .get();
@@ -804,5 +779,4 @@ async fn each_machine_asks_its_provider_for_one_vm() {
     wait::until(machines, LONG, "every Machine gone", |ms| ms.is_empty())
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    ctl.stop(LONG).await;
 }

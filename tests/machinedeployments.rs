@@ -24,13 +24,12 @@ use k8s_openapi::api::core::v1::{Node, Pod, Taint};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
-use support::audit::{ROLLOUT_PEAK_10S_CEILING, assert_no_request_loop_below, controller};
+use support::audit::ROLLOUT_PEAK_10S_CEILING;
 use support::pool::{
     Bed, POOL, assert_scale_down_reasons, create, gone, json, mark_for_scale_down, pod_running,
     stateful_in_pool,
 };
-use support::process::Berth;
-use support::{LONG, condition, events_of, notes, phase};
+use support::{Case, LONG, condition, events_of, notes, phase};
 
 const ATTACH: Duration = Duration::from_millis(500);
 const DETACH: Duration = Duration::from_millis(500);
@@ -263,9 +262,9 @@ async fn use_class(client: &Client, ns: &str, name: &str) {
 /// both zero, `rollingUpdate` with `OnDelete`; and takes a percentage.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_apiserver_refuses_an_invalid_strategy() {
-    let client = BED.client().await;
     let ns = "mdep-invalid";
-    support::namespace(&client, ns).await;
+    let case = Case::builder(ns).on(BED).build().await;
+    let client = case.client();
     let api = deployments(&client, ns);
     let not_a_number = "must be a non-negative integer or a percentage";
     let cases = [
@@ -366,10 +365,14 @@ async fn the_apiserver_refuses_an_invalid_strategy() {
 /// Machine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_update_moves_each_stateful_pod_once_at_the_pace_of_its_strategy() {
-    let case = "a_rolling_update_moves_each_stateful_pod_once_at_the_pace_of_its_strategy";
     let ns = "mdep-stateful";
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .ceiling(ROLLOUT_PEAK_10S_CEILING)
+        .start()
+        .await;
+    let client = case.client();
     deployments(&client, ns)
         .create(
             &PostParams::default(),
@@ -485,22 +488,22 @@ async fn a_rolling_update_moves_each_stateful_pod_once_at_the_pace_of_its_strate
         );
     }
     events_of(&client, ns, "pool", "RolloutComplete", 1).await;
-
-    ctl.stop().await;
-    assert_no_request_loop_below(BED.bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
 }
 
 /// A paused rollout lets the drain in progress finish and then creates and
 /// deletes nothing, scales no set; resumed, it completes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_rollout_finishes_its_drain_then_starts_nothing_until_resumed() {
-    let case = "a_paused_rollout_finishes_its_drain_then_starts_nothing_until_resumed";
-    let client = BED.client().await;
     let ns = "mdep-pause";
-    support::namespace(&client, ns).await;
+    let mut case = Case::builder(ns)
+        .on(BED)
+        .ceiling(ROLLOUT_PEAK_10S_CEILING)
+        .build()
+        .await;
+    let client = case.client();
     // Each VM takes 3 s to delete: time to pause while one goes.
     class_in_pool(&client, ns, ns, serde_json::json!({"deleteDelay": "3s"})).await;
-    let ctl = BED.start(ns).await;
+    case.start().await;
     deployments(&client, ns)
         .create(
             &PostParams::default(),
@@ -584,9 +587,6 @@ async fn a_paused_rollout_finishes_its_drain_then_starts_nothing_until_resumed()
         },
     );
     eprintln!("timeline:\n{}", timeline.log());
-
-    ctl.stop().await;
-    assert_no_request_loop_below(BED.bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
 }
 
 /// A new template whose Machine fails stalls the rollout: Progressing
@@ -595,15 +595,20 @@ async fn a_paused_rollout_finishes_its_drain_then_starts_nothing_until_resumed()
 /// Machine first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_new_machine_stalls_the_rollout_until_the_template_is_fixed() {
-    let case = "a_failing_new_machine_stalls_the_rollout_until_the_template_is_fixed";
     let ns = "mdep-failing";
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+    let mut case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .ceiling(ROLLOUT_PEAK_10S_CEILING)
+        .build()
+        .await;
+    let client = case.client();
     let bad = format!("{ns}-bad");
     let fixed = format!("{ns}-v2");
     // A field the fake driver does not know: it refuses the providerSpec.
     class_in_pool(&client, &bad, ns, serde_json::json!({"bootImage": "v2"})).await;
     class_in_pool(&client, &fixed, ns, serde_json::json!({})).await;
-    let ctl = BED.start(ns).await;
+    case.start().await;
     let (first_hash, old, timeline) = pool_of_two(&client, ns, serde_json::Value::Null).await;
 
     use_class(&client, ns, &bad).await;
@@ -702,9 +707,6 @@ async fn a_failing_new_machine_stalls_the_rollout_until_the_template_is_fixed() 
         log_of(&steps)
     );
     assert_eq!(progressing(&d).map(|c| c.status.as_str()), Some("True"));
-
-    ctl.stop().await;
-    assert_no_request_loop_below(BED.bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
 }
 
 /// A new Machine whose Node is Ready but still carries a taint of a Node
@@ -714,7 +716,6 @@ async fn a_failing_new_machine_stalls_the_rollout_until_the_template_is_fixed() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_old_machine_goes_only_once_the_new_node_takes_pods() {
     old_goes_once_new_takes_pods(
-        "an_old_machine_goes_only_once_the_new_node_takes_pods",
         "mdep-startup-taint",
         "node.cloudprovider.kubernetes.io/uninitialized",
     )
@@ -726,18 +727,19 @@ async fn an_old_machine_goes_only_once_the_new_node_takes_pods() {
 /// attach there yet, so no old Machine goes for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_old_machine_waits_for_the_new_nodes_csi_agent() {
-    old_goes_once_new_takes_pods(
-        "an_old_machine_waits_for_the_new_nodes_csi_agent",
-        "mdep-csi-taint",
-        "ebs.csi.aws.com/agent-not-ready",
-    )
-    .await;
+    old_goes_once_new_takes_pods("mdep-csi-taint", "ebs.csi.aws.com/agent-not-ready").await;
 }
 
 /// A rollout of two Machines one at a time onto a class whose Nodes
 /// register with `taint`: no old Machine goes until it leaves the new Node.
-async fn old_goes_once_new_takes_pods(case: &str, ns: &str, taint: &str) {
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
+async fn old_goes_once_new_takes_pods(ns: &str, taint: &str) {
+    let mut case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .ceiling(ROLLOUT_PEAK_10S_CEILING)
+        .build()
+        .await;
+    let client = case.client();
     let uninitialized = format!("{ns}-v2");
     class_in_pool(
         &client,
@@ -746,7 +748,7 @@ async fn old_goes_once_new_takes_pods(case: &str, ns: &str, taint: &str) {
         serde_json::json!({"nodeTaints": [{"key": taint, "value": "true", "effect": "NoSchedule"}]}),
     )
     .await;
-    let ctl = BED.start(ns).await;
+    case.start().await;
     let (first_hash, old, timeline) = pool_of_two(&client, ns, rolling(1.into(), 0.into())).await;
 
     use_class(&client, ns, &uninitialized).await;
@@ -827,9 +829,6 @@ async fn old_goes_once_new_takes_pods(case: &str, ns: &str, taint: &str) {
         log_of(&steps)
     );
     timeline.assert_paced(&new_hash, TWO_ONE_AT_A_TIME);
-
-    ctl.stop().await;
-    assert_no_request_loop_below(BED.bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
 }
 
 /// Editing the pool's MachineClass in place rolls the pool when what a VM
@@ -839,10 +838,14 @@ async fn old_goes_once_new_takes_pods(case: &str, ns: &str, taint: &str) {
 /// created exactly two MachineSets, the first and the rolled one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_class_edited_in_place_rolls_the_pool() {
-    let case = "a_class_edited_in_place_rolls_the_pool";
     let ns = "mdep-class-edit";
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .ceiling(ROLLOUT_PEAK_10S_CEILING)
+        .start()
+        .await;
+    let client = case.client();
     let (first_hash, old, timeline) = pool_of_two(&client, ns, rolling(1.into(), 0.into())).await;
     let classes: Api<MachineClass> = Api::all(client.clone());
     classes
@@ -896,8 +899,6 @@ async fn a_class_edited_in_place_rolls_the_pool() {
         made, 2,
         "the first set and the rolled one, no other: {creates:?}"
     );
-    ctl.stop().await;
-    assert_no_request_loop_below(BED.bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
 }
 
 /// A template changed and the deployment paused in the same edit: the
@@ -907,8 +908,12 @@ async fn a_class_edited_in_place_rolls_the_pool() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_deployment_taints_no_node() {
     let ns = "mdep-paused-taint";
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .start()
+        .await;
+    let client = case.client();
     let (_, old, _timeline) = pool_of_two(&client, ns, rolling(1.into(), 0.into())).await;
     let mut edit = image("v2");
     edit["paused"] = serde_json::json!(true);
@@ -925,8 +930,6 @@ async fn a_paused_deployment_taints_no_node() {
             "{node} tainted by a paused deployment"
         );
     }
-    ctl.stop().await;
-    BED.calm("mdep_paused_taint", ns).await;
 }
 
 /// A MachineDeployment deleted with its sets orphaned (what `--cascade=orphan`
@@ -935,15 +938,19 @@ async fn a_paused_deployment_taints_no_node() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deployment_made_again_adopts_its_orphaned_set() {
     let ns = "mdep-adopt";
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = BED.start(ns).await;
+    let mut case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .start()
+        .await;
+    let client = case.client();
     let (first_hash, old, _timeline) = pool_of_two(&client, ns, rolling(1.into(), 0.into())).await;
     // The set orphaned by hand and the deployment deleted while berth is
     // stopped: the state `--cascade=orphan` ends in. Through the garbage
     // collector itself, the case raced it: a collector whose graph had not
     // caught up let the deployment go first and then took the set, still
     // owned by a deployment gone, for garbage.
-    ctl.stop().await;
+    case.stop().await;
     let sets: Api<MachineSet> = Api::namespaced(client.clone(), ns);
     sets.patch(
         &format!("pool-{first_hash}"),
@@ -961,7 +968,7 @@ async fn a_deployment_made_again_adopts_its_orphaned_set() {
     })
     .await
     .expect("the deployment goes");
-    let ctl = BED.start(ns).await;
+    case.start().await;
     let since = k8s_openapi::jiff::Timestamp::now();
 
     api.create(
@@ -993,8 +1000,6 @@ async fn a_deployment_made_again_adopts_its_orphaned_set() {
         .map(|r| format!("{} {:?}", r.verb, r.name))
         .collect();
     assert!(churn.is_empty(), "no Machine made or deleted: {churn:?}");
-    ctl.stop().await;
-    BED.calm("mdep_adopt", ns).await;
 }
 
 /// `berth run` killed (SIGKILL) twice in the middle of a rollout, each
@@ -1002,12 +1007,15 @@ async fn a_deployment_made_again_adopts_its_orphaned_set() {
 /// from the API, keeps its pace and each stateful pod still moves once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rollout_resumes_after_berth_is_killed_and_moves_each_stateful_pod_once() {
-    let case = "a_rollout_resumes_after_berth_is_killed_and_moves_each_stateful_pod_once";
     let ns = "mdep-killed";
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
     let flags = ["--namespace", ns, "--leader-elect=false"];
-    let kubeconfig = &controller(BED.bed().await).await.kubeconfig;
-    let mut berth = Berth::spawn(kubeconfig, &flags);
+    let mut case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .ceiling(ROLLOUT_PEAK_10S_CEILING)
+        .spawn(&flags)
+        .await;
+    let client = case.client();
     deployments(&client, ns)
         .create(
             &PostParams::default(),
@@ -1055,8 +1063,8 @@ async fn a_rollout_resumes_after_berth_is_killed_and_moves_each_stateful_pod_onc
             "SIGKILL while old Machine #{n} drains, at {:?}",
             t.elapsed()
         );
-        berth.kill().await;
-        berth = Berth::spawn(kubeconfig, &flags);
+        case.kill().await;
+        case.spawn(&flags).await;
     }
     let d = rollout_is(&client, ns, "pool", "RolloutComplete", 3).await;
     for m in &old {
@@ -1083,9 +1091,8 @@ async fn a_rollout_resumes_after_berth_is_killed_and_moves_each_stateful_pod_onc
         "each old Machine deleted once, and no other"
     );
 
-    let status = berth.terminate().await;
+    let status = case.take_berth().terminate().await;
     assert!(status.success(), "{status:?}");
-    assert_no_request_loop_below(BED.bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
 }
 
 /// The scale subresource scales the deployment's one set; a scale-down
@@ -1093,10 +1100,14 @@ async fn a_rollout_resumes_after_berth_is_killed_and_moves_each_stateful_pod_onc
 /// and why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machinedeployment_scales_through_its_scale_subresource() {
-    let case = "a_machinedeployment_scales_through_its_scale_subresource";
     let ns = "mdep-scale";
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .ceiling(ROLLOUT_PEAK_10S_CEILING)
+        .start()
+        .await;
+    let client = case.client();
     let api = deployments(&client, ns);
     api.create(
         &PostParams::default(),
@@ -1190,9 +1201,6 @@ async fn a_machinedeployment_scales_through_its_scale_subresource() {
     );
     let scale: Scale = api.get_scale("pool").await.expect("the scale subresource");
     assert_eq!(scale.status.map(|s| s.replicas), Some(1));
-
-    ctl.stop().await;
-    assert_no_request_loop_below(BED.bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
 }
 
 /// `maxUnavailable: 2` drains two old Machines at once, and the move
@@ -1208,10 +1216,14 @@ async fn a_machinedeployment_scales_through_its_scale_subresource() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rollout_of_two_at_once_moves_one_replica_of_a_workload_at_a_time() {
     use support::oracle::{self, Watches, evicted_once, evictions};
-    let case = "a_rollout_of_two_at_once_moves_one_replica_of_a_workload_at_a_time";
     let ns = "mdep-ledger";
-    let client = BED.case(ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .ceiling(ROLLOUT_PEAK_10S_CEILING)
+        .start()
+        .await;
+    let client = case.client();
     deployments(&client, ns)
         .create(
             &PostParams::default(),
@@ -1279,6 +1291,4 @@ async fn a_rollout_of_two_at_once_moves_one_replica_of_a_workload_at_a_time() {
             .assert_after_moved(BED.bed().await, pair[1], &pv, from, &log)
             .await;
     }
-    ctl.stop().await;
-    assert_no_request_loop_below(BED.bed().await, case, ns, ROLLOUT_PEAK_10S_CEILING);
 }

@@ -12,8 +12,9 @@ use berth_devkit::testbed::wait;
 use k8s_openapi::api::autoscaling::v1::Scale;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
-use support::pool::{Bed, assert_scale_down_reasons, mark_for_scale_down, pool_class};
-use support::{LONG, phase};
+use support::audit::ROLLOUT_PEAK_10S_CEILING;
+use support::pool::{Bed, assert_scale_down_reasons, mark_for_scale_down};
+use support::{Case, LONG, phase};
 
 const BED: Bed = Bed {
     attach: Duration::from_millis(500),
@@ -85,11 +86,13 @@ async fn status_is(client: &Client, ns: &str, set: &str, replicas: i32, ready: i
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machineset_scales_up_and_down_deleting_the_cheapest_machines_first() {
-    let client = BED.client().await;
     let ns = "mset-scale";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .start()
+        .await;
+    let client = case.client();
     let sets: Api<MachineSet> = Api::namespaced(client.clone(), ns);
 
     // From 0 to 3.
@@ -188,18 +191,17 @@ async fn a_machineset_scales_up_and_down_deleting_the_cheapest_machines_first() 
         status_reason(&s, "Ready"),
         ("True".into(), "AllReplicasReady".into())
     );
-
-    ctl.stop().await;
-    BED.calm("machineset scale", ns).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleting_a_machineset_deletes_its_machines_and_no_other() {
-    let client = BED.client().await;
     let ns = "mset-delete";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .start()
+        .await;
+    let client = case.client();
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     // A Machine the set's selector matches but that it does not own.
     let mut foreign = support::machine("foreign", ns);
@@ -236,9 +238,6 @@ async fn deleting_a_machineset_deletes_its_machines_and_no_other() {
         .await
         .expect("the foreign Machine stays");
     assert!(f.metadata.deletion_timestamp.is_none());
-
-    ctl.stop().await;
-    BED.calm("machineset deletion", ns).await;
 }
 
 /// An admission policy refuses new Machines in the namespace (as a
@@ -253,11 +252,14 @@ async fn a_refused_create_is_said_and_tried_again_until_it_is_let_through() {
         ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
     };
     use k8s_openapi::api::core::v1::Namespace;
-    let client = BED.client().await;
     let ns = "mset-refused";
     let label = "test.berth.dev/refuse-machines";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
+    let mut case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .build()
+        .await;
+    let client = case.client();
     let policies: Api<ValidatingAdmissionPolicy> = Api::all(client.clone());
     let bindings: Api<ValidatingAdmissionPolicyBinding> = Api::all(client.clone());
     let name = "mset-refused-machines";
@@ -332,7 +334,7 @@ async fn a_refused_create_is_said_and_tried_again_until_it_is_let_through() {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 
-    let ctl = BED.start(ns).await;
+    case.start().await;
     let sets: Api<MachineSet> = Api::namespaced(client.clone(), ns);
     sets.create(&PostParams::default(), &machine_set("pool", ns, 2))
         .await
@@ -372,8 +374,8 @@ async fn a_refused_create_is_said_and_tried_again_until_it_is_let_through() {
     })
     .await
     .expect("the failure clears");
-    ctl.stop().await;
-    BED.calm("machineset refused", ns).await;
+    // The clean-up below is not the case's work.
+    case.finish().await;
     let _ = bindings.delete(name, &DeleteParams::default()).await;
     let _ = policies.delete(name, &DeleteParams::default()).await;
 }
@@ -382,9 +384,9 @@ async fn a_refused_create_is_said_and_tried_again_until_it_is_let_through() {
 /// selector, a change of selector.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_apiserver_refuses_an_invalid_machineset() {
-    let client = BED.client().await;
     let ns = "mset-invalid";
-    support::namespace(&client, ns).await;
+    let case = Case::builder(ns).on(BED).build().await;
+    let client = case.client();
     let sets: Api<MachineSet> = Api::namespaced(client.clone(), ns);
     let mut negative = machine_set("negative", "c", 1);
     negative.spec.replicas = -1;
@@ -446,11 +448,14 @@ async fn rollout_is(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machinedeployment_rolls_a_template_change_through_a_new_machineset() {
-    let client = BED.client().await;
     let ns = "mdep-roll";
-    support::namespace(&client, ns).await;
-    pool_class(&client, ns, serde_json::json!({"timeout": "5m"})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .ceiling(ROLLOUT_PEAK_10S_CEILING)
+        .start()
+        .await;
+    let client = case.client();
     let mds: Api<MachineDeployment> = Api::namespaced(client.clone(), ns);
     let md: MachineDeployment = berth_devkit::testbed::fixtures::machine_deployment(
         "pool",
@@ -554,7 +559,6 @@ async fn a_machinedeployment_rolls_a_template_change_through_a_new_machineset() 
             before.name_any()
         );
     }
-    ctl.stop().await;
 }
 
 /// The status and reason of `s`'s condition `type_`.

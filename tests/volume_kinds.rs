@@ -24,7 +24,7 @@ use support::pool::{
     Bed, HOOK, POOL, assert_contains, create, delete_machine, events, first, gone, json, log_of,
     on_node, plan_text, pod_running, pool_class, running_held, running_pods,
 };
-use support::{LONG, condition};
+use support::{Case, LONG, condition};
 
 const ATTACH_DELAY: Duration = Duration::from_secs(3);
 const DETACH_DELAY: Duration = Duration::from_secs(1);
@@ -100,18 +100,16 @@ where
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attach_free_stateful_set_drains_without_waiting_for_a_timeout() {
-    let client = BED.client().await;
     let ns = "kinds-free";
-    support::namespace(&client, ns).await;
+    let mut case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"volumeReattachTimeout": "5m"}))
+        .build()
+        .await;
+    let client = case.client();
     attach_free_driver(&client, ATTACH_FREE_DRIVER).await;
     let reattach_timeout = Duration::from_secs(300);
-    pool_class(
-        &client,
-        ns,
-        serde_json::json!({"volumeReattachTimeout": "5m"}),
-    )
-    .await;
-    let ctl = BED.start(ns).await;
+    case.start().await;
     let node_a = running_held(&client, ns, "a", ns, false).await;
     for i in 0..2 {
         let pv = csi_pv_on(
@@ -186,21 +184,17 @@ async fn an_attach_free_stateful_set_drains_without_waiting_for_a_timeout() {
             .any(|va| va.spec.attacher == ATTACH_FREE_DRIVER),
         "never attached"
     );
-    BED.calm(
-        "an_attach_free_stateful_set_drains_without_waiting_for_a_timeout",
-        ns,
-    )
-    .await;
-    ctl.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_volume_is_evicted_and_its_loss_named() {
     let ns = "kinds-evict";
-    let client = BED
-        .case(ns, serde_json::json!({"volumeReattachTimeout": "5m"}))
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"volumeReattachTimeout": "5m"}))
+        .start()
         .await;
-    let ctl = BED.start(ns).await;
+    let client = case.client();
     let node = running_held(&client, ns, "a", ns, true).await;
     let pv = format!("{ns}-local");
     local_volume(&client, ns, &pv, "data", &node).await;
@@ -254,21 +248,17 @@ async fn a_local_volume_is_evicted_and_its_loss_named() {
         .await
         .expect("release the hook");
     gone(&client, ns, "a", LONG).await;
-    BED.calm("a_local_volume_is_evicted_and_its_loss_named", ns)
-        .await;
-    ctl.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn block_holds_a_local_volume_until_an_operator_allows_it() {
     let ns = "kinds-block";
-    let client = BED
-        .case(
-            ns,
-            serde_json::json!({"nodeLocalVolumes": "Block", "timeout": "10m"}),
-        )
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"nodeLocalVolumes": "Block", "timeout": "10m"}))
+        .start()
         .await;
-    let ctl = BED.start(ns).await;
+    let client = case.client();
     let node = running_held(&client, ns, "a", ns, false).await;
     for (p, claim) in [("x", "data-x"), ("y", "data-y")] {
         local_volume(&client, ns, &format!("{ns}-{p}"), claim, &node).await;
@@ -363,25 +353,20 @@ async fn block_holds_a_local_volume_until_an_operator_allows_it() {
             "{log}"
         );
     }
-    BED.calm("block_holds_a_local_volume_until_an_operator_allows_it", ns)
-        .await;
-    ctl.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_volume_has_moved_only_once_attached_where_the_replacement_runs() {
-    let client = BED.client().await;
     let ns = "kinds-rwx";
     let peers = "kinds-rwx-peers";
-    support::namespace(&client, ns).await;
-    pool_class(
-        &client,
-        ns,
-        serde_json::json!({"volumeReattachTimeout": "5m"}),
-    )
-    .await;
+    let mut case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"volumeReattachTimeout": "5m"}))
+        .build()
+        .await;
+    let client = case.client();
     pool_class(&client, peers, serde_json::json!({})).await;
-    let ctl = BED.start(ns).await;
+    case.start().await;
     let node_a = running_held(&client, ns, "a", ns, false).await;
     let node_c = running_held(&client, ns, "c", peers, false).await;
     let pv = format!("{ns}-shared");
@@ -489,19 +474,17 @@ async fn a_shared_volume_has_moved_only_once_attached_where_the_replacement_runs
         "the wait ends where the replacement runs, not on {node_c}: {}",
         attached.2
     );
-    BED.calm(
-        "a_shared_volume_has_moved_only_once_attached_where_the_replacement_runs",
-        ns,
-    )
-    .await;
-    ctl.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_in_tree_volume_is_planned_under_its_migrated_csi_name() {
     let ns = "kinds-intree";
-    let client = BED.case(ns, serde_json::json!({})).await;
-    let ctl = BED.start(ns).await;
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({}))
+        .start()
+        .await;
+    let client = case.client();
     let node = running_held(&client, ns, "a", ns, false).await;
     let pv = format!("{ns}-ebs");
     create(
@@ -545,12 +528,6 @@ async fn an_in_tree_volume_is_planned_under_its_migrated_csi_name() {
             "PV {pv} (claim {ns}/data), attachable: in-tree awsElasticBlockStore migrated to CSI, ebs.csi.aws.com has no CSIDriver object, so attach is required; on the Node as kubernetes.io/csi/ebs.csi.aws.com^vol-0123456789abcdef0"
         )],
     );
-    BED.calm(
-        "an_in_tree_volume_is_planned_under_its_migrated_csi_name",
-        ns,
-    )
-    .await;
-    ctl.stop().await;
 }
 
 /// What a watch of the Nodes saw: when, which Node, the names it listed in
@@ -595,10 +572,12 @@ fn watch_node_lists(client: &Client) -> (NodeLists, tokio::task::JoinHandle<()>)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_in_tree_iscsi_volume_moves_as_the_node_lists_it() {
     let ns = "kinds-iscsi";
-    let client = BED
-        .case(ns, serde_json::json!({"volumeReattachTimeout": "5m"}))
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"volumeReattachTimeout": "5m"}))
+        .start()
         .await;
-    let ctl = BED.start(ns).await;
+    let client = case.client();
     let node_a = running_held(&client, ns, "a", ns, false).await;
     let unique =
         |i: usize| format!("kubernetes.io/iscsi/10.0.0.9:3260:iqn.2026-11.dev.berth:{ns}:{i}");
@@ -652,9 +631,6 @@ async fn an_in_tree_iscsi_volume_moves_as_the_node_lists_it() {
         "db-1 evicted at {} only after B listed db-0's volume (write received {write}): {log}",
         db1[0].received
     );
-    BED.calm("an_in_tree_iscsi_volume_moves_as_the_node_lists_it", ns)
-        .await;
-    ctl.stop().await;
 }
 
 /// When the write that made Node `node` list `unique` in
@@ -710,10 +686,12 @@ fn listing_write(
 async fn an_inline_iscsi_volume_moves_as_a_claim_would() {
     use berth_devkit::testbed::fixtures::deployment;
     let ns = "kinds-inline";
-    let client = BED
-        .case(ns, serde_json::json!({"volumeReattachTimeout": "5m"}))
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"volumeReattachTimeout": "5m"}))
+        .start()
         .await;
-    let ctl = BED.start(ns).await;
+    let client = case.client();
     let node_a = running_held(&client, ns, "a", ns, false).await;
     // One target each: the scheduler lets no two pods on a Node mount the
     // same IQN read-write.
@@ -765,9 +743,6 @@ async fn an_inline_iscsi_volume_moves_as_a_claim_would() {
         "b-legacy evicted at {} only after B listed a-legacy's LUN (write received {write}): {log}",
         next[0].received
     );
-    BED.calm("an_inline_iscsi_volume_moves_as_a_claim_would", ns)
-        .await;
-    ctl.stop().await;
 }
 
 /// Waits until Node `node` lists `n` iSCSI volumes in

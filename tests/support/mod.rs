@@ -3,15 +3,18 @@
 
 pub mod audit;
 pub mod aws;
+pub mod case;
 pub mod oracle;
 pub mod pool;
 pub mod process;
+
+#[allow(unused_imports)]
+pub use case::Case;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use berth::api::{Machine, MachineClass, MachineDeployment, MachineSet};
-use berth::providers::Registry;
 use berth::providers::fake::FakeProvider;
 use berth_devkit::testbed::{Options, TestBed, fixtures, wait};
 use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
@@ -150,11 +153,6 @@ pub fn init_logs() {
         .try_init();
 }
 
-pub async fn client() -> Client {
-    init_logs();
-    bed().await.client().await.expect("admin client")
-}
-
 /// A fresh namespace whose `default` ServiceAccount exists.
 pub async fn namespace(client: &Client, ns: &str) {
     Api::<Namespace>::all(client.clone())
@@ -169,43 +167,6 @@ pub async fn namespace(client: &Client, ns: &str) {
     )
     .await
     .expect("default service account");
-}
-
-/// The controller, scoped to one namespace, running in this process, and
-/// its metrics.
-pub struct Running(
-    berth::wiring::manager::Spawned,
-    Arc<berth::telemetry::Metrics>,
-);
-
-impl Running {
-    /// Graceful shutdown; waits for the controller to finish.
-    pub async fn stop(self) {
-        self.0.stop(LONG).await;
-    }
-
-    /// What the controller's metrics endpoint would show.
-    pub fn metrics(&self) -> &berth::telemetry::Metrics {
-        &self.1
-    }
-}
-
-pub async fn start_controller(client: &Client, ns: &str, instance: &str) -> Running {
-    let providers = Registry::default().with(Arc::new(FakeProvider::new(client.clone())));
-    let settings = berth::wiring::manager::Settings {
-        namespace: Some(ns.to_string()),
-        instance: instance.to_string(),
-        concurrency: 4,
-        ..Default::default()
-    };
-    let metrics = Arc::new(berth::telemetry::Metrics::new().expect("metrics"));
-    let mut spawned =
-        berth::wiring::manager::spawn(client.clone(), providers, settings, Arc::clone(&metrics));
-    tokio::time::timeout(LONG, &mut spawned.ready)
-        .await
-        .expect("caches sync in time")
-        .expect("controller reports ready");
-    Running(spawned, metrics)
 }
 
 pub use berth_devkit::testbed::fixtures::machine;

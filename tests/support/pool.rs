@@ -23,7 +23,8 @@ pub use berth_devkit::testbed::fixtures::POOL_LABEL as POOL;
 /// and `detach` (the first call's values hold: the cases of a file share
 /// it), and an audit log of the controller's requests (see
 /// `support::audit`). A file names its own as a constant,
-/// `const BED: Bed = Bed { attach: .., detach: .. };`.
+/// `const BED: Bed = Bed { attach: .., detach: .. };`, and begins its cases
+/// with `Case::builder(ns).on(BED)`.
 #[derive(Debug, Clone, Copy)]
 pub struct Bed {
     pub attach: Duration,
@@ -48,33 +49,6 @@ impl Bed {
     /// An admin client of the bed.
     pub async fn client(self) -> Client {
         self.bed().await.client().await.expect("admin client")
-    }
-
-    /// A case's namespace and pool class of the same name (drain settings
-    /// `drain`); an admin client.
-    pub async fn case(self, ns: &str, drain: serde_json::Value) -> Client {
-        let client = self.client().await;
-        super::namespace(&client, ns).await;
-        pool_class(&client, ns, drain).await;
-        client
-    }
-
-    /// The controller for the case in `ns`, on the bed, as its own identity
-    /// so that the audit log shows its requests; its instance is named `ns`.
-    pub async fn start(self, ns: &str) -> super::Running {
-        self.start_as(ns, ns).await
-    }
-
-    /// [`Bed::start`] with the instance named `instance`.
-    pub async fn start_as(self, ns: &str, instance: &str) -> super::Running {
-        let bed = self.bed().await;
-        super::start_controller(&super::audit::controller_client(bed).await, ns, instance).await
-    }
-
-    /// Ends the case `case` in `ns`: no request loop (see
-    /// `audit::PEAK_10S_CEILING`).
-    pub async fn calm(self, case: &str, ns: &str) {
-        super::audit::assert_no_request_loop(self.bed().await, case, ns);
     }
 }
 

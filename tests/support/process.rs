@@ -154,17 +154,26 @@ impl Berth {
             .unwrap_or_else(|_| panic!("{path} never answered {status}"));
     }
 
-    pub async fn terminate(mut self) -> std::process::ExitStatus {
-        let pid = self.child.id().expect("running");
+    pub async fn terminate(self) -> std::process::ExitStatus {
+        self.shut_down().await.unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`Berth::terminate`], saying what went wrong rather than panicking
+    /// (for a case's end, which may come while the case is failing); a
+    /// process that does not exit is killed as the value drops.
+    pub async fn shut_down(mut self) -> Result<std::process::ExitStatus, String> {
+        let pid = self.child.id().ok_or("berth had already exited")?;
         let sent = std::process::Command::new("kill")
             .args(["-TERM", &pid.to_string()])
             .status()
-            .expect("kill runs");
-        assert!(sent.success());
+            .map_err(|e| format!("kill -TERM {pid}: {e}"))?;
+        if !sent.success() {
+            return Err(format!("kill -TERM {pid}: {sent}"));
+        }
         tokio::time::timeout(LONG, self.child.wait())
             .await
-            .expect("exits after SIGTERM")
-            .expect("exit status")
+            .map_err(|_| "berth did not exit after SIGTERM".to_string())?
+            .map_err(|e| format!("berth's exit status: {e}"))
     }
 
     /// SIGSTOP: the process is frozen wherever it is (a paused VM, a

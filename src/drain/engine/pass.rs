@@ -28,8 +28,8 @@ use super::records::MoveRecords;
 use super::reports::pv_ref;
 use super::terminating::Terminating;
 use super::waits::Awaited;
-use crate::drain::ledger::moves_in;
-use crate::drain::plan::{DetachingVolume, DrainPlan};
+use crate::drain::ledger::{Workload, moves_in};
+use crate::drain::plan::{DetachingVolume, DrainPlan, PlannedPod};
 use crate::drain::pod_writes::{self, Evicted};
 use crate::drain::select::{NamespacedName, fmt_key};
 use crate::drain::volume_kind::VolumeKind;
@@ -471,23 +471,9 @@ impl<'d> Pass<'d> {
                     // The workload's budget across every drain: a pod that
                     // must wait for it is left to a later pass, and the
                     // chain goes on with other workloads.
-                    let (workload, early) = tokio::join!(
-                        DrainPermits::new(self.d).permit(p),
-                        MoveRecords::new(self.d).record_early(p)
-                    );
-                    let workload = match workload {
-                        Ok(workload) => {
-                            let _ = self.d.moves_left.fetch_update(
-                                Ordering::AcqRel,
-                                Ordering::Acquire,
-                                |n| Some(n.saturating_sub(1)),
-                            );
-                            workload
-                        }
+                    let workload = match self.permit_to_move(p).await {
+                        Ok(workload) => workload,
                         Err(why) => {
-                            if early {
-                                MoveRecords::new(self.d).withdraw(p);
-                            }
                             if let Ok(mut w) = waiting.lock() {
                                 w.push((p.uid.clone().unwrap_or_else(|| fmt_key(&p.pod)), why));
                             }
@@ -522,6 +508,34 @@ impl<'d> Pass<'d> {
         PermitWaits {
             pods: waiting.into_inner().unwrap_or_default(),
             halted: halted.load(Ordering::Acquire),
+        }
+    }
+
+    /// The permit of the ledger for `p`'s move, asked while its record is
+    /// written when the ledger would grant it (see
+    /// [`MoveRecords::record_early`]): its workload, one move fewer left;
+    /// or what it waits for, its early record withdrawn.
+    async fn permit_to_move(&self, p: &PlannedPod) -> Result<Workload, String> {
+        let (workload, early) = tokio::join!(
+            DrainPermits::new(self.d).permit(p),
+            MoveRecords::new(self.d).record_early(p)
+        );
+        match workload {
+            Ok(workload) => {
+                let _ = self
+                    .d
+                    .moves_left
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                        Some(n.saturating_sub(1))
+                    });
+                Ok(workload)
+            }
+            Err(why) => {
+                if early {
+                    MoveRecords::new(self.d).withdraw(p);
+                }
+                Err(why)
+            }
         }
     }
 

@@ -1,6 +1,6 @@
 //! Command-line entry points. Each subcommand parses its flags here and hands
 //! over to the module that does the work: `berth run` to
-//! `crate::wiring::process`, `berth plan` to [`plan`](self::plan) (which lists what it
+//! `crate::wiring::process`, `berth plan` to [`plan`] (which lists what it
 //! needs from the cluster) and `print` (how it shows a plan).
 
 pub mod plan;

@@ -2,7 +2,7 @@
 //! the per-object backoff of failed reconciles (`backoff`), the error
 //! policy and the loop that drives a controller (`skeleton`), the
 //! compare-and-swap status write (`status`), and tasks that end with their
-//! owner ([`AbortOnDrop`]).
+//! owner (`AbortOnDrop`).
 
 pub(crate) mod backoff;
 pub(crate) mod skeleton;

@@ -141,7 +141,7 @@ async fn a_machine_runs_on_one_tagged_instance_and_leaves_after_a_volume_aware_d
     )
     .await;
     let mut sts = stateful_set("db", 1, 1);
-    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+    if let Some(spec) = sts.spec.template.spec.as_mut() {
         spec.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
     }
     create(Api::namespaced(client.clone(), ns), sts).await;

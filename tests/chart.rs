@@ -1508,7 +1508,7 @@ async fn the_chart_installs_and_its_service_account_drains_a_machine_then_upgrad
         .await
         .expect("pv");
     let mut sts = stateful_set("db", 1, 1);
-    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+    if let Some(spec) = sts.spec.template.spec.as_mut() {
         spec.node_selector = Some(
             [(
                 berth_devkit::testbed::fixtures::POOL_LABEL.to_string(),

@@ -1294,7 +1294,7 @@ async fn a_killed_controller_resumes_a_volume_move_wherever_it_stopped() {
 /// `b`, for them to move to.
 async fn two_replicas_on(client: &Client, ns: &str, node: &str, grace: i64) {
     stateful(client, ns, "db", 2, |sts| {
-        if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        if let Some(spec) = sts.spec.template.spec.as_mut() {
             spec.termination_grace_period_seconds = Some(grace);
         }
     })

@@ -56,7 +56,8 @@ async fn stateful(
     spec: impl FnOnce(&mut PodSpec),
 ) {
     support::pool::stateful(client, ns, name, replicas, |sts| {
-        if let Some(s) = sts.spec.as_mut() {
+        {
+            let s = &mut sts.spec;
             s.pod_management_policy = Some(
                 match policy {
                     Policy::OrderedReady => "OrderedReady",
@@ -65,7 +66,7 @@ async fn stateful(
                 .into(),
             );
         }
-        if let Some(s) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        if let Some(s) = sts.spec.template.spec.as_mut() {
             spec(s);
         }
     })
@@ -155,7 +156,8 @@ async fn share(
         create(Api::all(client.clone()), pv).await;
     }
     let mut sts: StatefulSet = stateful_set("share", 2, 1);
-    if let Some(spec) = sts.spec.as_mut() {
+    {
+        let spec = &mut sts.spec;
         if let Some(s) = spec.template.spec.as_mut() {
             s.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
         }
@@ -618,7 +620,8 @@ async fn an_unplaceable_replacement_holds_the_next_order_group() {
     let node_a = running_machine(&client, ns, "a", ns).await;
     stateful(&client, ns, "db", 1, Policy::OrderedReady, |_| {}).await;
     let mut dns = deployment("dns", 1, 1, ns);
-    if let Some(t) = dns.spec.as_mut().map(|s| &mut s.template) {
+    {
+        let t = &mut dns.spec.template;
         t.metadata
             .get_or_insert_default()
             .annotations
@@ -682,7 +685,8 @@ async fn a_retried_drain_does_not_repeat_its_reports() {
     // A pod a budget keeps (the drain fails at each deadline), with an
     // order the drain cannot read.
     let mut guarded = deployment("guarded", 1, 1, ns);
-    if let Some(t) = guarded.spec.as_mut().map(|s| &mut s.template) {
+    {
+        let t = &mut guarded.spec.template;
         t.metadata
             .get_or_insert_default()
             .annotations
@@ -699,7 +703,8 @@ async fn a_retried_drain_does_not_repeat_its_reports() {
     )
     .await;
     let mut skipped = deployment("skipped", 1, 1, ns);
-    if let Some(t) = skipped.spec.as_mut().map(|s| &mut s.template) {
+    {
+        let t = &mut skipped.spec.template;
         t.metadata
             .get_or_insert_default()
             .annotations
@@ -1027,7 +1032,8 @@ async fn a_held_move_survives_a_restart_and_ends_where_its_replacement_runs() {
         create(Api::all(client.clone()), pv).await;
     }
     let mut sts: StatefulSet = stateful_set("db", 2, 1);
-    if let Some(spec) = sts.spec.as_mut() {
+    {
+        let spec = &mut sts.spec;
         spec.pod_management_policy = Some("OrderedReady".into());
         for t in spec.volume_claim_templates.iter_mut().flatten() {
             if let Some(s) = t.spec.as_mut() {

@@ -41,9 +41,8 @@ async fn stateful_with(
     template: impl FnOnce(&mut k8s_openapi::api::core::v1::PodTemplateSpec),
 ) {
     stateful_set_with(client, ns, name, replicas, spread, |sts| {
-        if let Some(spec) = sts.spec.as_mut() {
-            template(&mut spec.template);
-        }
+        let spec = &mut sts.spec;
+        template(&mut spec.template);
     })
     .await;
 }
@@ -58,7 +57,7 @@ async fn stateful_set_with(
     adjust: impl FnOnce(&mut StatefulSet),
 ) {
     support::pool::stateful(client, ns, name, replicas, |sts| {
-        if let Some(s) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut())
+        if let Some(s) = sts.spec.template.spec.as_mut()
             && spread
         {
             s.affinity = Some(spread_out(name));
@@ -394,10 +393,9 @@ async fn the_workloads_min_ready_seconds_holds_the_next_move() {
     let client = case.client();
     running_machine(&client, ns, "a", ns).await;
     stateful_set_with(&client, ns, "db", 2, false, |sts| {
-        if let Some(spec) = sts.spec.as_mut() {
-            spec.min_ready_seconds = Some(5);
-            spec.pod_management_policy = Some("OrderedReady".into());
-        }
+        let spec = &mut sts.spec;
+        spec.min_ready_seconds = Some(5);
+        spec.pod_management_policy = Some("OrderedReady".into());
     })
     .await;
     attached(&client, ns, 2).await;
@@ -632,9 +630,7 @@ async fn a_healthy_deadline_ends_a_move_whose_replacement_never_turns_ready() {
     let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     support::pool::stateful(&client, ns, "db", 2, |sts| {
-        let Some(spec) = sts.spec.as_mut() else {
-            return;
-        };
+        let spec = &mut sts.spec;
         // Not OrderedReady: its pods are never Ready.
         spec.pod_management_policy = Some("Parallel".into());
         spec.template.metadata.get_or_insert_default().annotations = Some(
@@ -953,7 +949,7 @@ async fn a_deployment_that_asks_for_a_budget_moves_one_pod_at_a_time() {
             "template": {"metadata": {"labels": {"app": "web"}},
                 "spec": {"containers": [{"name": "web", "image": "nginx"}]}}}
     }));
-    if let Some(s) = web.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+    if let Some(s) = web.spec.template.spec.as_mut() {
         s.affinity = Some(spread_out("web"));
         s.node_selector = Some([(support::pool::POOL.to_string(), ns.to_string())].into());
     }
@@ -1526,7 +1522,7 @@ async fn an_attach_free_move_holds_the_next_replica_until_its_replacement_is_rea
     }
     let mut sts = stateful_set("db", 2, 1);
     on_delete(&mut sts);
-    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+    if let Some(spec) = sts.spec.template.spec.as_mut() {
         spec.node_selector = Some([(support::pool::POOL.to_string(), ns.to_string())].into());
     }
     support::pool::create(Api::<StatefulSet>::namespaced(client.clone(), ns), sts).await;
@@ -1605,7 +1601,8 @@ async fn a_node_local_move_holds_the_next_replica_until_its_replacement_is_ready
     }
     let mut sts = stateful_set("db", 2, 1);
     on_delete(&mut sts);
-    if let Some(spec) = sts.spec.as_mut() {
+    {
+        let spec = &mut sts.spec;
         spec.volume_claim_templates = None;
         if let Some(pod) = spec.template.spec.as_mut() {
             pod.node_selector = Some([(support::pool::POOL.to_string(), ns.to_string())].into());
@@ -2023,7 +2020,7 @@ async fn a_drain_busy_elsewhere_keeps_no_place_in_line() {
     let pinned = node_b.clone();
     stateful_set_with(&client, ns, "other", 1, false, move |sts| {
         on_delete(sts);
-        if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        if let Some(spec) = sts.spec.template.spec.as_mut() {
             spec.node_selector
                 .get_or_insert_default()
                 .insert("kubernetes.io/hostname".to_string(), pinned);
@@ -2132,7 +2129,7 @@ async fn a_drain_that_begins_another_move_gives_up_its_place_in_line() {
     let (b, g) = (node_b.clone(), node_g.clone());
     stateful_set_with(&client, ns, "other", 2, true, move |sts| {
         on_delete(sts);
-        if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        if let Some(spec) = sts.spec.template.spec.as_mut() {
             spec.affinity.get_or_insert_default().node_affinity = Some(json(serde_json::json!({
                 "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{
                     "matchExpressions": [{
@@ -2304,7 +2301,8 @@ async fn a_move_group_moves_one_replica_of_its_workloads_at_a_time() {
 /// A StatefulSet that its controller does not roll on a template change
 /// (`OnDelete`): a change reaches only the pods made after it.
 fn on_delete(sts: &mut StatefulSet) {
-    if let Some(spec) = sts.spec.as_mut() {
+    {
+        let spec = &mut sts.spec;
         spec.update_strategy = Some(json(serde_json::json!({"type": "OnDelete"})));
     }
 }

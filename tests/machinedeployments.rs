@@ -1234,7 +1234,8 @@ async fn a_rollout_of_two_at_once_moves_one_replica_of_a_workload_at_a_time() {
     let d = rollout_is(&client, ns, "pool", "RolloutComplete", 3).await;
     let old_nodes = nodes_of(ns, &running_of(&client, ns, &hash(&d), 3).await);
     support::pool::stateful(&client, ns, "db", 3, |sts| {
-        if let Some(spec) = sts.spec.as_mut() {
+        {
+            let spec = &mut sts.spec;
             // Each pod turns Ready 5 s after it starts: the old Machines'
             // drains wait for db's permit that long.
             spec.template
@@ -1247,7 +1248,7 @@ async fn a_rollout_of_two_at_once_moves_one_replica_of_a_workload_at_a_time() {
                     "5s".into(),
                 );
         }
-        if let Some(s) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        if let Some(s) = sts.spec.template.spec.as_mut() {
             s.affinity = Some(json(serde_json::json!({"podAntiAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": [{
                     "labelSelector": {"matchLabels": {"app": "db"}},

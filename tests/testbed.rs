@@ -117,7 +117,7 @@ async fn volume_follows_its_pod_to_another_node() {
         .await
         .expect("create PV");
     let mut sts = stateful_set("db", 1, 1);
-    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+    if let Some(spec) = sts.spec.template.spec.as_mut() {
         spec.node_selector = Some(
             [(
                 berth_devkit::testbed::fixtures::POOL_LABEL.to_string(),
@@ -405,11 +405,11 @@ async fn dropping_a_test_bed_leaves_no_process_or_directory() {
     let version = client.apiserver_version().await.expect("version");
     assert_eq!(
         format!("v{}.{}", version.major, version.minor),
-        "v1.36",
+        "v1.37",
         "{version:?}"
     );
     assert!(
-        version.git_version.starts_with("v1.36."),
+        version.git_version.starts_with("v1.37."),
         "stamped: {}",
         version.git_version
     );

@@ -122,7 +122,7 @@ async fn an_attach_free_stateful_set_drains_without_waiting_for_a_timeout() {
         create(Api::all(client.clone()), pv).await;
     }
     let mut sts = stateful_set("share", 2, 1);
-    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+    if let Some(spec) = sts.spec.template.spec.as_mut() {
         spec.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
     }
     create(Api::<StatefulSet>::namespaced(client.clone(), ns), sts).await;
@@ -396,7 +396,8 @@ async fn a_shared_volume_has_moved_only_once_attached_where_the_replacement_runs
     )
     .await;
     let mut sts = stateful_set("app", 1, 1);
-    if let Some(spec) = sts.spec.as_mut() {
+    {
+        let spec = &mut sts.spec;
         spec.volume_claim_templates = None;
         if let Some(pod) = spec.template.spec.as_mut() {
             pod.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
@@ -599,7 +600,7 @@ async fn an_in_tree_iscsi_volume_moves_as_the_node_lists_it() {
         create(Api::all(client.clone()), pv).await;
     }
     let mut sts = stateful_set("db", 2, 1);
-    if let Some(pod) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+    if let Some(pod) = sts.spec.template.spec.as_mut() {
         pod.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
     }
     create(Api::<StatefulSet>::namespaced(client.clone(), ns), sts).await;
@@ -699,7 +700,7 @@ async fn an_inline_iscsi_volume_moves_as_a_claim_would() {
     let unique = |name: &str| format!("kubernetes.io/iscsi/10.0.0.9:3260:{}:0", iqn(name));
     for name in ["a-legacy", "b-legacy"] {
         let mut d = deployment(name, 1, 1, ns);
-        if let Some(pod) = d.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        if let Some(pod) = d.spec.template.spec.as_mut() {
             pod.volumes = Some(vec![json(serde_json::json!({
                 "name": "disk",
                 "iscsi": {"targetPortal": "10.0.0.9:3260", "iqn": iqn(name), "lun": 0}

@@ -183,7 +183,7 @@ async fn scenario(
         .await?;
     }
     let mut sts = fixtures::stateful_set("db", i32::try_from(args.stateful).unwrap_or(3), 2);
-    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+    if let Some(spec) = sts.spec.template.spec.as_mut() {
         spec.node_selector = Some([(fixtures::POOL_LABEL.to_string(), NS.to_string())].into());
         spec.priority_class_name = Some("demo-critical".into());
     }

@@ -123,14 +123,13 @@ pub fn node(node: &mut Node) {
 pub fn stateful_set(sts: &mut StatefulSet) {
     metadata(sts);
     sts.metadata.labels = None;
-    if let Some(spec) = sts.spec.as_mut() {
-        *spec = StatefulSetSpec {
-            replicas: spec.replicas,
-            ordinals: spec.ordinals.take(),
-            min_ready_seconds: spec.min_ready_seconds,
-            ..StatefulSetSpec::default()
-        };
-    }
+    let spec = &mut sts.spec;
+    *spec = StatefulSetSpec {
+        replicas: spec.replicas,
+        ordinals: spec.ordinals.take(),
+        min_ready_seconds: spec.min_ready_seconds,
+        ..StatefulSetSpec::default()
+    };
     // How many of its replicas are available: the move budget counts
     // those down for any reason.
     sts.status = sts.status.take().map(|s| StatefulSetStatus {
@@ -145,13 +144,12 @@ pub fn stateful_set(sts: &mut StatefulSet) {
 pub fn deployment(d: &mut Deployment) {
     metadata(d);
     d.metadata.labels = None;
-    if let Some(spec) = d.spec.as_mut() {
-        *spec = DeploymentSpec {
-            replicas: spec.replicas,
-            min_ready_seconds: spec.min_ready_seconds,
-            ..DeploymentSpec::default()
-        };
-    }
+    let spec = &mut d.spec;
+    *spec = DeploymentSpec {
+        replicas: spec.replicas,
+        min_ready_seconds: spec.min_ready_seconds,
+        ..DeploymentSpec::default()
+    };
     d.status = d.status.take().map(|s| DeploymentStatus {
         available_replicas: s.available_replicas,
         ..DeploymentStatus::default()
@@ -438,7 +436,7 @@ mod tests {
         let terms = crate::drain::ledger::workload::stateful_set_terms(&sts);
         assert_eq!(terms.min_ready, std::time::Duration::from_secs(20));
         assert_eq!(terms.annotations.len(), 1);
-        let spec = sts.spec.as_ref().expect("spec");
+        let spec = &sts.spec;
         assert!(spec.template.spec.is_none() && spec.volume_claim_templates.is_none());
         assert_eq!(
             terms.availability,
@@ -462,7 +460,7 @@ mod tests {
         let terms = crate::drain::ledger::workload::deployment_terms(&d);
         assert_eq!(terms.min_ready, std::time::Duration::from_secs(7));
         assert_eq!(terms.annotations.len(), 1);
-        assert!(d.spec.as_ref().expect("spec").template.spec.is_none());
+        assert!(d.spec.template.spec.is_none());
         assert_eq!(
             terms.availability,
             Some(crate::drain::ledger::Availability {

@@ -337,7 +337,7 @@ pub async fn stateful_in_pool(
     priority: Option<&str>,
 ) {
     stateful(client, ns, name, replicas, |sts| {
-        if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        if let Some(spec) = sts.spec.template.spec.as_mut() {
             spec.priority_class_name = priority.map(String::from);
         }
     })
@@ -363,7 +363,7 @@ pub async fn stateful(
         .await;
     }
     let mut sts = stateful_set(name, replicas, 1);
-    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+    if let Some(spec) = sts.spec.template.spec.as_mut() {
         spec.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
     }
     adjust(&mut sts);

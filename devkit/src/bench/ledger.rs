@@ -229,8 +229,9 @@ fn spread_over_nodes(sts: &mut StatefulSet, name: &str) -> anyhow::Result<()> {
     }}))?;
     let spec = sts
         .spec
+        .template
+        .spec
         .as_mut()
-        .and_then(|s| s.template.spec.as_mut())
         .context("the StatefulSet has a pod template")?;
     spec.affinity = Some(affinity);
     Ok(())

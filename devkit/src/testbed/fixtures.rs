@@ -96,7 +96,7 @@ pub fn stateful_set(name: &str, replicas: i32, grace_seconds: i64) -> StatefulSe
             name: Some(name.into()),
             ..Default::default()
         },
-        spec: Some(StatefulSetSpec {
+        spec: StatefulSetSpec {
             replicas: Some(replicas),
             service_name: Some(name.into()),
             pod_management_policy: Some("Parallel".into()),
@@ -144,7 +144,7 @@ pub fn stateful_set(name: &str, replicas: i32, grace_seconds: i64) -> StatefulSe
                 ..Default::default()
             }]),
             ..Default::default()
-        }),
+        },
         ..Default::default()
     }
 }
@@ -168,7 +168,7 @@ pub fn stateful_set_in_pool(
     priority_class: Option<&str>,
 ) -> StatefulSet {
     let mut sts = stateful_set(name, replicas, grace_seconds);
-    if let Some(spec) = sts.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+    if let Some(spec) = sts.spec.template.spec.as_mut() {
         spec.node_selector = Some(labels(&[(POOL_LABEL, pool)]));
         spec.priority_class_name = priority_class.map(String::from);
     }
@@ -183,7 +183,7 @@ pub fn deployment(name: &str, replicas: i32, grace_seconds: i64, pool: &str) -> 
             name: Some(name.into()),
             ..Default::default()
         },
-        spec: Some(DeploymentSpec {
+        spec: DeploymentSpec {
             replicas: Some(replicas),
             selector: LabelSelector {
                 match_labels: Some(sel.clone()),
@@ -206,7 +206,7 @@ pub fn deployment(name: &str, replicas: i32, grace_seconds: i64, pool: &str) -> 
                 }),
             },
             ..Default::default()
-        }),
+        },
         ..Default::default()
     }
 }

@@ -96,7 +96,7 @@ pub fn unavailable_by_pods<'p>(
 pub fn wants_ordinal(sts: &StatefulSet, pod: &str) -> Option<bool> {
     let name = sts.metadata.name.as_deref()?;
     let ordinal: i64 = pod.strip_prefix(name)?.strip_prefix('-')?.parse().ok()?;
-    let spec = sts.spec.as_ref()?;
+    let spec = &sts.spec;
     let start = spec
         .ordinals
         .as_ref()
@@ -135,13 +135,10 @@ fn availability(replicas: Option<i32>, available: Option<Option<i32>>) -> Option
 pub fn stateful_set_terms(sts: &StatefulSet) -> WorkloadTerms {
     WorkloadTerms {
         availability: availability(
-            sts.spec.as_ref().and_then(|s| s.replicas),
+            sts.spec.replicas,
             sts.status.as_ref().map(|s| s.available_replicas),
         ),
-        ..terms(
-            &sts.metadata,
-            sts.spec.as_ref().and_then(|s| s.min_ready_seconds),
-        )
+        ..terms(&sts.metadata, sts.spec.min_ready_seconds)
     }
 }
 
@@ -149,13 +146,10 @@ pub fn stateful_set_terms(sts: &StatefulSet) -> WorkloadTerms {
 pub fn deployment_terms(d: &Deployment) -> WorkloadTerms {
     WorkloadTerms {
         availability: availability(
-            d.spec.as_ref().and_then(|s| s.replicas),
+            d.spec.replicas,
             d.status.as_ref().map(|s| s.available_replicas),
         ),
-        ..terms(
-            &d.metadata,
-            d.spec.as_ref().and_then(|s| s.min_ready_seconds),
-        )
+        ..terms(&d.metadata, d.spec.min_ready_seconds)
     }
 }
 

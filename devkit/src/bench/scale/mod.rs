@@ -579,7 +579,7 @@ mod tests {
     #[test]
     fn pod_facts_come_from_claims_and_the_grace_period() {
         let sts = fixtures::stateful_set("db", 1, 7);
-        let template = sts.spec.expect("spec").template;
+        let template = sts.spec.template;
         let mut spec = template.spec.expect("pod spec");
         spec.volumes = Some(vec![
             serde_json::from_value(serde_json::json!({

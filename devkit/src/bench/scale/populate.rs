@@ -186,7 +186,7 @@ pub(super) async fn drain_workloads(
                 &pool,
                 None,
             );
-            if let Some(meta) = set.spec.as_mut().and_then(|s| s.template.metadata.as_mut()) {
+            if let Some(meta) = set.spec.template.metadata.as_mut() {
                 label(meta, "drain");
             }
             sets.push(set);
@@ -197,7 +197,7 @@ pub(super) async fn drain_workloads(
             i64::from(args.grace),
             &pool,
         );
-        if let Some(meta) = web.spec.as_mut().and_then(|s| s.template.metadata.as_mut()) {
+        if let Some(meta) = web.spec.template.metadata.as_mut() {
             label(meta, "drain");
         }
         deployments.push(web);

@@ -861,7 +861,49 @@ async fn a_move_held_for_placement_lets_its_machine_go_and_keeps_its_permit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_budget_of_two_lets_two_replicas_move_at_once() {
     use berth::drain::ledger::MAX_MOVING_ANNOTATION;
-    let ns = "ledger-pair";
+    two_of_three_move_at_once("ledger-pair", |sts| {
+        sts.metadata.annotations =
+            Some([(MAX_MOVING_ANNOTATION.to_string(), "2".to_string())].into());
+    })
+    .await;
+}
+
+/// A StatefulSet without berth's annotation whose owner lets its rolling
+/// update take `maxUnavailable: 67%` of its 3 replicas down at once (2, as
+/// the StatefulSet controller rounds it: down) has a default move budget
+/// of 2: two of its replicas, on Machines deleted at once, move at the
+/// same time, the third only after one of them moved (the audit log, the
+/// VolumeAttachments).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stateful_sets_max_unavailable_is_its_default_move_budget() {
+    let case = two_of_three_move_at_once("ledger-rolling", |sts| {
+        sts.spec.update_strategy = Some(json(serde_json::json!({
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxUnavailable": "67%"}
+        })));
+    })
+    .await;
+    let sts = Api::<StatefulSet>::namespaced(case.client(), "ledger-rolling")
+        .get("db")
+        .await
+        .expect("the StatefulSet");
+    let kept = sts
+        .spec
+        .update_strategy
+        .and_then(|u| u.rolling_update)
+        .and_then(|r| r.max_unavailable);
+    assert!(
+        kept.is_some(),
+        "the API server kept maxUnavailable (MaxUnavailableStatefulSet on by default in 1.37)"
+    );
+}
+
+/// Three Machines, each running one replica of StatefulSet `db` (changed
+/// by `adjust`, which gives it a move budget of 2), deleted at once, with
+/// three more for the replacements: the second replica is evicted before
+/// the first one's volume moved, the third only after one of the first
+/// two had. Returns the case, for what its caller reads back.
+async fn two_of_three_move_at_once(ns: &str, adjust: impl FnOnce(&mut StatefulSet)) -> Case {
     let case = Case::builder(ns)
         .on(BED)
         .pool(serde_json::json!({"timeout": "5m"}))
@@ -874,11 +916,7 @@ async fn a_budget_of_two_lets_two_replicas_move_at_once() {
         running_machine(&client, ns, "b", ns).await,
         running_machine(&client, ns, "c", ns).await,
     ];
-    stateful_set_with(&client, ns, "db", 3, true, |sts| {
-        sts.metadata.annotations =
-            Some([(MAX_MOVING_ANNOTATION.to_string(), "2".to_string())].into());
-    })
-    .await;
+    stateful_set_with(&client, ns, "db", 3, true, adjust).await;
     attached(&client, ns, 3).await;
     for new in ["d", "e", "f"] {
         running_machine(&client, ns, new, ns).await;
@@ -922,6 +960,7 @@ async fn a_budget_of_two_lets_two_replicas_move_at_once() {
         went[2].received
     );
     // Six Machines and three drains within seconds: a rollout's burst.
+    case
 }
 
 /// A Deployment without volumes whose object asks `berth.dev/max-moving:

@@ -10,7 +10,8 @@
 //! must keep it here too.
 
 use k8s_openapi::api::apps::v1::{
-    Deployment, DeploymentSpec, DeploymentStatus, StatefulSet, StatefulSetSpec, StatefulSetStatus,
+    Deployment, DeploymentSpec, DeploymentStatus, RollingUpdateStatefulSetStrategy, StatefulSet,
+    StatefulSetSpec, StatefulSetStatus, StatefulSetUpdateStrategy,
 };
 use k8s_openapi::api::core::v1::{EmptyDirVolumeSource, Node, Pod, PodSpec, PodStatus};
 use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec};
@@ -118,16 +119,30 @@ pub fn node(node: &mut Node) {
 
 /// A StatefulSet keeps its metadata (the move budget's annotations) and,
 /// of its spec, the replicas and ordinals it wants (whether an evicted
-/// pod comes back) and `minReadySeconds` (when a replacement is
-/// available); its pod template and claim templates go.
+/// pod comes back), `minReadySeconds` (when a replacement is available)
+/// and its rolling update's `maxUnavailable` (its default move budget);
+/// its pod template, claim templates and the rest of its update strategy
+/// go.
 pub fn stateful_set(sts: &mut StatefulSet) {
     metadata(sts);
     sts.metadata.labels = None;
     let spec = &mut sts.spec;
+    let max_unavailable = spec
+        .update_strategy
+        .take()
+        .and_then(|u| u.rolling_update)
+        .and_then(|r| r.max_unavailable);
     *spec = StatefulSetSpec {
         replicas: spec.replicas,
         ordinals: spec.ordinals.take(),
         min_ready_seconds: spec.min_ready_seconds,
+        update_strategy: max_unavailable.map(|m| StatefulSetUpdateStrategy {
+            rolling_update: Some(RollingUpdateStatefulSetStrategy {
+                max_unavailable: Some(m),
+                partition: None,
+            }),
+            type_: None,
+        }),
         ..StatefulSetSpec::default()
     };
     // How many of its replicas are available: the move budget counts
@@ -165,6 +180,7 @@ mod tests {
     };
     use crate::drain::plan::plan;
     use crate::drain::volume_kind::VolumeContext;
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
     /// A pod as the API server sends it, with everything a kubelet and the
     /// admission plugins add.
@@ -419,6 +435,8 @@ mod tests {
                 "annotations": {"berth.dev/max-moving": "2"}, "labels": {"app": "db"},
                 "managedFields": [{"manager": "kubectl"}]},
             "spec": {"replicas": 3, "ordinals": {"start": 2}, "minReadySeconds": 20,
+                "updateStrategy": {"type": "RollingUpdate",
+                    "rollingUpdate": {"maxUnavailable": "70%", "partition": 1}},
                 "serviceName": "db", "selector": {"matchLabels": {"app": "db"}},
                 "template": {"metadata": {"labels": {"app": "db"}},
                     "spec": {"containers": [{"name": "db", "image": "postgres"}]}},
@@ -436,8 +454,29 @@ mod tests {
         let terms = crate::drain::ledger::workload::stateful_set_terms(&sts);
         assert_eq!(terms.min_ready, std::time::Duration::from_secs(20));
         assert_eq!(terms.annotations.len(), 1);
+        assert_eq!(
+            terms.max_unavailable,
+            Some(2),
+            "70% of 3 replicas, rounded down as the StatefulSet controller does"
+        );
         let spec = &sts.spec;
         assert!(spec.template.spec.is_none() && spec.volume_claim_templates.is_none());
+        let rolling = spec
+            .update_strategy
+            .as_ref()
+            .and_then(|u| u.rolling_update.as_ref())
+            .expect("the rolling update's maxUnavailable is kept");
+        assert_eq!(
+            (&rolling.max_unavailable, rolling.partition),
+            (&Some(IntOrString::String("70%".into())), None),
+            "its maxUnavailable alone"
+        );
+        assert_eq!(
+            spec.update_strategy
+                .as_ref()
+                .and_then(|u| u.type_.as_deref()),
+            None
+        );
         assert_eq!(
             terms.availability,
             Some(crate::drain::ledger::Availability {

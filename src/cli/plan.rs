@@ -522,6 +522,7 @@ mod tests {
                     )]),
                     min_ready: std::time::Duration::ZERO,
                     availability: None,
+                    max_unavailable: None,
                 },
             )]),
             groups: BTreeMap::new(),

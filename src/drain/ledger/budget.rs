@@ -17,12 +17,22 @@ use super::{
 /// annotations on the workload object, else on its pod template; the
 /// minimum healthy time at least the workload's `minReadySeconds`. What
 /// could not be read is returned, and its default holds.
+///
+/// The default for pods with volumes that move is one at a time, or, for
+/// a StatefulSet whose owner lets its rolling update take more than one
+/// replica down at once (`rollingUpdate.maxUnavailable` above 1, see
+/// [`WorkloadTerms::max_unavailable`]), that many: the owner already said
+/// how many replicas may be down together. `berth.dev/max-moving` still
+/// wins. A workload without volumes stays unbounded unless it asks.
 pub fn budget_of(
     template: Option<&BTreeMap<String, String>>,
     workload: &WorkloadTerms,
     moves_volumes: bool,
 ) -> (Budget, Vec<BadAnnotation>) {
     let mut budget = Budget::default_for(moves_volumes);
+    if moves_volumes && let Some(n) = workload.max_unavailable.filter(|n| *n > 1) {
+        budget.max_moving = Some(n);
+    }
     let mut bad = Vec::new();
     let get = |key: &str| {
         workload
@@ -190,6 +200,7 @@ mod tests {
                 replicas,
                 unavailable,
             }),
+            max_unavailable: None,
         };
         let es_a = Workload::new("StatefulSet", "search", "es-a");
         let member = with(&[(MOVE_GROUP_ANNOTATION, "es")], 3, 0);
@@ -330,6 +341,7 @@ mod tests {
             annotations: a(&[(MAX_MOVING_ANNOTATION, "2")]),
             min_ready: Duration::from_secs(20),
             availability: None,
+            max_unavailable: None,
         };
         let (b, bad) = budget_of(Some(&template), &workload, true);
         assert!(bad.is_empty(), "{bad:?}");
@@ -350,6 +362,7 @@ mod tests {
             annotations: a(&[(MAX_MOVING_ANNOTATION, "many")]),
             min_ready: Duration::ZERO,
             availability: None,
+            max_unavailable: None,
         };
         let (b, bad) = budget_of(Some(&template), &bad_workload, true);
         assert_eq!(b.max_moving, Some(1));
@@ -357,5 +370,57 @@ mod tests {
         // A workload without volumes keeps its unbounded default unless it
         // asks.
         assert_eq!(budget_of(None, &workload, false).0.max_moving, Some(2));
+    }
+
+    #[test]
+    fn a_stateful_sets_max_unavailable_above_one_is_its_default_budget() {
+        let rolling = |n: u32| WorkloadTerms {
+            max_unavailable: Some(n),
+            ..WorkloadTerms::default()
+        };
+        assert_eq!(budget_of(None, &rolling(3), true).0.max_moving, Some(3));
+        assert_eq!(
+            budget_of(None, &rolling(1), true).0,
+            Budget::default_for(true),
+            "one at a time, as without it"
+        );
+        assert_eq!(
+            budget_of(None, &rolling(3), false).0.max_moving,
+            None,
+            "without volumes, unbounded as before: it only raises the default of one"
+        );
+        // Its own annotation still wins, on the object or its template, and
+        // either way.
+        let mut asks = rolling(3);
+        asks.annotations
+            .insert(MAX_MOVING_ANNOTATION.into(), "1".into());
+        assert_eq!(budget_of(None, &asks, true).0.max_moving, Some(1));
+        let template = BTreeMap::from([(MAX_MOVING_ANNOTATION.to_string(), "5".to_string())]);
+        assert_eq!(
+            budget_of(Some(&template), &rolling(3), true).0.max_moving,
+            Some(5)
+        );
+        let unbounded =
+            BTreeMap::from([(MAX_MOVING_ANNOTATION.to_string(), "unbounded".to_string())]);
+        assert_eq!(
+            budget_of(Some(&unbounded), &rolling(3), true).0.max_moving,
+            None
+        );
+        // An annotation berth cannot read keeps the default, which is now
+        // the owner's.
+        let bad = BTreeMap::from([(MAX_MOVING_ANNOTATION.to_string(), "0".to_string())]);
+        let (b, bad) = budget_of(Some(&bad), &rolling(3), true);
+        assert_eq!((b.max_moving, bad.len()), (Some(3), 1));
+        // A move group's terms are its member's: the member's owner speaks.
+        let mut member = rolling(2);
+        member
+            .annotations
+            .insert(MOVE_GROUP_ANNOTATION.into(), "es".into());
+        let (_, terms, _) = grouped(
+            Workload::new("StatefulSet", "ns", "es-a"),
+            member,
+            |_| vec![],
+        );
+        assert_eq!(budget_of(None, &terms, true).0.max_moving, Some(2));
     }
 }

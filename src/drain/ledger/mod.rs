@@ -158,9 +158,9 @@ impl fmt::Display for BadAnnotation {
 
 /// What a workload object says of its moves: its own annotations (which
 /// win over its pod template's), its `minReadySeconds` (a replacement
-/// is available, and so healthy, only once Ready that long), and how many
+/// is available, and so healthy, only once Ready that long), how many
 /// of its replicas its owner counts unavailable now, whatever took them
-/// down.
+/// down, and how many its owner lets its rolling update take down.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WorkloadTerms {
     pub annotations: BTreeMap<String, String>,
@@ -170,6 +170,11 @@ pub struct WorkloadTerms {
     /// `None` when its owner does not say (no status yet, or a kind berth
     /// does not read).
     pub availability: Option<Availability>,
+    /// How many of its replicas its owner lets its own rolling update take
+    /// down at once (a StatefulSet's `rollingUpdate.maxUnavailable`, as
+    /// its controller reckons it); `None` when not set. Above 1, its
+    /// default move budget (see [`budget_of`]).
+    pub max_unavailable: Option<u32>,
 }
 
 /// How many replicas a workload wants, and how many of them are not

@@ -115,6 +115,7 @@ pub fn terms(meta: &ObjectMeta, min_ready_seconds: Option<i32>) -> WorkloadTerms
             min_ready_seconds.map_or(0, |s| u64::try_from(s).unwrap_or(0)),
         ),
         availability: None,
+        max_unavailable: None,
     }
 }
 
@@ -138,8 +139,39 @@ pub fn stateful_set_terms(sts: &StatefulSet) -> WorkloadTerms {
             sts.spec.replicas,
             sts.status.as_ref().map(|s| s.available_replicas),
         ),
+        max_unavailable: stateful_set_max_unavailable(sts),
         ..terms(&sts.metadata, sts.spec.min_ready_seconds)
     }
+}
+
+/// How many of its replicas StatefulSet `sts` lets its rolling update take
+/// down at once, when its owner set `rollingUpdate.maxUnavailable`: a
+/// whole number, or a percentage of `spec.replicas` (1 when unset) rounded
+/// down and at least 1, as the StatefulSet controller reckons it
+/// (`getStatefulSetMaxUnavailable`). `None` when it is not set, or is not
+/// a number nor a percentage (the API server refuses both, and the
+/// controller then takes one at a time).
+pub fn stateful_set_max_unavailable(sts: &StatefulSet) -> Option<u32> {
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    let value = sts
+        .spec
+        .update_strategy
+        .as_ref()?
+        .rolling_update
+        .as_ref()?
+        .max_unavailable
+        .as_ref()?;
+    let n = match value {
+        IntOrString::Int(n) => i64::from(*n),
+        IntOrString::String(s) => {
+            let percent: i64 = s.strip_suffix('%')?.parse().ok()?;
+            let replicas = i64::from(sts.spec.replicas.unwrap_or(1));
+            // Floor, in integers: the controller's float floor of
+            // percent × replicas / 100 for the sizes a StatefulSet has.
+            (percent * replicas).div_euclid(100)
+        }
+    };
+    Some(u32::try_from(n.max(1)).unwrap_or(u32::MAX))
 }
 
 /// The terms of a Deployment.
@@ -310,6 +342,52 @@ mod tests {
         assert_eq!(
             workload_of(&custom, |_| None),
             Workload::new("Cluster", "ns", "pg")
+        );
+    }
+
+    #[test]
+    fn a_stateful_sets_max_unavailable_is_reckoned_as_its_controller_does() {
+        let sts = |replicas: Option<i32>, max: serde_json::Value| -> StatefulSet {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "db"},
+                "spec": {"replicas": replicas, "selector": {}, "serviceName": "db", "template": {},
+                    "updateStrategy": {"type": "RollingUpdate",
+                        "rollingUpdate": {"maxUnavailable": max}}}
+            }))
+            .expect("a StatefulSet")
+        };
+        let cases: [(Option<i32>, serde_json::Value, Option<u32>); 10] = [
+            (Some(5), serde_json::json!(2), Some(2)),
+            (Some(5), serde_json::json!(1), Some(1)),
+            // A percentage of the replicas, rounded down...
+            (Some(5), serde_json::json!("50%"), Some(2)),
+            (Some(3), serde_json::json!("67%"), Some(2)),
+            (Some(10), serde_json::json!("25%"), Some(2)),
+            // ... but never below one.
+            (Some(3), serde_json::json!("10%"), Some(1)),
+            (None, serde_json::json!("100%"), Some(1)),
+            (Some(4), serde_json::json!("100%"), Some(4)),
+            // Neither a number nor a percentage: not the controller's.
+            (Some(4), serde_json::json!("2"), None),
+            (Some(4), serde_json::json!(null), None),
+        ];
+        for (replicas, max, want) in cases {
+            assert_eq!(
+                stateful_set_max_unavailable(&sts(replicas, max.clone())),
+                want,
+                "replicas {replicas:?}, maxUnavailable {max}"
+            );
+        }
+        let on_delete: StatefulSet = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "db"},
+            "spec": {"replicas": 3, "selector": {}, "serviceName": "db", "template": {},
+                "updateStrategy": {"type": "OnDelete"}}
+        }))
+        .expect("a StatefulSet");
+        assert_eq!(stateful_set_max_unavailable(&on_delete), None);
+        assert_eq!(
+            stateful_set_terms(&sts(Some(6), serde_json::json!("50%"))).max_unavailable,
+            Some(3)
         );
     }
 

@@ -767,3 +767,140 @@ async fn iscsi_listed(client: &Client, node: &str, n: usize) {
     .await
     .unwrap_or_else(|e| panic!("the attach-detach controller attaches them: {e}"));
 }
+
+/// A CSI driver the test bed has no attacher for, and no CSIDriver object
+/// (Kubernetes then assumes it attaches): the attach-detach controller
+/// makes its VolumeAttachments and nothing ever attaches them, so a case
+/// writes their status itself, unraced.
+const UNATTACHED_DRIVER: &str = "unattached.testbed.berth.dev";
+
+/// A replica moves to Node B, where the attacher refuses its volume for
+/// lack of a slot: the test writes `attachError` with gRPC code 8
+/// (RESOURCE_EXHAUSTED) to the new VolumeAttachment's status while the
+/// drain waits for the volume to attach there (a reattach timeout of 5
+/// minutes). The wait ends at once: by the audit log, the controller's
+/// `VolumeAttachExhausted` Event is created, and the move's permit
+/// deleted, within 1 s of the status write; the Machine goes long before
+/// the timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attach_refused_for_lack_of_a_slot_ends_the_reattach_wait_at_once() {
+    let ns = "kinds-exhausted";
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "10m", "volumeReattachTimeout": "5m"}))
+        .start()
+        .await;
+    let client = case.client();
+    let node_a = running_held(&client, ns, "a", ns, false).await;
+    let pv = format!("{ns}-db-0");
+    let handle = format!("vol-{pv}");
+    let volume = csi_pv_on(UNATTACHED_DRIVER, &pv, &handle, ns, "data-db-0");
+    create(Api::all(client.clone()), volume).await;
+    let mut sts = stateful_set("db", 1, 1);
+    if let Some(spec) = sts.spec.template.spec.as_mut() {
+        spec.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
+    }
+    create(Api::<StatefulSet>::namespaced(client.clone(), ns), sts).await;
+    running_pods(&client, ns, &["db-0"]).await;
+    // The test is the attacher on A: the volume attaches there, and will
+    // detach (no attacher's finalizer holds its VolumeAttachment).
+    let vas: Api<VolumeAttachment> = Api::all(client.clone());
+    let on_a = wait::for_one(vas.clone(), LONG, "db-0's volume asked for on A", |va| {
+        va.spec.source.persistent_volume_name.as_deref() == Some(pv.as_str())
+            && va.spec.node_name == node_a
+    })
+    .await
+    .expect("the attach-detach controller asks for the volume on A");
+    vas.patch_status(
+        &on_a.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"status": {"attached": true}})),
+    )
+    .await
+    .expect("attached on A");
+    let node_b = running_held(&client, ns, "b", ns, false).await;
+
+    delete_machine(&client, ns, "a").await;
+    // The drain waits for the volume where the replacement runs: its
+    // VolumeAttachment there is made, and never attached.
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    let waiting = format!("to move with the pod that replaces {ns}/db-0");
+    wait::for_one(machines, LONG, "a's drain in its reattach wait", |m| {
+        m.name_any() == "a"
+            && m.status
+                .as_ref()
+                .and_then(|s| s.drain.as_ref())
+                .and_then(|d| d.waiting_for.as_deref())
+                .is_some_and(|w| w.contains(&waiting))
+    })
+    .await
+    .expect("the drain waits for the volume to attach on B");
+    let va = wait::for_one(vas.clone(), LONG, "db-0's volume asked for on B", |va| {
+        va.spec.source.persistent_volume_name.as_deref() == Some(pv.as_str())
+            && va.spec.node_name == node_b
+    })
+    .await
+    .expect("the attach-detach controller asks for the volume on B");
+    let va_name = va.name_any();
+    let full = "attachdetach: node has no free attach slot (16/16 volumes)";
+    let written = vas
+        .patch_status(
+            &va_name,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"status": {"attached": false, "attachError": {
+                "message": full,
+                "errorCode": 8,
+                "time": k8s_openapi::jiff::Timestamp::now().round(k8s_openapi::jiff::Unit::Second)
+                    .expect("a time").to_string(),
+            }}})),
+        )
+        .await
+        .expect("the attach error written");
+    let code = written
+        .status
+        .and_then(|s| s.attach_error)
+        .and_then(|e| e.error_code);
+    assert_eq!(code, Some(8), "the API server keeps the error's code");
+
+    let said = support::events_of(&client, ns, "a", "VolumeAttachExhausted", 1).await;
+    let note = said[0].note.clone().unwrap_or_default();
+    assert_contains(&note, &[&pv, &node_b, &va_name, full, "code 8"]);
+    gone(&client, ns, "a", Duration::from_secs(90)).await;
+
+    // Timed by the audit log: the status write's arrival, and the
+    // controller's Event and the end of the move's permit after it.
+    let bed = BED.bed().await;
+    let event_name = said[0].name_any();
+    let theirs = support::oracle::requests_once(bed, ns, |rs| {
+        rs.iter()
+            .any(|r| r.resource == "events" && r.name.as_deref() == Some(event_name.as_str()))
+    })
+    .await;
+    let write = support::oracle::cluster_requests(bed)
+        .into_iter()
+        .find(|r| {
+            r.resource == "volumeattachments"
+                && r.subresource.as_deref() == Some("status")
+                && r.name.as_deref() == Some(va_name.as_str())
+        })
+        .expect("the status write in the audit log");
+    let log = support::oracle::log_of(&theirs);
+    let event = theirs
+        .iter()
+        .find(|r| r.verb == "create" && r.name.as_deref() == Some(event_name.as_str()))
+        .unwrap_or_else(|| panic!("the Event's creation: {log}"));
+    let permit_ended = theirs
+        .iter()
+        .find(|r| r.verb == "delete" && r.resource == "movepermits" && r.received > write.received)
+        .unwrap_or_else(|| panic!("the move's permit ended: {log}"));
+    for (what, r) in [("the Event", event), ("the permit's end", permit_ended)] {
+        let after = r.received.duration_since(write.received);
+        eprintln!("{what}: {after:#} after the attach error was written");
+        assert!(
+            after.is_positive() && after < k8s_openapi::jiff::SignedDuration::from_secs(1),
+            "{what} within 1 s of the attach error ({} then {}): {log}",
+            write.received,
+            r.received
+        );
+    }
+}

@@ -82,8 +82,9 @@ mod tracker;
 
 pub use self::intree::{in_tree_attachable_name, migrated_csi_source};
 pub use self::predicate::{
-    Attachment, CSI_UNIQUE_NAME_PREFIX, attached_elsewhere, attachments_of, csi_unique_name,
-    detached_from, is_attached, is_deleting, listed_on, pv_of, unique_name_of,
+    AttachRefused, Attachment, CSI_UNIQUE_NAME_PREFIX, RESOURCE_EXHAUSTED, attach_exhausted,
+    attached_elsewhere, attachments_of, csi_unique_name, detached_from, is_attached, is_deleting,
+    listed_on, pv_of, unique_name_of,
 };
 pub(crate) use self::tracker::{
     DEFAULT_CHANNEL_CAPACITY, Interest, Registration, Signal, Tracker, WaitError,

@@ -109,8 +109,61 @@ pub fn attachments_of<'a>(
     out
 }
 
-fn error_message(e: Option<&VolumeError>) -> Option<&str> {
-    e.map(|e| e.message.as_deref().unwrap_or("(no message)"))
+fn error_message(e: Option<&VolumeError>) -> Option<String> {
+    e.map(|e| {
+        let message = e.message.as_deref().unwrap_or("(no message)");
+        match e.error_code {
+            Some(code) => format!("{message} (code {code})"),
+            None => message.to_string(),
+        }
+    })
+}
+
+/// The gRPC status code `RESOURCE_EXHAUSTED`, in a VolumeAttachment's
+/// `status.attachError.errorCode`: the attacher cannot attach the volume
+/// there for lack of a resource (the Node has no free attach slot), and
+/// retrying will not help until one frees.
+pub const RESOURCE_EXHAUSTED: i32 = 8;
+
+/// A VolumeAttachment whose attacher said it cannot attach its volume
+/// there (see [`attach_exhausted`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttachRefused {
+    /// Name of the VolumeAttachment.
+    pub name: String,
+    /// The Node it would attach the volume to.
+    pub node: String,
+    /// The attach error's message.
+    pub message: String,
+}
+
+/// Whether the attacher refused, for lack of a resource, to attach `pv`
+/// on a Node other than `old_node`: a VolumeAttachment of `pv` there, not
+/// attached and not being deleted, whose `status.attachError.errorCode`
+/// is [`RESOURCE_EXHAUSTED`] (the CSI driver's answer for a Node at its
+/// attach limit). The attacher keeps trying, in vain while nothing frees,
+/// so a wait for the volume to attach there can end now. The first such
+/// attachment by Node, then name.
+pub fn attach_exhausted<'a>(
+    pv: &str,
+    old_node: &str,
+    attachments: impl IntoIterator<Item = &'a VolumeAttachment>,
+) -> Option<AttachRefused> {
+    let mut refused: Vec<AttachRefused> = attachments
+        .into_iter()
+        .filter(|va| pv_of(va) == Some(pv) && va.spec.node_name != old_node)
+        .filter(|va| !is_attached(va) && !is_deleting(va))
+        .filter_map(|va| {
+            let error = va.status.as_ref()?.attach_error.as_ref()?;
+            (error.error_code == Some(RESOURCE_EXHAUSTED)).then(|| AttachRefused {
+                name: va.metadata.name.clone().unwrap_or_default(),
+                node: va.spec.node_name.clone(),
+                message: error.message.clone().unwrap_or_default(),
+            })
+        })
+        .collect();
+    refused.sort_by(|a, b| (&a.node, &a.name).cmp(&(&b.node, &b.name)));
+    refused.into_iter().next()
 }
 
 fn describe(va: &VolumeAttachment) -> String {
@@ -125,11 +178,11 @@ fn describe(va: &VolumeAttachment) -> String {
     let status = va.status.as_ref();
     if let Some(m) = error_message(status.and_then(|s| s.detach_error.as_ref())) {
         s.push_str(", detach error: ");
-        s.push_str(m);
+        s.push_str(&m);
     }
     if let Some(m) = error_message(status.and_then(|s| s.attach_error.as_ref())) {
         s.push_str(", attach error: ");
-        s.push_str(m);
+        s.push_str(&m);
     }
     s
 }
@@ -537,6 +590,60 @@ mod tests {
         });
         let err = attached_elsewhere("pv-a", "node-a", [&v]).unwrap_err();
         assert!(err.contains("attach error: quota exceeded"), "{err}");
+    }
+
+    /// `va` with an attach error of gRPC code `code`.
+    fn failing(mut v: VolumeAttachment, code: Option<i32>, message: &str) -> VolumeAttachment {
+        v.status.get_or_insert_default().attach_error = Some(VolumeError {
+            error_code: code,
+            message: Some(message.to_owned()),
+            ..VolumeError::default()
+        });
+        v
+    }
+
+    #[test]
+    fn an_attach_refused_for_lack_of_a_resource_is_named() {
+        let full = "attachdetachment limit reached on node-b";
+        let exhausted = failing(va("csi-2", "pv-a", "node-b", false), Some(8), full);
+        assert_eq!(
+            attach_exhausted("pv-a", "node-a", [&exhausted]),
+            Some(AttachRefused {
+                name: "csi-2".to_owned(),
+                node: "node-b".to_owned(),
+                message: full.to_owned(),
+            })
+        );
+        let err = attached_elsewhere("pv-a", "node-a", [&exhausted]).unwrap_err();
+        assert!(
+            err.contains(&format!("attach error: {full} (code 8)")),
+            "{err}"
+        );
+
+        // Not the refusal the attacher will keep giving: any other code, or
+        // none (an older attacher, a transient failure).
+        let unavailable = failing(va("csi-2", "pv-a", "node-b", false), Some(14), "timeout");
+        let no_code = failing(va("csi-2", "pv-a", "node-b", false), None, "timeout");
+        // Where it is attached after all, or on its way out, or on the Node
+        // it leaves, or of another volume: nothing to end the wait for.
+        let attached = failing(va("csi-2", "pv-a", "node-b", true), Some(8), full);
+        let going = deleting(failing(va("csi-2", "pv-a", "node-b", false), Some(8), full));
+        let old = failing(va("csi-1", "pv-a", "node-a", false), Some(8), full);
+        let other = failing(va("csi-3", "pv-b", "node-b", false), Some(8), full);
+        for (case, v) in [
+            ("another code", &unavailable),
+            ("no code", &no_code),
+            ("attached", &attached),
+            ("being deleted", &going),
+            ("on the Node it leaves", &old),
+            ("another volume", &other),
+        ] {
+            assert_eq!(attach_exhausted("pv-a", "node-a", [v]), None, "{case}");
+        }
+        // Among several, the first by Node.
+        let on_c = failing(va("csi-0", "pv-a", "node-c", false), Some(8), "full too");
+        let first = attach_exhausted("pv-a", "node-a", [&on_c, &unavailable, &exhausted]);
+        assert_eq!(first.map(|r| r.node), Some("node-b".to_owned()));
     }
 
     #[test]

@@ -656,7 +656,7 @@ impl<'a> Migration<'a> {
                 d.waits().healthy(&pods, budget.min_healthy, until).await;
                 false
             }
-            Reattach::TimedOut => false,
+            Reattach::TimedOut | Reattach::Exhausted => false,
             Reattach::Unplaceable(pod, message) => self.unplaceable(&fmt_key(&pod), &message),
         }
     }

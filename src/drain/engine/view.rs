@@ -24,7 +24,7 @@ use crate::drain::volume::{
     unschedulable_replacement, users_elsewhere, users_elsewhere_before, volume_moved,
 };
 use crate::drain::volume_kind::{VolumeContext, VolumeKind};
-use crate::volumes::{listed_on, unique_name_of};
+use crate::volumes::{AttachRefused, attach_exhausted, listed_on, unique_name_of};
 
 /// The caches as one drain of `node` reads them.
 #[derive(Clone, Copy)]
@@ -119,6 +119,17 @@ impl<'a> View<'a> {
             })
         };
         volume_moved(pv, class, self.node, &new, &vas, &listed_on)
+    }
+
+    /// A VolumeAttachment of `pv` on another Node whose attacher refused
+    /// the attach for lack of a resource (see [`attach_exhausted`]).
+    pub(super) fn attach_refused(&self, pv: &str) -> Option<AttachRefused> {
+        let vas = self
+            .caches
+            .indexes
+            .attachments_by_pv
+            .get(&self.caches.attachments, pv);
+        attach_exhausted(pv, self.node, vas.iter().map(|va| &**va))
     }
 
     pub(super) fn claim_users(&self, claim: &NamespacedName) -> Vec<Arc<Pod>> {

@@ -12,7 +12,9 @@
 //! or held for its replacement (`migration`), and the
 //! volumes of pods that left before this run (`Pass::wait_detaching`).
 //! Woken by the tracker (VolumeAttachment and Node events) and by pod
-//! events; bounded by the reattach timeout; a Warning when not in time.
+//! events; bounded by the reattach timeout; a Warning when not in time,
+//! or at once when the attacher refuses the attach for lack of a resource
+//! (an attach error of gRPC code 8: the Node is at its attach limit).
 
 use std::collections::BTreeSet;
 
@@ -29,7 +31,7 @@ use crate::drain::select::{NamespacedName, fmt_key};
 use crate::drain::volume::Moved;
 use crate::drain::volume_kind::VolumeKind;
 use crate::telemetry::Metrics;
-use crate::volumes::{Registration, Signal, WaitError};
+use crate::volumes::{AttachRefused, RESOURCE_EXHAUSTED, Registration, Signal, WaitError};
 
 /// How a wait for healthy replacements ended.
 pub(super) enum Health {
@@ -57,6 +59,11 @@ pub(super) enum Reattach {
     Moved(Vec<NamespacedName>),
     /// The wait timed out (warned).
     TimedOut,
+    /// The attacher refused to attach a volume where its replacement runs
+    /// for lack of a resource (a VolumeAttachment's attach error of code
+    /// 8, see [`attach_exhausted`](crate::volumes::attach_exhausted)):
+    /// warned, at once, and otherwise as [`Reattach::TimedOut`].
+    Exhausted,
     /// The scheduler says the replacement (this pod) cannot be placed,
     /// with its message: nothing was announced, the caller holds the move.
     Unplaceable(NamespacedName, String),
@@ -150,6 +157,12 @@ impl Waits<'_> {
                 .iter()
                 .find_map(|v| self.view().unschedulable_replacement(v.claim, evicted_uid))
         };
+        let refused = || {
+            volumes
+                .iter()
+                .filter(|v| v.kind == VolumeKind::Attachable)
+                .find_map(|v| Some((v.pv, self.view().attach_refused(v.pv)?)))
+        };
         let mut pods = self.caches.pod_changes.clone();
         let mut tracker_open = !attachable.is_empty();
         let outcome = loop {
@@ -161,6 +174,13 @@ impl Waits<'_> {
             // placed: no need to sit out the timeout to know.
             if watch_scheduler && let Some((pod, message)) = unplaceable() {
                 return Reattach::Unplaceable(pod, message);
+            }
+            // Nor when the attacher says the Node has no room for the
+            // volume: it retries in vain until a slot frees, which the
+            // timeout would only wait out.
+            if let Some((pv, refused)) = refused() {
+                self.attach_exhausted(pv, &refused);
+                return Reattach::Exhausted;
             }
             tokio::select! {
                 signal = reg.next_signal(), if tracker_open => {
@@ -189,6 +209,21 @@ impl Waits<'_> {
                 Reattach::TimedOut
             }
         }
+    }
+
+    /// The Warning that ends a reattach wait early: the attacher refused
+    /// to attach `pv` where its replacement runs for lack of a resource.
+    fn attach_exhausted(self, pv: &str, refused: &AttachRefused) {
+        tracing::warn!(pv, node = %refused.node, attachment = %refused.name, "attach refused for lack of a resource: not waiting for the volume to move");
+        self.reports.event(
+            EventType::Warning,
+            "VolumeAttachExhausted",
+            format!(
+                "PV {pv} cannot attach on Node {}: VolumeAttachment {} says resource exhausted (code {RESOURCE_EXHAUSTED}): {}; not waiting for the reattach timeout, the move ends now",
+                refused.node, refused.name, refused.message
+            ),
+            pv_ref(pv),
+        );
     }
 
     /// Waits, until `until`, for the replacements `pods` to have been

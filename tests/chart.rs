@@ -218,6 +218,7 @@ const CLUSTER_GRANTS: &[(&str, &[&str], &[&str])] = &[
         &["update"],
     ),
     ("", &["nodes"], &["get", "list", "watch", "patch", "delete"]),
+    ("", &["nodes/status"], &["patch"]),
     ("", &["pods"], &["get", "list", "watch", "delete"]),
     ("", &["pods/eviction"], &["create"]),
     (

@@ -26,7 +26,7 @@ use kube::{Client, ResourceExt};
 use support::oracle::{self, Watches, accepted_evictions_of, evictions};
 use support::pool::{
     Bed, POOL, create, delete_machine, events, first, gone, json, log_of, on_node, pod_running,
-    pool_class, running_machine, stateful, stateful_in_pool,
+    pool_class, release_hook, running_held, running_machine, stateful, stateful_in_pool,
 };
 use support::{Case, LONG, machine, phase};
 
@@ -908,6 +908,94 @@ async fn without_forcing_a_passed_deadline_fails_the_drain_until_the_pdb_is_rela
     })
     .await
     .expect("the retried drain completes");
+}
+
+/// The Node's lifecycle conditions (KEP-5683), read from the Node: while
+/// a PodDisruptionBudget blocks the drain, `DrainInProgress=True` and
+/// `Drained=False` with the Machine's own reason (`EvictionBlocked`);
+/// once the budget is relaxed and the drain done, `DrainInProgress=False`
+/// and `Drained=True` (reason `Drained`), the kubelet's `Ready` kept
+/// beside them, and still there after kwok (the kubelet here) refreshed
+/// the Node's status. A pre-terminate hook keeps the Node to be read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_says_its_drain_in_lifecycle_conditions() {
+    let ns = "drain-node-conditions";
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .start()
+        .await;
+    let client = case.client();
+    let node = running_held(&client, ns, "n", ns, true).await;
+    guarded_pod(&client, ns, &node).await;
+    let nodes: Api<Node> = Api::all(client.clone());
+    let said = |n: &Node, type_: &str| -> Option<(String, String)> {
+        let c = n
+            .status
+            .as_ref()?
+            .conditions
+            .as_ref()?
+            .iter()
+            .find(|c| c.type_ == type_)?;
+        Some((c.status.clone(), c.reason.clone().unwrap_or_default()))
+    };
+    let pair = |status: &str, reason: &str| Some((status.to_string(), reason.to_string()));
+
+    delete_machine(&client, ns, "n").await;
+    let blocked = wait::for_one(
+        nodes.clone(),
+        LONG,
+        "the Node says its drain is blocked",
+        |n| n.name_any() == node && said(n, "DrainInProgress") == pair("True", "EvictionBlocked"),
+    )
+    .await
+    .expect("DrainInProgress while the PDB blocks the drain");
+    assert_eq!(said(&blocked, "Drained"), pair("False", "EvictionBlocked"));
+    assert_eq!(
+        said(&blocked, "Ready").map(|s| s.0).as_deref(),
+        Some("True")
+    );
+
+    Api::<PodDisruptionBudget>::namespaced(client.clone(), ns)
+        .delete("guard", &DeleteParams::default())
+        .await
+        .expect("delete pdb");
+    let drained = wait::for_one(nodes.clone(), LONG, "the Node says it is drained", |n| {
+        n.name_any() == node && said(n, "Drained") == pair("True", "Drained")
+    })
+    .await
+    .expect("Drained once the drain is done");
+    assert_eq!(said(&drained, "DrainInProgress"), pair("False", "Drained"));
+    assert_eq!(
+        said(&drained, "Ready").map(|s| s.0).as_deref(),
+        Some("True")
+    );
+    // kwok refreshes the Node's conditions (every 20 s on average): berth's
+    // stay.
+    let beat = |n: &Node| {
+        n.status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"))
+            .and_then(|c| c.last_heartbeat_time.as_ref())
+            .map(|t| t.0)
+    };
+    let before = beat(&drained);
+    let refreshed = wait::for_one(nodes, LONG, "kwok refreshes the Node's status", |n| {
+        n.name_any() == node && beat(n) > before
+    })
+    .await
+    .expect("a heartbeat");
+    assert_eq!(
+        (
+            said(&refreshed, "DrainInProgress"),
+            said(&refreshed, "Drained")
+        ),
+        (pair("False", "Drained"), pair("True", "Drained")),
+        "kept through the kubelet's refresh"
+    );
+    release_hook(&client, ns, "n").await;
+    gone(&client, ns, "n", Duration::from_secs(60)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

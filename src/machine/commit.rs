@@ -13,6 +13,8 @@ use kube::{Resource, ResourceExt};
 
 use super::Context;
 use super::error::{Error, Step, at};
+use super::lifecycle;
+use super::lookup::find_node;
 use super::record::StepRecord;
 use super::status::{Report, State, next_status};
 use super::write::{StatusWrite, write_status};
@@ -101,7 +103,40 @@ pub(super) async fn record(
     if !rec.report.recorded_in(current.last_operation.as_ref()) {
         event(ctx, m, &rec.report);
     }
+    if !matches!(recorded, Recorded::Stale) {
+        node_lifecycle(ctx, m, rec).await?;
+    }
     Ok(recorded)
+}
+
+/// The Node's lifecycle conditions (see `super::lifecycle`) as a step's
+/// record of the Machine's `Drained` condition implies them, written when
+/// the Node, by the cache, does not say them yet: every reconcile of the
+/// drain checks them again, so a write that failed is taken again.
+async fn node_lifecycle(ctx: &Context, m: &Machine, rec: &StepRecord) -> Result<(), Error> {
+    let Some(want) = rec.conditions.iter().find_map(lifecycle::node_conditions) else {
+        return Ok(());
+    };
+    let Some(node) = find_node(m, ctx) else {
+        return Ok(());
+    };
+    write_node_lifecycle(ctx, &node, &want).await
+}
+
+/// Writes `want`, the lifecycle conditions of `node`, unless it says them
+/// already.
+pub(super) async fn write_node_lifecycle(
+    ctx: &Context,
+    node: &k8s_openapi::api::core::v1::Node,
+    want: &[super::status::Cond],
+) -> Result<(), Error> {
+    let Some(patch) = lifecycle::patch(node, want, Timestamp::now()) else {
+        return Ok(());
+    };
+    super::node::lifecycle_conditions(&ctx.client, &node.name_any(), &patch)
+        .await
+        .map_err(at(Step::NodeConditions))?;
+    Ok(())
 }
 
 /// Logs a step's report and publishes it as an Event on the Machine.

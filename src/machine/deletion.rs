@@ -111,6 +111,15 @@ async fn cleanup_step(
             .await?
             .into());
     }
+    // Past its drain, the Node says it is drained (KEP-5683), whatever
+    // the step's own record says.
+    if let DeletionStep::WaitPreTerminateHooks(_) | DeletionStep::DeleteVmAndNode { .. } = &step
+        && let Some(node) = &o.node
+        && o.progress.is_some()
+    {
+        let want = super::lifecycle::drained(&node.name_any());
+        super::commit::write_node_lifecycle(ctx, node, &want).await?;
+    }
     match &step {
         DeletionStep::MarkTerminating => mark_terminating(ctx, m, &as_decided, o.node).await,
         DeletionStep::WaitPreDrainHooks(_) | DeletionStep::WaitPreTerminateHooks(_) => {

@@ -27,6 +27,9 @@ pub(crate) enum Step {
     NodeDelete,
     /// Tainting the Node out of service once its VM is gone.
     OutOfService,
+    /// Writing the Node's lifecycle conditions (`DrainInProgress`,
+    /// `Drained`).
+    NodeConditions,
     /// Asking the provider for the VM.
     ProviderCreate,
     /// Asking the provider to delete the VM.
@@ -45,6 +48,7 @@ impl Step {
             Step::PodDelete => "error_pod_delete",
             Step::NodeDelete => "error_node_delete",
             Step::OutOfService => "error_out_of_service",
+            Step::NodeConditions => "error_node_conditions",
             Step::ProviderCreate => "error_provider_create",
             Step::ProviderDelete => "error_provider_delete",
         }
@@ -60,6 +64,7 @@ impl Step {
             Step::PodDelete => "pod deletion",
             Step::NodeDelete => "Node deletion",
             Step::OutOfService => "out-of-service taint",
+            Step::NodeConditions => "Node lifecycle conditions",
             Step::ProviderCreate => "VM creation",
             Step::ProviderDelete => "VM deletion",
         }
@@ -134,6 +139,7 @@ mod tests {
             Step::PodDelete,
             Step::NodeDelete,
             Step::OutOfService,
+            Step::NodeConditions,
             Step::ProviderCreate,
             Step::ProviderDelete,
         ];

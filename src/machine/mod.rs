@@ -25,6 +25,7 @@ mod creation;
 pub(crate) mod decide;
 mod deletion;
 mod error;
+mod lifecycle;
 mod lookup;
 pub(crate) mod node;
 mod reconcile;

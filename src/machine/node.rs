@@ -1,9 +1,11 @@
 //! Every write berth makes to a Node: the cordon, the out-of-service taint
 //! once its VM is gone, the rollout taint of a MachineDeployment's old
-//! Nodes, and the deletion of a Node whose VM is gone. Each is a merge
-//! patch with the Node's resourceVersion in it, a compare-and-swap: a
-//! taint another writer added in between is never lost, the write is
-//! refused (409) and taken again on the newer copy.
+//! Nodes, the drain's lifecycle conditions, and the deletion of a Node
+//! whose VM is gone. Each write of its spec is a merge patch with the
+//! Node's resourceVersion in it, a compare-and-swap: a taint another
+//! writer added in between is never lost, the write is refused (409) and
+//! taken again on the newer copy. The lifecycle conditions are berth's
+//! own entries of a list merged by `type`: no one else's is written.
 
 use k8s_openapi::api::core::v1::{Node, Taint};
 use k8s_openapi::jiff::Timestamp;
@@ -137,6 +139,19 @@ async fn patch(
             &PatchParams::default(),
             &Patch::Merge(patch),
         )
+        .await
+}
+
+/// Writes `node`'s lifecycle conditions (see `super::lifecycle`): a
+/// strategic merge patch of its status, whose `conditions` merge by
+/// `type`, so that only berth's own conditions change.
+pub(crate) async fn lifecycle_conditions(
+    client: &Client,
+    node: &str,
+    patch: &serde_json::Value,
+) -> Result<Node, kube::Error> {
+    Api::<Node>::all(client.clone())
+        .patch_status(node, &PatchParams::default(), &Patch::Strategic(patch))
         .await
 }
 

@@ -96,6 +96,10 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
     // drain planned before they are listed would take every attach-free
     // CSI volume for an attachable one, so the sync waits for them too.
     let (csi_drivers, csi_drivers_w) = reflector::store();
+    // CSINodes say where a moving pod's volumes can attach; they and the
+    // Nodes bump `placement_changes`.
+    let (csi_nodes, csi_nodes_w) = reflector::store();
+    let (placement_tx, placement_changes) = tokio::sync::watch::channel(0u64);
     // A ReplicaSet's metadata says whose Deployment it is: a workload of
     // the move ledger is the Deployment, whichever of its sets a pod is of.
     let (replica_sets, replica_sets_w) = reflector::store();
@@ -126,6 +130,7 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         pvs,
         pdbs,
         csi_drivers,
+        csi_nodes,
         replica_sets,
         stateful_sets,
         deployments,
@@ -138,6 +143,7 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         pdb_changes,
         workload_changes,
         attachment_changes,
+        placement_changes,
         permit_changes,
         ask_changes,
         machines_gone,
@@ -163,7 +169,12 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
             gone_tx,
         ),
         classes: class_watch(classes_w, client, &wakes),
-        nodes: node_watch(nodes_w, Api::all(client.clone()), &caches, &tracker, &wakes),
+        nodes: node_watch(
+            nodes_w,
+            Api::all(client.clone()),
+            (&caches, &tracker, &wakes),
+            placement_tx.clone(),
+        ),
         pods: pod_watch(pods_w, Api::all(client.clone()), &caches, pod_changes_tx),
         attachments: attachment_watch(
             vas_w,
@@ -181,6 +192,9 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         quiet(pvcs_w, Api::all(client.clone()), trim::metadata).boxed(),
         quiet(pvs_w, Api::all(client.clone()), trim::metadata).boxed(),
         quiet(csi_drivers_w, Api::all(client.clone()), trim::csi_driver).boxed(),
+        quiet(csi_nodes_w, Api::all(client.clone()), trim::metadata)
+            .inspect(move |_| placement_tx.send_modify(|n| *n = n.wrapping_add(1)))
+            .boxed(),
         workloads(
             client,
             (replica_sets_w, stateful_sets_w, deployments_w),
@@ -368,9 +382,8 @@ fn machine_watch(
 fn node_watch(
     writer: reflector::store::Writer<Node>,
     api: Api<Node>,
-    caches: &Caches,
-    tracker: &Tracker,
-    wakes: &Wakes,
+    (caches, tracker, wakes): (&Caches, &Tracker, &Wakes),
+    placement: tokio::sync::watch::Sender<u64>,
 ) -> Objects<Node> {
     let (tracker, index) = (tracker.clone(), caches.indexes.clone());
     let (by_node, machines, wakes) = (
@@ -382,6 +395,7 @@ fn node_watch(
         if let Ok(ev) = ev {
             index.observe_node(ev);
             tracker.observe_node_event(ev);
+            placement.send_modify(|n| *n = n.wrapping_add(1));
         }
     })
     .filter({
@@ -457,6 +471,7 @@ async fn sync(c: Caches, synced: tokio::sync::watch::Sender<bool>) {
         c.pvs.wait_until_ready(),
         c.pdbs.wait_until_ready(),
         c.csi_drivers.wait_until_ready(),
+        c.csi_nodes.wait_until_ready(),
         c.replica_sets.wait_until_ready(),
         c.stateful_sets.wait_until_ready(),
         c.deployments.wait_until_ready(),

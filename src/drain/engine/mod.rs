@@ -89,6 +89,7 @@
 mod batch;
 mod clock;
 mod completion;
+mod destination;
 mod drainer;
 mod eviction;
 mod forced;

@@ -230,7 +230,7 @@ pub fn machine(name: &str, class: &str) -> berth::api::Machine {
 }
 
 /// MachineClass `name` of `provider`, with `provider_spec`. A `fake` VM
-/// runs the test bed's CSI driver ([`CSI_DRIVER`](super::stages::CSI_DRIVER),
+/// runs the test bed's CSI driver ([`CSI_DRIVER`],
 /// registered in its Node's CSINode) unless `provider_spec` says which.
 pub fn machine_class(
     name: &str,

@@ -49,6 +49,59 @@ pub trait Sight {
     fn reserved(&self, node: &str) -> Vec<Reserved>;
 }
 
+/// `sight` with Node `node` being drained too: a Machine about to be
+/// deleted (a scale-down's candidate), whose Node takes no replacement.
+pub struct Draining<'a, S> {
+    pub sight: &'a S,
+    pub node: &'a str,
+}
+
+impl<S: Sight> Sight for Draining<'_, S> {
+    fn nodes(&self) -> Vec<Arc<Node>> {
+        self.sight.nodes()
+    }
+    fn csi_node(&self, node: &str) -> Option<Arc<CSINode>> {
+        self.sight.csi_node(node)
+    }
+    fn pods_on(&self, node: &str) -> Vec<Arc<Pod>> {
+        self.sight.pods_on(node)
+    }
+    fn pv(&self, name: &str) -> Option<Arc<PersistentVolume>> {
+        self.sight.pv(name)
+    }
+    fn pv_of_claim(&self, namespace: &str, claim: &str) -> Option<Arc<PersistentVolume>> {
+        self.sight.pv_of_claim(namespace, claim)
+    }
+    fn driver(&self, name: &str) -> Option<Arc<CSIDriver>> {
+        self.sight.driver(name)
+    }
+    fn draining(&self, node: &Node) -> bool {
+        node.metadata.name.as_deref() == Some(self.node) || self.sight.draining(node)
+    }
+    fn reserved(&self, node: &str) -> Vec<Reserved> {
+        self.sight.reserved(node)
+    }
+}
+
+/// The PVs that would move with `pod`: those of its claims (not its
+/// generic ephemeral volumes', deleted with it), but a node-local one
+/// (`local` or `hostPath`), whose data cannot follow it.
+pub fn moving_pvs(sight: &impl Sight, pod: &Pod) -> Vec<String> {
+    let ns = pod.metadata.namespace.as_deref().unwrap_or_default();
+    pod.spec
+        .iter()
+        .flat_map(|s| s.volumes.iter().flatten())
+        .filter_map(|v| v.persistent_volume_claim.as_ref())
+        .filter_map(|c| sight.pv_of_claim(ns, &c.claim_name))
+        .filter(|pv| {
+            pv.spec
+                .as_ref()
+                .is_some_and(|s| s.local.is_none() && s.host_path.is_none())
+        })
+        .filter_map(|pv| pv.metadata.name.clone())
+        .collect()
+}
+
 /// One attach slot a move in flight reserved on a Node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reserved {

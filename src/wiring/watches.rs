@@ -96,8 +96,7 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
     // drain planned before they are listed would take every attach-free
     // CSI volume for an attachable one, so the sync waits for them too.
     let (csi_drivers, csi_drivers_w) = reflector::store();
-    // CSINodes say where a moving pod's volumes can attach; they and the
-    // Nodes bump `placement_changes`.
+    // CSINodes: where a moving pod's volumes can attach.
     let (csi_nodes, csi_nodes_w) = reflector::store();
     let (placement_tx, placement_changes) = tokio::sync::watch::channel(0u64);
     // A ReplicaSet's metadata says whose Deployment it is: a workload of
@@ -150,15 +149,8 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         machines_listed,
         synced,
     };
-    // Nodes and VolumeAttachments also feed the volume tracker, with the raw
-    // watch events (re-lists included) once the store has applied them.
-    let tracker = Tracker::new(
-        caches.attachments.clone(),
-        caches.indexes.attachments_by_pv.clone(),
-        caches.nodes.clone(),
-        crate::volumes::DEFAULT_CHANNEL_CAPACITY,
-        Some(metrics),
-    );
+    let tracker = tracker(&caches, metrics);
+    let placement = placement_tx.clone();
     let machine = Feeds {
         machines: machine_watch(
             machines_w,
@@ -169,12 +161,7 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
             gone_tx,
         ),
         classes: class_watch(classes_w, client, &wakes),
-        nodes: node_watch(
-            nodes_w,
-            Api::all(client.clone()),
-            (&caches, &tracker, &wakes),
-            placement_tx.clone(),
-        ),
+        nodes: node_watch(nodes_w, client, (&caches, &tracker, &wakes), placement),
         pods: pod_watch(pods_w, Api::all(client.clone()), &caches, pod_changes_tx),
         attachments: attachment_watch(
             vas_w,
@@ -186,15 +173,11 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
     };
     let sets = set_watch(sets_w, api(client, namespace), &wakes);
     let background = futures::stream::select_all([
-        quiet(pdbs_w, Api::all(client.clone()), trim::metadata)
-            .inspect(move |_| pdb_changes_tx.send_modify(|n| *n = n.wrapping_add(1)))
-            .boxed(),
+        counted(pdbs_w, client, trim::metadata, pdb_changes_tx),
         quiet(pvcs_w, Api::all(client.clone()), trim::metadata).boxed(),
         quiet(pvs_w, Api::all(client.clone()), trim::metadata).boxed(),
         quiet(csi_drivers_w, Api::all(client.clone()), trim::csi_driver).boxed(),
-        quiet(csi_nodes_w, Api::all(client.clone()), trim::metadata)
-            .inspect(move |_| placement_tx.send_modify(|n| *n = n.wrapping_add(1)))
-            .boxed(),
+        counted(csi_nodes_w, client, trim::metadata, placement_tx),
         workloads(
             client,
             (replica_sets_w, stateful_sets_w, deployments_w),
@@ -214,6 +197,35 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         deployment_wakes,
         background,
     }
+}
+
+/// The volume tracker over the caches: Nodes and VolumeAttachments feed
+/// it, with the raw watch events (re-lists included) once the store has
+/// applied them.
+fn tracker(caches: &Caches, metrics: &Metrics) -> Tracker {
+    Tracker::new(
+        caches.attachments.clone(),
+        caches.indexes.attachments_by_pv.clone(),
+        caches.nodes.clone(),
+        crate::volumes::DEFAULT_CHANNEL_CAPACITY,
+        Some(metrics),
+    )
+}
+
+/// [`quiet`], each event bumping `changes` once the store applied it.
+fn counted<K>(
+    writer: reflector::store::Writer<K>,
+    client: &Client,
+    trim: fn(&mut K),
+    changes: tokio::sync::watch::Sender<u64>,
+) -> BoxStream<'static, ()>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync,
+    K: 'static,
+{
+    quiet(writer, Api::all(client.clone()), trim)
+        .inspect(move |_| changes.send_modify(|n| *n = n.wrapping_add(1)))
+        .boxed()
 }
 
 /// The MachineSet watch, which wakes the sets' controller and the
@@ -381,7 +393,7 @@ fn machine_watch(
 /// changes its set's counts).
 fn node_watch(
     writer: reflector::store::Writer<Node>,
-    api: Api<Node>,
+    client: &Client,
     (caches, tracker, wakes): (&Caches, &Tracker, &Wakes),
     placement: tokio::sync::watch::Sender<u64>,
 ) -> Objects<Node> {
@@ -391,7 +403,7 @@ fn node_watch(
         caches.machines.clone(),
         wakes.clone(),
     );
-    observed(writer, api, trim::node, move |ev| {
+    observed(writer, Api::all(client.clone()), trim::node, move |ev| {
         if let Ok(ev) = ev {
             index.observe_node(ev);
             tracker.observe_node_event(ev);

@@ -43,6 +43,20 @@ impl<'a> CacheSight<'a> {
         Self { caches, moving }
     }
 
+    /// The caches, with the moves in flight their MovePermits (of every
+    /// process) say hold a destination.
+    pub(crate) fn from_caches(caches: &'a Caches) -> Self {
+        let moving = caches
+            .move_permits
+            .state()
+            .iter()
+            .filter_map(|p| crate::drain::ledger::held_permit(p))
+            .map(|(_, p)| p)
+            .filter(|p| p.destination.is_some())
+            .collect();
+        Self { caches, moving }
+    }
+
     /// Whether the replacement of the move `m` holds, a pod other than
     /// the moved one that uses the claim of PV `pv`, is placed.
     fn placed(&self, m: &Permit, pv: &PersistentVolume) -> bool {

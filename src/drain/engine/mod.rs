@@ -90,6 +90,7 @@ mod batch;
 mod clock;
 mod completion;
 mod destination;
+pub(crate) use destination::CacheSight;
 mod drainer;
 mod eviction;
 mod forced;

@@ -11,6 +11,7 @@ pub mod machine;
 pub mod machinedeployment;
 pub mod machineset;
 pub mod orphans;
+pub mod placement;
 pub mod providers;
 pub mod telemetry;
 pub mod volumes;

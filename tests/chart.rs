@@ -232,6 +232,7 @@ const CLUSTER_GRANTS: &[(&str, &[&str], &[&str])] = &[
         &["get", "list", "watch"],
     ),
     ("storage.k8s.io", &["csidrivers"], &["list", "watch"]),
+    ("storage.k8s.io", &["csinodes"], &["list", "watch"]),
     (
         "policy",
         &["poddisruptionbudgets"],
@@ -257,6 +258,7 @@ const AWS_PROVIDER_GRANTS: &[(&str, &[&str], &[&str])] = &[("", &["secrets"], &[
 
 const FAKE_PROVIDER_GRANTS: &[(&str, &[&str], &[&str])] = &[
     ("", &["nodes"], &["create"]),
+    ("storage.k8s.io", &["csinodes"], &["create"]),
     (
         "",
         &["configmaps"],

@@ -1459,7 +1459,10 @@ async fn each_evicted_once_and_db_1_after_db_0_moved(
 /// A replacement the scheduler cannot place is reported at once, with the
 /// scheduler's own message, not after the reattach timeout; no second pod
 /// of its workload is evicted until it is placed, and other workloads are
-/// not held up by it.
+/// not held up by it. The only other Node of the pool passes berth's
+/// destination check but runs a pod db's pods may not run beside (a pod
+/// anti-affinity, which berth does not read): the scheduler refuses db-0's
+/// replacement there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replacement_that_cannot_be_placed_holds_back_its_workload_only() {
     let ns = "drain-unplaced";
@@ -1470,7 +1473,12 @@ async fn a_replacement_that_cannot_be_placed_holds_back_its_workload_only() {
         .await;
     let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
-    stateful_in_pool(&client, ns, "db", 2, None).await;
+    support::pool::stateful(&client, ns, "db", 2, |sts| {
+        if let Some(spec) = sts.spec.template.spec.as_mut() {
+            support::pool::shuns_blocker(spec);
+        }
+    })
+    .await;
     stateful_in_pool(&client, ns, "solo", 1, None).await;
     let vas: Api<VolumeAttachment> = Api::all(client.clone());
     wait::until(vas, LONG, "3 volumes attached to A", |all| {
@@ -1484,7 +1492,8 @@ async fn a_replacement_that_cannot_be_placed_holds_back_its_workload_only() {
     .await
     .expect("the volumes attach");
 
-    // No other Node in the pool: no replacement can be placed.
+    // No other Node in the pool db's replacement can be placed on.
+    support::pool::refusing_spare(&client, ns, "spare", ns).await;
     let watches = Watches::start(&client, ns).await;
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
     let started = std::time::Instant::now();

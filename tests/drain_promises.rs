@@ -618,7 +618,15 @@ async fn an_unplaceable_replacement_holds_the_next_order_group() {
         .await;
     let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
-    stateful(&client, ns, "db", 1, Policy::OrderedReady, |_| {}).await;
+    stateful(
+        &client,
+        ns,
+        "db",
+        1,
+        Policy::OrderedReady,
+        support::pool::shuns_blocker,
+    )
+    .await;
     let mut dns = deployment("dns", 1, 1, ns);
     {
         let t = &mut dns.spec.template;
@@ -637,6 +645,9 @@ async fn an_unplaceable_replacement_holds_the_next_order_group() {
     })
     .await
     .expect("dns runs");
+    // The pool's other Node passes berth's destination check, and the
+    // scheduler refuses db-0's replacement there (a pod anti-affinity).
+    support::pool::refusing_spare(&client, ns, "spare", ns).await;
     let watches = Watches::start(&client, ns).await;
 
     delete_machine(&client, ns, "a").await;
@@ -1000,8 +1011,8 @@ async fn a_resumed_attach_free_move_waits_for_readiness_not_a_timeout() {
 }
 
 /// Class 7, a held move follows the rules of a first run, across a
-/// restart. The scheduler cannot place db-0's replacement (no other Node
-/// of the pool yet), so the StatefulSet is held: db-1 stays. The
+/// restart. The scheduler cannot place db-0's replacement (the pool's
+/// other Node runs a pod db's pods shun), so the StatefulSet is held: db-1 stays. The
 /// controller is killed (SIGKILL) while it is held; the restarted drain
 /// still holds it (the move stays recorded). Once Node B comes, db-0's
 /// ReadWriteMany volume, which a peer on Node C used all along, has moved
@@ -1042,10 +1053,14 @@ async fn a_held_move_survives_a_restart_and_ends_where_its_replacement_runs() {
         }
         if let Some(s) = spec.template.spec.as_mut() {
             s.node_selector = Some([(POOL.to_string(), ns.to_string())].into());
+            support::pool::shuns_blocker(s);
         }
     }
     create(Api::namespaced(client.clone(), ns), sts).await;
     attached_to(&client, &node_a, 2).await;
+    // The pool's other Node passes berth's destination check, and the
+    // scheduler refuses db's replacements there (a pod anti-affinity).
+    support::pool::refusing_spare(&client, ns, "spare", ns).await;
     create(
         Api::<Pod>::namespaced(client.clone(), ns),
         json(serde_json::json!({

@@ -65,6 +65,12 @@ pub struct MovePermitSpec {
     /// replaced it runs (and its workload has no replica down).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub attach: Vec<String>,
+    /// The Node berth found for the pod's replacement before it evicted
+    /// the pod: until the replacement is placed, the move holds an attach
+    /// slot there for each of `attach`, so that two drains never count
+    /// on the last slot of a Node twice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub destination: Option<String>,
 }
 
 /// The name of permit `slot` of workload `kind`/`name`:

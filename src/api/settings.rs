@@ -72,6 +72,13 @@ pub struct DrainSettings {
     /// still applies.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_local_volumes: Option<NodeLocalVolumes>,
+    /// Before a stateful pod is evicted, a Node that can take its
+    /// replacement must have registered the CSI driver of each of its
+    /// volumes that attach (in its CSINode) (default true). When false,
+    /// only a driver whose CSIDriver sets `preventPodSchedulingIfMissing`
+    /// must be registered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub require_csi_node: Option<bool>,
 }
 
 /// What to do with a pod that uses a node-local PersistentVolume
@@ -107,6 +114,7 @@ pub struct ResolvedSettings {
     pub max_parallel_volume_migrations: u32,
     pub max_concurrent_evictions: u32,
     pub node_local_volumes: NodeLocalVolumes,
+    pub require_csi_node: bool,
     pub creation_timeout: Duration,
     pub health_timeout: Duration,
 }
@@ -122,6 +130,7 @@ impl Default for ResolvedSettings {
             max_parallel_volume_migrations: 1,
             max_concurrent_evictions: 20,
             node_local_volumes: NodeLocalVolumes::Evict,
+            require_csi_node: true,
             creation_timeout: Duration::from_secs(20 * 60),
             health_timeout: Duration::from_secs(10 * 60),
         }
@@ -185,6 +194,10 @@ pub fn resolve(
             .and_then(|s| s.force_after_deadline)
             .or_else(|| class.and_then(|s| s.force_after_deadline))
             .unwrap_or(d.force_after_deadline),
+        require_csi_node: machine
+            .and_then(|s| s.require_csi_node)
+            .or_else(|| class.and_then(|s| s.require_csi_node))
+            .unwrap_or(d.require_csi_node),
         max_evict_retries: count(
             "drain.maxEvictRetries",
             pick_u32(|s| s.max_evict_retries),

@@ -29,7 +29,7 @@ pub use index::*;
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet, StatefulSet};
 use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
+use k8s_openapi::api::storage::v1::{CSIDriver, CSINode, VolumeAttachment};
 use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::Store;
 use tokio::sync::watch;
@@ -50,8 +50,12 @@ pub(crate) struct Caches {
     pub(crate) pvcs: Store<PersistentVolumeClaim>,
     pub(crate) pvs: Store<PersistentVolume>,
     pub(crate) pdbs: Store<PodDisruptionBudget>,
-    /// Which CSI drivers attach (the drain's volume classes).
+    /// Which CSI drivers attach (the drain's volume classes), and which
+    /// must be registered on a Node before a pod may land there.
     pub(crate) csi_drivers: Store<CSIDriver>,
+    /// Each Node's CSI drivers and their attach limits: where a moving
+    /// pod's volumes can attach (see [`crate::placement`]).
+    pub(crate) csi_nodes: Store<CSINode>,
     /// ReplicaSets' metadata: whose Deployment a pod's ReplicaSet is, for
     /// the workload the move ledger keeps a budget for.
     pub(crate) replica_sets: Store<PartialObjectMeta<ReplicaSet>>,
@@ -86,6 +90,10 @@ pub(crate) struct Caches {
     /// Bumped after every VolumeAttachment event, once its store and
     /// indexes applied it.
     pub(crate) attachment_changes: watch::Receiver<u64>,
+    /// Bumped after every Node and CSINode event: where a replacement can
+    /// run may have changed (a drain waiting for a destination looks
+    /// again).
+    pub(crate) placement_changes: watch::Receiver<u64>,
     /// Bumped after every MovePermit event: a permit taken or ended, by
     /// this process or another.
     pub(crate) permit_changes: watch::Receiver<u64>,

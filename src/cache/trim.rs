@@ -13,7 +13,10 @@ use k8s_openapi::api::apps::v1::{
     Deployment, DeploymentSpec, DeploymentStatus, RollingUpdateStatefulSetStrategy, StatefulSet,
     StatefulSetSpec, StatefulSetStatus, StatefulSetUpdateStrategy,
 };
-use k8s_openapi::api::core::v1::{EmptyDirVolumeSource, Node, Pod, PodSpec, PodStatus};
+use k8s_openapi::api::core::v1::{
+    Affinity, Container, EmptyDirVolumeSource, Node, NodeAffinity, Pod, PodSpec, PodStatus,
+    ResourceRequirements,
+};
 use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec};
 use kube::Resource;
 
@@ -54,15 +57,42 @@ pub fn pod(pod: &mut Pod) {
                 })
                 .collect::<Vec<_>>()
         });
-        // Only the tolerations that let it come back to a cordoned Node.
-        let tolerations = spec.tolerations.take().map(|ts| {
-            ts.into_iter()
-                .filter(crate::api::tolerates_cordon)
-                .collect::<Vec<_>>()
-        });
+        // What a destination for its replacement is judged by (see
+        // `crate::placement`): its tolerations, node selector and required
+        // node affinity, and its containers' requests only.
+        let affinity = spec
+            .affinity
+            .take()
+            .and_then(|a| a.node_affinity)
+            .and_then(|n| n.required_during_scheduling_ignored_during_execution)
+            .map(|required| Affinity {
+                node_affinity: Some(NodeAffinity {
+                    required_during_scheduling_ignored_during_execution: Some(required),
+                    ..NodeAffinity::default()
+                }),
+                ..Affinity::default()
+            });
+        let requests_only = |c: Container| Container {
+            resources: c
+                .resources
+                .and_then(|r| r.requests)
+                .map(|requests| ResourceRequirements {
+                    requests: Some(requests),
+                    ..ResourceRequirements::default()
+                }),
+            restart_policy: c.restart_policy,
+            ..Container::default()
+        };
+        let containers = std::mem::take(&mut spec.containers);
+        let init = spec.init_containers.take();
         *spec = PodSpec {
             node_name: spec.node_name.take(),
-            tolerations: tolerations.filter(|t| !t.is_empty()),
+            tolerations: spec.tolerations.take().filter(|t| !t.is_empty()),
+            node_selector: spec.node_selector.take().filter(|s| !s.is_empty()),
+            affinity,
+            containers: containers.into_iter().map(requests_only).collect(),
+            init_containers: init.map(|cs| cs.into_iter().map(requests_only).collect()),
+            overhead: spec.overhead.take(),
             priority: spec.priority,
             priority_class_name: spec.priority_class_name.take(),
             termination_grace_period_seconds: spec.termination_grace_period_seconds,
@@ -104,6 +134,7 @@ pub fn csi_driver(driver: &mut CSIDriver) {
     driver.metadata.labels = None;
     driver.spec = CSIDriverSpec {
         attach_required: driver.spec.attach_required,
+        prevent_pod_scheduling_if_missing: driver.spec.prevent_pod_scheduling_if_missing,
         ..CSIDriverSpec::default()
     };
 }
@@ -216,7 +247,16 @@ mod tests {
                 "priority": 100,
                 "priorityClassName": "high",
                 "terminationGracePeriodSeconds": 30,
-                "containers": [{"name": "c", "image": "db:1", "env": [{"name": "A", "value": "b"}]}],
+                "containers": [{"name": "c", "image": "db:1", "env": [{"name": "A", "value": "b"}],
+                                "resources": {"requests": {"cpu": "1"}, "limits": {"cpu": "2"}}}],
+                "nodeSelector": {"disk": "ssd"},
+                "affinity": {
+                    "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [{"matchExpressions": [
+                            {"key": "zone", "operator": "In", "values": ["a"]}]}]}},
+                    "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                        {"topologyKey": "kubernetes.io/hostname"}]}
+                },
                 "tolerations": [{"key": "k", "operator": "Exists"}, {"operator": "Exists"}],
                 "volumes": volumes
             },
@@ -249,12 +289,23 @@ mod tests {
         assert_eq!(spec.priority, Some(100));
         assert_eq!(spec.priority_class_name.as_deref(), Some("high"));
         assert_eq!(spec.termination_grace_period_seconds, Some(30));
-        assert!(spec.containers.is_empty());
+        // What a destination for its replacement is judged by.
+        let kept = serde_json::to_value(&spec.containers).expect("containers");
         assert_eq!(
-            spec.tolerations.as_ref().map(Vec::len),
-            Some(1),
-            "the toleration that lets it come back to a cordoned Node"
+            kept,
+            serde_json::json!([{"name": "", "resources": {"requests": {"cpu": "1"}}}])
         );
+        assert_eq!(spec.tolerations.as_ref().map(Vec::len), Some(2));
+        assert_eq!(
+            spec.node_selector.as_ref().map(|s| s["disk"].as_str()),
+            Some("ssd")
+        );
+        let affinity = spec.affinity.as_ref().expect("affinity");
+        assert!(affinity.pod_anti_affinity.is_none());
+        assert!(affinity.node_affinity.as_ref().is_some_and(|n| {
+            n.required_during_scheduling_ignored_during_execution
+                .is_some()
+        }));
         let volumes = spec.volumes.as_ref().expect("the claim's volume");
         assert_eq!(
             volumes.len(),

@@ -3,6 +3,7 @@
 //! `crate::wiring::process`, `berth plan` to [`plan`] (which lists what it
 //! needs from the cluster) and `print` (how it shows a plan).
 
+mod destinations;
 pub mod plan;
 mod print;
 
@@ -103,5 +104,6 @@ async fn print_plan(args: PlanArgs) -> anyhow::Result<()> {
     print!("{}", live.notes());
     print!("{}", live.plan);
     print!("{}", live.budgets());
+    print!("{}", live.destinations());
     Ok(())
 }

@@ -48,6 +48,9 @@ pub struct LivePlan {
     /// Each stateful pod's workload, its move budget and what its move
     /// would wait for now, across every Machine's drain.
     pub budgets: Vec<String>,
+    /// Where each stateful pod's replacement can run, or why nowhere (see
+    /// `destinations`).
+    pub destinations: Vec<String>,
 }
 
 impl LivePlan {
@@ -75,6 +78,21 @@ impl LivePlan {
             "\nMove budgets, across every Machine's drain (the move ledger: the MovePermits every berth process holds, and every Machine's status.drain.moves):\n",
         );
         for line in &self.budgets {
+            out.push_str(&format!("  {line}\n"));
+        }
+        out
+    }
+
+    /// The section printed last: each stateful pod's destination, which
+    /// the drain finds before it evicts the pod.
+    pub fn destinations(&self) -> String {
+        if self.destinations.is_empty() {
+            return String::new();
+        }
+        let mut out = String::from(
+            "\nDestinations, found before each stateful eviction (Ready, uncordoned, not draining, tolerated, in the volumes' zone, CSI driver registered, a free attach slot, room for the requests):\n",
+        );
+        for line in &self.destinations {
             out.push_str(&format!("  {line}\n"));
         }
         out
@@ -293,11 +311,14 @@ pub async fn plan_machine(
         .allowing_data_loss(allows_data_loss(machine.metadata.annotations.as_ref()));
     let plan = plan(&node, &pods, &pvcs, &pvs, &pdbs, &vas, &volumes, &settings);
     let budgets = ledger_view(client, &machine, &plan, &pods).await?;
+    let destinations =
+        super::destinations::destination_lines(client, &plan, &pods, &settings).await?;
     Ok(LivePlan {
         machine,
         plan,
         settings_note,
         budgets,
+        destinations,
     })
 }
 
@@ -497,6 +518,7 @@ mod tests {
                 past_budget: false,
                 volumes: true,
                 attach: vec![],
+                destination: None,
             },
         )]);
         let owners = BTreeMap::from([(

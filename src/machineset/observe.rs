@@ -17,10 +17,13 @@ use super::decide::MachineFacts;
 use super::order::{self, Candidate, Health};
 use crate::api::conditions::{NODE_HEALTHY, READY};
 use crate::api::{Machine, MachinePhase};
+use crate::drain::engine::CacheSight;
 use crate::drain::pdb::{PdbVerdict, findings_for};
+use crate::drain::plan::controller_of;
 use crate::drain::select::{PodClass, classify};
 use crate::machine::decide::{node_ready, node_takes_pods};
 use crate::machine::status::condition;
+use crate::placement::{Draining, Needs, Rules, choose, moving_pvs};
 
 /// What the set's status and a rollout's pace count of `m`: its phase,
 /// whether its Node takes pods, since when it is Ready.
@@ -56,7 +59,7 @@ pub(crate) fn candidate(m: &Machine, caches: &Caches) -> Candidate {
         Some(p) => Health::Unhealthy(format!("phase {}", p.as_str())),
         None => Health::Unhealthy("phase Pending".into()),
     };
-    let (cost, pdb_blocked) = match &node {
+    let (cost, pdb_blocked, stranded) = match &node {
         Some(n) => {
             let name = n.name_any();
             let pods = caches.indexes.pods_by_node.get(&caches.pods, &name);
@@ -68,18 +71,58 @@ pub(crate) fn candidate(m: &Machine, caches: &Caches) -> Candidate {
                     .and_then(|c| c.spec.as_ref()?.volume_name.clone())
                     .is_some()
             });
-            (cost, pdb_blocked(pods.iter().map(|p| &**p), caches))
+            let stranded = (cost.stateful_pods > 0)
+                .then(|| stranded(pods.iter().map(|p| &**p), &name, caches))
+                .flatten();
+            (
+                cost,
+                pdb_blocked(pods.iter().map(|p| &**p), caches),
+                stranded,
+            )
         }
-        None => (order::DrainCost::default(), None),
+        None => (order::DrainCost::default(), None, None),
     };
     Candidate {
         name: m.name_any(),
         priority: order::priority(m.metadata.annotations.as_ref()),
         health,
         pdb_blocked,
+        stranded,
         cost,
         created: m.metadata.creation_timestamp.as_ref().map(|t| t.0),
     }
+}
+
+/// Why a stateful pod of `pods`, on Node `node`, would find no Node for
+/// its replacement if `node` were drained now, in words (see
+/// [`crate::placement`]): the first such pod.
+fn stranded<'a>(
+    pods: impl IntoIterator<Item = &'a Pod>,
+    node: &str,
+    caches: &Caches,
+) -> Option<String> {
+    let sight = CacheSight::from_caches(caches);
+    let without = Draining {
+        sight: &sight,
+        node,
+    };
+    pods.into_iter()
+        .filter(|p| classify(p) == PodClass::Evictable && controller_of(p).is_some())
+        .find_map(|p| {
+            let pvs = moving_pvs(&without, p);
+            let needs = Needs::of(&without, p, &pvs, Rules::default());
+            if pvs.is_empty() || !needs.pinned() {
+                return None;
+            }
+            let verdict = choose(&without, &needs);
+            verdict.node.is_none().then(|| {
+                format!(
+                    "stateful pod {} would have no destination: {}",
+                    needs.pod,
+                    verdict.why()
+                )
+            })
+        })
 }
 
 /// Why a drain of `pods` would be blocked now: the first evictable pod a

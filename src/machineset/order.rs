@@ -12,12 +12,18 @@
 //!    pods a PDB would refuse to evict right now (no disruption allowed)
 //!    is passed over for one whose drain can start at once; the blocked
 //!    one may be free by the time its turn comes.
-//! 4. **Cheapest drain**, as berth's drain plan measures it: fewest
+//! 4. **A destination for every stateful pod**: a Machine one of whose
+//!    stateful pods would find no Node for its replacement now (no other
+//!    Node in its volume's zone, no attach slot; see [`crate::placement`])
+//!    is passed over for one whose stateful pods all have one: its drain
+//!    would wait, and the Machine with it. Choosing it anyway (every
+//!    Machine goes, or a key above decided) is named in the Event.
+//! 5. **Cheapest drain**, as berth's drain plan measures it: fewest
 //!    stateful pods (evictable pods with a bound PersistentVolumeClaim),
 //!    then fewest volumes attached to its Node. Each stateful pod is a
 //!    sequential detach and reattach; a cheap Machine frees its place soon
 //!    and moves no data.
-//! 5. **Oldest first** (creation time), then by name, so that the order is
+//! 6. **Oldest first** (creation time), then by name, so that the order is
 //!    total and the same Machines always give the same choice.
 //!
 //! It never chooses a Machine already being deleted: the controller leaves
@@ -42,6 +48,9 @@ pub(crate) struct Candidate {
     /// Why its drain would be blocked now (a PDB covering one of its pods
     /// allows no disruption), if it would.
     pub(crate) pdb_blocked: Option<String>,
+    /// Why one of its stateful pods would have no destination now, if
+    /// one would not.
+    pub(crate) stranded: Option<String>,
     pub(crate) cost: DrainCost,
     pub(crate) created: Option<Timestamp>,
 }
@@ -86,6 +95,7 @@ pub(crate) enum Why {
     Priority,
     Unhealthy,
     NotBlocked,
+    Destination,
     CheapestDrain,
     Oldest,
     Name,
@@ -99,6 +109,7 @@ impl Why {
             Why::Priority => "DeletePriority",
             Why::Unhealthy => "Unhealthy",
             Why::NotBlocked => "NotBlockedByPDB",
+            Why::Destination => "DestinationReady",
             Why::CheapestDrain => "CheapestDrain",
             Why::Oldest => "Oldest",
             Why::Name => "Name",
@@ -151,13 +162,14 @@ fn goes_before(a: &Candidate, b: &Candidate) -> Ordering {
     key(a).cmp(&key(b)).then_with(|| a.name.cmp(&b.name))
 }
 
-type Key = (Reverse<i64>, bool, bool, DrainCost, Option<Timestamp>);
+type Key = (Reverse<i64>, bool, bool, bool, DrainCost, Option<Timestamp>);
 
 fn key(c: &Candidate) -> Key {
     (
         Reverse(c.priority),
         c.health == Health::Healthy,
         c.pdb_blocked.is_some(),
+        c.stranded.is_some(),
         c.cost,
         // A Machine without a creation time (never seen in practice) goes
         // last among equals: `None` sorts first, so invert it.
@@ -180,6 +192,11 @@ pub(crate) fn choose(mut candidates: Vec<Candidate>, n: usize) -> Vec<Chosen> {
                     format!("every Machine of the set goes; {}", own(&c)),
                 ),
                 Some(k) => explain(&c, k),
+            };
+            // Chosen although its drain will wait for a destination: said.
+            let reason = match &c.stranded {
+                Some(s) if why != Why::Destination => format!("{reason}; {s}"),
+                _ => reason,
             };
             Chosen {
                 name: c.name,
@@ -220,6 +237,15 @@ fn explain(c: &Candidate, kept: &Candidate) -> (Why, String) {
             Why::NotBlocked,
             format!(
                 "its drain can start now; {}'s is blocked: {blocked}",
+                kept.name
+            ),
+        );
+    }
+    if let (None, Some(stranded)) = (&c.stranded, &kept.stranded) {
+        return (
+            Why::Destination,
+            format!(
+                "its stateful pods have a destination; {}'s would not: {stranded}",
                 kept.name
             ),
         );
@@ -266,6 +292,7 @@ mod tests {
             priority: 0,
             health: Health::Healthy,
             pdb_blocked: None,
+            stranded: None,
             cost: DrainCost::default(),
             created: t(0),
         }
@@ -285,6 +312,15 @@ mod tests {
 
     fn unhealthy(why: &str) -> Health {
         Health::Unhealthy(why.into())
+    }
+
+    #[test]
+    fn a_machine_chosen_without_a_destination_says_so() {
+        let stranded = "stateful pod db/pg-0 would have no destination: zone a: n1 cordoned";
+        let only = with(c("only"), |c| c.stranded = Some(stranded.into()));
+        let chosen = choose(vec![only], 1);
+        assert_eq!(chosen[0].why, Why::All);
+        assert!(chosen[0].reason.ends_with(stranded), "{}", chosen[0].reason);
     }
 
     #[test]
@@ -316,6 +352,22 @@ mod tests {
                 2,
                 vec!["sick-blocked", "free-costly"],
                 vec![Why::Unhealthy, Why::NotBlocked],
+            ),
+            (
+                "a Machine whose stateful pods have a destination goes first, costly or not",
+                vec![
+                    with(c("stranded-cheap"), |c| {
+                        c.stranded = Some("stateful pod db/pg-0 would have no destination".into());
+                        c.cost = cost(1, 1);
+                    }),
+                    with(c("placed-costly"), |c| c.cost = cost(2, 2)),
+                    with(c("blocked"), |c| {
+                        c.pdb_blocked = Some("PDB db/pg allows 0 disruptions".into());
+                    }),
+                ],
+                1,
+                vec!["placed-costly"],
+                vec![Why::Destination],
             ),
             (
                 "priority beats health, cost and age",

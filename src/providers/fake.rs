@@ -19,13 +19,19 @@
 //!   nodeLabels: {pool: a}   # extra labels on the Node
 //!   nodeTaints:             # taints the Node registers with, as a cloud's
 //!   - {key: node.cloudprovider.kubernetes.io/uninitialized, value: "true", effect: NoSchedule}
+//!   csiDrivers:             # the CSI node plugins the VM runs: its CSINode
+//!   - {name: csi.example.com, count: 25}   # lists each, with its attach limit
 //! ```
+//!
+//! With its Node, the VM's kubelet registers the Node's CSINode (owned by
+//! the Node, as a kubelet's is), listing `csiDrivers`; none by default.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{ConfigMap, Node, NodeSpec, Taint};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::api::storage::v1::{CSINode, CSINodeDriver, CSINodeSpec, VolumeNodeResources};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde::Deserialize;
@@ -70,6 +76,18 @@ pub(crate) struct FakeSpec {
     pub node_labels: BTreeMap<String, String>,
     #[serde(default)]
     pub node_taints: Vec<Taint>,
+    #[serde(default)]
+    pub csi_drivers: Vec<FakeCsiDriver>,
+}
+
+/// A CSI node plugin a fake VM runs: its driver, and the volumes of it
+/// the Node can attach (`None`: no limit reported).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub(crate) struct FakeCsiDriver {
+    pub name: String,
+    #[serde(default)]
+    pub count: Option<i32>,
 }
 
 fn yes() -> bool {
@@ -131,8 +149,17 @@ impl FakeProvider {
     ) -> Result<(), ProviderError> {
         let name = Self::node_name(&req.namespace, &req.name);
         let node = fake_node(&name, provider_id, spec);
-        match Api::<Node>::all(self.client.clone())
-            .create(&PostParams::default(), &node)
+        let nodes = Api::<Node>::all(self.client.clone());
+        let node = match nodes.create(&PostParams::default(), &node).await {
+            Ok(node) => node,
+            Err(kube::Error::Api(e)) if e.code == 409 => {
+                nodes.get(&name).await.map_err(transient)?
+            }
+            Err(e) => return Err(transient(e)),
+        };
+        let csi = fake_csi_node(&node, spec);
+        match Api::<CSINode>::all(self.client.clone())
+            .create(&PostParams::default(), &csi)
             .await
         {
             Ok(_) => Ok(()),
@@ -175,6 +202,38 @@ fn fake_node(name: &str, provider_id: &str, spec: &FakeSpec) -> Node {
             ..Default::default()
         }),
         ..Default::default()
+    }
+}
+
+/// The CSINode a fake VM's kubelet registers for `node`: owned by it
+/// (deleted with it), listing the VM's CSI drivers.
+fn fake_csi_node(node: &Node, spec: &FakeSpec) -> CSINode {
+    let name = node.metadata.name.clone().unwrap_or_default();
+    CSINode {
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            owner_references: Some(vec![OwnerReference {
+                api_version: "v1".into(),
+                kind: "Node".into(),
+                name: name.clone(),
+                uid: node.metadata.uid.clone().unwrap_or_default(),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        },
+        spec: CSINodeSpec {
+            drivers: spec
+                .csi_drivers
+                .iter()
+                .map(|d| CSINodeDriver {
+                    name: d.name.clone(),
+                    node_id: name.clone(),
+                    allocatable: Some(VolumeNodeResources { count: d.count }),
+                    topology_keys: None,
+                })
+                .collect(),
+        },
+        status: None,
     }
 }
 

@@ -96,6 +96,9 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
     // drain planned before they are listed would take every attach-free
     // CSI volume for an attachable one, so the sync waits for them too.
     let (csi_drivers, csi_drivers_w) = reflector::store();
+    // CSINodes: where a moving pod's volumes can attach.
+    let (csi_nodes, csi_nodes_w) = reflector::store();
+    let (placement_tx, placement_changes) = tokio::sync::watch::channel(0u64);
     // A ReplicaSet's metadata says whose Deployment it is: a workload of
     // the move ledger is the Deployment, whichever of its sets a pod is of.
     let (replica_sets, replica_sets_w) = reflector::store();
@@ -126,6 +129,7 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         pvs,
         pdbs,
         csi_drivers,
+        csi_nodes,
         replica_sets,
         stateful_sets,
         deployments,
@@ -138,21 +142,15 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         pdb_changes,
         workload_changes,
         attachment_changes,
+        placement_changes,
         permit_changes,
         ask_changes,
         machines_gone,
         machines_listed,
         synced,
     };
-    // Nodes and VolumeAttachments also feed the volume tracker, with the raw
-    // watch events (re-lists included) once the store has applied them.
-    let tracker = Tracker::new(
-        caches.attachments.clone(),
-        caches.indexes.attachments_by_pv.clone(),
-        caches.nodes.clone(),
-        crate::volumes::DEFAULT_CHANNEL_CAPACITY,
-        Some(metrics),
-    );
+    let tracker = tracker(&caches, metrics);
+    let placement = placement_tx.clone();
     let machine = Feeds {
         machines: machine_watch(
             machines_w,
@@ -163,7 +161,7 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
             gone_tx,
         ),
         classes: class_watch(classes_w, client, &wakes),
-        nodes: node_watch(nodes_w, Api::all(client.clone()), &caches, &tracker, &wakes),
+        nodes: node_watch(nodes_w, client, (&caches, &tracker, &wakes), placement),
         pods: pod_watch(pods_w, Api::all(client.clone()), &caches, pod_changes_tx),
         attachments: attachment_watch(
             vas_w,
@@ -175,12 +173,11 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
     };
     let sets = set_watch(sets_w, api(client, namespace), &wakes);
     let background = futures::stream::select_all([
-        quiet(pdbs_w, Api::all(client.clone()), trim::metadata)
-            .inspect(move |_| pdb_changes_tx.send_modify(|n| *n = n.wrapping_add(1)))
-            .boxed(),
+        counted(pdbs_w, client, trim::metadata, pdb_changes_tx),
         quiet(pvcs_w, Api::all(client.clone()), trim::metadata).boxed(),
         quiet(pvs_w, Api::all(client.clone()), trim::metadata).boxed(),
         quiet(csi_drivers_w, Api::all(client.clone()), trim::csi_driver).boxed(),
+        counted(csi_nodes_w, client, trim::metadata, placement_tx),
         workloads(
             client,
             (replica_sets_w, stateful_sets_w, deployments_w),
@@ -200,6 +197,35 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         deployment_wakes,
         background,
     }
+}
+
+/// The volume tracker over the caches: Nodes and VolumeAttachments feed
+/// it, with the raw watch events (re-lists included) once the store has
+/// applied them.
+fn tracker(caches: &Caches, metrics: &Metrics) -> Tracker {
+    Tracker::new(
+        caches.attachments.clone(),
+        caches.indexes.attachments_by_pv.clone(),
+        caches.nodes.clone(),
+        crate::volumes::DEFAULT_CHANNEL_CAPACITY,
+        Some(metrics),
+    )
+}
+
+/// [`quiet`], each event bumping `changes` once the store applied it.
+fn counted<K>(
+    writer: reflector::store::Writer<K>,
+    client: &Client,
+    trim: fn(&mut K),
+    changes: tokio::sync::watch::Sender<u64>,
+) -> BoxStream<'static, ()>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync,
+    K: 'static,
+{
+    quiet(writer, Api::all(client.clone()), trim)
+        .inspect(move |_| changes.send_modify(|n| *n = n.wrapping_add(1)))
+        .boxed()
 }
 
 /// The MachineSet watch, which wakes the sets' controller and the
@@ -367,10 +393,9 @@ fn machine_watch(
 /// changes its set's counts).
 fn node_watch(
     writer: reflector::store::Writer<Node>,
-    api: Api<Node>,
-    caches: &Caches,
-    tracker: &Tracker,
-    wakes: &Wakes,
+    client: &Client,
+    (caches, tracker, wakes): (&Caches, &Tracker, &Wakes),
+    placement: tokio::sync::watch::Sender<u64>,
 ) -> Objects<Node> {
     let (tracker, index) = (tracker.clone(), caches.indexes.clone());
     let (by_node, machines, wakes) = (
@@ -378,10 +403,11 @@ fn node_watch(
         caches.machines.clone(),
         wakes.clone(),
     );
-    observed(writer, api, trim::node, move |ev| {
+    observed(writer, Api::all(client.clone()), trim::node, move |ev| {
         if let Ok(ev) = ev {
             index.observe_node(ev);
             tracker.observe_node_event(ev);
+            placement.send_modify(|n| *n = n.wrapping_add(1));
         }
     })
     .filter({
@@ -457,6 +483,7 @@ async fn sync(c: Caches, synced: tokio::sync::watch::Sender<bool>) {
         c.pvs.wait_until_ready(),
         c.pdbs.wait_until_ready(),
         c.csi_drivers.wait_until_ready(),
+        c.csi_nodes.wait_until_ready(),
         c.replica_sets.wait_until_ready(),
         c.stateful_sets.wait_until_ready(),
         c.deployments.wait_until_ready(),

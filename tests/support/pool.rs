@@ -418,3 +418,38 @@ pub fn assert_scale_down_reasons(notes: &[String], machines: &[Machine]) {
         "{why_plain}"
     );
 }
+
+/// The label of a blocker pod (see [`refusing_spare`]).
+pub const BLOCKER: &str = "testbed.berth.dev/blocker";
+
+/// A Running Machine `name` of class `class` whose Node runs a blocker
+/// pod, beside which a pod that [`shuns_blocker`] may not run: a Node
+/// berth's destination check accepts (it reads no pod affinity) and the
+/// scheduler refuses such a pod on, so that its replacement cannot be
+/// placed after its eviction. Returns the Node's name.
+pub async fn refusing_spare(client: &Client, ns: &str, name: &str, class: &str) -> String {
+    let node = running_machine(client, ns, name, class).await;
+    let blocker = format!("blocker-{name}");
+    create(
+        Api::<Pod>::namespaced(client.clone(), ns),
+        json(serde_json::json!({
+            "metadata": {"name": blocker, "labels": {BLOCKER: "true"}},
+            "spec": {"nodeName": node, "terminationGracePeriodSeconds": 1,
+                     "containers": [{"name": "b", "image": "registry.invalid/blocker:1"}]}
+        })),
+    )
+    .await;
+    running_pods(client, ns, &[&blocker]).await;
+    node
+}
+
+/// Keeps the pods of `spec` off every Node that runs a blocker pod (see
+/// [`refusing_spare`]): a required pod anti-affinity.
+pub fn shuns_blocker(spec: &mut k8s_openapi::api::core::v1::PodSpec) {
+    spec.affinity = Some(json(serde_json::json!({"podAntiAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": [{
+            "labelSelector": {"matchLabels": {BLOCKER: "true"}},
+            "topologyKey": "kubernetes.io/hostname"
+        }]
+    }})));
+}

@@ -82,6 +82,9 @@ pub struct KubeletOptions {
     pub ready: bool,
     /// Extra labels on every Node.
     pub labels: BTreeMap<String, String>,
+    /// The CSI drivers its CSINode lists (no attach limit): the test
+    /// bed's by default.
+    pub csi_drivers: Vec<String>,
 }
 
 impl KubeletOptions {
@@ -93,6 +96,7 @@ impl KubeletOptions {
             boot_time: Duration::ZERO,
             ready: true,
             labels: BTreeMap::new(),
+            csi_drivers: vec![crate::testbed::stages::CSI_DRIVER.to_string()],
         }
     }
 
@@ -398,7 +402,10 @@ async fn register(
         })
     };
     match nodes.create(&PostParams::default(), &node).await {
-        Ok(_) => Ok(registration(false)),
+        Ok(node) => {
+            csi_node(nodes, &node, &options.csi_drivers).await?;
+            Ok(registration(false))
+        }
         Err(kube::Error::Api(e)) if e.code == 409 => {
             let existing = nodes
                 .get_opt(&name)
@@ -406,8 +413,9 @@ async fn register(
                 .map_err(|e| e.to_string())?
                 // Deleted in between: register on the next poll.
                 .ok_or_else(|| format!("Node {name} went away while registering"))?;
-            let existing_provider_id = existing.spec.and_then(|s| s.provider_id);
+            let existing_provider_id = existing.spec.clone().and_then(|s| s.provider_id);
             if existing_provider_id.as_deref() == Some(provider_id.as_str()) {
+                csi_node(nodes, &existing, &options.csi_drivers).await?;
                 Ok(registration(true))
             } else {
                 Ok(Outcome::Conflict(Conflict {
@@ -418,6 +426,30 @@ async fn register(
                 }))
             }
         }
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Registers `node`'s CSINode (owned by it, as a kubelet's), listing
+/// `drivers`; one already there is kept.
+async fn csi_node(nodes: &Api<Node>, node: &Node, drivers: &[String]) -> Result<(), String> {
+    let name = node.metadata.name.clone().unwrap_or_default();
+    let csi: k8s_openapi::api::storage::v1::CSINode = serde_json::from_value(serde_json::json!({
+        "metadata": {
+            "name": name,
+            "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": name,
+                                 "uid": node.metadata.uid.clone().unwrap_or_default()}]
+        },
+        "spec": {"drivers": drivers.iter().map(|d| serde_json::json!({"name": d, "nodeID": name}))
+            .collect::<Vec<_>>()}
+    }))
+    .map_err(|e| e.to_string())?;
+    match Api::all(nodes.clone().into_client())
+        .create(&PostParams::default(), &csi)
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
         Err(e) => Err(e.to_string()),
     }
 }

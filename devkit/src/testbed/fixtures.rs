@@ -229,12 +229,23 @@ pub fn machine(name: &str, class: &str) -> berth::api::Machine {
     )
 }
 
-/// MachineClass `name` of `provider`, with `provider_spec`.
+/// MachineClass `name` of `provider`, with `provider_spec`. A `fake` VM
+/// runs the test bed's CSI driver ([`CSI_DRIVER`],
+/// registered in its Node's CSINode) unless `provider_spec` says which.
 pub fn machine_class(
     name: &str,
     provider: &str,
-    provider_spec: serde_json::Value,
+    mut provider_spec: serde_json::Value,
 ) -> berth::api::MachineClass {
+    if provider == "fake" {
+        if provider_spec.is_null() {
+            provider_spec = serde_json::json!({});
+        }
+        if let Some(spec) = provider_spec.as_object_mut() {
+            spec.entry("csiDrivers")
+                .or_insert_with(|| serde_json::json!([{"name": super::stages::CSI_DRIVER}]));
+        }
+    }
     berth_object(
         "MachineClass",
         serde_json::json!({"metadata": {"name": name},

@@ -89,6 +89,8 @@
 mod batch;
 mod clock;
 mod completion;
+mod destination;
+pub(crate) use destination::CacheSight;
 mod drainer;
 mod eviction;
 mod forced;

@@ -20,6 +20,7 @@ use tokio::time::Instant;
 
 use super::batch::Batch;
 use super::completion::WaitCompleted;
+use super::destination::Destination;
 use super::eviction::{Eviction, PodEviction};
 use super::migration::Migration;
 use super::node_drain::NodeDrain;
@@ -49,12 +50,14 @@ const HEAD_FIRST: Duration = Duration::from_secs(1);
 /// there, before the next pass takes it as a pod being deleted.
 const LEFT_TO_NEXT_PASS: Duration = Duration::from_secs(5);
 
-/// The pods of a pass that wait for their workload's permit, each as
-/// (`uid`, what it waits for), and whether a stateful move stalled (the
-/// chain halted for this pass).
+/// The pods of a pass that wait for their workload's permit or for a
+/// destination, each as (`uid`, what it waits for), those that wait for a
+/// destination, and whether a stateful move stalled (the chain halted for
+/// this pass).
 #[derive(Default)]
 struct PermitWaits {
     pods: Vec<(String, String)>,
+    nowhere: Vec<PlannedPod>,
     halted: bool,
 }
 
@@ -70,10 +73,12 @@ struct PermitWakes {
 
 impl From<(PermitWaits, PermitWaits)> for PermitWaits {
     fn from((a, b): (PermitWaits, PermitWaits)) -> Self {
-        let mut pods = a.pods;
+        let (mut pods, mut nowhere) = (a.pods, a.nowhere);
         pods.extend(b.pods);
+        nowhere.extend(b.nowhere);
         Self {
             pods,
+            nowhere,
             halted: a.halted || b.halted,
         }
     }
@@ -284,7 +289,8 @@ impl<'d> Pass<'d> {
     /// this pass stalled (`halted`), the pass waits until a permit of this
     /// process frees or an ask is withdrawn (then the next pass asks
     /// again) or one of another process's permits changed, a Machine that
-    /// may have held a permit is gone, a workload's
+    /// may have held a permit is gone, a destination appeared for a pod
+    /// that waits for one, a workload's
     /// availability may have changed (a replica down for another reason
     /// holds its budget too), a stalled move of this drain can go on (its
     /// volumes are off the Node), or the deadline.
@@ -308,10 +314,14 @@ impl<'d> Pass<'d> {
         self.d.progress.update(|p| p.waiting_for = Some(why));
         let records = MoveRecords::new(self.d);
         let stalled = records.stalled_detached(self.d.clock.deadline());
+        // A workload's availability matters to a pod that waits for its
+        // budget, not to one that waits for a destination only.
+        let budget = waits.pods.len() > waits.nowhere.len();
         tokio::select! {
+            () = Destination::new(self.d).appears(&waits.nowhere) => {}
             _ = wakes.freed.changed() => {}
             _ = wakes.gone.changed() => {}
-            _ = wakes.workloads.changed() => {}
+            _ = wakes.workloads.changed(), if budget => {}
             _ = wakes.permits.changed() => {}
             () = stalled => {}
             () = tokio::time::sleep_until(self.d.clock.deadline()) => {}
@@ -447,12 +457,13 @@ impl<'d> Pass<'d> {
         let halted = AtomicBool::new(false);
         let held = AtomicBool::new(false);
         let waiting: std::sync::Mutex<Vec<(String, String)>> = Default::default();
+        let nowhere: std::sync::Mutex<Vec<PlannedPod>> = Default::default();
         let migrations: Vec<_> = plan
             .stateful
             .iter()
             .enumerate()
             .map(|(i, p)| {
-                let (halted, held, waiting) = (&halted, &held, &waiting);
+                let (halted, held, waiting, nowhere) = (&halted, &held, &waiting, &nowhere);
                 let head = (i == 0).then_some(head);
                 let head_done = move || {
                     if let Some(h) = head {
@@ -468,14 +479,37 @@ impl<'d> Pass<'d> {
                         head_done();
                         return;
                     }
-                    // The workload's budget across every drain: a pod that
-                    // must wait for it is left to a later pass, and the
-                    // chain goes on with other workloads.
-                    let workload = match self.permit_to_move(p).await {
+                    let uid = || p.uid.clone().unwrap_or_else(|| fmt_key(&p.pod));
+                    // A Node for its replacement first, and the workload's
+                    // budget across every drain: a pod that must wait for
+                    // either is left to a later pass, and the chain goes on
+                    // with other workloads. The slots the destination's
+                    // permit reserves are counted by the next drain to look
+                    // only once the ask is answered.
+                    let destination = Destination::new(self.d);
+                    let placing = match destination.reserves(p) {
+                        true => Some(self.d.deps.permits.placing().lock().await),
+                        false => None,
+                    };
+                    let found = match destination.find(p) {
+                        Ok(found) => found,
+                        Err(why) => {
+                            drop(placing);
+                            if let (Ok(mut w), Ok(mut n)) = (waiting.lock(), nowhere.lock()) {
+                                w.push((uid(), why));
+                                n.push(p.clone());
+                            }
+                            head_done();
+                            return;
+                        }
+                    };
+                    let permit = self.permit_to_move(p, found).await;
+                    drop(placing);
+                    let workload = match permit {
                         Ok(workload) => workload,
                         Err(why) => {
                             if let Ok(mut w) = waiting.lock() {
-                                w.push((p.uid.clone().unwrap_or_else(|| fmt_key(&p.pod)), why));
+                                w.push((uid(), why));
                             }
                             head_done();
                             return;
@@ -507,6 +541,7 @@ impl<'d> Pass<'d> {
         }
         PermitWaits {
             pods: waiting.into_inner().unwrap_or_default(),
+            nowhere: nowhere.into_inner().unwrap_or_default(),
             halted: halted.load(Ordering::Acquire),
         }
     }
@@ -515,9 +550,13 @@ impl<'d> Pass<'d> {
     /// written when the ledger would grant it (see
     /// [`MoveRecords::record_early`]): its workload, one move fewer left;
     /// or what it waits for, its early record withdrawn.
-    async fn permit_to_move(&self, p: &PlannedPod) -> Result<Workload, String> {
+    async fn permit_to_move(
+        &self,
+        p: &PlannedPod,
+        destination: Option<String>,
+    ) -> Result<Workload, String> {
         let (workload, early) = tokio::join!(
-            DrainPermits::new(self.d).permit(p),
+            DrainPermits::new(self.d).permit(p, destination),
             MoveRecords::new(self.d).record_early(p)
         );
         match workload {

@@ -142,12 +142,19 @@ impl<'d> DrainPermits<'d> {
     }
 
     /// Asks the move ledger for a permit to move `p` now, for its workload
-    /// (returned). `Ok`: it may (granted, or beyond the budget or the cap
+    /// (returned), holding `destination`'s attach slots for it. `Ok`: it may (granted, or beyond the budget or the cap
     /// past the deadline, which is warned); `Err`: what it waits for, which
     /// `status.drain` and an Event (once per pod and what it waits for)
     /// say.
-    pub(super) async fn permit(self, p: &PlannedPod) -> Result<Workload, String> {
-        let asked = self.pod_ask(p);
+    pub(super) async fn permit(
+        self,
+        p: &PlannedPod,
+        destination: Option<String>,
+    ) -> Result<Workload, String> {
+        let mut asked = self.pod_ask(p);
+        if let Some(ask) = asked.ask.as_mut() {
+            ask.destination = destination;
+        }
         self.permit_for(p, &asked).await?;
         Ok(asked.workload)
     }

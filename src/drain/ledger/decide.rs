@@ -106,6 +106,7 @@ impl Ledger {
             past_budget,
             volumes: ask.volumes,
             attach: ask.attach.clone(),
+            destination: ask.destination.clone(),
         };
         let within_budget = ahead.len() < free;
         let answer = if within_budget && capped.is_none() {
@@ -846,6 +847,7 @@ mod tests {
             past_budget: false,
             volumes: true,
             attach: vec![],
+            destination: None,
         };
         let mut l = Ledger::default();
         // Another process's move holds db's one permit.
@@ -889,6 +891,7 @@ mod tests {
             past_budget: false,
             volumes: true,
             attach: vec![],
+            destination: None,
         };
         let mut l = Ledger::rebuild([(db(), permit.clone())]);
         assert_eq!(l.moves().len(), 1);

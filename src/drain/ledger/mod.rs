@@ -205,6 +205,10 @@ pub struct Permit {
     /// watches the move, it is over only when each is attached where a pod
     /// that replaced this one runs.
     pub attach: Vec<String>,
+    /// The Node found for its replacement before the eviction, whose
+    /// attach slots the move holds until the replacement is placed (see
+    /// [`crate::placement`]).
+    pub destination: Option<String>,
 }
 
 /// The pods of `moving`, with their Machines, in words.
@@ -255,6 +259,8 @@ pub struct Ask {
     pub unavailable: u32,
     /// Its attachable PVs (see [`Permit::attach`]).
     pub attach: Vec<String>,
+    /// The Node found for its replacement (see [`Permit::destination`]).
+    pub destination: Option<String>,
 }
 
 impl Ask {
@@ -282,6 +288,7 @@ impl Ask {
             moves_left: drain.moves_left,
             volumes: pod.volumes,
             attach: pod.attach,
+            destination: None,
             // A pod already down takes nothing more down when it moves:
             // the workload's other replicas down are not held against it,
             // only berth's moves in flight are.
@@ -364,6 +371,7 @@ mod tests {
             volumes: true,
             unavailable: 0,
             attach: vec![],
+            destination: None,
         }
     }
 

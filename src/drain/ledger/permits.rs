@@ -65,6 +65,11 @@ pub(crate) struct Permits {
     lingering: Mutex<BTreeSet<String>>,
     /// Bumped when a move is left to the keeper.
     lingered: watch::Sender<u64>,
+    /// Held by a drain from the moment it looks for a stateful pod's
+    /// destination until its permit (which reserves the destination's
+    /// attach slots) is granted or refused: two drains of this process
+    /// never count on the same free slot.
+    placing: tokio::sync::Mutex<()>,
 }
 
 impl Permits {
@@ -89,7 +94,34 @@ impl Permits {
             seen: Mutex::default(),
             lingering: Mutex::default(),
             lingered: watch::channel(0).0,
+            placing: tokio::sync::Mutex::new(()),
         }
+    }
+
+    /// The lock a drain holds from looking for a destination to the
+    /// answer to its ask (see [`Permits::with_destination`]).
+    pub(crate) fn placing(&self) -> &tokio::sync::Mutex<()> {
+        &self.placing
+    }
+
+    /// Every move in flight that holds a destination, once each: this
+    /// process's (its ledger, and the permits it wrote that the cache has
+    /// not shown yet) and every process's permits in the API server.
+    pub(crate) fn with_destination(&self) -> Vec<Permit> {
+        let mut by_uid: BTreeMap<String, Permit> = BTreeMap::new();
+        for h in self.store.held() {
+            if h.permit.destination.is_some() {
+                by_uid.insert(h.permit.uid.clone(), h.permit);
+            }
+        }
+        if let Ok(ledger) = self.ledger.lock() {
+            for (_, p) in ledger.moves() {
+                if p.destination.is_some() {
+                    by_uid.entry(p.uid.clone()).or_insert(p);
+                }
+            }
+        }
+        by_uid.into_values().collect()
     }
 
     /// The permit the API server holds for the move of pod `uid`, of
@@ -578,6 +610,7 @@ fn permit_object(
             volumes: permit.volumes,
             expires: Some(Time(expires)),
             attach: permit.attach.clone(),
+            destination: permit.destination.clone(),
         },
     }
 }
@@ -630,6 +663,7 @@ mod tests {
             past_budget: false,
             volumes: true,
             attach: vec![],
+            destination: None,
         }
     }
 

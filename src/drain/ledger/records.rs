@@ -82,6 +82,7 @@ fn recorded(machine: &str, mv: &VolumeMove) -> Option<(Workload, Permit)> {
             volumes: true,
             // Its drain watches the move to its end.
             attach: Vec::new(),
+            destination: None,
         },
     ))
 }
@@ -102,6 +103,7 @@ pub fn held_permit(o: &MovePermit) -> Option<(Workload, Permit)> {
             past_budget: o.spec.past_budget,
             volumes: o.spec.volumes,
             attach: o.spec.attach.clone(),
+            destination: o.spec.destination.clone(),
         },
     ))
 }
@@ -126,6 +128,7 @@ pub fn lined_ask(o: &MoveAsk) -> Option<(Workload, Lined)> {
         volumes: false,
         unavailable: 0,
         attach: Vec::new(),
+        destination: None,
     };
     Some((
         workload,

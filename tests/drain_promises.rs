@@ -1169,7 +1169,8 @@ async fn no_drain_is_planned_before_the_csi_drivers_are_known() {
             "rules": [
                 {"apiGroups": ["", "apps", "policy", "coordination.k8s.io", "events.k8s.io",
                     "berth.dev", "apiextensions.k8s.io"], "resources": ["*"], "verbs": ["*"]},
-                {"apiGroups": ["storage.k8s.io"], "resources": ["volumeattachments"], "verbs": ["*"]},
+                {"apiGroups": ["storage.k8s.io"], "resources": ["volumeattachments", "csinodes"],
+                 "verbs": ["*"]},
                 {"nonResourceURLs": ["*"], "verbs": ["*"]}
             ]
         })),

@@ -15,7 +15,7 @@ use k8s_openapi::api::apps::v1::{
 };
 use k8s_openapi::api::core::v1::{
     Affinity, Container, EmptyDirVolumeSource, Node, NodeAffinity, Pod, PodSpec, PodStatus,
-    ResourceRequirements,
+    PodTemplateSpec, ResourceRequirements,
 };
 use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec};
 use kube::Resource;
@@ -57,47 +57,14 @@ pub fn pod(pod: &mut Pod) {
                 })
                 .collect::<Vec<_>>()
         });
-        // What a destination for its replacement is judged by (see
-        // `crate::placement`): its tolerations, node selector and required
-        // node affinity, and its containers' requests only.
-        let affinity = spec
-            .affinity
-            .take()
-            .and_then(|a| a.node_affinity)
-            .and_then(|n| n.required_during_scheduling_ignored_during_execution)
-            .map(|required| Affinity {
-                node_affinity: Some(NodeAffinity {
-                    required_during_scheduling_ignored_during_execution: Some(required),
-                    ..NodeAffinity::default()
-                }),
-                ..Affinity::default()
-            });
-        let requests_only = |c: Container| Container {
-            resources: c
-                .resources
-                .and_then(|r| r.requests)
-                .map(|requests| ResourceRequirements {
-                    requests: Some(requests),
-                    ..ResourceRequirements::default()
-                }),
-            restart_policy: c.restart_policy,
-            ..Container::default()
-        };
-        let containers = std::mem::take(&mut spec.containers);
-        let init = spec.init_containers.take();
+        let scheduling = scheduling(spec);
         *spec = PodSpec {
             node_name: spec.node_name.take(),
-            tolerations: spec.tolerations.take().filter(|t| !t.is_empty()),
-            node_selector: spec.node_selector.take().filter(|s| !s.is_empty()),
-            affinity,
-            containers: containers.into_iter().map(requests_only).collect(),
-            init_containers: init.map(|cs| cs.into_iter().map(requests_only).collect()),
-            overhead: spec.overhead.take(),
             priority: spec.priority,
             priority_class_name: spec.priority_class_name.take(),
             termination_grace_period_seconds: spec.termination_grace_period_seconds,
             volumes: volumes.filter(|v| !v.is_empty()),
-            ..PodSpec::default()
+            ..scheduling
         };
     }
     if let Some(status) = pod.status.as_mut() {
@@ -124,6 +91,50 @@ pub fn pod(pod: &mut Pod) {
             conditions: (!kept.is_empty()).then_some(kept),
             ..PodStatus::default()
         };
+    }
+}
+
+/// What a destination for a pod's replacement is judged by (see
+/// `crate::placement`), taken from `spec`: its tolerations, node selector
+/// and required node affinity, and its containers' requests only.
+fn scheduling(spec: &mut PodSpec) -> PodSpec {
+    let affinity = spec
+        .affinity
+        .take()
+        .and_then(|a| a.node_affinity)
+        .and_then(|n| n.required_during_scheduling_ignored_during_execution)
+        .map(|required| Affinity {
+            node_affinity: Some(NodeAffinity {
+                required_during_scheduling_ignored_during_execution: Some(required),
+                ..NodeAffinity::default()
+            }),
+            ..Affinity::default()
+        });
+    let requests_only = |c: Container| Container {
+        resources: c
+            .resources
+            .and_then(|r| r.requests)
+            .map(|requests| ResourceRequirements {
+                requests: Some(requests),
+                ..ResourceRequirements::default()
+            }),
+        restart_policy: c.restart_policy,
+        ..Container::default()
+    };
+    PodSpec {
+        tolerations: spec.tolerations.take().filter(|t| !t.is_empty()),
+        node_selector: spec.node_selector.take().filter(|s| !s.is_empty()),
+        affinity,
+        containers: std::mem::take(&mut spec.containers)
+            .into_iter()
+            .map(requests_only)
+            .collect(),
+        init_containers: spec
+            .init_containers
+            .take()
+            .map(|cs| cs.into_iter().map(requests_only).collect()),
+        overhead: spec.overhead.take(),
+        ..PodSpec::default()
     }
 }
 
@@ -163,9 +174,17 @@ pub fn stateful_set(sts: &mut StatefulSet) {
         .take()
         .and_then(|u| u.rolling_update)
         .and_then(|r| r.max_unavailable);
+    // What its replacement pods are judged by before an eviction: a pod
+    // made before a template change (`OnDelete`) comes back as the
+    // template says now.
+    let template = spec.template.spec.as_mut().map(scheduling);
     *spec = StatefulSetSpec {
         replicas: spec.replicas,
         ordinals: spec.ordinals.take(),
+        template: PodTemplateSpec {
+            metadata: None,
+            spec: template,
+        },
         min_ready_seconds: spec.min_ready_seconds,
         update_strategy: max_unavailable.map(|m| StatefulSetUpdateStrategy {
             rolling_update: Some(RollingUpdateStatefulSetStrategy {
@@ -490,7 +509,9 @@ mod tests {
                     "rollingUpdate": {"maxUnavailable": "70%", "partition": 1}},
                 "serviceName": "db", "selector": {"matchLabels": {"app": "db"}},
                 "template": {"metadata": {"labels": {"app": "db"}},
-                    "spec": {"containers": [{"name": "db", "image": "postgres"}]}},
+                    "spec": {"containers": [{"name": "db", "image": "postgres",
+                                             "resources": {"requests": {"cpu": "1"}}}],
+                             "nodeSelector": {"disk": "ssd"}}},
                 "volumeClaimTemplates": [{"metadata": {"name": "data"}}]},
             "status": {"replicas": 3, "readyReplicas": 3, "availableReplicas": 2,
                 "currentRevision": "db-1", "conditions": []}
@@ -511,7 +532,18 @@ mod tests {
             "70% of 3 replicas, rounded down as the StatefulSet controller does"
         );
         let spec = &sts.spec;
-        assert!(spec.template.spec.is_none() && spec.volume_claim_templates.is_none());
+        assert!(spec.template.metadata.is_none() && spec.volume_claim_templates.is_none());
+        // What its replacements are judged by before an eviction.
+        let template = spec
+            .template
+            .spec
+            .as_ref()
+            .expect("the template's scheduling");
+        assert_eq!(
+            serde_json::to_value(template).expect("template"),
+            serde_json::json!({"containers": [{"name": "", "resources": {"requests": {"cpu": "1"}}}],
+                               "nodeSelector": {"disk": "ssd"}})
+        );
         let rolling = spec
             .update_strategy
             .as_ref()

@@ -7,7 +7,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod, PodSpec};
 use k8s_openapi::api::storage::v1::{CSIDriver, CSINode};
 use kube::api::{Api, ListParams};
 use kube::{Client, ResourceExt};
@@ -17,7 +18,7 @@ use crate::drain::ledger::{Permit, held_permit};
 use crate::drain::plan::DrainPlan;
 use crate::drain::select::fmt_key;
 use crate::drain::volume_kind::VolumeKind;
-use crate::placement::{Needs, Reserved, Rules, Sight, choose, driver_of};
+use crate::placement::{Needs, Reserved, Rules, Sight, choose, driver_of, made_from};
 
 /// The cluster as listed for `berth plan`.
 struct Listed {
@@ -29,6 +30,9 @@ struct Listed {
     drivers: BTreeMap<String, Arc<CSIDriver>>,
     /// The Nodes of Machines being deleted.
     deleting: Vec<String>,
+    /// Each StatefulSet's pod template, by namespace and name: what its
+    /// replacement pods are made from.
+    templates: BTreeMap<(String, String), PodSpec>,
     moving: Vec<Permit>,
 }
 
@@ -91,6 +95,16 @@ impl Listed {
                 .map(|d| (d.name_any(), Arc::new(d)))
                 .collect(),
             deleting,
+            templates: Api::<StatefulSet>::all(client.clone())
+                .list(&lp)
+                .await?
+                .items
+                .into_iter()
+                .filter_map(|s| {
+                    let key = (s.namespace().unwrap_or_default(), s.name_any());
+                    Some((key, s.spec.template.spec?))
+                })
+                .collect(),
             moving: Api::<MovePermit>::all(client.clone())
                 .list(&lp)
                 .await?
@@ -205,7 +219,12 @@ pub(super) async fn destination_lines(
         let Some(pod) = pods.iter().find(|o| o.metadata.uid == p.uid) else {
             continue;
         };
-        let needs = Needs::of(&listed, pod, &pvs, rules);
+        let template = match p.controller.as_deref().and_then(|c| c.split_once('/')) {
+            Some(("StatefulSet", name)) => listed.templates.get(&(p.pod.0.clone(), name.into())),
+            _ => None,
+        };
+        let pod = template.map_or_else(|| pod.clone(), |t| made_from(pod, t));
+        let needs = Needs::of(&listed, &pod, &pvs, rules);
         if p.controller.is_none() || pvs.is_empty() || !needs.pinned() {
             continue;
         }

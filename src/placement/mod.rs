@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{Node, NodeSelector, PersistentVolume, Pod, Toleration};
+use k8s_openapi::api::core::v1::{Node, NodeSelector, PersistentVolume, Pod, PodSpec, Toleration};
 use k8s_openapi::api::storage::v1::{CSIDriver, CSINode};
 
 use self::fit::Resources;
@@ -221,6 +221,24 @@ impl Needs {
         }
         slots
     }
+}
+
+/// `pod` as its controller would make its replacement from `template`
+/// (a StatefulSet's pod template now, which a template changed since the
+/// pod was made, with `OnDelete`, differs from): the template's
+/// tolerations, node selector, affinity, containers and overhead, with the
+/// pod's own volumes and identity.
+pub fn made_from(pod: &Pod, template: &PodSpec) -> Pod {
+    let mut made = pod.clone();
+    if let Some(spec) = made.spec.as_mut() {
+        spec.tolerations = template.tolerations.clone();
+        spec.node_selector = template.node_selector.clone();
+        spec.affinity = template.affinity.clone();
+        spec.containers = template.containers.clone();
+        spec.init_containers = template.init_containers.clone();
+        spec.overhead = template.overhead.clone();
+    }
+    made
 }
 
 /// The CSI driver of a PV: its own, or the one CSI migration gives an

@@ -404,3 +404,26 @@ fn the_csi_node_rule_follows_the_setting_and_the_driver() {
     let n = Needs::of(&w, &p, &["nfs-0".to_string()], Rules::default());
     assert!(!n.pinned());
 }
+
+#[test]
+fn a_stateful_sets_replacement_is_judged_by_its_template_now() {
+    let (w, p) = world();
+    // Made when the template pinned it to `old`; the template no longer
+    // does (an `OnDelete` StatefulSet whose pods come back changed).
+    let mut pinned = p.clone();
+    pinned.spec.as_mut().expect("spec").node_selector = Some(BTreeMap::from([(
+        "kubernetes.io/hostname".to_string(),
+        "old".to_string(),
+    )]));
+    assert_eq!(choose(&w, &needs(&w, &pinned)).node, None);
+    let template = k8s_openapi::api::core::v1::PodSpec {
+        containers: p.spec.clone().expect("spec").containers,
+        ..Default::default()
+    };
+    let made = made_from(&pinned, &template);
+    assert_eq!(
+        made.spec.as_ref().and_then(|s| s.node_name.as_deref()),
+        Some("old")
+    );
+    assert_eq!(choose(&w, &needs(&w, &made)).node.as_deref(), Some("a1"));
+}

@@ -24,7 +24,7 @@ use crate::drain::ledger::Permit;
 use crate::drain::plan::PlannedPod;
 use crate::drain::select::fmt_key;
 use crate::drain::volume_kind::VolumeKind;
-use crate::placement::{Needs, Reserved, Rules, Sight, choose, driver_of};
+use crate::placement::{Needs, Reserved, Rules, Sight, choose, driver_of, made_from};
 
 /// How long a change of Nodes, CSINodes or pods is let settle before the
 /// pods waiting for a destination are judged again: a burst of pod events
@@ -190,6 +190,7 @@ impl<'d> Destination<'d> {
             return None;
         }
         let pod = self.d.view().pod(&p.pod, p.uid.as_deref())?;
+        let pod = self.as_replaced(p, pod);
         let rules = Rules {
             require_csi_node: self.d.job.settings.require_csi_node,
         };
@@ -207,6 +208,23 @@ impl<'d> Destination<'d> {
             && p.volumes
                 .iter()
                 .any(|v| v.kind == VolumeKind::Attachable && !v.volume.ephemeral)
+    }
+
+    /// `pod` as its replacement will be: made from its StatefulSet's
+    /// template now (see [`made_from`]), or as it is.
+    fn as_replaced(self, p: &PlannedPod, pod: Arc<Pod>) -> Arc<Pod> {
+        let Some(("StatefulSet", name)) = p.controller.as_deref().and_then(|c| c.split_once('/'))
+        else {
+            return pod;
+        };
+        let key = ObjectRef::new(name).within(&p.pod.0);
+        match self.d.deps.caches.stateful_sets.get(&key) {
+            Some(sts) => match sts.spec.template.spec.as_ref() {
+                Some(template) => Arc::new(made_from(&pod, template)),
+                None => pod,
+            },
+            None => pod,
+        }
     }
 
     fn sight(self) -> CacheSight<'d> {

@@ -67,6 +67,14 @@ async fn stateful_set_with(
     .await;
 }
 
+/// Keeps a pod template off the Nodes that run a blocker pod (see
+/// `support::pool::refusing_spare`).
+fn shun_blocker(t: &mut k8s_openapi::api::core::v1::PodTemplateSpec) {
+    if let Some(spec) = t.spec.as_mut() {
+        support::pool::shuns_blocker(spec);
+    }
+}
+
 /// No two pods labelled `app: <name>` on one Node.
 fn spread_out(name: &str) -> k8s_openapi::api::core::v1::Affinity {
     json(serde_json::json!({"podAntiAffinity": {
@@ -204,7 +212,8 @@ async fn parallel_moves_overlap_across_workloads_never_within_one() {
 }
 
 /// A permit outlives the process. Machine `a`'s move of db-0 is held (its
-/// replacement has no Node to go to) while Machine `b` waits to move db-1;
+/// replacement has no Node to go to: the pool's other Node runs a pod
+/// db's pods shun) while Machine `b` waits to move db-1;
 /// `berth run` is killed (SIGKILL) and started again, and only then do
 /// Nodes for the replacements come. The new process rebuilds the ledger
 /// from `a`'s record before any drain acts: db-1 is evicted once, after
@@ -221,8 +230,9 @@ async fn a_permit_survives_a_killed_controller() {
     let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     let node_b = running_machine(&client, ns, "b", ns).await;
-    stateful(&client, ns, "db", 2, true).await;
+    stateful_with(&client, ns, "db", 2, true, shun_blocker).await;
     attached(&client, ns, 2).await;
+    support::pool::refusing_spare(&client, ns, "spare", ns).await;
     let watches = Watches::start(&client, ns).await;
 
     delete_machine(&client, ns, "a").await;
@@ -782,7 +792,9 @@ async fn past_its_deadline_a_drain_moves_beyond_the_budget() {
 /// A move held for a replacement the scheduler cannot place does not pin
 /// its Machine (case 3 of issue 36: with `maxSurge: 0` each old Machine
 /// waited its whole drain deadline). Machines `a` and `b` each run one
-/// replica of db, and the pool has no other Node: the first replica goes,
+/// replica of db, and the pool's only other Node runs a pod db's pods shun
+/// (a pod anti-affinity, which berth's destination check does not read):
+/// the first replica goes,
 /// its replacement cannot be placed, and with nothing else on its Node its
 /// Machine is gone well before its 10-minute deadline, while its move's
 /// `MovePermit` stays and the other replica stays too. Once Nodes come,
@@ -800,20 +812,26 @@ async fn a_move_held_for_placement_lets_its_machine_go_and_keeps_its_permit() {
     let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     let node_b = running_machine(&client, ns, "b", ns).await;
-    stateful(&client, ns, "db", 2, true).await;
+    stateful_with(&client, ns, "db", 2, true, shun_blocker).await;
     attached(&client, ns, 2).await;
+    support::pool::refusing_spare(&client, ns, "spare", ns).await;
     let watches = Watches::start(&client, ns).await;
 
     delete_machine(&client, ns, "a").await;
     delete_machine(&client, ns, "b").await;
     // The Machine whose replica moved first goes, its move held.
     let machines: Api<berth::api::Machine> = Api::namespaced(client.clone(), ns);
+    let drained = |m: &berth::api::Machine| m.name_any() == "a" || m.name_any() == "b";
     let left = wait::until(machines.clone(), LONG, "one of a and b gone", |ms| {
-        ms.len() == 1
+        ms.iter().filter(|m| drained(m)).count() == 1
     })
     .await
     .expect("the Machine of the held move goes before its deadline");
-    let stays = left[0].name_any();
+    let stays = left
+        .iter()
+        .find(|m| drained(m))
+        .map(|m| m.name_any())
+        .expect("the other stays");
     let went = if stays == "a" { "b" } else { "a" };
     let now = evictions(BED.bed().await, ns);
     let log = format!("{}\n{}", oracle::log_of(&now), watches.log());

@@ -444,12 +444,18 @@ pub async fn refusing_spare(client: &Client, ns: &str, name: &str, class: &str) 
 }
 
 /// Keeps the pods of `spec` off every Node that runs a blocker pod (see
-/// [`refusing_spare`]): a required pod anti-affinity.
+/// [`refusing_spare`]): a required pod anti-affinity term, beside those
+/// it has.
 pub fn shuns_blocker(spec: &mut k8s_openapi::api::core::v1::PodSpec) {
-    spec.affinity = Some(json(serde_json::json!({"podAntiAffinity": {
-        "requiredDuringSchedulingIgnoredDuringExecution": [{
-            "labelSelector": {"matchLabels": {BLOCKER: "true"}},
-            "topologyKey": "kubernetes.io/hostname"
-        }]
-    }})));
+    let term = json(serde_json::json!({
+        "labelSelector": {"matchLabels": {BLOCKER: "true"}},
+        "topologyKey": "kubernetes.io/hostname"
+    }));
+    spec.affinity
+        .get_or_insert_default()
+        .pod_anti_affinity
+        .get_or_insert_default()
+        .required_during_scheduling_ignored_during_execution
+        .get_or_insert_default()
+        .push(term);
 }

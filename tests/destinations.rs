@@ -540,3 +540,96 @@ async fn a_machine_set_replacement_is_the_destination() {
     );
     case.finish().await;
 }
+
+/// A rollout of a zonal pool (`maxSurge: 1`): the replica with its zone-a
+/// volume is evicted from the old Machine only once the new Machine's
+/// Node could take it (its CSINode registered, audit order), and the
+/// scheduler never refuses it. (With `maxSurge: 0` a deployment makes its
+/// new Machine only once the old VM is gone, so the old drain has no
+/// destination in a one-Machine zone until its deadline: the Warning
+/// says so, and docs/drain.md tells to surge such pools.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollout_brings_the_new_machine_up_before_the_replica_goes() {
+    use berth_devkit::testbed::fixtures::{machine_deployment, rolling};
+    let ns = "dest-rollout";
+    let case = Case::builder(ns).on(BED).build().await;
+    let client = case.client();
+    let (za, za2, zb) = (format!("{ns}-a"), format!("{ns}-a2"), format!("{ns}-b"));
+    zonal_class(&client, ns, &za, &za, None).await;
+    zonal_class(&client, ns, &za2, &za, None).await;
+    zonal_class(&client, ns, &zb, &zb, None).await;
+    let mut case = case;
+    case.start().await;
+    running_machine(&client, ns, "b", &zb).await;
+    let deployments: Api<berth::api::MachineDeployment> = Api::namespaced(client.clone(), ns);
+    create(
+        deployments.clone(),
+        machine_deployment("pool", &za, 1, "md", rolling(1.into(), 0.into())),
+    )
+    .await;
+    let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
+    let has_node = |m: &Machine| {
+        m.status
+            .as_ref()
+            .and_then(|s| s.node_ref.as_ref())
+            .is_some()
+    };
+    let old = berth_devkit::testbed::wait::for_one(
+        machines.clone(),
+        LONG,
+        "the pool's Machine runs",
+        |m| m.name_any() != "b" && has_node(m),
+    )
+    .await
+    .expect("the pool's Machine")
+    .name_any();
+    zonal_db(&client, ns, 1, &za).await;
+
+    let deleted = Timestamp::now();
+    deployments
+        .patch(
+            "pool",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"template": {"spec": {
+                "classRef": {"name": za2}}}}})),
+        )
+        .await
+        .expect("roll the pool");
+    gone(&client, ns, &old, Duration::from_secs(180)).await;
+    let new =
+        berth_devkit::testbed::wait::for_one(machines.clone(), LONG, "the new Machine runs", |m| {
+            m.name_any() != "b" && m.name_any() != old && has_node(m)
+        })
+        .await
+        .expect("the new Machine");
+    let node = new
+        .status
+        .as_ref()
+        .and_then(|s| s.node_ref.as_ref())
+        .map(|r| r.name.clone())
+        .expect("its Node");
+    let bed = BED.bed().await;
+    let all =
+        oracle::requests_once(bed, ns, |rs| accepted_evictions_of(rs, "db-0").len() == 1).await;
+    let log = oracle::log_of(&all);
+    let evicted = accepted_evictions_of(&all, "db-0");
+    assert_eq!(evicted.len(), 1, "{log}");
+    let registered = all
+        .iter()
+        .find(|r| {
+            r.resource == "csinodes"
+                && r.verb == "create"
+                && r.name.as_deref() == Some(node.as_str())
+        })
+        .unwrap_or_else(|| panic!("{node}'s CSINode registered: {log}"));
+    assert!(
+        evicted[0].received > registered.received,
+        "db-0 evicted before the new Machine could take it: {log}"
+    );
+    let refused = failed_scheduling(&client, ns, "db-", deleted).await;
+    assert!(
+        refused.is_empty(),
+        "the scheduler refused db-0: {refused:?}"
+    );
+    case.finish().await;
+}

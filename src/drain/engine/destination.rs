@@ -302,7 +302,20 @@ impl<'d> Destination<'d> {
             .map(|m| m.name_any())
             .collect();
         coming.sort();
-        if coming.is_empty() {
+        let deployment = caches
+            .sets
+            .get(
+                &ObjectRef::new(&set)
+                    .within(&self.d.job.machine.namespace.clone().unwrap_or_default()),
+            )
+            .and_then(|s| crate::api::owner_of(&s));
+        if let (true, Some(d)) = (coming.is_empty(), deployment) {
+            format!(
+                "MachineDeployment {} is making no Machine that could (with maxSurge 0 a \
+                 rollout makes the new Machine only once this one's VM is gone)",
+                d.name
+            )
+        } else if coming.is_empty() {
             format!("MachineSet {set} is making no Machine that could")
         } else {
             format!("MachineSet {set} is bringing up {}", coming.join(", "))

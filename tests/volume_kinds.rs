@@ -791,6 +791,19 @@ async fn an_attach_refused_for_lack_of_a_slot_ends_the_reattach_wait_at_once() {
         .start()
         .await;
     let client = case.client();
+    // The pool's VMs run the driver's node plugin: a Node registers it in
+    // its CSINode, so B is a destination for db-0.
+    Api::<berth::api::MachineClass>::all(client.clone())
+        .patch(
+            ns,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"providerSpec": {"csiDrivers": [
+                {"name": berth_devkit::testbed::stages::CSI_DRIVER},
+                {"name": UNATTACHED_DRIVER}
+            ]}}})),
+        )
+        .await
+        .expect("the pool runs the driver");
     let node_a = running_held(&client, ns, "a", ns, false).await;
     let pv = format!("{ns}-db-0");
     let handle = format!("vol-{pv}");

@@ -18,7 +18,7 @@ use crate::drain::ledger::{Permit, held_permit};
 use crate::drain::plan::DrainPlan;
 use crate::drain::select::fmt_key;
 use crate::drain::volume_kind::VolumeKind;
-use crate::placement::{Needs, Reserved, Rules, Sight, choose, driver_of, made_from};
+use crate::placement::{Holding, Needs, Rules, Sight, choose, made_from};
 
 /// The cluster as listed for `berth plan`.
 struct Listed {
@@ -116,23 +116,6 @@ impl Listed {
                 .collect(),
         })
     }
-
-    /// Whether a pod other than the moved one uses PV `pv`'s claim and is
-    /// placed.
-    fn placed(&self, m: &Permit, pv: &PersistentVolume) -> bool {
-        let Some(claim) = pv.spec.as_ref().and_then(|s| s.claim_ref.as_ref()) else {
-            return false;
-        };
-        let (ns, name) = (
-            claim.namespace.as_deref().unwrap_or_default(),
-            claim.name.as_deref().unwrap_or_default(),
-        );
-        self.pods.values().flatten().any(|p| {
-            p.metadata.uid.as_deref() != Some(m.uid.as_str())
-                && p.metadata.namespace.as_deref() == Some(ns)
-                && crate::cache::claim_names(p).iter().any(|c| c == name)
-        })
-    }
 }
 
 impl Sight for Listed {
@@ -165,27 +148,20 @@ impl Sight for Listed {
         crate::api::cordoned_at(node).is_some() || self.deleting.contains(&node.name_any())
     }
 
-    fn reserved(&self, node: &str) -> Vec<Reserved> {
-        let mut reserved = Vec::new();
-        for m in self
-            .moving
-            .iter()
-            .filter(|m| m.destination.as_deref() == Some(node))
-        {
-            for name in &m.attach {
-                let Some(pv) = self.pv(name) else { continue };
-                if let Some(driver) = driver_of(&pv)
-                    && !self.placed(m, &pv)
-                {
-                    reserved.push(Reserved {
-                        pv: name.clone(),
-                        driver,
-                        pod: m.pod.clone(),
-                    });
-                }
-            }
-        }
-        reserved
+    fn claim_users(&self, namespace: &str, claim: &str) -> Vec<Arc<Pod>> {
+        self.pods
+            .values()
+            .flatten()
+            .filter(|p| {
+                p.metadata.namespace.as_deref() == Some(namespace)
+                    && crate::cache::claim_names(p).iter().any(|c| c == claim)
+            })
+            .cloned()
+            .collect()
+    }
+
+    fn holdings(&self) -> Vec<Holding> {
+        self.moving.iter().filter_map(Permit::holding).collect()
     }
 }
 

@@ -44,9 +44,63 @@ pub trait Sight {
     fn driver(&self, name: &str) -> Option<Arc<CSIDriver>>;
     /// Whether berth drains Node `node` (or is about to).
     fn draining(&self, node: &Node) -> bool;
-    /// The attach slots berth's moves in flight reserved on Node `node`
-    /// for volumes whose replacement pod is not placed yet.
-    fn reserved(&self, node: &str) -> Vec<Reserved>;
+    /// The pods that use claim `namespace/claim`.
+    fn claim_users(&self, namespace: &str, claim: &str) -> Vec<Arc<Pod>>;
+    /// Berth's moves in flight that hold a destination.
+    fn holdings(&self) -> Vec<Holding>;
+
+    /// The attach slots berth's moves in flight reserved on Node `node`:
+    /// one per attachable volume of a move whose destination it is, until
+    /// a pod that replaced the moved one (another UID using the volume's
+    /// claim) is placed, wherever.
+    fn reserved(&self, node: &str) -> Vec<Reserved> {
+        let mut reserved = Vec::new();
+        for h in self.holdings().iter().filter(|h| h.node == node) {
+            for name in &h.pvs {
+                let Some(pv) = self.pv(name) else { continue };
+                let Some(driver) = driver_of(&pv) else {
+                    continue;
+                };
+                if !replaced(self, h, &pv) {
+                    reserved.push(Reserved {
+                        pv: name.clone(),
+                        driver,
+                        pod: h.pod.clone(),
+                    });
+                }
+            }
+        }
+        reserved
+    }
+}
+
+/// A move in flight holding a destination: the moved pod
+/// (`namespace/name`) and its UID, the Node, and the attachable PVs that
+/// move with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holding {
+    pub pod: String,
+    pub uid: String,
+    pub node: String,
+    pub pvs: Vec<String>,
+}
+
+/// Whether a pod other than `h`'s moved one uses `pv`'s claim and is
+/// placed: the move's reservation is spent.
+fn replaced(sight: &(impl Sight + ?Sized), h: &Holding, pv: &PersistentVolume) -> bool {
+    let Some(claim) = pv.spec.as_ref().and_then(|s| s.claim_ref.as_ref()) else {
+        return false;
+    };
+    sight
+        .claim_users(
+            claim.namespace.as_deref().unwrap_or_default(),
+            claim.name.as_deref().unwrap_or_default(),
+        )
+        .iter()
+        .any(|p| {
+            p.metadata.uid.as_deref() != Some(h.uid.as_str())
+                && p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some()
+        })
 }
 
 /// `sight` with Node `node` being drained too: a Machine about to be
@@ -78,8 +132,11 @@ impl<S: Sight> Sight for Draining<'_, S> {
     fn draining(&self, node: &Node) -> bool {
         node.metadata.name.as_deref() == Some(self.node) || self.sight.draining(node)
     }
-    fn reserved(&self, node: &str) -> Vec<Reserved> {
-        self.sight.reserved(node)
+    fn claim_users(&self, namespace: &str, claim: &str) -> Vec<Arc<Pod>> {
+        self.sight.claim_users(namespace, claim)
+    }
+    fn holdings(&self) -> Vec<Holding> {
+        self.sight.holdings()
     }
 }
 

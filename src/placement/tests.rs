@@ -69,6 +69,12 @@ impl Sight for World {
         self.draining
             .contains(node.metadata.name.as_ref().expect("named"))
     }
+    fn claim_users(&self, _: &str, _: &str) -> Vec<Arc<Pod>> {
+        Vec::new()
+    }
+    fn holdings(&self) -> Vec<Holding> {
+        Vec::new()
+    }
     fn reserved(&self, node: &str) -> Vec<Reserved> {
         self.reserved.get(node).cloned().unwrap_or_default()
     }

@@ -24,7 +24,7 @@ use crate::drain::ledger::Permit;
 use crate::drain::plan::PlannedPod;
 use crate::drain::select::fmt_key;
 use crate::drain::volume_kind::VolumeKind;
-use crate::placement::{Needs, Reserved, Rules, Sight, choose, driver_of, made_from};
+use crate::placement::{Holding, Needs, Rules, Sight, choose, made_from};
 
 /// How long a change of Nodes, CSINodes or pods is let settle before the
 /// pods waiting for a destination are judged again: a burst of pod events
@@ -55,27 +55,6 @@ impl<'a> CacheSight<'a> {
             .filter(|p| p.destination.is_some())
             .collect();
         Self { caches, moving }
-    }
-
-    /// Whether the replacement of the move `m` holds, a pod other than
-    /// the moved one that uses the claim of PV `pv`, is placed.
-    fn placed(&self, m: &Permit, pv: &PersistentVolume) -> bool {
-        let Some(claim) = pv.spec.as_ref().and_then(|s| s.claim_ref.as_ref()) else {
-            return false;
-        };
-        let key = claim_key(
-            claim.namespace.as_deref().unwrap_or_default(),
-            claim.name.as_deref().unwrap_or_default(),
-        );
-        self.caches
-            .indexes
-            .pods_by_claim
-            .get(&self.caches.pods, &key)
-            .iter()
-            .any(|p| {
-                p.metadata.uid.as_deref() != Some(m.uid.as_str())
-                    && p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some()
-            })
     }
 }
 
@@ -122,28 +101,15 @@ impl Sight for CacheSight<'_> {
                 .is_empty()
     }
 
-    fn reserved(&self, node: &str) -> Vec<Reserved> {
-        let mut reserved = Vec::new();
-        for m in self
-            .moving
-            .iter()
-            .filter(|m| m.destination.as_deref() == Some(node))
-        {
-            for name in &m.attach {
-                let Some(pv) = self.pv(name) else { continue };
-                let Some(driver) = driver_of(&pv) else {
-                    continue;
-                };
-                if !self.placed(m, &pv) {
-                    reserved.push(Reserved {
-                        pv: name.clone(),
-                        driver,
-                        pod: m.pod.clone(),
-                    });
-                }
-            }
-        }
-        reserved
+    fn claim_users(&self, namespace: &str, claim: &str) -> Vec<Arc<Pod>> {
+        self.caches
+            .indexes
+            .pods_by_claim
+            .get(&self.caches.pods, &claim_key(namespace, claim))
+    }
+
+    fn holdings(&self) -> Vec<Holding> {
+        self.moving.iter().filter_map(Permit::holding).collect()
     }
 }
 

@@ -211,6 +211,18 @@ pub struct Permit {
     pub destination: Option<String>,
 }
 
+impl Permit {
+    /// The destination the move holds, as the placement check counts it.
+    pub fn holding(&self) -> Option<crate::placement::Holding> {
+        Some(crate::placement::Holding {
+            pod: self.pod.clone(),
+            uid: self.uid.clone(),
+            node: self.destination.clone()?,
+            pvs: self.attach.clone(),
+        })
+    }
+}
+
 /// The pods of `moving`, with their Machines, in words.
 pub fn moving_names(moving: &[Permit]) -> String {
     moving

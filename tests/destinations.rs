@@ -12,6 +12,7 @@ mod support;
 use std::time::Duration;
 
 use berth::api::Machine;
+use berth_devkit::bench::audit::Request;
 use berth_devkit::testbed::fixtures::csi_pv;
 use berth_devkit::testbed::stages::CSI_DRIVER;
 use k8s_openapi::api::core::v1::{Event, PersistentVolume, Pod};
@@ -48,6 +49,40 @@ async fn zonal_class(
     let mut c = support::class(name, "fake", spec);
     c.spec.drain = Some(json(serde_json::json!({"timeout": "5m"})));
     create(Api::all(client.clone()), c).await;
+}
+
+/// A case in `ns` with a fake class per `(suffix, zone, drivers)` (named
+/// `<ns>-<suffix>`, see [`zonal_class`]), its controller started.
+async fn zonal_case(
+    ns: &str,
+    classes: &[(&str, &str, Option<serde_json::Value>)],
+) -> (Case, Client) {
+    let mut case = Case::builder(ns).on(BED).build().await;
+    let client = case.client();
+    for (suffix, zone, drivers) in classes {
+        let name = format!("{ns}-{suffix}");
+        zonal_class(&client, ns, &name, zone, drivers.clone()).await;
+    }
+    case.start().await;
+    (case, client)
+}
+
+/// Asserts that the scheduler refused no pod of `ns` named `prefix*`
+/// since `since` (see [`failed_scheduling`]).
+async fn assert_never_refused(client: &Client, ns: &str, prefix: &str, since: Timestamp) {
+    let refused = failed_scheduling(client, ns, prefix, since).await;
+    assert!(
+        refused.is_empty(),
+        "the scheduler refused a replica: {refused:?}"
+    );
+}
+
+/// The request that created Node `node`'s CSINode (the fake VM's kubelet
+/// registering it, audited as the controller's).
+fn csi_node_created<'a>(all: &'a [Request], node: &str, log: &str) -> &'a Request {
+    all.iter()
+        .find(|r| r.resource == "csinodes" && r.verb == "create" && r.name.as_deref() == Some(node))
+        .unwrap_or_else(|| panic!("{node}'s CSINode registered: {log}"))
 }
 
 /// The StatefulSet `db` of `replicas` in pool `ns`, each replica's PV in
@@ -130,13 +165,8 @@ fn blocked(m: &Machine) -> Option<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_waits_for_a_node_in_its_volumes_zone() {
     let ns = "dest-zone";
-    let case = Case::builder(ns).on(BED).build().await;
-    let client = case.client();
     let (za, zb) = (format!("{ns}-a"), format!("{ns}-b"));
-    zonal_class(&client, ns, &za, &za, None).await;
-    zonal_class(&client, ns, &zb, &zb, None).await;
-    let mut case = case;
-    case.start().await;
+    let (case, client) = zonal_case(ns, &[("a", &za, None), ("b", &zb, None)]).await;
     let node_a = running_machine(&client, ns, "a", &za).await;
     zonal_db(&client, ns, 3, &za).await;
     // Pods without volumes on a, free to go anywhere in the pool.
@@ -191,14 +221,7 @@ async fn a_replica_waits_for_a_node_in_its_volumes_zone() {
     let all =
         oracle::requests_once(bed, ns, |rs| accepted_evictions_of(rs, "db-*").len() == 3).await;
     let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
-    let registered = all
-        .iter()
-        .find(|r| {
-            r.resource == "csinodes"
-                && r.verb == "create"
-                && r.name.as_deref() == Some(node_a2.as_str())
-        })
-        .unwrap_or_else(|| panic!("a2's CSINode registered: {log}"));
+    let registered = csi_node_created(&all, &node_a2, &log);
     let mut evicted: Vec<_> = accepted_evictions_of(&all, "db-*");
     assert_eq!(evicted.len(), 3, "{log}");
     evicted.sort_by_key(|r| r.received);
@@ -248,11 +271,7 @@ async fn a_replica_waits_for_a_node_in_its_volumes_zone() {
             "{name}'s replacement Pending {pending:?}: {log}"
         );
     }
-    let refused = failed_scheduling(&client, ns, "db-", deleted).await;
-    assert!(
-        refused.is_empty(),
-        "the scheduler refused a replica: {refused:?}"
-    );
+    assert_never_refused(&client, ns, "db-", deleted).await;
     case.finish().await;
 }
 
@@ -262,13 +281,15 @@ async fn a_replica_waits_for_a_node_in_its_volumes_zone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_waits_for_its_driver_on_the_destination() {
     let ns = "dest-driver";
-    let case = Case::builder(ns).on(BED).build().await;
-    let client = case.client();
     let (with, without) = (format!("{ns}-with"), format!("{ns}-without"));
-    zonal_class(&client, ns, &with, ns, None).await;
-    zonal_class(&client, ns, &without, ns, Some(serde_json::json!([]))).await;
-    let mut case = case;
-    case.start().await;
+    let (case, client) = zonal_case(
+        ns,
+        &[
+            ("with", ns, None),
+            ("without", ns, Some(serde_json::json!([]))),
+        ],
+    )
+    .await;
     running_machine(&client, ns, "a", &with).await;
     zonal_db(&client, ns, 1, ns).await;
     let node_b = running_machine(&client, ns, "b", &without).await;
@@ -307,11 +328,7 @@ async fn a_replica_waits_for_its_driver_on_the_destination() {
         "evicted at {} before the driver was registered at {registered}",
         evicted[0].received
     );
-    let refused = failed_scheduling(&client, ns, "db-", deleted).await;
-    assert!(
-        refused.is_empty(),
-        "the scheduler refused db-0: {refused:?}"
-    );
+    assert_never_refused(&client, ns, "db-", deleted).await;
     case.finish().await;
 }
 
@@ -334,20 +351,9 @@ async fn one_replica(client: &Client, ns: &str, set: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_drains_never_take_the_last_slot_twice() {
     let ns = "dest-slots";
-    let case = Case::builder(ns).on(BED).build().await;
-    let client = case.client();
     let (old, dest) = (format!("{ns}-old"), format!("{ns}-dest"));
-    zonal_class(&client, ns, &old, ns, None).await;
-    zonal_class(
-        &client,
-        ns,
-        &dest,
-        ns,
-        Some(serde_json::json!([{"name": CSI_DRIVER, "count": 1}])),
-    )
-    .await;
-    let mut case = case;
-    case.start().await;
+    let one_slot = serde_json::json!([{"name": CSI_DRIVER, "count": 1}]);
+    let (case, client) = zonal_case(ns, &[("old", ns, None), ("dest", ns, Some(one_slot))]).await;
     // db1-0 on one, then db2-0 on two (one cordoned meanwhile).
     let node_1 = running_machine(&client, ns, "one", &old).await;
     one_replica(&client, ns, "db1").await;
@@ -431,11 +437,7 @@ async fn two_drains_never_take_the_last_slot_twice() {
         "the second went before a slot was free: {}",
         oracle::log_of(&all)
     );
-    let refused = failed_scheduling(&client, ns, "db", deleted).await;
-    assert!(
-        refused.is_empty(),
-        "the scheduler refused a replica: {refused:?}"
-    );
+    assert_never_refused(&client, ns, "db", deleted).await;
     case.finish().await;
 }
 
@@ -449,13 +451,8 @@ async fn two_drains_never_take_the_last_slot_twice() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_machine_set_replacement_is_the_destination() {
     let ns = "dest-set";
-    let case = Case::builder(ns).on(BED).build().await;
-    let client = case.client();
     let (za, zb) = (format!("{ns}-a"), format!("{ns}-b"));
-    zonal_class(&client, ns, &za, &za, None).await;
-    zonal_class(&client, ns, &zb, &zb, None).await;
-    let mut case = case;
-    case.start().await;
+    let (case, client) = zonal_case(ns, &[("a", &za, None), ("b", &zb, None)]).await;
     running_machine(&client, ns, "b", &zb).await;
     let sets: Api<berth::api::MachineSet> = Api::namespaced(client.clone(), ns);
     create(
@@ -504,14 +501,7 @@ async fn a_machine_set_replacement_is_the_destination() {
         .and_then(|s| s.node_ref.as_ref())
         .map(|r| r.name.clone())
         .expect("its Node");
-    let registered = all
-        .iter()
-        .find(|r| {
-            r.resource == "csinodes"
-                && r.verb == "create"
-                && r.name.as_deref() == Some(node.as_str())
-        })
-        .unwrap_or_else(|| panic!("{node}'s CSINode registered: {log}"));
+    let registered = csi_node_created(&all, &node, &log);
     assert!(
         evicted[0].received > registered.received,
         "db-0 evicted before its destination could take it: {log}"
@@ -552,14 +542,9 @@ async fn a_machine_set_replacement_is_the_destination() {
 async fn a_rollout_brings_the_new_machine_up_before_the_replica_goes() {
     use berth_devkit::testbed::fixtures::{machine_deployment, rolling};
     let ns = "dest-rollout";
-    let case = Case::builder(ns).on(BED).build().await;
-    let client = case.client();
     let (za, za2, zb) = (format!("{ns}-a"), format!("{ns}-a2"), format!("{ns}-b"));
-    zonal_class(&client, ns, &za, &za, None).await;
-    zonal_class(&client, ns, &za2, &za, None).await;
-    zonal_class(&client, ns, &zb, &zb, None).await;
-    let mut case = case;
-    case.start().await;
+    let (case, client) =
+        zonal_case(ns, &[("a", &za, None), ("a2", &za, None), ("b", &zb, None)]).await;
     running_machine(&client, ns, "b", &zb).await;
     let deployments: Api<berth::api::MachineDeployment> = Api::namespaced(client.clone(), ns);
     create(
@@ -614,22 +599,11 @@ async fn a_rollout_brings_the_new_machine_up_before_the_replica_goes() {
     let log = oracle::log_of(&all);
     let evicted = accepted_evictions_of(&all, "db-0");
     assert_eq!(evicted.len(), 1, "{log}");
-    let registered = all
-        .iter()
-        .find(|r| {
-            r.resource == "csinodes"
-                && r.verb == "create"
-                && r.name.as_deref() == Some(node.as_str())
-        })
-        .unwrap_or_else(|| panic!("{node}'s CSINode registered: {log}"));
+    let registered = csi_node_created(&all, &node, &log);
     assert!(
         evicted[0].received > registered.received,
         "db-0 evicted before the new Machine could take it: {log}"
     );
-    let refused = failed_scheduling(&client, ns, "db-", deleted).await;
-    assert!(
-        refused.is_empty(),
-        "the scheduler refused db-0: {refused:?}"
-    );
+    assert_never_refused(&client, ns, "db-", deleted).await;
     case.finish().await;
 }

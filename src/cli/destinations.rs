@@ -17,7 +17,6 @@ use crate::api::{Machine, MovePermit, settings::ResolvedSettings};
 use crate::drain::ledger::{Permit, held_permit};
 use crate::drain::plan::DrainPlan;
 use crate::drain::select::fmt_key;
-use crate::drain::volume_kind::VolumeKind;
 use crate::placement::{Holding, Needs, Rules, Sight, choose, made_from};
 
 /// The cluster as listed for `berth plan`.
@@ -183,15 +182,7 @@ pub(super) async fn destination_lines(
     let mut lines = Vec::new();
     for p in &plan.stateful {
         let key = fmt_key(&p.pod);
-        let pvs: Vec<String> = p
-            .volumes
-            .iter()
-            .filter(|v| {
-                !v.volume.ephemeral
-                    && matches!(v.kind, VolumeKind::Attachable | VolumeKind::AttachFree)
-            })
-            .map(|v| v.volume.pv.clone())
-            .collect();
+        let pvs = p.moving_pvs();
         let Some(pod) = pods.iter().find(|o| o.metadata.uid == p.uid) else {
             continue;
         };

@@ -209,6 +209,20 @@ pub(crate) fn controller_of(pod: &Pod) -> Option<String> {
 }
 
 impl PlannedPod {
+    /// The PVs whose data moves with it (attachable or attach-free, not a
+    /// generic ephemeral volume's): those a destination for its
+    /// replacement must take (see [`crate::placement`]).
+    pub(crate) fn moving_pvs(&self) -> Vec<String> {
+        self.volumes
+            .iter()
+            .filter(|v| {
+                !v.volume.ephemeral
+                    && matches!(v.kind, VolumeKind::Attachable | VolumeKind::AttachFree)
+            })
+            .map(|v| v.volume.pv.clone())
+            .collect()
+    }
+
     /// Its node-local PVs, whose data is lost with the VM.
     pub(crate) fn node_local(&self) -> Vec<&str> {
         self.volumes

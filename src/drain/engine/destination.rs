@@ -143,15 +143,7 @@ impl<'d> Destination<'d> {
         if p.controller.is_none() || self.d.clock.expired() {
             return None;
         }
-        let pvs: Vec<String> = p
-            .volumes
-            .iter()
-            .filter(|v| {
-                !v.volume.ephemeral
-                    && matches!(v.kind, VolumeKind::Attachable | VolumeKind::AttachFree)
-            })
-            .map(|v| v.volume.pv.clone())
-            .collect();
+        let pvs = p.moving_pvs();
         if pvs.is_empty() {
             return None;
         }

@@ -15,6 +15,7 @@ use k8s_openapi::api::storage::v1::{CSIDriver, CSINode};
 use kube::ResourceExt;
 use kube::runtime::events::EventType;
 use kube::runtime::reflector::ObjectRef;
+use tokio::time::Instant;
 
 use super::node_drain::NodeDrain;
 use super::reports::pod_ref_key;
@@ -25,6 +26,11 @@ use crate::drain::plan::PlannedPod;
 use crate::drain::select::fmt_key;
 use crate::drain::volume_kind::VolumeKind;
 use crate::placement::{Holding, Needs, Rules, Sight, choose, made_from};
+
+/// How long a pod goes without a destination before a
+/// `DestinationUnavailable` Warning says so (`status.drain` says it at
+/// once).
+pub(super) const WARN_AFTER: Duration = Duration::from_secs(10);
 
 /// How long a change of Nodes, CSINodes or pods is let settle before the
 /// pods waiting for a destination are judged again: a burst of pod events
@@ -210,6 +216,7 @@ impl<'d> Destination<'d> {
         match self.look(p) {
             Found::Unneeded => Ok(None),
             Found::On(node) => {
+                self.d.held.somewhere(&key);
                 self.d.progress.update(|s| s.unblock(&key));
                 Ok(Some(node))
             }
@@ -219,7 +226,12 @@ impl<'d> Destination<'d> {
                      there): {nodes}; {}; it is evicted once one can",
                     self.coming()
                 );
-                if self.d.reports.first(format!("destination/{key}/{nodes}")) {
+                // Said at once in the status; warned about once it has
+                // lasted (a Node that has just registered is not-ready
+                // tainted for a moment).
+                let now = Instant::now();
+                self.d.held.nowhere_since(&key, now);
+                if self.d.held.warn_nowhere(&key, now, WARN_AFTER) {
                     self.d.reports.event(
                         EventType::Warning,
                         "DestinationUnavailable",
@@ -281,11 +293,14 @@ impl<'d> Destination<'d> {
     }
 
     /// Waits until one of `waiting` has a destination (judged again after
-    /// each Node, CSINode or pod change, let settle), or for ever.
+    /// each Node, CSINode or pod change, let settle), or a wait is due its
+    /// Warning, or for ever.
     pub(super) async fn appears(self, waiting: &[PlannedPod]) {
         if waiting.is_empty() {
             return std::future::pending().await;
         }
+        let keys: Vec<String> = waiting.iter().map(|p| fmt_key(&p.pod)).collect();
+        let warn = self.d.held.nowhere_warning_due(&keys, WARN_AFTER);
         let caches = &self.d.deps.caches;
         let (mut placement, mut pods) =
             (caches.placement_changes.clone(), caches.pod_changes.clone());
@@ -295,6 +310,7 @@ impl<'d> Destination<'d> {
             tokio::select! {
                 r = placement.changed() => if r.is_err() { return std::future::pending().await },
                 r = pods.changed() => if r.is_err() { return std::future::pending().await },
+                () = tokio::time::sleep_until(warn.unwrap_or_else(Instant::now)), if warn.is_some() => return,
             }
             tokio::time::sleep(SETTLE).await;
             placement.borrow_and_update();

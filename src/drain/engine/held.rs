@@ -6,13 +6,19 @@
 //!   group of its pod (no later group starts meanwhile);
 //! - **given-up** volumes: their detach wait timed out in this run; they
 //!   are warned about once and not waited for again (the reconciler's own
-//!   volume step still guards the VM).
+//!   volume step still guards the VM);
+//! - pods **without a destination**: since when each has found no Node
+//!   for its replacement, and whether that was warned about.
 //!
 //! No I/O: whether a replacement is placed, or a volume still on the Node,
 //! is asked of the caller.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
+
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use crate::api::VolumeMove;
 
@@ -23,9 +29,50 @@ pub(super) struct HeldMoves {
     held: Mutex<BTreeMap<String, (VolumeMove, i32)>>,
     /// PVs whose detach wait timed out.
     given_up: Mutex<BTreeSet<String>>,
+    /// By pod: since when it has found no destination, and whether that
+    /// was warned about.
+    nowhere: Mutex<BTreeMap<String, (Instant, bool)>>,
 }
 
 impl HeldMoves {
+    /// Pod `key` found no destination `now`: since when it has found none.
+    pub(super) fn nowhere_since(&self, key: &str, now: Instant) -> Instant {
+        self.nowhere.lock().map_or(now, |mut n| {
+            n.entry(key.to_string()).or_insert((now, false)).0
+        })
+    }
+
+    /// Whether pod `key`'s wait for a destination is to be warned about
+    /// now (it began `after` ago or more, and was not warned about yet);
+    /// marks it warned.
+    pub(super) fn warn_nowhere(&self, key: &str, now: Instant, after: Duration) -> bool {
+        self.nowhere.lock().is_ok_and(|mut n| match n.get_mut(key) {
+            Some((since, warned)) if !*warned && now.duration_since(*since) >= after => {
+                *warned = true;
+                true
+            }
+            _ => false,
+        })
+    }
+
+    /// When the first of `keys` not warned about yet is due its warning
+    /// (see [`HeldMoves::warn_nowhere`]), if any is.
+    pub(super) fn nowhere_warning_due(&self, keys: &[String], after: Duration) -> Option<Instant> {
+        let n = self.nowhere.lock().ok()?;
+        keys.iter()
+            .filter_map(|k| n.get(k))
+            .filter(|(_, warned)| !warned)
+            .map(|(since, _)| *since + after)
+            .min()
+    }
+
+    /// Pod `key` found a destination: a later wait starts afresh.
+    pub(super) fn somewhere(&self, key: &str) {
+        if let Ok(mut n) = self.nowhere.lock() {
+            n.remove(key);
+        }
+    }
+
     /// Holds back the other pods of `controller` until the replacement of
     /// the pod `moved` left is placed; `order` is that pod's group.
     pub(super) fn hold(&self, controller: &str, moved: VolumeMove, order: i32) {
@@ -122,6 +169,26 @@ mod tests {
             workload: None,
             since: None,
         }
+    }
+
+    #[test]
+    fn a_wait_for_a_destination_is_warned_about_once_when_due() {
+        let h = HeldMoves::default();
+        let (t0, after) = (Instant::now(), Duration::from_secs(10));
+        let key = ["ns/db-0".to_string()];
+        assert_eq!(h.nowhere_warning_due(&key, after), None);
+        assert_eq!(h.nowhere_since("ns/db-0", t0), t0);
+        // A later pass keeps the first time.
+        assert_eq!(h.nowhere_since("ns/db-0", t0 + Duration::from_secs(3)), t0);
+        assert_eq!(h.nowhere_warning_due(&key, after), Some(t0 + after));
+        assert!(!h.warn_nowhere("ns/db-0", t0 + Duration::from_secs(9), after));
+        assert!(h.warn_nowhere("ns/db-0", t0 + after, after));
+        assert!(!h.warn_nowhere("ns/db-0", t0 + after * 2, after), "once");
+        assert_eq!(h.nowhere_warning_due(&key, after), None);
+        // Found one, then none again: a new wait.
+        h.somewhere("ns/db-0");
+        let t1 = t0 + after * 3;
+        assert_eq!(h.nowhere_since("ns/db-0", t1), t1);
     }
 
     #[test]

@@ -21,7 +21,6 @@ use super::node_drain::NodeDrain;
 use super::reports::pod_ref_key;
 use crate::api::set_owner;
 use crate::cache::{Caches, claim_key};
-use crate::drain::ledger::Permit;
 use crate::drain::plan::PlannedPod;
 use crate::drain::select::fmt_key;
 use crate::drain::volume_kind::VolumeKind;
@@ -41,11 +40,11 @@ const SETTLE: Duration = Duration::from_millis(200);
 /// flight that hold a destination.
 pub(crate) struct CacheSight<'a> {
     caches: &'a Caches,
-    moving: Vec<Permit>,
+    moving: Vec<Holding>,
 }
 
 impl<'a> CacheSight<'a> {
-    pub(crate) fn new(caches: &'a Caches, moving: Vec<Permit>) -> Self {
+    pub(crate) fn new(caches: &'a Caches, moving: Vec<Holding>) -> Self {
         Self { caches, moving }
     }
 
@@ -57,8 +56,7 @@ impl<'a> CacheSight<'a> {
             .state()
             .iter()
             .filter_map(|p| crate::drain::ledger::held_permit(p))
-            .map(|(_, p)| p)
-            .filter(|p| p.destination.is_some())
+            .filter_map(|(_, p)| p.holding())
             .collect();
         Self { caches, moving }
     }
@@ -115,7 +113,7 @@ impl Sight for CacheSight<'_> {
     }
 
     fn holdings(&self) -> Vec<Holding> {
-        self.moving.iter().filter_map(Permit::holding).collect()
+        self.moving.clone()
     }
 }
 
@@ -163,10 +161,37 @@ impl<'d> Destination<'d> {
         needs.pinned().then_some(needs)
     }
 
+    /// [`Destination::find`], and the destination found held for `p`'s move
+    /// at once, when its move reserves attach slots: looking and holding
+    /// are one critical section of the process (see
+    /// `Permits::hold_destination`), so
+    /// two drains never count on the same free slot. The hold ends with
+    /// the permit's answer (`Permits::unhold`).
+    pub(super) fn find_and_hold(self, p: &PlannedPod) -> Result<Option<String>, String> {
+        if !self.reserves(p) {
+            return self.find(p);
+        }
+        self.d.deps.permits.hold_destination(|| {
+            let found = self.find(p);
+            let hold = found.as_ref().ok().cloned().flatten().map(|node| Holding {
+                pod: fmt_key(&p.pod),
+                uid: p.uid.clone().unwrap_or_else(|| fmt_key(&p.pod)),
+                node,
+                pvs: p
+                    .volumes
+                    .iter()
+                    .filter(|v| v.kind == VolumeKind::Attachable && !v.volume.ephemeral)
+                    .map(|v| v.volume.pv.clone())
+                    .collect(),
+            });
+            (found, hold)
+        })
+    }
+
     /// Whether `p`'s move may reserve attach slots on its destination (a
     /// volume of its attaches), so that looking for it and asking for
     /// its permit must not interleave with another drain's.
-    pub(super) fn reserves(self, p: &PlannedPod) -> bool {
+    fn reserves(self, p: &PlannedPod) -> bool {
         p.controller.is_some()
             && !self.d.clock.expired()
             && p.volumes
@@ -192,7 +217,7 @@ impl<'d> Destination<'d> {
     }
 
     fn sight(self) -> CacheSight<'d> {
-        CacheSight::new(&self.d.deps.caches, self.d.deps.permits.with_destination())
+        CacheSight::new(&self.d.deps.caches, self.d.deps.permits.holdings())
     }
 
     /// Looks for `p`'s destination, quietly.

@@ -483,18 +483,11 @@ impl<'d> Pass<'d> {
                     // A Node for its replacement first, and the workload's
                     // budget across every drain: a pod that must wait for
                     // either is left to a later pass, and the chain goes on
-                    // with other workloads. The slots the destination's
-                    // permit reserves are counted by the next drain to look
-                    // only once the ask is answered.
-                    let destination = Destination::new(self.d);
-                    let placing = match destination.reserves(p) {
-                        true => Some(self.d.deps.permits.placing().lock().await),
-                        false => None,
-                    };
-                    let found = match destination.find(p) {
+                    // with other workloads. The destination found is held
+                    // for the move at once, and by its permit once granted.
+                    let found = match Destination::new(self.d).find_and_hold(p) {
                         Ok(found) => found,
                         Err(why) => {
-                            drop(placing);
                             if let (Ok(mut w), Ok(mut n)) = (waiting.lock(), nowhere.lock()) {
                                 w.push((uid(), why));
                                 n.push(p.clone());
@@ -504,7 +497,7 @@ impl<'d> Pass<'d> {
                         }
                     };
                     let permit = self.permit_to_move(p, found).await;
-                    drop(placing);
+                    self.d.deps.permits.unhold(&uid());
                     let workload = match permit {
                         Ok(workload) => workload,
                         Err(why) => {

@@ -33,6 +33,7 @@ use crate::drain::ledger::permit_expires;
 use crate::drain::ledger::{
     Answer, Ask, AskStore, Budget, Ledger, Permit, Workload, ledger_meta, recorded_moves,
 };
+use crate::placement::Holding;
 use crate::telemetry::{Metrics, WORKLOAD_KINDS};
 
 pub(crate) use super::store::{Held, PermitStore};
@@ -65,11 +66,13 @@ pub(crate) struct Permits {
     lingering: Mutex<BTreeSet<String>>,
     /// Bumped when a move is left to the keeper.
     lingered: watch::Sender<u64>,
-    /// Held by a drain from the moment it looks for a stateful pod's
-    /// destination until its permit (which reserves the destination's
-    /// attach slots) is granted or refused: two drains of this process
-    /// never count on the same free slot.
-    placing: tokio::sync::Mutex<()>,
+    /// Held by a drain while it looks for a stateful pod's destination
+    /// and, when it finds one, holds it (`holding`): two drains of this
+    /// process never count on the same free slot.
+    placing: Mutex<()>,
+    /// The destinations held by moves whose permit is being asked, by pod
+    /// UID: until the answer, their attach slots count as reserved.
+    holding: Mutex<BTreeMap<String, Holding>>,
 }
 
 impl Permits {
@@ -94,31 +97,54 @@ impl Permits {
             seen: Mutex::default(),
             lingering: Mutex::default(),
             lingered: watch::channel(0).0,
-            placing: tokio::sync::Mutex::new(()),
+            placing: Mutex::default(),
+            holding: Mutex::default(),
         }
     }
 
-    /// The lock a drain holds from looking for a destination to the
-    /// answer to its ask (see [`Permits::with_destination`]).
-    pub(crate) fn placing(&self) -> &tokio::sync::Mutex<()> {
-        &self.placing
+    /// Runs `look` (a destination check, which reads [`Permits::holdings`])
+    /// and holds the destination it found for its move, in one critical
+    /// section of this process: no other drain of it looks in between. The
+    /// hold lasts until [`Permits::unhold`], after the permit's answer (a
+    /// permit granted holds it from then on). No await inside.
+    pub(crate) fn hold_destination<T>(&self, look: impl FnOnce() -> (T, Option<Holding>)) -> T {
+        let _placing = self.placing.lock();
+        let (found, hold) = look();
+        if let (Some(h), Ok(mut holding)) = (hold, self.holding.lock()) {
+            holding.insert(h.uid.clone(), h);
+        }
+        found
+    }
+
+    /// Ends the hold of pod `uid`'s destination (see
+    /// [`Permits::hold_destination`]).
+    pub(crate) fn unhold(&self, uid: &str) {
+        if let Ok(mut holding) = self.holding.lock() {
+            holding.remove(uid);
+        }
     }
 
     /// Every move in flight that holds a destination, once each: this
-    /// process's (its ledger, and the permits it wrote that the cache has
-    /// not shown yet) and every process's permits in the API server.
-    pub(crate) fn with_destination(&self) -> Vec<Permit> {
-        let mut by_uid: BTreeMap<String, Permit> = BTreeMap::new();
+    /// process's (its ledger, the permits it wrote that the cache has not
+    /// shown yet, and the moves whose permit is being asked) and every
+    /// process's permits in the API server.
+    pub(crate) fn holdings(&self) -> Vec<Holding> {
+        let mut by_uid: BTreeMap<String, Holding> = BTreeMap::new();
         for h in self.store.held() {
-            if h.permit.destination.is_some() {
-                by_uid.insert(h.permit.uid.clone(), h.permit);
+            if let Some(hold) = h.permit.holding() {
+                by_uid.insert(hold.uid.clone(), hold);
             }
         }
         if let Ok(ledger) = self.ledger.lock() {
             for (_, p) in ledger.moves() {
-                if p.destination.is_some() {
-                    by_uid.entry(p.uid.clone()).or_insert(p);
+                if let Some(hold) = p.holding() {
+                    by_uid.entry(hold.uid.clone()).or_insert(hold);
                 }
+            }
+        }
+        if let Ok(holding) = self.holding.lock() {
+            for (uid, hold) in holding.iter() {
+                by_uid.entry(uid.clone()).or_insert_with(|| hold.clone());
             }
         }
         by_uid.into_values().collect()

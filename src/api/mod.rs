@@ -15,6 +15,7 @@ pub mod machinedeployment;
 pub mod machineset;
 pub mod owners;
 pub mod permit;
+pub mod resources;
 pub mod settings;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, Time};

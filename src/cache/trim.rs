@@ -9,16 +9,20 @@
 //! trimmed and untrimmed pods. A decision that starts reading another field
 //! must keep it here too.
 
+use std::collections::BTreeMap;
+
 use k8s_openapi::api::apps::v1::{
     Deployment, DeploymentSpec, DeploymentStatus, RollingUpdateStatefulSetStrategy, StatefulSet,
     StatefulSetSpec, StatefulSetStatus, StatefulSetUpdateStrategy,
 };
 use k8s_openapi::api::core::v1::{
-    Affinity, Container, EmptyDirVolumeSource, Node, NodeAffinity, Pod, PodSpec, PodStatus,
-    PodTemplateSpec, ResourceRequirements,
+    Affinity, EmptyDirVolumeSource, Node, NodeAffinity, Pod, PodSpec, PodStatus, PodTemplateSpec,
 };
 use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::Resource;
+
+use crate::api::resources::pod_requests;
 
 /// Every object: `managedFields` (often the largest part of an object) and
 /// the last-applied annotation of `kubectl apply`, a second copy of the
@@ -96,7 +100,10 @@ pub fn pod(pod: &mut Pod) {
 
 /// What a destination for a pod's replacement is judged by (see
 /// `crate::placement`), taken from `spec`: its tolerations, node selector
-/// and required node affinity, and its containers' requests only.
+/// and required node affinity, and what it asks of a Node. The last is
+/// kept as its sum ([`pod_requests`]) in `overhead`, with no container:
+/// a `Container` per container of every pod is the cache's largest cost,
+/// and the sum of a spec that has only an overhead is that overhead.
 fn scheduling(spec: &mut PodSpec) -> PodSpec {
     let affinity = spec
         .affinity
@@ -110,30 +117,19 @@ fn scheduling(spec: &mut PodSpec) -> PodSpec {
             }),
             ..Affinity::default()
         });
-    let requests_only = |c: Container| Container {
-        resources: c
-            .resources
-            .and_then(|r| r.requests)
-            .map(|requests| ResourceRequirements {
-                requests: Some(requests),
-                ..ResourceRequirements::default()
-            }),
-        restart_policy: c.restart_policy,
-        ..Container::default()
-    };
+    let asks = pod_requests(spec);
+    let mut sum = BTreeMap::new();
+    if asks.cpu_milli > 0 {
+        sum.insert("cpu".to_string(), Quantity(format!("{}m", asks.cpu_milli)));
+    }
+    if asks.memory > 0 {
+        sum.insert("memory".to_string(), Quantity(asks.memory.to_string()));
+    }
     PodSpec {
         tolerations: spec.tolerations.take().filter(|t| !t.is_empty()),
         node_selector: spec.node_selector.take().filter(|s| !s.is_empty()),
         affinity,
-        containers: std::mem::take(&mut spec.containers)
-            .into_iter()
-            .map(requests_only)
-            .collect(),
-        init_containers: spec
-            .init_containers
-            .take()
-            .map(|cs| cs.into_iter().map(requests_only).collect()),
-        overhead: spec.overhead.take(),
+        overhead: (!sum.is_empty()).then_some(sum),
         ..PodSpec::default()
     }
 }
@@ -308,11 +304,17 @@ mod tests {
         assert_eq!(spec.priority, Some(100));
         assert_eq!(spec.priority_class_name.as_deref(), Some("high"));
         assert_eq!(spec.termination_grace_period_seconds, Some(30));
-        // What a destination for its replacement is judged by.
-        let kept = serde_json::to_value(&spec.containers).expect("containers");
+        // What a destination for its replacement is judged by: its
+        // requests as their sum, no container.
+        assert!(spec.containers.is_empty() && spec.init_containers.is_none());
         assert_eq!(
-            kept,
-            serde_json::json!([{"name": "", "resources": {"requests": {"cpu": "1"}}}])
+            serde_json::to_value(&spec.overhead).expect("overhead"),
+            serde_json::json!({"cpu": "1000m"})
+        );
+        assert_eq!(
+            crate::api::resources::pod_requests(spec).cpu_milli,
+            1000,
+            "the sum the scheduler would count"
         );
         assert_eq!(spec.tolerations.as_ref().map(Vec::len), Some(2));
         assert_eq!(
@@ -541,8 +543,8 @@ mod tests {
             .expect("the template's scheduling");
         assert_eq!(
             serde_json::to_value(template).expect("template"),
-            serde_json::json!({"containers": [{"name": "", "resources": {"requests": {"cpu": "1"}}}],
-                               "nodeSelector": {"disk": "ssd"}})
+            serde_json::json!({"containers": [], "nodeSelector": {"disk": "ssd"},
+                               "overhead": {"cpu": "1000m"}})
         );
         let rolling = spec
             .update_strategy

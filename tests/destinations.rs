@@ -194,6 +194,16 @@ async fn a_replica_waits_for_a_node_in_its_volumes_zone() {
             && why.contains(&format!("zone {zb}: {ns}-b outside PV {ns}-db-")),
         "{why}"
     );
+    // berth plan says the same, from its own lists.
+    let plan = berth::cli::plan::plan_machine(&client, ns, "a")
+        .await
+        .expect("berth plan")
+        .destinations();
+    assert!(
+        plan.contains(&format!("{ns}/db-0: no Node can take its replacement"))
+            && plan.contains(&format!("zone {zb}: {ns}-b outside PV {ns}-db-")),
+        "{plan}"
+    );
     // The pods without volumes went; no replica did, for 10 s.
     let bed = BED.bed().await;
     let web =

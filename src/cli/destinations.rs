@@ -14,7 +14,7 @@ use kube::api::{Api, ListParams};
 use kube::{Client, ResourceExt};
 
 use crate::api::{Machine, MovePermit, settings::ResolvedSettings};
-use crate::drain::ledger::{Permit, held_permit};
+use crate::drain::ledger::held_permit;
 use crate::drain::plan::DrainPlan;
 use crate::drain::select::fmt_key;
 use crate::placement::{Holding, Needs, Rules, Sight, choose, made_from};
@@ -32,87 +32,72 @@ struct Listed {
     /// Each StatefulSet's pod template, by namespace and name: what its
     /// replacement pods are made from.
     templates: BTreeMap<(String, String), PodSpec>,
-    moving: Vec<Permit>,
+    moving: Vec<Holding>,
+}
+
+/// Every `K` of the cluster.
+async fn all<K>(client: &Client) -> Result<Vec<K>, kube::Error>
+where
+    K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    Ok(Api::<K>::all(client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items)
+}
+
+/// `objs` by the key `key` gives each.
+fn by<K, T: Ord>(objs: Vec<K>, key: impl Fn(&K) -> T) -> BTreeMap<T, Arc<K>> {
+    objs.into_iter().map(|o| (key(&o), Arc::new(o))).collect()
 }
 
 impl Listed {
-    async fn list(client: &Client) -> Result<Self, kube::Error> {
-        let lp = ListParams::default();
-        let by_name = |objs: Vec<_>| -> BTreeMap<String, Arc<_>> {
-            objs.into_iter()
-                .map(|o: CSINode| (o.name_any(), Arc::new(o)))
-                .collect()
-        };
+    /// The cluster as `berth plan` sees it: what the plan already listed
+    /// (`volumes`: its claims, PVs and CSIDrivers), and the rest listed
+    /// here.
+    async fn list(client: &Client, volumes: &Volumes<'_>) -> Result<Self, kube::Error> {
         let mut pods: BTreeMap<String, Vec<Arc<Pod>>> = BTreeMap::new();
-        for p in Api::<Pod>::all(client.clone()).list(&lp).await?.items {
+        for p in all::<Pod>(client).await? {
             if let Some(n) = p.spec.as_ref().and_then(|s| s.node_name.clone()) {
                 pods.entry(n).or_default().push(Arc::new(p));
             }
         }
-        let deleting = Api::<Machine>::all(client.clone())
-            .list(&lp)
+        let deleting = all::<Machine>(client)
             .await?
-            .items
             .into_iter()
             .filter(|m| m.metadata.deletion_timestamp.is_some())
             .filter_map(|m| Some(m.status?.node_ref?.name))
             .collect();
+        let templates = all::<StatefulSet>(client)
+            .await?
+            .into_iter()
+            .filter_map(|s| {
+                let key = (s.namespace().unwrap_or_default(), s.name_any());
+                Some((key, s.spec.template.spec?))
+            })
+            .collect();
+        let moving = all::<MovePermit>(client)
+            .await?
+            .iter()
+            .filter_map(held_permit)
+            .filter_map(|(_, p)| p.holding())
+            .collect();
         Ok(Self {
-            nodes: Api::<Node>::all(client.clone())
-                .list(&lp)
+            nodes: all::<Node>(client)
                 .await?
-                .items
                 .into_iter()
                 .map(Arc::new)
                 .collect(),
-            csi_nodes: by_name(Api::<CSINode>::all(client.clone()).list(&lp).await?.items),
+            csi_nodes: by(all::<CSINode>(client).await?, |o| o.name_any()),
             pods,
-            pvs: Api::<PersistentVolume>::all(client.clone())
-                .list(&lp)
-                .await?
-                .items
-                .into_iter()
-                .map(|p| (p.name_any(), Arc::new(p)))
-                .collect(),
-            pvcs: Api::<PersistentVolumeClaim>::all(client.clone())
-                .list(&lp)
-                .await?
-                .items
-                .into_iter()
-                .map(|c| {
-                    (
-                        (c.namespace().unwrap_or_default(), c.name_any()),
-                        Arc::new(c),
-                    )
-                })
-                .collect(),
-            drivers: Api::<CSIDriver>::all(client.clone())
-                .list(&lp)
-                .await?
-                .items
-                .into_iter()
-                .map(|d| (d.name_any(), Arc::new(d)))
-                .collect(),
+            pvs: by(volumes.pvs.to_vec(), |o| o.name_any()),
+            pvcs: by(volumes.pvcs.to_vec(), |c| {
+                (c.namespace().unwrap_or_default(), c.name_any())
+            }),
+            drivers: by(volumes.drivers.to_vec(), |o| o.name_any()),
             deleting,
-            templates: Api::<StatefulSet>::all(client.clone())
-                .list(&lp)
-                .await?
-                .items
-                .into_iter()
-                .filter_map(|s| {
-                    let key = (s.namespace().unwrap_or_default(), s.name_any());
-                    Some((key, s.spec.template.spec?))
-                })
-                .collect(),
-            moving: Api::<MovePermit>::all(client.clone())
-                .list(&lp)
-                .await?
-                .items
-                .iter()
-                .filter_map(held_permit)
-                .map(|(_, p)| p)
-                .filter(|p| p.destination.is_some())
-                .collect(),
+            templates,
+            moving,
         })
     }
 }
@@ -160,8 +145,15 @@ impl Sight for Listed {
     }
 
     fn holdings(&self) -> Vec<Holding> {
-        self.moving.iter().filter_map(Permit::holding).collect()
+        self.moving.clone()
     }
+}
+
+/// What `berth plan` listed for its plan, which the destinations read too.
+pub(super) struct Volumes<'a> {
+    pub(super) pvcs: &'a [PersistentVolumeClaim],
+    pub(super) pvs: &'a [PersistentVolume],
+    pub(super) drivers: &'a [CSIDriver],
 }
 
 /// One line per stateful pod of `plan` that must find a destination
@@ -171,11 +163,12 @@ pub(super) async fn destination_lines(
     plan: &DrainPlan,
     pods: &[Pod],
     settings: &ResolvedSettings,
+    volumes: &Volumes<'_>,
 ) -> Result<Vec<String>, kube::Error> {
     if plan.stateful.is_empty() {
         return Ok(Vec::new());
     }
-    let listed = Listed::list(client).await?;
+    let listed = Listed::list(client, volumes).await?;
     let rules = Rules {
         require_csi_node: settings.require_csi_node,
     };

@@ -311,8 +311,13 @@ pub async fn plan_machine(
         .allowing_data_loss(allows_data_loss(machine.metadata.annotations.as_ref()));
     let plan = plan(&node, &pods, &pvcs, &pvs, &pdbs, &vas, &volumes, &settings);
     let budgets = ledger_view(client, &machine, &plan, &pods).await?;
+    let listed = super::destinations::Volumes {
+        pvcs: &pvcs,
+        pvs: &pvs,
+        drivers: &drivers,
+    };
     let destinations =
-        super::destinations::destination_lines(client, &plan, &pods, &settings).await?;
+        super::destinations::destination_lines(client, &plan, &pods, &settings, &listed).await?;
     Ok(LivePlan {
         machine,
         plan,

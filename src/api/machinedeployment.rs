@@ -118,6 +118,10 @@ pub struct MachineDeploymentSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("self > 0").message("progressDeadlineSeconds must be positive"))]
     pub progress_deadline_seconds: Option<i32>,
+    /// The remediation of the deployment's Machines whose Nodes die,
+    /// copied to each of its MachineSets (a change does not roll out).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remediation: Option<super::Remediation>,
 }
 
 fn one() -> i32 {

@@ -77,6 +77,12 @@ pub struct MachineSetSpec {
     pub min_ready_seconds: Option<i32>,
     /// The Machines to make.
     pub template: MachineTemplate,
+    /// The remediation of the set's Machines whose Nodes die, over their
+    /// class's field by field (see `MachineClass.spec.remediation`); the
+    /// set is the pool `maxUnhealthy` counts. A MachineDeployment's sets
+    /// carry the deployment's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remediation: Option<super::Remediation>,
 }
 
 fn one() -> i32 {

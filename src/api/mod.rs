@@ -15,6 +15,7 @@ pub mod machinedeployment;
 pub mod machineset;
 pub mod owners;
 pub mod permit;
+pub mod remediation;
 pub mod resources;
 pub mod settings;
 
@@ -34,6 +35,7 @@ pub use machineset::{
 };
 pub use owners::{controlling_set, owner_of, owner_ref, set_owner};
 pub use permit::{MovePermit, MovePermitSpec, permit_name};
+pub use remediation::{Remediation, RemediationStatus, RemediationStep};
 pub use settings::{DrainSettings, NodeLocalVolumes, ResolvedSettings, SettingsError};
 
 pub const GROUP: &str = "berth.dev";
@@ -119,6 +121,15 @@ pub mod conditions {
     /// Machine's own `spec.drain` and built-in defaults for the rest, and
     /// the message says which.
     pub const DRAIN_SETTINGS: &str = "DrainSettings";
+    /// What became of an unhealthy Machine: False with reason
+    /// `RemediationOff` (its class and pool leave it as it is) or
+    /// `RemediationHeld` (too many Machines are unhealthy: a partition is
+    /// not remediated); True while it is remediated (`Fencing`,
+    /// `FenceFailed`, `FenceUnsupported`, `WaitingForMovePermits`,
+    /// `Freeing`, `Replacing`) and once it was (`Replaced`, `Failed`);
+    /// False with `RemediationCanceled` when its Node came back before the
+    /// VM was fenced.
+    pub const REMEDIATION: &str = "Remediation";
 }
 
 /// A class of Machines: which provider creates them, with what parameters,
@@ -163,6 +174,11 @@ pub struct MachineClassSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = settings::duration_rule())]
     pub health_timeout: Option<String>,
+    /// What berth does with a Running Machine of this class whose Node
+    /// stays unhealthy (default: nothing but name it). A MachineSet's
+    /// `remediation` wins field by field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remediation: Option<Remediation>,
 }
 
 /// A reference to a Secret.
@@ -257,8 +273,9 @@ pub struct MachineStatus {
     /// The Node that registered with this Machine's providerID.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_ref: Option<NodeReference>,
-    /// Conditions: Ready, NodeHealthy, Drained, VolumesDetached, VMRequested,
-    /// NodeLocalVolumes (a drain moved or holds node-local data),
+    /// Conditions: Ready, NodeHealthy, Remediation, Drained,
+    /// VolumesDetached, VMRequested, NodeLocalVolumes (a drain moved or
+    /// holds node-local data),
     /// DrainSettings (what the drain of a Machine whose class cannot be
     /// resolved uses).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -272,6 +289,10 @@ pub struct MachineStatus {
     /// The generation of the spec this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// The remediation under way of a Machine whose Node died (see the
+    /// `Remediation` condition).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remediation: Option<RemediationStatus>,
 }
 
 /// A reference to a Node.

@@ -184,6 +184,9 @@ fn status_after(
     if let Some(name) = &rec.node_ref {
         next.node_ref = Some(NodeReference { name: name.clone() });
     }
+    if let Some(r) = &rec.remediation {
+        next.remediation.clone_from(r);
+    }
     next
 }
 
@@ -216,6 +219,7 @@ mod tests {
             conditions: vec![],
             report: Report::new("Create", "Running", State::Succeeded, ""),
             node_ref: node.map(str::to_string),
+            remediation: None,
         };
         let start = MachineStatus {
             node_ref: Some(NodeReference { name: "old".into() }),

@@ -16,6 +16,7 @@ use super::lookup::{Resolved, find_node, resolve_machine};
 use super::record::{
     CreationContext, VmAnswer, creation_record, unresolved_record, vm_answer_record,
 };
+use super::remediation::{Handled, apply as apply_remediation};
 use crate::api::Machine;
 use crate::providers::ProviderError;
 
@@ -32,6 +33,10 @@ pub(super) async fn apply(m: &Machine, ctx: &Context) -> Result<Next, Error> {
     };
     let now = Timestamp::now();
     let node = find_node(m, ctx);
+    let (named, recheck_in) = match apply_remediation(m, ctx, &r, node.as_deref()).await? {
+        Handled::Done(next) => return Ok(next),
+        Handled::Continue { cond, recheck_in } => (cond, recheck_in),
+    };
     let facts = CreationFacts {
         phase: m.status.as_ref().and_then(|s| s.phase),
         provider_id: m.spec.provider_id.clone(),
@@ -57,6 +62,10 @@ pub(super) async fn apply(m: &Machine, ctx: &Context) -> Result<Next, Error> {
     ) else {
         // Failed: stays so until the Machine is deleted.
         return Ok(Next::Wait(Action::await_change()));
+    };
+    let rec = match named {
+        Some(c) => rec.with(c),
+        None => rec,
     };
     if step == CreationStep::CreateVm {
         if let Some(after) = ctx.provider_retry_in(m) {
@@ -87,9 +96,11 @@ pub(super) async fn apply(m: &Machine, ctx: &Context) -> Result<Next, Error> {
                 ready_for,
                 ..
             }) => Action::requeue(
-                r.settings.health_timeout.saturating_sub(ready_for) + Duration::from_millis(100),
+                (r.settings.health_timeout.saturating_sub(ready_for) + Duration::from_millis(100))
+                    .min(recheck_in.unwrap_or(Duration::MAX)),
             ),
-            _ => Action::await_change(),
+            // A condition its class lists, not failing for long enough yet.
+            _ => recheck_in.map_or_else(Action::await_change, Action::requeue),
         },
         _ => Action::await_change(),
     };

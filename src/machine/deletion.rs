@@ -251,10 +251,12 @@ async fn observe(
     let annotations = m.annotations();
     let facts = DeletionFacts {
         phase: m.status.as_ref().and_then(|s| s.phase),
+        // A remediation fenced its VM: nothing on the Node runs.
         force: m
             .labels()
             .get(FORCE_DELETION_LABEL)
-            .is_some_and(|v| v == "true"),
+            .is_some_and(|v| v == "true")
+            || super::remediation::fenced(m),
         pre_drain_hooks: decide::hooks(annotations.keys(), PRE_DRAIN_HOOK_PREFIX),
         pre_terminate_hooks: decide::hooks(annotations.keys(), PRE_TERMINATE_HOOK_PREFIX),
         node: node_facts,

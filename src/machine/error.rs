@@ -34,6 +34,10 @@ pub(crate) enum Step {
     ProviderCreate,
     /// Asking the provider to delete the VM.
     ProviderDelete,
+    /// Asking the provider to fence the VM of an unhealthy Machine.
+    ProviderFence,
+    /// Deleting a remediated Machine, for its pool to replace it.
+    MachineDelete,
 }
 
 impl Step {
@@ -51,6 +55,8 @@ impl Step {
             Step::NodeConditions => "error_node_conditions",
             Step::ProviderCreate => "error_provider_create",
             Step::ProviderDelete => "error_provider_delete",
+            Step::ProviderFence => "error_provider_fence",
+            Step::MachineDelete => "error_machine_delete",
         }
     }
 
@@ -67,6 +73,8 @@ impl Step {
             Step::NodeConditions => "Node lifecycle conditions",
             Step::ProviderCreate => "VM creation",
             Step::ProviderDelete => "VM deletion",
+            Step::ProviderFence => "VM fence",
+            Step::MachineDelete => "Machine deletion",
         }
     }
 }

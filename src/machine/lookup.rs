@@ -26,6 +26,8 @@ pub(super) struct Resolved {
     pub(super) provider: Arc<dyn Provider>,
     pub(super) settings: ResolvedSettings,
     pub(super) request: MachineRequest,
+    /// The class's `remediation`, as written.
+    pub(super) class_remediation: Option<crate::api::Remediation>,
 }
 
 pub(super) fn resolve_machine(m: &Machine, ctx: &Context) -> Result<Resolved, Unresolved> {
@@ -71,6 +73,7 @@ pub(super) fn resolve_machine(m: &Machine, ctx: &Context) -> Result<Resolved, Un
     Ok(Resolved {
         provider,
         settings,
+        class_remediation: class.spec.remediation.clone(),
         request: MachineRequest {
             namespace: m.namespace().unwrap_or_default(),
             name: m.name_any(),

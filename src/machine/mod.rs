@@ -25,11 +25,13 @@ mod creation;
 pub(crate) mod decide;
 mod deletion;
 mod error;
+pub(crate) mod health;
 mod lifecycle;
 mod lookup;
 pub(crate) mod node;
 mod reconcile;
 pub(crate) mod record;
+mod remediation;
 pub(crate) mod status;
 pub mod write;
 
@@ -83,6 +85,13 @@ pub(crate) struct Context {
     /// so each deletion asks once, not at every step. Forgotten when the
     /// deletion ends; a restart asks again.
     vm_owned: Mutex<HashSet<String>>,
+    /// The cluster's bound on unhealthy Machines for remediation.
+    pub(crate) max_unhealthy: crate::api::remediation::MaxUnhealthy,
+    /// Machines whose remediation waits on others: held by a
+    /// `maxUnhealthy` (woken when another Machine's Node is healthy again
+    /// or a Machine goes), or for the move ledger (woken when permits
+    /// change).
+    remediation_waits: Mutex<HashSet<ObjectRef<Machine>>>,
 }
 
 /// The watches that wake the Machine controller
@@ -111,6 +120,8 @@ impl Context {
             vm_not_found: Mutex::new(HashMap::new()),
             vm_not_found_grace,
             vm_owned: Mutex::new(HashSet::new()),
+            max_unhealthy: crate::api::remediation::MaxUnhealthy::Percent(40),
+            remediation_waits: Mutex::new(HashSet::new()),
             client,
             providers,
             events,
@@ -226,6 +237,7 @@ pub(crate) async fn run(
         async move { ctx.drainer.keep_line().await }
     };
     let line = AbortOnDrop(tokio::spawn(line));
+    let remediations = AbortOnDrop(tokio::spawn(wake_remediations(Arc::clone(&ctx))));
 
     let metrics = Arc::clone(&ctx.metrics);
     crate::controller::skeleton::run(
@@ -241,9 +253,28 @@ pub(crate) async fn run(
     drop(vanished);
     drop(keeper);
     drop(line);
+    drop(remediations);
     // Drains stop at a resumable point: the next leader re-plans from the
     // cluster's state.
     ctx.drainer.stop_all();
+}
+
+/// Wakes the Machines whose remediation waits when what they wait on may
+/// have changed: a move permit freed (here, or as another process's line
+/// says), a permit changed, or a Machine gone (which the Machine watch
+/// alone does not tell the others).
+async fn wake_remediations(ctx: Arc<Context>) {
+    let mut freed = ctx.drainer.permits_freed();
+    let mut permits = ctx.caches.permit_changes.clone();
+    let mut gone = ctx.caches.machines_gone.clone();
+    loop {
+        tokio::select! {
+            r = freed.changed() => if r.is_err() { return },
+            r = permits.changed() => if r.is_err() { return },
+            r = gone.changed() => if r.is_err() { return },
+        }
+        ctx.wake_remediations();
+    }
 }
 
 impl crate::controller::Reconciler for Context {
@@ -270,6 +301,36 @@ impl crate::controller::Reconciler for Context {
 }
 
 impl Context {
+    /// The cluster's bound on unhealthy Machines for remediation.
+    pub(crate) fn with_max_unhealthy(mut self, max: crate::api::remediation::MaxUnhealthy) -> Self {
+        self.max_unhealthy = max;
+        self
+    }
+
+    /// `m`'s remediation waits on other Machines or on the move ledger
+    /// (`waits`), or no longer does.
+    pub(crate) fn remediation_waits(&self, m: &Machine, waits: bool) {
+        if let Ok(mut set) = self.remediation_waits.lock() {
+            if waits {
+                set.insert(ObjectRef::from_obj(m));
+            } else {
+                set.remove(&ObjectRef::from_obj(m));
+            }
+        }
+    }
+
+    /// Wakes every Machine whose remediation waits.
+    pub(crate) fn wake_remediations(&self) {
+        let waiting: Vec<_> = self
+            .remediation_waits
+            .lock()
+            .map(|set| set.iter().cloned().collect())
+            .unwrap_or_default();
+        for m in waiting {
+            self.drainer.wake(m);
+        }
+    }
+
     /// The provider is not to be asked about `m` again before `delay`.
     pub(crate) fn provider_retry_after(&self, m: &Machine, delay: Duration) {
         if let Ok(mut map) = self.provider_retry.lock() {

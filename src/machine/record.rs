@@ -26,6 +26,9 @@ pub(crate) struct StepRecord {
     pub(crate) report: Report,
     /// The Node to record in `status.nodeRef`; `None` keeps the current one.
     pub(crate) node_ref: Option<String>,
+    /// `status.remediation` to set (`Some(None)` clears it); `None` keeps
+    /// it.
+    pub(crate) remediation: Option<Option<crate::api::RemediationStatus>>,
 }
 
 impl StepRecord {
@@ -36,7 +39,36 @@ impl StepRecord {
             conditions: Vec::new(),
             report: Report::new(op, step, state, what),
             node_ref: None,
+            remediation: None,
         }
+    }
+
+    /// A record that sets only the report (see `machine::remediation`).
+    pub(crate) fn reported(
+        op: &'static str,
+        step: &'static str,
+        state: State,
+        what: impl Into<String>,
+    ) -> Self {
+        Self::report(op, step, state, what)
+    }
+
+    /// Sets (or, with `None`, clears) `status.remediation`.
+    pub(crate) fn remediation(mut self, r: Option<crate::api::RemediationStatus>) -> Self {
+        self.remediation = Some(r);
+        self
+    }
+
+    /// Sets the phase.
+    pub(crate) fn in_phase(self, phase: MachinePhase) -> Self {
+        self.phase(phase)
+    }
+
+    /// Adds a condition.
+    pub(crate) fn with(self, c: Cond) -> Self {
+        let mut s = self;
+        s.conditions.push(c);
+        s
     }
 
     fn phase(mut self, phase: MachinePhase) -> Self {

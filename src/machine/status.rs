@@ -5,7 +5,8 @@
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
-use crate::api::conditions::NODE_HEALTHY;
+use crate::api::RemediationStep;
+use crate::api::conditions::{NODE_HEALTHY, REMEDIATION};
 use crate::api::{LastOperation, MachinePhase, MachineStatus};
 
 /// What a step reports: it becomes `status.lastOperation` and, when it
@@ -172,7 +173,14 @@ pub(crate) struct Gauges {
     pub(crate) by_phase: [i64; MachinePhase::ALL.len()],
     /// Running Machines whose `NodeHealthy` condition is `False`.
     pub(crate) node_not_ready: i64,
+    /// Machines held from remediation (`RemediationHeld`), then under
+    /// remediation by step (Fence, Free, Replace).
+    pub(crate) remediation: [i64; 4],
 }
+
+/// The states of `berth_remediations`, in the order of
+/// [`Gauges::remediation`].
+const REMEDIATION_STATES: [&str; 4] = ["held", "fence", "free", "replace"];
 
 impl Gauges {
     pub(crate) fn count<'a>(machines: impl IntoIterator<Item = &'a crate::api::Machine>) -> Self {
@@ -191,6 +199,20 @@ impl Gauges {
             if phase == MachinePhase::Running && unhealthy {
                 g.node_not_ready += 1;
             }
+            let held = status
+                .and_then(|s| s.conditions.iter().find(|c| c.type_ == REMEDIATION))
+                .is_some_and(|c| c.reason == "RemediationHeld");
+            let state = match status.and_then(|s| s.remediation.as_ref()).map(|r| r.step) {
+                _ if phase == MachinePhase::Failed => None,
+                Some(RemediationStep::Fence) => Some(1),
+                Some(RemediationStep::Free) => Some(2),
+                Some(RemediationStep::Replace) => Some(3),
+                None if held => Some(0),
+                None => None,
+            };
+            if let Some(i) = state {
+                g.remediation[i] += 1;
+            }
         }
         g
     }
@@ -200,6 +222,9 @@ impl Gauges {
             metrics.machines.with_label_values(&[phase.as_str()]).set(n);
         }
         metrics.node_not_ready_machines.set(self.node_not_ready);
+        for (state, n) in REMEDIATION_STATES.iter().zip(self.remediation) {
+            metrics.remediations_now.with_label_values(&[state]).set(n);
+        }
     }
 }
 

@@ -53,13 +53,17 @@ pub async fn write_status(
     known: impl Fn() -> Option<Machine>,
 ) -> Result<StatusWrite, kube::Error> {
     let api: Api<Machine> = Api::namespaced(client, &read.namespace().unwrap_or_default());
-    crate::controller::status::write_status_over(
-        &api,
-        read,
-        &without_drain(status),
-        known,
-        |newer| same_but_drain(read, newer),
-    )
+    // A remediation ended or canceled is taken out: absent from a merge
+    // patch, it would be left as it was.
+    let mut body = serde_json::to_value(without_drain(status)).map_err(kube::Error::SerdeError)?;
+    if status.remediation.is_none()
+        && let Some(o) = body.as_object_mut()
+    {
+        o.insert("remediation".into(), serde_json::Value::Null);
+    }
+    crate::controller::status::write_status_over(&api, read, &body, known, |newer| {
+        same_but_drain(read, newer)
+    })
     .await
 }
 

@@ -274,12 +274,17 @@ async fn scale_new(
 ) -> Result<(), Error> {
     let revision_behind = m.revision < next_revision - 1;
     let superseded = m.set.annotations().contains_key(SUPERSEDED_ANNOTATION);
-    let min_ready_changed = m.set.spec.min_ready_seconds != md.spec.min_ready_seconds;
+    let min_ready_changed = m.set.spec.min_ready_seconds != md.spec.min_ready_seconds
+        || m.set.spec.remediation != md.spec.remediation;
     if m.counts.replicas == replicas && !superseded && !revision_behind && !min_ready_changed {
         return Ok(());
     }
     let mut patch = serde_json::json!({
-        "spec": {"replicas": replicas, "minReadySeconds": md.spec.min_ready_seconds},
+        "spec": {
+            "replicas": replicas,
+            "minReadySeconds": md.spec.min_ready_seconds,
+            "remediation": md.spec.remediation,
+        },
     });
     if superseded || revision_behind {
         // A rollback: an earlier template is current again.
@@ -522,6 +527,7 @@ async fn create_set(
             selector,
             min_ready_seconds: md.spec.min_ready_seconds,
             template,
+            remediation: md.spec.remediation.clone(),
         },
         status: None,
     };

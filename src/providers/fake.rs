@@ -14,6 +14,8 @@
 //!   failCreateTimes: 2      # the first two creates fail (transiently)
 //!   failCreatePermanently: false
 //!   deleteDelay: 5s         # delete reports "in progress" for 5s
+//!   stopDelay: 5s           # stop reports "in progress" for 5s
+//!   failStop: false         # true: every stop fails (transiently)
 //!   registerNode: true      # false: the VM never registers a Node
 //!   nodeReady: true         # false: the Node never becomes Ready
 //!   nodeLabels: {pool: a}   # extra labels on the Node
@@ -25,6 +27,9 @@
 //!
 //! With its Node, the VM's kubelet registers the Node's CSINode (owned by
 //! the Node, as a kubelet's is), listing `csiDrivers`; none by default.
+//!
+//! A stopped VM's ConfigMap says `state: Stopped` (and when): its kubelet
+//! is gone, so its Node loses kwok's annotation and is never Ready again.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -78,6 +83,10 @@ pub(crate) struct FakeSpec {
     pub node_taints: Vec<Taint>,
     #[serde(default)]
     pub csi_drivers: Vec<FakeCsiDriver>,
+    #[serde(default)]
+    pub stop_delay: Option<String>,
+    #[serde(default)]
+    pub fail_stop: bool,
 }
 
 /// A CSI node plugin a fake VM runs: its driver, and the volumes of it
@@ -258,6 +267,7 @@ fn vm_of(cm: &ConfigMap) -> Option<Vm> {
     let state = match data.get("state").map(String::as_str) {
         Some("Running") => VmState::Running,
         Some("Deleting") => VmState::Deleting,
+        Some("Stopped") => VmState::Stopped,
         _ => VmState::Creating,
     };
     Some(Vm {
@@ -394,6 +404,69 @@ impl Provider for FakeProvider {
             Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
             Err(e) => Err(transient(e)),
         }
+    }
+
+    /// Stops the VM: `state: Stopped` once `stopDelay` has passed since
+    /// the first stop, and its Node is no longer played by kwok.
+    async fn stop(&self, req: &MachineRequest) -> Result<(), ProviderError> {
+        let (spec, _) = FakeSpec::parse(&req.provider_spec)?;
+        if spec.fail_stop {
+            return Err(ProviderError::Transient("injected stop failure".into()));
+        }
+        let delay = match &spec.stop_delay {
+            None => Duration::ZERO,
+            Some(s) => parse_duration(s).ok_or_else(|| {
+                ProviderError::InvalidSpec(format!("stopDelay: {s:?} is not a duration"))
+            })?,
+        };
+        let api = self.vms(&req.namespace);
+        let name = vm_name(&req.name);
+        let Some(cm) = api.get_opt(&name).await.map_err(transient)? else {
+            // The fake cloud is consistent: a VM it does not have is gone.
+            return Ok(());
+        };
+        let data = cm.data.clone().unwrap_or_default();
+        if data.get("state").map(String::as_str) == Some("Stopped") {
+            return Ok(());
+        }
+        let now = Timestamp::now();
+        let requested = data
+            .get("stopRequestedAt")
+            .and_then(|t| t.parse::<Timestamp>().ok());
+        let Some(requested) = requested.or(delay.is_zero().then_some(now)) else {
+            let patch = serde_json::json!({"data": {"stopRequestedAt": now.to_string()}});
+            api.patch(&name, &PatchParams::default(), &Patch::Merge(patch))
+                .await
+                .map_err(transient)?;
+            return Err(ProviderError::InProgress {
+                what: format!("stopping {name}"),
+                retry_after: delay,
+            });
+        };
+        let elapsed = Duration::try_from(now.duration_since(requested)).unwrap_or_default();
+        if elapsed < delay {
+            return Err(ProviderError::InProgress {
+                what: format!("stopping {name}"),
+                retry_after: delay - elapsed,
+            });
+        }
+        // Its kubelet stops with it: kwok no longer plays the Node.
+        let node = Self::node_name(&req.namespace, &req.name);
+        let unplayed =
+            serde_json::json!({"metadata": {"annotations": {KWOK_NODE_ANNOTATION.0: null}}});
+        match Api::<Node>::all(self.client.clone())
+            .patch(&node, &PatchParams::default(), &Patch::Merge(unplayed))
+            .await
+        {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            Err(e) => return Err(transient(e)),
+        }
+        let patch = serde_json::json!({"data": {"state": "Stopped", "stoppedAt": now.to_string()}});
+        api.patch(&name, &PatchParams::default(), &Patch::Merge(patch))
+            .await
+            .map_err(transient)?;
+        Ok(())
     }
 
     /// The VM the providerID names (`fake:///<namespace>/<machine>`), else

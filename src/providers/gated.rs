@@ -58,6 +58,11 @@ impl Provider for Gated {
         self.inner.get(req).await
     }
 
+    async fn stop(&self, req: &MachineRequest) -> Result<(), ProviderError> {
+        self.check("stop")?;
+        self.inner.stop(req).await
+    }
+
     async fn list(&self, req: &ListRequest) -> Result<Vec<Vm>, ProviderError> {
         self.inner.list(req).await
     }

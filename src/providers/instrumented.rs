@@ -60,6 +60,13 @@ impl Provider for Instrumented {
         result
     }
 
+    async fn stop(&self, req: &MachineRequest) -> Result<(), ProviderError> {
+        let started = Instant::now();
+        let result = self.inner.stop(req).await;
+        self.observe("stop", started, &result);
+        result
+    }
+
     async fn list(&self, req: &ListRequest) -> Result<Vec<Vm>, ProviderError> {
         let started = Instant::now();
         let result = self.inner.list(req).await;

@@ -69,6 +69,8 @@ pub struct ListRequest {
 pub enum VmState {
     Creating,
     Running,
+    /// Powered off, its disks kept: nothing on it runs or writes.
+    Stopped,
     Deleting,
 }
 
@@ -95,6 +97,9 @@ pub enum ProviderError {
     /// outside berth.
     #[error("not authorised: {0}")]
     Unauthorized(String),
+    /// The driver cannot do this at all (a cloud without a stop).
+    #[error("not supported: {0}")]
+    Unsupported(String),
 }
 
 impl ProviderError {
@@ -106,6 +111,7 @@ impl ProviderError {
             ProviderError::Permanent(_) => "permanent",
             ProviderError::InvalidSpec(_) => "invalid_spec",
             ProviderError::Unauthorized(_) => "unauthorized",
+            ProviderError::Unsupported(_) => "unsupported",
         }
     }
 }
@@ -132,6 +138,18 @@ pub trait Provider: Send + Sync {
     async fn create(&self, req: &MachineRequest) -> Result<Vm, ProviderError>;
     async fn delete(&self, req: &MachineRequest) -> Result<(), ProviderError>;
     async fn get(&self, req: &MachineRequest) -> Result<Vm, ProviderError>;
+    /// Stops the VM (powered off, its disks kept): the fence before the
+    /// pods and volumes of a dead Node are freed. `Ok` only once the cloud
+    /// says it is stopped (or certainly gone), `InProgress` while it
+    /// stops; asked again until then. A driver that cannot tell says
+    /// `Unsupported`, and nothing is freed.
+    async fn stop(&self, req: &MachineRequest) -> Result<(), ProviderError> {
+        let _ = req;
+        Err(ProviderError::Unsupported(format!(
+            "provider {} cannot stop a VM",
+            self.name()
+        )))
+    }
     /// The VMs this cluster owns where `req` points (a driver tells its
     /// own VMs from others' by the cluster's ownership mark, and never
     /// lists a VM without it).

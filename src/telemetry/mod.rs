@@ -204,6 +204,11 @@ pub struct Metrics {
     /// `berth_node_not_ready_machines`: Running Machines whose Node has been
     /// NotReady for longer than the health timeout.
     pub node_not_ready_machines: IntGauge,
+    /// `berth_remediations_total{outcome}`: steps of remediations taken.
+    pub remediations: IntCounterVec,
+    /// `berth_remediations{state}`: Machines held from or under
+    /// remediation now.
+    pub remediations_now: IntGaugeVec,
     /// `berth_leader`: 1 while this replica holds the leader Lease.
     pub leader: IntGauge,
     /// `berth_orphan_vms_total{driver,outcome}`: orphan VMs found, per
@@ -346,7 +351,7 @@ impl Metrics {
         // the reference table in docs/operations.md.
         let metrics = Self {
             machines: r.gauge_vec("berth_machines", "Number of Machines in each lifecycle phase, as last seen by this replica.", &["phase"])?,
-            reconcile_total: r.counter_vec("berth_reconcile_total", "Machine reconciles by result: \"ok\"; \"conflict\" when a status write was refused because the Machine had changed since it was read (reconciled again shortly on the newer version; not an error); or \"error_\" and the call that failed: error_status, error_provider_id (recording the providerID), error_finalizer, error_node_get, error_cordon, error_pod_delete, error_node_delete, error_out_of_service (the out-of-service taint), error_node_conditions (the Node's lifecycle conditions), error_provider_create, error_provider_delete, error_no_namespace.", &["result"])?,
+            reconcile_total: r.counter_vec("berth_reconcile_total", "Machine reconciles by result: \"ok\"; \"conflict\" when a status write was refused because the Machine had changed since it was read (reconciled again shortly on the newer version; not an error); or \"error_\" and the call that failed: error_status, error_provider_id (recording the providerID), error_finalizer, error_node_get, error_cordon, error_pod_delete, error_node_delete, error_out_of_service (the out-of-service taint), error_node_conditions (the Node's lifecycle conditions), error_provider_create, error_provider_delete, error_provider_fence (stopping or terminating the VM of a Machine being remediated), error_machine_delete (deleting a remediated Machine), error_no_namespace.", &["result"])?,
             reconcile_duration: r.histogram("berth_reconcile_duration_seconds", "Wall-clock time of one Machine reconcile, whatever its result.", RECONCILE_BUCKETS)?,
             drain_duration: r.histogram_vec("berth_drain_duration_seconds", "Time from the start of a Node drain until it finished, by outcome.", DRAIN_BUCKETS, &["outcome"])?,
             drains_in_progress: r.gauge("berth_drains_in_progress", "Node drains started by this replica and not finished yet.")?,
@@ -357,9 +362,11 @@ impl Metrics {
             tracker_lagged: r.counter("berth_tracker_lagged_total", "Times a volume tracker subscriber fell behind and missed events (it then re-reads the state).")?,
             events_dropped: r.counter("berth_events_dropped_total", "Kubernetes Events not published: their queue was full or the API server refused them.")?,
             volumes_left_attached: r.counter("berth_volumes_left_attached_total", "Volumes (VolumeAttachments) still attached to a Node when its VM was deleted: their detach was not confirmed in volumeDetachTimeout, or the deletion was forced.")?,
-            provider_requests: r.counter_vec("berth_provider_requests_total", "Requests to the machine provider, by driver, operation and result. For aws, every EC2 API request, with the EC2 action as op (RunInstances, DescribeInstances, TerminateInstances, DescribeImages) and result ok, throttled, transient, invalid_spec, unauthorized, not_found or permanent; for fake, each operation (create, delete, get, list).", &["driver", "op", "result"])?,
+            provider_requests: r.counter_vec("berth_provider_requests_total", "Requests to the machine provider, by driver, operation and result. For aws, every EC2 API request, with the EC2 action as op (RunInstances, DescribeInstances, TerminateInstances, StopInstances, DescribeImages) and result ok, throttled, transient, invalid_spec, unauthorized, not_found or permanent; for fake, each operation (create, delete, get, stop, list).", &["driver", "op", "result"])?,
             provider_request_duration: r.histogram_vec("berth_provider_request_duration_seconds", "Latency of requests to the machine provider, by driver and operation (for aws, the EC2 action).", PROVIDER_BUCKETS, &["driver", "op"])?,
             node_not_ready_machines: r.gauge("berth_node_not_ready_machines", "Running Machines whose Node has been NotReady for longer than the health timeout.")?,
+            remediations: r.counter_vec("berth_remediations_total", "Steps of the remediations of Machines whose Node died, by outcome: started (its VM is to be fenced), canceled (its Node came back before the VM was fenced), fenced (the provider said the VM is stopped or terminated), freed (its Node tainted out of service and its pods deleted), failed (outside a pool: marked Failed, not replaced).", &["outcome"])?,
+            remediations_now: r.gauge_vec("berth_remediations", "Machines whose Node is unhealthy, by the state of their remediation: held (more Machines are unhealthy than maxUnhealthy allows), fence, free, replace (the step under way).", &["state"])?,
             leader: r.gauge("berth_leader", "1 while this replica holds the leader election Lease, 0 otherwise.")?,
             orphan_vms: r.counter_vec("berth_orphan_vms_total", "Orphan VMs (tagged for a Machine of this cluster that no Machine has, older than --orphan-grace) found by orphan collection, once per round each, by driver and outcome: collected (deleted), would_collect (--orphan-dry-run), failed (the delete failed; tried again next round), held (not deleted: its Node still runs pods, or the round found more orphans than it may take of the fleet at once).", &["driver", "outcome"])?,
             rollout_drains: r.gauge("berth_rollout_drains", "Old Machines that MachineDeployment rollouts are deleting now, across every deployment, counted against --max-concurrent-drains (deletions asked of a MachineSet and not yet begun included).")?,
@@ -600,7 +607,7 @@ impl Drop for GaugeHold {
 mod tests {
     use super::*;
 
-    const ALL_NAMES: [&str; 23] = [
+    const ALL_NAMES: [&str; 25] = [
         "berth_machines",
         "berth_reconcile_total",
         "berth_reconcile_duration_seconds",
@@ -617,6 +624,8 @@ mod tests {
         "berth_provider_request_duration_seconds",
         "berth_node_not_ready_machines",
         "berth_leader",
+        "berth_remediations_total",
+        "berth_remediations",
         "berth_orphan_vms_total",
         "berth_rollout_drains",
         "berth_rollout_machines_replaced_total",
@@ -687,6 +696,8 @@ mod tests {
         m.volumes_left_attached.inc();
         m.record_provider_request("fake", "create", "ok", Duration::from_millis(30));
         m.node_not_ready_machines.set(1);
+        m.remediations.with_label_values(&["started"]).inc();
+        m.remediations_now.with_label_values(&["held"]).set(1);
         m.leader.set(1);
         m.init_orphans("fake");
         m.record_orphan("fake", OrphanOutcome::Collected);

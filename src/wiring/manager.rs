@@ -41,6 +41,9 @@ pub struct Settings {
     /// How long a deleted Machine's VM may be "not found" before it counts
     /// as gone (only "terminated" is gone at once).
     pub vm_not_found_grace: Duration,
+    /// The cluster's bound on unhealthy Machines for remediation (see
+    /// `berth run --max-unhealthy`).
+    pub max_unhealthy: crate::api::remediation::MaxUnhealthy,
     /// Orphan collection (none by default).
     pub orphans: crate::orphans::Settings,
 }
@@ -54,6 +57,7 @@ impl Default for Settings {
             max_concurrent_drains: DEFAULT_MAX_CONCURRENT_DRAINS,
             max_volume_moves: Some(DEFAULT_MAX_VOLUME_MOVES),
             vm_not_found_grace: DEFAULT_VM_NOT_FOUND_GRACE,
+            max_unhealthy: crate::api::remediation::MaxUnhealthy::Percent(40),
             orphans: crate::orphans::Settings::default(),
         }
     }
@@ -167,15 +171,18 @@ pub async fn run(
     // One shutdown for every controller.
     let shutdown = shutdown.shared();
     let machines = crate::machine::run(
-        Arc::new(crate::machine::Context::new(
-            client.clone(),
-            providers.clone(),
-            events.clone(),
-            caches.clone(),
-            Arc::clone(&metrics),
-            drainer,
-            settings.vm_not_found_grace,
-        )),
+        Arc::new(
+            crate::machine::Context::new(
+                client.clone(),
+                providers.clone(),
+                events.clone(),
+                caches.clone(),
+                Arc::clone(&metrics),
+                drainer,
+                settings.vm_not_found_grace,
+            )
+            .with_max_unhealthy(settings.max_unhealthy),
+        ),
         machine_feeds,
         drains_done,
         settings.concurrency,

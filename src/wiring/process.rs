@@ -116,6 +116,12 @@ pub(crate) struct RunArgs {
     /// before its eviction. Each workload's own budget applies within it.
     #[arg(long, env = "BERTH_MAX_VOLUME_MOVES", default_value_t = 50)]
     pub max_volume_moves: u16,
+    /// The most Machines of the cluster that may be unhealthy for one to
+    /// be remediated (its class or pool asking for it): a count, or a
+    /// percentage (rounded down, at least 1). More looks like a network
+    /// partition: nothing is remediated, and each says `RemediationHeld`.
+    #[arg(long, env = "BERTH_MAX_UNHEALTHY", default_value = "40%", value_parser = crate::api::remediation::MaxUnhealthy::parse_str)]
+    pub max_unhealthy: crate::api::remediation::MaxUnhealthy,
     /// How long the provider may keep answering "not found" for a deleted
     /// Machine's VM before berth takes it for gone (and deletes its Node):
     /// clouds are eventually consistent, and EC2 can answer
@@ -374,6 +380,7 @@ async fn lead_and_control(
         max_concurrent_drains: usize::from(args.max_concurrent_drains),
         max_volume_moves: (args.max_volume_moves > 0).then(|| usize::from(args.max_volume_moves)),
         vm_not_found_grace: args.vm_not_found_grace,
+        max_unhealthy: args.max_unhealthy,
         orphans: crate::orphans::Settings::new(&args.orphans, args.namespace.clone()),
     };
     let (controller_stop_tx, controller_stop) = oneshot::channel::<()>();

@@ -5,7 +5,9 @@
 //! VolumeAttachment ones:
 //!
 //! * `node-initialize` / `node-heartbeat`: a Node that kwok manages becomes
-//!   Ready and stays Ready (kwok also renews its Lease).
+//!   Ready and stays Ready (kwok also renews its Lease), unless it is
+//!   annotated [`DEAD_ANNOTATION`]:
+//! * `node-dead`: then it turns NotReady (`KubeletDown`) and stays so.
 //! * `pod-ready`: a pod scheduled to such a Node becomes Running and Ready.
 //!   It gets no pod IP: nothing here reads one, and in a 1,000-Node run
 //!   (16 pod Stage workers) kwok's IP allocation gave pods two IPs 12,000
@@ -61,6 +63,12 @@ pub const NEVER_START_ANNOTATION: &str = "testbed.berth.dev/never-start";
 /// A pod with this annotation (a Go duration) runs at once but turns Ready
 /// only after that long.
 pub const READY_AFTER_ANNOTATION: &str = "testbed.berth.dev/ready-after";
+/// A Node annotated so dies: kwok's `node-dead` Stage turns it NotReady
+/// at once, and it is neither initialised nor given heartbeats again
+/// until the annotation goes. (A Stage, not a test's own status write:
+/// kwok plays a heartbeat it scheduled before the write unless a newer
+/// Stage replaces it, and would make the Node Ready again.)
+pub const DEAD_ANNOTATION: &str = "testbed.berth.dev/dead";
 
 /// Pod Stages kwok plays at once (its default is 4). Each play is an API
 /// request; with 20 Machines drained together, 4 workers queued pod
@@ -120,6 +128,8 @@ spec:
     - key: '.status.conditions.[] | select( .type == "Ready" ) | .status'
       operator: NotIn
       values: ['True']
+    - key: '.metadata.annotations["{DEAD_ANNOTATION}"]'
+      operator: DoesNotExist
   next:
     statusTemplate: |
       {{{{ $now := Now }}}}
@@ -186,6 +196,8 @@ spec:
     - key: '.status.conditions.[] | select( .type == "Ready" ) | .status'
       operator: In
       values: ['True']
+    - key: '.metadata.annotations["{DEAD_ANNOTATION}"]'
+      operator: DoesNotExist
   delay:
     durationMilliseconds: {beat_min_ms}
     jitterDurationMilliseconds: {beat_max_ms}
@@ -201,6 +213,32 @@ spec:
         status: {{{{ .status | Quote }}}}
         type: {{{{ .type | Quote }}}}
       {{{{ end }}}}
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: node-dead
+spec:
+  resourceRef:
+    apiGroup: v1
+    kind: Node
+  selector:
+    matchExpressions:
+    - key: '.metadata.annotations["{DEAD_ANNOTATION}"]'
+      operator: Exists
+    - key: '.status.conditions.[] | select( .type == "Ready" ) | .status'
+      operator: In
+      values: ['True']
+  next:
+    statusTemplate: |
+      {{{{ $now := Now }}}}
+      conditions:
+      - lastHeartbeatTime: {{{{ $now | Quote }}}}
+        lastTransitionTime: {{{{ $now | Quote }}}}
+        message: "the test bed killed this Node's kubelet"
+        reason: KubeletDown
+        status: "False"
+        type: Ready
 ---
 apiVersion: kwok.x-k8s.io/v1alpha1
 kind: Stage

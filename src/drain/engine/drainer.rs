@@ -183,6 +183,12 @@ impl Drainer {
         }
     }
 
+    /// Changes whenever a move permit frees (here or, as the line says,
+    /// in another process).
+    pub(crate) fn permits_freed(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.deps.permits.freed()
+    }
+
     /// Asks for a reconcile of `machine` (through the same trigger stream
     /// as finished drains).
     pub(crate) fn wake(&self, machine: ObjectRef<Machine>) {

@@ -9,7 +9,11 @@
 //! Machine waits for it: the keeper (see [`keeper`](super::keeper)) ends it
 //! once the workload is whole again, or at its healthy deadline. Another
 //! drain's permits are never touched.
+//!
+//! A remediation's moves (a dead Node's pods, its VM fenced) go through
+//! the ledger too, but wait for it: see [`Drainer::remediation_permits`].
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Pod;
@@ -18,7 +22,19 @@ use kube::Resource;
 
 use super::drainer::Drainer;
 use crate::api::Machine;
-use crate::drain::ledger::{Answer, PodToMove, moving_names, permit_expires, pod_ask};
+use crate::drain::ledger::{
+    Answer, Ask, Asker, Budget, PodToMove, moving_names, permit_expires, pod_ask,
+};
+
+/// What the ledger answered a remediation for the moves of a dead Node's
+/// pods.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Freeing {
+    /// Each move has its permit: the Node may be freed.
+    Granted,
+    /// Not now (none was kept): the moves in the way, in words.
+    Waiting(String),
+}
 
 impl Drainer {
     /// Asks the ledger for the move of each of `pods`, which a forced
@@ -86,5 +102,113 @@ impl Drainer {
                 .events
                 .warning(machine.object_ref(&()), "Drain", reason, note, None);
         }
+    }
+}
+
+impl Drainer {
+    /// Takes the ledger's permits for the moves of `pods`, the pods of a
+    /// dead Node whose VM `machine`'s remediation fenced (begun at
+    /// `started`), all or none: freeing the Node frees every pod on it at
+    /// once, so it waits until each of their workloads may move one
+    /// replica, as a drain's ask waits, and takes nothing while it waits
+    /// (holding one workload's permit while waiting for another's could
+    /// hold two dead Nodes each waiting for the other). A second replica
+    /// of a workload on the same dead Node is down already: it is taken
+    /// beyond the budget, with a Warning.
+    pub(crate) async fn remediation_permits(
+        &self,
+        machine: &Machine,
+        pods: &[Arc<Pod>],
+        reattach: std::time::Duration,
+        started: Timestamp,
+    ) -> Freeing {
+        let ns = machine.metadata.namespace.as_deref().unwrap_or_default();
+        let name = machine.metadata.name.as_deref().unwrap_or_default();
+        let asker = Asker {
+            machine: format!("{ns}/{name}"),
+            requested: started,
+            past_deadline: false,
+            moves_left: 0,
+        };
+        let caches = &self.deps.caches;
+        let mut firsts: Vec<(Ask, Budget, _)> = Vec::new();
+        let mut extras = Vec::new();
+        let mut seen = BTreeSet::new();
+        for pod in pods {
+            let asked = pod_ask(caches, PodToMove::live(pod, caches), &asker);
+            let (Some(ask), budget, owner) = (asked.ask, asked.budget, asked.owner) else {
+                continue;
+            };
+            if seen.insert(ask.workload.clone()) {
+                firsts.push((ask, budget, owner));
+            } else {
+                extras.push((ask, budget, owner));
+            }
+        }
+        let permits = &self.deps.permits;
+        let held = |a: &Ask| permits.held_for(&a.workload, &a.uid).is_some();
+        let blocked: Vec<String> = firsts
+            .iter()
+            .filter(|(a, b, _)| !held(a) && !permits.would_grant(a, b))
+            .map(|(a, _, _)| format!("{} of {}", a.pod, a.workload))
+            .collect();
+        if !blocked.is_empty() {
+            return Freeing::Waiting(format!(
+                "the move budget of each of these is taken by a move in flight: {}",
+                blocked.join(", ")
+            ));
+        }
+        let now = Timestamp::now();
+        let mut taken = Vec::new();
+        for (ask, budget, owner) in &firsts {
+            let before = held(ask);
+            let expires = permit_expires(now, budget.healthy_deadline, now, reattach);
+            match permits.ask(ask, budget, owner.as_ref(), expires).await {
+                Answer::Granted(_) | Answer::Bypassed { .. } => {
+                    if !before {
+                        taken.push(ask);
+                    }
+                }
+                Answer::Wait { .. } | Answer::Capped { .. } | Answer::Contended { .. } => {
+                    // Taken elsewhere since: none is kept, nobody waits.
+                    for a in &taken {
+                        permits.end(&a.workload, &a.uid);
+                    }
+                    permits.keep_waiting(&asker.machine, &[]);
+                    return Freeing::Waiting(format!(
+                        "the move budget of {} of {} was taken at the same moment",
+                        ask.pod, ask.workload
+                    ));
+                }
+            }
+        }
+        let beyond = Asker {
+            past_deadline: true,
+            ..asker
+        };
+        for (ask, budget, owner) in extras {
+            let ask = Ask {
+                past_deadline: beyond.past_deadline,
+                ..ask
+            };
+            let expires = permit_expires(now, budget.healthy_deadline, now, reattach);
+            if let Answer::Bypassed { moving, .. } =
+                permits.ask(&ask, &budget, owner.as_ref(), expires).await
+            {
+                self.deps.events.warning(
+                    machine.object_ref(&()),
+                    "Remediation",
+                    "MoveBudgetBypassed",
+                    format!(
+                        "remediation: the dead Node carried another replica of {}: pod {} is freed with it, beyond its move budget, while {} move",
+                        ask.workload,
+                        ask.pod,
+                        moving_names(&moving)
+                    ),
+                    None,
+                );
+            }
+        }
+        Freeing::Granted
     }
 }

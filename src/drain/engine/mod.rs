@@ -118,6 +118,7 @@ use std::sync::Arc;
 pub use self::batch::evicted_note;
 pub use self::drainer::Drainer;
 pub(crate) use self::drainer::{RESTART_ENDED_AFTER, RETRY_FAILED_AFTER};
+pub(crate) use self::forced::Freeing;
 pub(crate) use self::progress::Progress;
 use super::deadline::Deadline;
 use crate::api::Machine;

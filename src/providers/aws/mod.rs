@@ -14,6 +14,10 @@
 //!   providerID's zone, so a class whose region changed does not lose it.
 //!   It never terminates an instance that does not carry this cluster's tag
 //!   and the Machine's UID.
+//! - **stop** (the fence of a remediation): `StopInstances` with `Force`
+//!   (a dead VM's guest cannot flush anything: nothing is waited for from
+//!   it), "in progress" until EC2 says `stopped` (or `terminated`), with
+//!   the same ownership check as delete.
 //! - **get / list**: by instance id, by the Machine's UID tag, or every
 //!   instance carrying this cluster's tag (for orphan collection).
 //!
@@ -50,11 +54,13 @@ pub(crate) const NAME: &str = "aws";
 const RUN_INSTANCES: &str = "RunInstances";
 const DESCRIBE_INSTANCES: &str = "DescribeInstances";
 const TERMINATE_INSTANCES: &str = "TerminateInstances";
+const STOP_INSTANCES: &str = "StopInstances";
 const DESCRIBE_IMAGES: &str = "DescribeImages";
 const ACTIONS: &[&str] = &[
     RUN_INSTANCES,
     DESCRIBE_INSTANCES,
     TERMINATE_INSTANCES,
+    STOP_INSTANCES,
     DESCRIBE_IMAGES,
 ];
 
@@ -481,8 +487,9 @@ fn vm_of(i: &Instance) -> Vm {
     let state = match i.state.as_str() {
         "pending" => VmState::Creating,
         "shutting-down" | "terminated" => VmState::Deleting,
-        // running, stopping, stopped: the instance is there; whether its
-        // Node is healthy is for the Node to say.
+        "stopped" => VmState::Stopped,
+        // running, stopping: the instance is there; whether its Node is
+        // healthy is for the Node to say.
         _ => VmState::Running,
     };
     let machine = (|| {
@@ -578,17 +585,7 @@ impl Provider for AwsProvider {
         if i.state == "terminated" {
             return Ok(());
         }
-        if !self.owns(&i) || i.tags.get(tags::MACHINE_UID) != Some(&req.uid) {
-            return Err(ProviderError::Permanent(format!(
-                "instance {} does not carry this cluster's tag ({}={}) and this Machine's UID \
-                 ({}={}); berth terminates only instances it made for this Machine",
-                i.id,
-                tags::CLUSTER,
-                self.settings.cluster_id,
-                tags::MACHINE_UID,
-                req.uid
-            )));
-        }
+        self.made_for(&i, req, "terminates")?;
         if i.state == "shutting-down" {
             return Err(ProviderError::InProgress {
                 what: format!("instance {} is shutting down", i.id),
@@ -607,6 +604,37 @@ impl Provider for AwsProvider {
                     i.id,
                     state.as_deref().unwrap_or("being terminated")
                 ),
+                retry_after: POLL_AFTER,
+            }),
+        }
+    }
+
+    async fn stop(&self, req: &MachineRequest) -> Result<(), ProviderError> {
+        let spec = parse_spec(&req.provider_spec)?;
+        // As for delete: not found is not stopped.
+        let Some(i) = self.lookup(&spec, req).await? else {
+            return Err(ProviderError::NotFound(
+                req.provider_id
+                    .clone()
+                    .unwrap_or_else(|| format!("no instance tagged {}", req.uid)),
+            ));
+        };
+        if matches!(i.state.as_str(), "stopped" | "terminated") {
+            return Ok(());
+        }
+        self.made_for(&i, req, "stops")?;
+        let state = match i.state.as_str() {
+            "stopping" | "shutting-down" => Some(i.state.clone()),
+            _ => {
+                let region = region_of(req, &spec);
+                self.power(STOP_INSTANCES, &region, req.secret_ref.as_ref(), &i.id)
+                    .await?
+            }
+        };
+        match state.as_deref() {
+            Some("stopped" | "terminated") => Ok(()),
+            state => Err(ProviderError::InProgress {
+                what: format!("instance {} is {}", i.id, state.unwrap_or("being stopped")),
                 retry_after: POLL_AFTER,
             }),
         }
@@ -661,14 +689,46 @@ impl AwsProvider {
         secret: Option<&SecretReference>,
         id: &str,
     ) -> Result<Option<String>, ProviderError> {
-        let xml = self
-            .call(
-                region,
-                secret,
-                TERMINATE_INSTANCES,
-                &[("InstanceId.1".into(), id.to_string())],
-            )
-            .await?;
+        self.power(TERMINATE_INSTANCES, region, secret, id).await
+    }
+
+    /// Whether `i` carries this cluster's tag and `req`'s Machine UID: the
+    /// only instances berth `does` (terminates, stops) anything to.
+    fn made_for(
+        &self,
+        i: &Instance,
+        req: &MachineRequest,
+        does: &str,
+    ) -> Result<(), ProviderError> {
+        if self.owns(i) && i.tags.get(tags::MACHINE_UID) == Some(&req.uid) {
+            return Ok(());
+        }
+        Err(ProviderError::Permanent(format!(
+            "instance {} does not carry this cluster's tag ({}={}) and this Machine's UID \
+             ({}={}); berth {does} only instances it made for this Machine",
+            i.id,
+            tags::CLUSTER,
+            self.settings.cluster_id,
+            tags::MACHINE_UID,
+            req.uid
+        )))
+    }
+
+    /// `TerminateInstances` or `StopInstances` (forced: a dead guest is not
+    /// waited for) of one instance in `region`; its state after the call,
+    /// as EC2 says.
+    async fn power(
+        &self,
+        action: &'static str,
+        region: &str,
+        secret: Option<&SecretReference>,
+        id: &str,
+    ) -> Result<Option<String>, ProviderError> {
+        let mut params = vec![("InstanceId.1".to_string(), id.to_string())];
+        if action == STOP_INSTANCES {
+            params.push(("Force".into(), "true".into()));
+        }
+        let xml = self.call(region, secret, action, &params).await?;
         Ok(ec2::instances(&xml)
             .map_err(ProviderError::Transient)?
             .into_iter()
@@ -837,7 +897,8 @@ mod tests {
         );
         for (state, want) in [
             ("running", VmState::Running),
-            ("stopped", VmState::Running),
+            ("stopping", VmState::Running),
+            ("stopped", VmState::Stopped),
             ("shutting-down", VmState::Deleting),
         ] {
             i.state = state.into();

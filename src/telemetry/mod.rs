@@ -385,6 +385,12 @@ impl Metrics {
             metrics.pod_evictions.with_label_values(&[result.as_str()]);
         }
         metrics.reconcile_total.with_label_values(&[RESULT_OK]);
+        for outcome in ["started", "canceled", "fenced", "freed", "failed"] {
+            metrics.remediations.with_label_values(&[outcome]);
+        }
+        for state in ["held", "fence", "free", "replace"] {
+            metrics.remediations_now.with_label_values(&[state]);
+        }
         for kind in WORKLOAD_KINDS {
             metrics.volume_moves_in_flight.with_label_values(&[kind]);
             metrics.move_budget_wait.with_label_values(&[kind]);

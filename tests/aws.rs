@@ -760,3 +760,101 @@ async fn a_credentials_chain_that_fails_for_a_while_is_retried_not_taken_for_una
         "no secret in logs"
     );
 }
+
+/// A Machine whose Node dies, in a class that remediates it, while EC2
+/// refuses StopInstances (500): nothing on the Node is freed (no
+/// out-of-service taint), the Machine says `FenceFailed`, and EC2 is asked
+/// again with backoff, not in a loop. Once EC2 answers, the instance is
+/// stopped (moto's state) before the Node is tainted, and the Machine,
+/// outside a pool, is marked Failed. The truth: the proxy's counts, moto's
+/// instance state, the Node object.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_instance_is_stopped_before_its_node_is_freed() {
+    use berth_devkit::testbed::stages::DEAD_ANNOTATION;
+    use kube::api::{Patch, PatchParams};
+    let ns = "aws-remedy";
+    let (_case, client, cloud) = aws_case(ns, true, &[]).await;
+    let proxy = cloud.proxy();
+    Api::<berth::api::MachineClass>::all(client.clone())
+        .patch(
+            ns,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {
+                "healthTimeout": "5s", "remediation": {"policy": "Replace"}}})),
+        )
+        .await
+        .expect("the class remediates");
+    create_machine(&client, ns, "a", ns).await;
+    let (a, node) = running_on(&client, ns, "a").await;
+    let id = cloud.instances_of(&a).await[0].id.clone();
+    proxy.inject(Fault::internal_error("StopInstances").forever());
+    let nodes: Api<Node> = Api::all(client.clone());
+    nodes
+        .patch(
+            &node,
+            &PatchParams::default(),
+            &Patch::Merge(
+                serde_json::json!({"metadata": {"annotations": {DEAD_ANNOTATION: "true"}}}),
+            ),
+        )
+        .await
+        .expect("the Node dies");
+    wait_machine(&client, ns, "a", "FenceFailed", |m| {
+        condition(m, "Remediation").is_some_and(|c| c.reason == "FenceFailed")
+    })
+    .await;
+
+    proxy.reset_counts();
+    let window = Duration::from_secs(20);
+    tokio::time::sleep(window).await;
+    // Each attempt is a request and the client's two quick retries; the
+    // attempts back off from half a second, doubling.
+    let asks = proxy.requests("StopInstances");
+    assert!(
+        (3..=18).contains(&asks),
+        "{asks} StopInstances in {window:?}: asked again with backoff, not in a loop"
+    );
+    let out_of_service = |n: &Node| {
+        n.spec
+            .as_ref()
+            .and_then(|s| s.taints.as_ref())
+            .is_some_and(|ts| {
+                ts.iter()
+                    .any(|t| t.key == "node.kubernetes.io/out-of-service")
+            })
+    };
+    let n = nodes.get(&node).await.expect("the Node");
+    assert!(!out_of_service(&n), "freed before the VM was stopped");
+    assert_eq!(
+        cloud
+            .ec2
+            .instance_state(&id)
+            .await
+            .expect("describe")
+            .as_deref(),
+        Some("running"),
+        "not stopped while EC2 refuses"
+    );
+
+    proxy.clear();
+    let m = wait_machine(&client, ns, "a", "Failed, remediated", |m| {
+        phase(m) == Some("Failed")
+    })
+    .await;
+    assert_eq!(
+        cloud
+            .ec2
+            .instance_state(&id)
+            .await
+            .expect("describe")
+            .as_deref(),
+        Some("stopped"),
+        "{:?}",
+        m.status
+    );
+    let n = nodes.get(&node).await.expect("the Node stays");
+    assert!(
+        out_of_service(&n),
+        "the Node is freed once the VM is stopped"
+    );
+}

@@ -36,6 +36,11 @@
 //!   longest chain (max(M, W) moves one after the other), and the most
 //!   replicas of one workload seen moving at once, from the audit log
 //!   (must be 1).
+//! - **remediation** (see [`remediation`]): a Node that dies with one
+//!   replica of a three-replica StatefulSet on it, its Machine in a pool
+//!   that remediates: the time until the replica is Ready elsewhere with
+//!   its volume, step by step, against the health timeout, the VM's stop
+//!   and one move; and the requests it took.
 //! - **scale** (see [`scale`]): on a test bed of its own, after the others,
 //!   so that its load does not disturb them: 1,000 Machines, 20,000 pods and
 //!   5,000 VolumeAttachments in the caches and 20 concurrent drains, with
@@ -49,6 +54,7 @@ pub mod compare;
 pub mod ledger;
 mod measure;
 mod peers;
+pub mod remediation;
 pub mod rollout;
 pub mod scale;
 mod stateful;
@@ -122,6 +128,7 @@ pub struct BenchArgs {
             Scenario::Rollout,
             Scenario::Independent,
             Scenario::Shared,
+            Scenario::Remediation,
             Scenario::Scale
         ]
     )]
@@ -186,6 +193,8 @@ pub enum Scenario {
     /// The move ledger moves one replica of a workload at a time across
     /// Machines drained at once.
     Shared,
+    /// A Node that dies: its Machine fenced, freed and replaced.
+    Remediation,
     /// Many Machines, pods and VolumeAttachments; concurrent drains;
     /// the controller's memory and CPU.
     Scale,
@@ -201,6 +210,8 @@ pub struct Report {
     pub ratios: Vec<compare::Ratio>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rollout: Option<rollout::Rollout>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remediation: Option<remediation::Remediation>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub scale: Option<scale::Scale>,
 }
@@ -265,16 +276,17 @@ impl Gaps {
 /// reports its failure in the report instead).
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let wants = |s: Scenario| args.scenarios.contains(&s);
-    let (runs, rollout) = if wants(Scenario::Stateful)
+    let (runs, rollout, remediation) = if wants(Scenario::Stateful)
         || wants(Scenario::Stateless)
         || (args.peers && wants(Scenario::Peers))
         || wants(Scenario::Rollout)
         || wants(Scenario::Independent)
         || wants(Scenario::Shared)
+        || wants(Scenario::Remediation)
     {
         drains(&args).await?
     } else {
-        (Vec::new(), None)
+        (Vec::new(), None, None)
     };
     // After the others, on a test bed of its own.
     let scale = if wants(Scenario::Scale) {
@@ -296,6 +308,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         ratios: compare::ratios(&runs),
         runs,
         rollout,
+        remediation,
         scale,
     };
     if let Some(dir) = args.out.parent() {
@@ -307,10 +320,17 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The stateful, stateless, peer, rollout and move ledger scenarios that
-/// were chosen, on one test bed with the audit log on and the controller
-/// in this process. The test bed is gone when this returns.
-async fn drains(args: &BenchArgs) -> anyhow::Result<(Vec<Run>, Option<rollout::Rollout>)> {
+/// What the scenarios on the drains' test bed measured.
+type Drains = (
+    Vec<Run>,
+    Option<rollout::Rollout>,
+    Option<remediation::Remediation>,
+);
+
+/// The stateful, stateless, peer, rollout, move ledger and remediation
+/// scenarios that were chosen, on one test bed with the audit log on and
+/// the controller in this process. The test bed is gone when this returns.
+async fn drains(args: &BenchArgs) -> anyhow::Result<Drains> {
     let wants = |s: Scenario| args.scenarios.contains(&s);
     let bed = TestBed::start(
         Options::end_to_end()
@@ -389,8 +409,15 @@ async fn drains(args: &BenchArgs) -> anyhow::Result<(Vec<Run>, Option<rollout::R
             ledger::shared(&admin, args, &audit_log, &user).await,
         ));
     }
+    let remediation = if wants(Scenario::Remediation) {
+        Some(remediation::or_failed(
+            remediation::run(&admin, args, &audit_log, &user).await,
+        ))
+    } else {
+        None
+    };
     controller.stop(Duration::from_secs(30)).await;
-    Ok((runs, rollout))
+    Ok((runs, rollout, remediation))
 }
 
 /// The controller's user name on the API server.
@@ -602,6 +629,9 @@ pub fn table(r: &Report) -> String {
     if let Some(ro) = &r.rollout {
         out.push_str(&rollout::table(ro));
     }
+    if let Some(rm) = &r.remediation {
+        out.push_str(&remediation::lines(rm));
+    }
     if let Some(s) = &r.scale {
         out.push_str(&scale::table(s));
     }
@@ -631,6 +661,7 @@ mod tests {
                 Scenario::Rollout,
                 Scenario::Independent,
                 Scenario::Shared,
+                Scenario::Remediation,
                 Scenario::Scale
             ]
         );
@@ -692,6 +723,7 @@ mod tests {
             runs: vec![],
             ratios: vec![],
             rollout: None,
+            remediation: None,
             scale: None,
         };
         let json = serde_json::to_value(&report).expect("JSON");

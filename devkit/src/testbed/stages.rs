@@ -555,8 +555,8 @@ mod tests {
         assert!(!cfg.contains("{{{{"));
         assert_eq!(
             cfg.matches("\n---\n").count(),
-            9,
-            "kwok's settings and nine Stage documents"
+            10,
+            "kwok's settings and ten Stage documents"
         );
         assert!(
             cfg.starts_with("apiVersion: config.kwok.x-k8s.io/v1alpha1\nkind: KwokConfiguration\n")

@@ -59,6 +59,25 @@ async fn class(
     create(Api::all(client.clone()), c).await;
 }
 
+/// A case in `ns` on the file's bed (its request ceiling raised to
+/// `ceiling` where Machines come up in the case), its pool's class made
+/// (see [`class`]); its controller is the test's to start.
+async fn remedy_case(
+    ns: &str,
+    ceiling: Option<usize>,
+    remediation: serde_json::Value,
+    extra: serde_json::Value,
+) -> (Case, Client) {
+    let mut builder = Case::builder(ns).on(BED);
+    if let Some(c) = ceiling {
+        builder = builder.ceiling(c);
+    }
+    let case = builder.build().await;
+    let client = case.client();
+    class(&client, ns, ns, remediation, extra).await;
+    (case, client)
+}
+
 /// Node `node` dies as its VM would: see [`kill_all`].
 async fn kill(client: &Client, node: &str) {
     kill_all(client, &[node.to_string()]).await;
@@ -246,12 +265,9 @@ fn node_of(m: &Machine) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_machine_is_fenced_then_freed_and_replaced() {
     let ns = "remedy-set";
-    let mut case = Case::builder(ns).on(BED).build().await;
-    let client = case.client();
-    class(
-        &client,
+    let (mut case, client) = remedy_case(
         ns,
-        ns,
+        None,
         serde_json::json!({"policy": "Replace"}),
         serde_json::json!({}),
     )
@@ -388,16 +404,8 @@ fn acts_since(bed: &berth_devkit::testbed::TestBed, ns: &str, since: Timestamp) 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_remediation_off_a_dead_machine_is_only_named() {
     let ns = "remedy-off";
-    let mut case = Case::builder(ns).on(BED).build().await;
-    let client = case.client();
-    class(
-        &client,
-        ns,
-        ns,
-        serde_json::Value::Null,
-        serde_json::json!({}),
-    )
-    .await;
+    let (mut case, client) =
+        remedy_case(ns, None, serde_json::Value::Null, serde_json::json!({})).await;
     case.start().await;
     let node = running_machine(&client, ns, "m", ns).await;
     let died = Timestamp::now();
@@ -423,12 +431,9 @@ async fn with_remediation_off_a_dead_machine_is_only_named() {
 async fn a_partition_is_not_remediated() {
     let ns = "remedy-held";
     // Five Machines, then a replacement, come up in it.
-    let mut case = Case::builder(ns).on(BED).ceiling(300).build().await;
-    let client = case.client();
-    class(
-        &client,
+    let (mut case, client) = remedy_case(
         ns,
-        ns,
+        Some(300),
         serde_json::json!({"policy": "Replace", "maxUnhealthy": "40%"}),
         serde_json::json!({}),
     )
@@ -506,12 +511,9 @@ async fn a_partition_is_not_remediated() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_back_during_the_fence_cancels_it() {
     let ns = "remedy-back";
-    let mut case = Case::builder(ns).on(BED).build().await;
-    let client = case.client();
-    class(
-        &client,
+    let (mut case, client) = remedy_case(
         ns,
-        ns,
+        None,
         serde_json::json!({"policy": "Replace"}),
         serde_json::json!({"stopDelay": "30s"}),
     )
@@ -553,12 +555,9 @@ async fn two_dead_machines_free_one_replica_at_a_time() {
     let ns = "remedy-two";
     // Two replacement Machines come up in the same seconds as the
     // remediations: about 170 requests in the busiest 10 s.
-    let mut case = Case::builder(ns).on(BED).ceiling(300).build().await;
-    let client = case.client();
-    class(
-        &client,
+    let (mut case, client) = remedy_case(
         ns,
-        ns,
+        Some(300),
         serde_json::json!({"policy": "Replace"}),
         serde_json::json!({}),
     )
@@ -640,12 +639,9 @@ async fn a_remediation_killed_between_the_stop_and_the_taint_resumes() {
         ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
     };
     let ns = "remedy-kill";
-    let mut case = Case::builder(ns).on(BED).build().await;
-    let client = case.client();
-    class(
-        &client,
+    let (mut case, client) = remedy_case(
         ns,
-        ns,
+        None,
         serde_json::json!({"policy": "Replace"}),
         serde_json::json!({}),
     )

@@ -268,6 +268,18 @@ impl AwsProvider {
             .cloned())
     }
 
+    /// The instance of `req` (see [`AwsProvider::lookup`]), or `NotFound`
+    /// (which says only that EC2 does not find it now).
+    async fn found(&self, spec: &AwsSpec, req: &MachineRequest) -> Result<Instance, ProviderError> {
+        self.lookup(spec, req).await?.ok_or_else(|| {
+            ProviderError::NotFound(
+                req.provider_id
+                    .clone()
+                    .unwrap_or_else(|| format!("no instance tagged {}", req.uid)),
+            )
+        })
+    }
+
     fn owns(&self, i: &Instance) -> bool {
         i.tags.get(tags::CLUSTER) == Some(&self.settings.cluster_id)
     }
@@ -575,13 +587,7 @@ impl Provider for AwsProvider {
         // Not found is not terminated: EC2 is eventually consistent, and
         // may not find an instance that runs. Only `terminated` is gone for
         // certain; the caller decides how long a not-found may last.
-        let Some(i) = self.lookup(&spec, req).await? else {
-            return Err(ProviderError::NotFound(
-                req.provider_id
-                    .clone()
-                    .unwrap_or_else(|| format!("no instance tagged {}", req.uid)),
-            ));
-        };
+        let i = self.found(&spec, req).await?;
         if i.state == "terminated" {
             return Ok(());
         }
@@ -612,13 +618,7 @@ impl Provider for AwsProvider {
     async fn stop(&self, req: &MachineRequest) -> Result<(), ProviderError> {
         let spec = parse_spec(&req.provider_spec)?;
         // As for delete: not found is not stopped.
-        let Some(i) = self.lookup(&spec, req).await? else {
-            return Err(ProviderError::NotFound(
-                req.provider_id
-                    .clone()
-                    .unwrap_or_else(|| format!("no instance tagged {}", req.uid)),
-            ));
-        };
+        let i = self.found(&spec, req).await?;
         if matches!(i.state.as_str(), "stopped" | "terminated") {
             return Ok(());
         }

@@ -546,8 +546,9 @@ async fn a_node_back_during_the_fence_cancels_it() {
     case.finish().await;
 }
 
-/// Two Machines of a set die at once, each with a replica of one
-/// StatefulSet: one replica moves at a time (the move ledger). The
+/// Two Machines of a set that remediates (the set says so, not its
+/// class) die at once, each with a replica of one StatefulSet: one
+/// replica moves at a time (the move ledger). The
 /// second dead Node's pod is deleted only once the first replica is back
 /// with its volume attached where it runs; both come back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -555,16 +556,19 @@ async fn two_dead_machines_free_one_replica_at_a_time() {
     let ns = "remedy-two";
     // Two replacement Machines come up in the same seconds as the
     // remediations: about 170 requests in the busiest 10 s.
+    // The pool opts in, not its class (whose spares are left alone).
     let (mut case, client) = remedy_case(
         ns,
         Some(300),
-        serde_json::json!({"policy": "Replace"}),
+        serde_json::Value::Null,
         serde_json::json!({}),
     )
     .await;
     case.start().await;
     let sets: Api<MachineSet> = Api::namespaced(client.clone(), ns);
-    create(sets, machine_set("db-set", ns, 2)).await;
+    let mut set = machine_set("db-set", ns, 2);
+    set.spec.remediation = Some(json(serde_json::json!({"policy": "Replace"})));
+    create(sets, set).await;
     let a = machine_of_set(&client, ns, "db-set", &[]).await;
     let b = machine_of_set(&client, ns, "db-set", &[a.name_any()]).await;
     stateful(&client, ns, "db", 2, |sts| {
@@ -740,5 +744,69 @@ async fn a_remediation_killed_between_the_stop_and_the_taint_resumes() {
         .delete(&policy, &Default::default())
         .await
         .expect("policy removed");
+    case.finish().await;
+}
+
+/// `fence: Terminate`, a Machine outside a pool: its VM is deleted (the
+/// fake cloud no longer has it) before its Node is tainted (audit order),
+/// and the Machine is marked Failed, its Node freed and left for an
+/// operator; nothing is deleted but the VM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminated_vm_outside_a_pool_leaves_a_failed_machine() {
+    let ns = "remedy-terminate";
+    let (mut case, client) = remedy_case(
+        ns,
+        None,
+        serde_json::json!({"policy": "Replace", "fence": "Terminate"}),
+        serde_json::json!({}),
+    )
+    .await;
+    case.start().await;
+    let node = running_machine(&client, ns, "m", ns).await;
+    let died = Timestamp::now();
+    kill(&client, &node).await;
+    let why = remediation_reason(&client, ns, "m", "Failed").await;
+    assert!(why.contains("belongs to no MachineSet"), "{why}");
+    let m = Api::<Machine>::namespaced(client.clone(), ns)
+        .get("m")
+        .await
+        .expect("m stays");
+    assert_eq!(support::phase(&m), Some("Failed"));
+    let bed = BED.bed().await;
+    let is_taint = |r: &berth_devkit::bench::audit::Request| {
+        r.verb == "patch"
+            && r.resource == "nodes"
+            && r.subresource.is_none()
+            && r.name.as_deref() == Some(node.as_str())
+            && oracle::accepted(r)
+    };
+    let all = oracle::requests_once(bed, ns, |rs| rs.iter().any(is_taint)).await;
+    let log = oracle::log_of(&all);
+    let vm = FakeProvider::vm_name("m");
+    let terminated = all
+        .iter()
+        .find(|r| {
+            r.verb == "delete"
+                && r.resource == "configmaps"
+                && r.name.as_deref() == Some(vm.as_str())
+        })
+        .unwrap_or_else(|| panic!("the VM deleted: {log}"));
+    let taint = all.iter().find(|r| is_taint(r)).expect("the taint");
+    assert!(
+        terminated.completed < taint.received,
+        "tainted before the VM was gone: {log}"
+    );
+    let n = Api::<Node>::all(client.clone())
+        .get(&node)
+        .await
+        .expect("the Node is left");
+    assert!(tainted(&n));
+    let acts = acts_since(bed, ns, died);
+    assert!(
+        !acts
+            .iter()
+            .any(|a| a.starts_with("delete machines") || a.starts_with("delete nodes")),
+        "{acts:?}"
+    );
     case.finish().await;
 }

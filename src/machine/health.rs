@@ -156,9 +156,11 @@ pub(crate) enum Remediate {
 /// that is back end it; once the VM is fenced, nothing on the Node can run
 /// again, so it is freed and replaced whatever its Node says.
 pub(crate) fn next_remediation(f: &RemediationFacts) -> Remediate {
-    let failing = f.health.as_ref().is_some_and(|h| h.failing);
+    // Only a Node that says it is healthy again cancels a fence: a Node
+    // object gone (deleted by hand) is not one that came back.
+    let back = f.health.as_ref().is_some_and(|h| !h.failing);
     match f.recorded {
-        Some(RemediationStep::Fence) if !failing => return Remediate::Cancel,
+        Some(RemediationStep::Fence) if back => return Remediate::Cancel,
         Some(RemediationStep::Fence) => return Remediate::Fence,
         Some(RemediationStep::Free) => return Remediate::Free,
         Some(RemediationStep::Replace) if f.pool.is_some() => return Remediate::Replace,
@@ -344,5 +346,11 @@ mod tests {
         let mut late = facts(true, Some(Free));
         late.cluster.unhealthy = 5;
         assert_eq!(next_remediation(&late), Remediate::Free);
+        // A Node object that vanished mid-fence is not a Node back.
+        let vanished = RemediationFacts {
+            health: None,
+            ..facts(true, Some(Fence))
+        };
+        assert_eq!(next_remediation(&vanished), Remediate::Fence);
     }
 }

@@ -33,7 +33,12 @@ pub(crate) struct StepRecord {
 
 impl StepRecord {
     /// A record that sets no phase and no condition, only the report.
-    fn report(op: &'static str, step: &'static str, state: State, what: impl Into<String>) -> Self {
+    pub(crate) fn report(
+        op: &'static str,
+        step: &'static str,
+        state: State,
+        what: impl Into<String>,
+    ) -> Self {
         Self {
             phase: None,
             conditions: Vec::new(),
@@ -43,25 +48,10 @@ impl StepRecord {
         }
     }
 
-    /// A record that sets only the report (see `machine::remediation`).
-    pub(crate) fn reported(
-        op: &'static str,
-        step: &'static str,
-        state: State,
-        what: impl Into<String>,
-    ) -> Self {
-        Self::report(op, step, state, what)
-    }
-
     /// Sets (or, with `None`, clears) `status.remediation`.
     pub(crate) fn remediation(mut self, r: Option<crate::api::RemediationStatus>) -> Self {
         self.remediation = Some(r);
         self
-    }
-
-    /// Sets the phase.
-    pub(crate) fn in_phase(self, phase: MachinePhase) -> Self {
-        self.phase(phase)
     }
 
     /// Adds a condition.
@@ -71,7 +61,7 @@ impl StepRecord {
         s
     }
 
-    fn phase(mut self, phase: MachinePhase) -> Self {
+    pub(crate) fn phase(mut self, phase: MachinePhase) -> Self {
         self.phase = Some(phase);
         self
     }

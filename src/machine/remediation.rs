@@ -208,7 +208,7 @@ async fn take(
         ),
         Remediate::Held { why, unhealthy } => {
             ctx.remediation_waits(m, true);
-            let rec = StepRecord::reported(
+            let rec = StepRecord::report(
                 "Health",
                 "RemediationHeld",
                 State::Failed,
@@ -225,7 +225,7 @@ async fn take(
         }
         Remediate::Begin { why } => begin(ctx, m, node, &why, j.fence).await,
         Remediate::Cancel => {
-            let rec = StepRecord::reported(
+            let rec = StepRecord::report(
                 "Health",
                 "RemediationCanceled",
                 State::Succeeded,
@@ -254,8 +254,8 @@ async fn take(
             let msg = format!(
                 "its VM is fenced and Node {node} freed; the Machine belongs to no MachineSet, so nothing replaces it: delete it"
             );
-            let rec = StepRecord::reported("Health", "Remediated", State::Failed, msg.clone())
-                .in_phase(MachinePhase::Failed)
+            let rec = StepRecord::report("Health", "Remediated", State::Failed, msg.clone())
+                .phase(MachinePhase::Failed)
                 .with(Cond::new(READY, false, "Remediated", msg.clone()))
                 .with(Cond::new(REMEDIATION, true, "Failed", msg));
             counted(ctx, m, &rec, "failed").await
@@ -325,7 +325,7 @@ async fn begin(
 ) -> Result<Handled, Error> {
     let node = node.map(ResourceExt::name_any).unwrap_or_default();
     let how = fence_words(fence);
-    let rec = StepRecord::reported(
+    let rec = StepRecord::report(
         "Health",
         "RemediationStarted",
         State::Processing,
@@ -376,7 +376,7 @@ async fn fence(
     };
     let vm = r.request.provider_id.as_deref().unwrap_or_default();
     let fencing = |state, reason, msg: String| {
-        StepRecord::reported("Health", reason, state, msg.clone()).with(Cond::new(
+        StepRecord::report("Health", reason, state, msg.clone()).with(Cond::new(
             REMEDIATION,
             true,
             reason,
@@ -390,7 +390,7 @@ async fn fence(
                 "provider {provider} says VM {vm} is {how}: nothing on Node {} runs any more",
                 rem.node
             );
-            let rec = StepRecord::reported("Health", "VmFenced", State::Succeeded, msg)
+            let rec = StepRecord::report("Health", "VmFenced", State::Succeeded, msg)
                 .with(Cond::new(
                     REMEDIATION,
                     true,
@@ -483,7 +483,7 @@ async fn free(
             "the VM is fenced; Node {} is freed once the move ledger lets each of its stateful workloads move: {words}",
             rem.node
         );
-        let rec = StepRecord::reported("Health", "WaitingForMovePermits", State::Waiting, &msg)
+        let rec = StepRecord::report("Health", "WaitingForMovePermits", State::Waiting, &msg)
             .with(Cond::new(REMEDIATION, true, "WaitingForMovePermits", msg));
         return done(ctx, m, &rec, Action::await_change()).await;
     }
@@ -509,7 +509,7 @@ async fn free(
         rem.node,
         pods.len()
     );
-    let rec = StepRecord::reported("Health", "NodeFreed", State::Succeeded, &msg)
+    let rec = StepRecord::report("Health", "NodeFreed", State::Succeeded, &msg)
         .with(Cond::new(REMEDIATION, true, "Replacing", msg))
         .remediation(Some(RemediationStatus {
             step: RemediationStep::Replace,

@@ -1109,15 +1109,38 @@ async fn a_machinedeployment_scales_through_its_scale_subresource() {
         .await;
     let client = case.client();
     let api = deployments(&client, ns);
-    api.create(
-        &PostParams::default(),
-        &machine_deployment("pool", ns, 1, "md", serde_json::Value::Null),
-    )
-    .await
-    .expect("create the MachineDeployment");
+    let mut pool = machine_deployment("pool", ns, 1, "md", serde_json::Value::Null);
+    let remediation = serde_json::json!({"policy": "Replace", "maxUnhealthy": 1});
+    pool.spec.remediation = Some(json(remediation.clone()));
+    api.create(&PostParams::default(), &pool)
+        .await
+        .expect("create the MachineDeployment");
     let d = rollout_is(&client, ns, "pool", "RolloutComplete", 1).await;
     let h = hash(&d);
     let set = format!("pool-{h}");
+    let sets_api: Api<MachineSet> = Api::namespaced(client.clone(), ns);
+    let set_remediation = |s: &MachineSet| serde_json::to_value(&s.spec.remediation).ok();
+    let made = sets_api.get(&set).await.expect("the set");
+    assert_eq!(
+        set_remediation(&made),
+        Some(remediation),
+        "copied to its set"
+    );
+    // Changed on the deployment: changed on its set in place, no rollout.
+    patch_spec(
+        &client,
+        ns,
+        "pool",
+        serde_json::json!({"remediation": {"policy": "Off"}}),
+    )
+    .await;
+    wait::for_one(sets_api.clone(), LONG, "the set's remediation Off", |s| {
+        // A merge patch: maxUnhealthy stays.
+        s.name_any() == set
+            && set_remediation(s) == Some(serde_json::json!({"policy": "Off", "maxUnhealthy": 1}))
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
 
     // Up from 1 to 3.
     let t = Instant::now();

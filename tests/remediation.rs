@@ -810,3 +810,158 @@ async fn a_terminated_vm_outside_a_pool_leaves_a_failed_machine() {
     );
     case.finish().await;
 }
+
+/// Node `node` gets condition `type_` True, as node-problem-detector
+/// writes one (a strategic merge of the status: kwok's heartbeats keep
+/// it, as the kubelet's do).
+async fn node_condition(client: &Client, node: &str, type_: &str) {
+    let now = Timestamp::now().to_string();
+    Api::<Node>::all(client.clone())
+        .patch_status(
+            node,
+            &PatchParams::default(),
+            &Patch::Strategic(serde_json::json!({"status": {"conditions": [{
+                "type": type_, "status": "True", "reason": "KernelHasDeadlock",
+                "message": "task docker:7 blocked for more than 300 seconds",
+                "lastTransitionTime": now, "lastHeartbeatTime": now}]}})),
+        )
+        .await
+        .expect("the condition is set");
+}
+
+/// A Node that stays Ready but has had a condition its class lists
+/// (`KernelDeadlock` True for 2 s) is remediated as a dead one: its VM
+/// stopped (the fake cloud's record), only then its Node tainted (etcd's
+/// order); outside a pool the Machine is marked Failed. The Node said
+/// Ready all along: the condition, not Ready, decided.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listed_node_condition_remediates_a_ready_node() {
+    let ns = "remedy-condition";
+    let (mut case, client) = remedy_case(
+        ns,
+        None,
+        serde_json::json!({"policy": "Replace", "conditions": [
+            {"type": "KernelDeadlock", "status": "True", "after": "2s"}]}),
+        serde_json::json!({}),
+    )
+    .await;
+    case.start().await;
+    let node = running_machine(&client, ns, "m", ns).await;
+    let node_versions = Versions::start(Api::<Node>::all(client.clone()), &node).await;
+    let vm = FakeProvider::vm_name("m");
+    let vm_versions = Versions::start(Api::<ConfigMap>::namespaced(client.clone(), ns), &vm).await;
+    node_condition(&client, &node, "KernelDeadlock").await;
+    remediation_reason(&client, ns, "m", "Failed").await;
+    let m = Api::<Machine>::namespaced(client.clone(), ns)
+        .get("m")
+        .await
+        .expect("m stays");
+    let why = m
+        .status
+        .and_then(|s| s.remediation)
+        .map(|r| r.reason)
+        .unwrap_or_default();
+    assert!(why.contains("KernelDeadlock True"), "{why}");
+    let stopped_at = vm_versions.first(stopped).expect("the VM was stopped");
+    let tainted_at = node_versions.first(tainted).expect("the Node was tainted");
+    assert!(
+        stopped_at < tainted_at,
+        "tainted at revision {tainted_at}, before the VM was stopped at {stopped_at}"
+    );
+    // Ready in every version seen before the taint.
+    let unready = node_versions.first(|n| !is_ready(n) && !tainted(n));
+    assert!(
+        unready.is_none_or(|rv| rv > tainted_at),
+        "the Node was NotReady at {unready:?}"
+    );
+    case.finish().await;
+}
+
+/// A VM that never stops (the fake cloud takes an hour) in a pool whose
+/// `fenceTimeout` is 3 s: past it, the stop turns into a terminate, the
+/// VM is deleted (the fake cloud's record) before the Node is tainted
+/// (audit order), and the Machine is replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vm_that_does_not_stop_is_terminated_past_the_fence_timeout() {
+    let ns = "remedy-escalate";
+    let (mut case, client) = remedy_case(
+        ns,
+        Some(300),
+        serde_json::json!({"policy": "Replace", "fenceTimeout": "3s"}),
+        serde_json::json!({"stopDelay": "1h"}),
+    )
+    .await;
+    case.start().await;
+    let sets: Api<MachineSet> = Api::namespaced(client.clone(), ns);
+    create(sets, machine_set("db-set", ns, 1)).await;
+    let dead = machine_of_set(&client, ns, "db-set", &[]).await;
+    let node = node_of(&dead);
+    kill(&client, &node).await;
+    gone(&client, ns, &dead.name_any(), Duration::from_secs(120)).await;
+    let bed = BED.bed().await;
+    let is_taint = |r: &berth_devkit::bench::audit::Request| {
+        r.verb == "patch"
+            && r.resource == "nodes"
+            && r.subresource.is_none()
+            && r.name.as_deref() == Some(node.as_str())
+            && oracle::accepted(r)
+    };
+    let all = oracle::requests_once(bed, ns, |rs| rs.iter().any(is_taint)).await;
+    let log = oracle::log_of(&all);
+    let vm = FakeProvider::vm_name(&dead.name_any());
+    let on_vm = |verb: &str| {
+        all.iter().find(|r| {
+            r.verb == verb
+                && r.resource == "configmaps"
+                && r.name.as_deref() == Some(vm.as_str())
+                && oracle::accepted(r)
+        })
+    };
+    let stop = on_vm("patch").unwrap_or_else(|| panic!("the VM asked to stop: {log}"));
+    let terminated = on_vm("delete").unwrap_or_else(|| panic!("the VM deleted: {log}"));
+    let taint = all.iter().find(|r| is_taint(r)).expect("the taint");
+    assert!(stop.completed < terminated.received, "{log}");
+    assert!(
+        terminated.completed < taint.received,
+        "tainted before the VM was gone: {log}"
+    );
+    machine_of_set(&client, ns, "db-set", &[dead.name_any()]).await;
+    case.finish().await;
+}
+
+/// `berth run --max-unhealthy 0`, the cluster-wide bound: one dead
+/// Machine outside any pool is held (by default, 40 % of one Machine is
+/// one, and it would be remediated), and nothing is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cluster_wide_bound_of_berth_run_holds_a_remediation() {
+    let ns = "remedy-cluster";
+    let (mut case, client) = remedy_case(
+        ns,
+        None,
+        serde_json::json!({"policy": "Replace"}),
+        serde_json::json!({}),
+    )
+    .await;
+    case.spawn(&[
+        "--namespace",
+        ns,
+        "--leader-elect=false",
+        "--max-unhealthy",
+        "0",
+    ])
+    .await;
+    let node = running_machine(&client, ns, "m", ns).await;
+    let died = Timestamp::now();
+    kill(&client, &node).await;
+    let why = remediation_reason(&client, ns, "m", "RemediationHeld").await;
+    assert!(
+        why.contains(
+            "1 of 1 Machines in the cluster are unhealthy, more than maxUnhealthy 0 (0) allows"
+        ),
+        "{why}"
+    );
+    tokio::time::sleep(2 * HEALTH).await;
+    let acts = acts_since(BED.bed().await, ns, died);
+    assert!(acts.is_empty(), "berth acted: {acts:?}");
+    case.finish().await;
+}

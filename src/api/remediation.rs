@@ -34,6 +34,16 @@ pub struct Remediation {
     /// until the provider says the VM is stopped (or gone).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fence: Option<Fence>,
+    /// How long the provider may take to say the VM is fenced (a duration
+    /// such as `10m`, the default). Past it, a `Stop` in a pool turns into
+    /// a `Terminate` (the Machine is replaced, so its disks go anyway);
+    /// a `Terminate`, or a `Stop` outside a pool, is named
+    /// `FenceTimedOut` and still asked, with backoff: nothing on the Node
+    /// is freed before the VM is known to be off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 32))]
+    #[x_kube(validation = duration_rule())]
+    pub fence_timeout: Option<String>,
     /// Node conditions besides `Ready` that make a Machine unhealthy, each
     /// once it has lasted its `after` (as Karpenter's node repair reads
     /// them). `Ready` False or Unknown always counts, after the class's
@@ -158,6 +168,10 @@ pub struct RemediationStatus {
     pub fence: Fence,
     /// When it began.
     pub started_at: Time,
+    /// When a `Stop` that outlasted `fenceTimeout` turned into a
+    /// `Terminate`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub escalated_at: Option<Time>,
     /// When the provider said the VM is stopped (or gone).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fenced_at: Option<Time>,
@@ -226,11 +240,15 @@ pub struct ConditionRule {
     pub after: Duration,
 }
 
+/// How long a fence may take unless `fenceTimeout` says otherwise.
+pub const DEFAULT_FENCE_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// A remediation setting with every default applied.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResolvedRemediation {
     pub policy: RemediationPolicy,
     pub fence: Fence,
+    pub fence_timeout: Duration,
     pub conditions: Vec<ConditionRule>,
     /// The pool's bound.
     pub max_unhealthy: MaxUnhealthy,
@@ -241,6 +259,7 @@ impl Default for ResolvedRemediation {
         Self {
             policy: RemediationPolicy::Off,
             fence: Fence::Stop,
+            fence_timeout: DEFAULT_FENCE_TIMEOUT,
             conditions: Vec::new(),
             max_unhealthy: MaxUnhealthy::Percent(100),
         }
@@ -281,7 +300,17 @@ pub fn resolve(
         Some(v) => MaxUnhealthy::parse(v)?,
         None => d.max_unhealthy,
     };
+    let fence_timeout = match pool
+        .and_then(|p| p.fence_timeout.as_deref())
+        .or_else(|| class.and_then(|c| c.fence_timeout.as_deref()))
+    {
+        Some(s) => parse_duration(s).ok_or_else(|| {
+            format!("remediation.fenceTimeout: {s:?} is not a duration such as 10m")
+        })?,
+        None => d.fence_timeout,
+    };
     Ok(ResolvedRemediation {
+        fence_timeout,
         policy: pool
             .and_then(|p| p.policy)
             .or_else(|| class.and_then(|c| c.policy))
@@ -329,6 +358,7 @@ mod tests {
                 after: "5m".into(),
             }],
             max_unhealthy: Some(IntOrString::String("40%".into())),
+            fence_timeout: Some("2m".into()),
         };
         let pool = Remediation {
             policy: Some(RemediationPolicy::Off),
@@ -341,11 +371,17 @@ mod tests {
         assert_eq!(r.max_unhealthy, MaxUnhealthy::Count(1));
         assert_eq!(r.conditions.len(), 1);
         assert_eq!(r.conditions[0].after, Duration::from_secs(300));
+        assert_eq!(r.fence_timeout, Duration::from_secs(120));
         assert_eq!(resolve(None, None), Ok(ResolvedRemediation::default()));
         let bad = Remediation {
             max_unhealthy: Some(IntOrString::String("lots".into())),
             ..Default::default()
         };
         assert!(resolve(None, Some(&bad)).is_err());
+        let slow = Remediation {
+            fence_timeout: Some("soon".into()),
+            ..Default::default()
+        };
+        assert!(resolve(Some(&slow), None).is_err_and(|e| e.contains("fenceTimeout")));
     }
 }

@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet, StatefulSet};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
-use super::print::in_progress;
+use super::print::{in_progress, remediation};
 use crate::api::settings::resolve;
 use crate::api::{Machine, MachineClass};
 use crate::drain::ledger::workload::{controller, workload_of};
@@ -55,12 +55,16 @@ pub struct LivePlan {
 
 impl LivePlan {
     /// The lines printed before the plan: where the settings come from
-    /// when not from the class, and the drain in progress, if any, as
+    /// when not from the class, the remediation of a Machine whose Node
+    /// died (or why none), and the drain in progress, if any, as
     /// `status.drain` records it.
     pub fn notes(&self) -> String {
         let mut out = String::new();
         if let Some(n) = &self.settings_note {
             out.push_str(&format!("Settings: {n}\n"));
+        }
+        if let Some(s) = self.machine.status.as_ref() {
+            out.push_str(&remediation(s));
         }
         if let Some(d) = self.machine.status.as_ref().and_then(|s| s.drain.as_ref()) {
             out.push_str(&in_progress(d));

@@ -7,8 +7,10 @@ use std::fmt;
 
 use humantime::format_duration;
 
-use crate::api::DrainStatus;
+use crate::api::conditions::REMEDIATION;
+use crate::api::remediation::Fence;
 use crate::api::settings::NodeLocalVolumes;
+use crate::api::{DrainStatus, MachineStatus};
 use crate::drain::plan::{DrainPlan, PlannedPod};
 use crate::drain::rules;
 use crate::drain::select::fmt_key;
@@ -298,6 +300,36 @@ pub fn in_progress(d: &DrainStatus) -> String {
     out
 }
 
+/// The remediation of the Machine, as its status records it: the step
+/// under way (`status.remediation`) and the `Remediation` condition, which
+/// also says why none is under way (held by `maxUnhealthy`, off, an
+/// invalid setting, canceled). Empty when the Machine has neither.
+pub fn remediation(s: &MachineStatus) -> String {
+    let mut out = String::new();
+    if let Some(r) = &s.remediation {
+        out.push_str(&format!(
+            "Remediation of Node {} since {}: step {} (fence {}){}\n  why: {}\n",
+            r.node,
+            r.started_at.0,
+            r.step.as_str(),
+            match r.fence {
+                Fence::Stop => "Stop",
+                Fence::Terminate => "Terminate",
+            },
+            match (&r.fenced_at, &r.freed_at) {
+                (_, Some(t)) => format!(", freed at {}", t.0),
+                (Some(t), None) => format!(", fenced at {}", t.0),
+                (None, None) => String::new(),
+            },
+            r.reason
+        ));
+    }
+    if let Some(c) = s.conditions.iter().find(|c| c.type_ == REMEDIATION) {
+        out.push_str(&format!("Remediation: {}: {}\n", c.reason, c.message));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -333,5 +365,48 @@ mod tests {
         ] {
             assert!(text.contains(needle), "{needle}: {text}");
         }
+    }
+
+    #[test]
+    fn the_remediation_says_its_step_and_why_or_why_none() {
+        use crate::api::remediation::{RemediationStatus, RemediationStep};
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+        assert_eq!(remediation(&MachineStatus::default()), "");
+        let at = |s: &str| Time(s.parse().expect("time"));
+        let held = MachineStatus {
+            conditions: vec![Condition {
+                type_: REMEDIATION.into(),
+                status: "False".into(),
+                reason: "RemediationHeld".into(),
+                message: "3 of 5 Machines in its pool are unhealthy".into(),
+                last_transition_time: at("2026-11-23T09:00:00Z"),
+                observed_generation: None,
+            }],
+            ..MachineStatus::default()
+        };
+        assert_eq!(
+            remediation(&held),
+            "Remediation: RemediationHeld: 3 of 5 Machines in its pool are unhealthy\n"
+        );
+        let fenced = MachineStatus {
+            remediation: Some(RemediationStatus {
+                step: RemediationStep::Free,
+                node: "n1".into(),
+                reason: "Node n1 has been Ready False for 5m".into(),
+                fence: Fence::Stop,
+                started_at: at("2026-11-23T09:00:00Z"),
+                escalated_at: None,
+                fenced_at: Some(at("2026-11-23T09:00:20Z")),
+                freed_at: None,
+            }),
+            ..MachineStatus::default()
+        };
+        let text = remediation(&fenced);
+        assert!(
+            text.starts_with(
+                "Remediation of Node n1 since 2026-11-23T09:00:00Z: step Free (fence Stop), fenced at 2026-11-23T09:00:20Z\n  why: Node n1 has been Ready False for 5m\n"
+            ),
+            "{text}"
+        );
     }
 }

@@ -7,7 +7,9 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::jiff::Timestamp;
 
-use crate::api::remediation::{ConditionRule, MaxUnhealthy, RemediationPolicy, RemediationStep};
+use crate::api::remediation::{
+    ConditionRule, Fence, MaxUnhealthy, RemediationPolicy, RemediationStep,
+};
 
 /// A Node's health against its class's rules.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -185,6 +187,35 @@ pub(crate) fn next_remediation(f: &RemediationFacts) -> Remediate {
     }
 }
 
+/// What a fence under way does on this reconcile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FenceTurn {
+    /// Ask the provider (again); `overdue` when the fence has outlasted
+    /// its timeout and nothing else is left to try.
+    Ask { overdue: bool },
+    /// A `Stop` past its timeout, in a pool: turn it into a `Terminate`.
+    /// The Machine is replaced, so its disks go anyway, and a VM that does
+    /// not stop must not pin its Node's volumes.
+    Escalate,
+}
+
+/// The turn of a `fence` that has lasted `lasted` (since it began, or
+/// since it was escalated) against `timeout`. Outside a pool a stopped VM
+/// is kept for the operator to look at, so a `Stop` is never escalated
+/// there.
+pub(crate) fn fence_turn(
+    fence: Fence,
+    lasted: Duration,
+    timeout: Duration,
+    pooled: bool,
+) -> FenceTurn {
+    match (lasted >= timeout, fence) {
+        (false, _) => FenceTurn::Ask { overdue: false },
+        (true, Fence::Stop) if pooled => FenceTurn::Escalate,
+        (true, _) => FenceTurn::Ask { overdue: true },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -257,6 +288,30 @@ mod tests {
         );
         // Not listed: not judged.
         assert!(!judge(&n, at(NOW), Duration::from_secs(600), &[]).failing);
+    }
+
+    #[test]
+    fn a_fence_past_its_timeout_terminates_in_a_pool_and_is_named_elsewhere() {
+        let (min, ten) = (Duration::from_secs(60), Duration::from_secs(600));
+        assert_eq!(
+            fence_turn(Fence::Stop, min, ten, true),
+            FenceTurn::Ask { overdue: false }
+        );
+        assert_eq!(fence_turn(Fence::Stop, ten, ten, true), FenceTurn::Escalate);
+        // Outside a pool the stopped VM is the operator's to look at.
+        assert_eq!(
+            fence_turn(Fence::Stop, ten, ten, false),
+            FenceTurn::Ask { overdue: true }
+        );
+        // Nothing is left past a Terminate but to keep asking, named.
+        assert_eq!(
+            fence_turn(Fence::Terminate, ten, ten, true),
+            FenceTurn::Ask { overdue: true }
+        );
+        assert_eq!(
+            fence_turn(Fence::Terminate, min, ten, true),
+            FenceTurn::Ask { overdue: false }
+        );
     }
 
     fn facts(unhealthy: bool, recorded: Option<RemediationStep>) -> RemediationFacts {

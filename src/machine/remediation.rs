@@ -32,15 +32,16 @@ use kube::runtime::reflector::ObjectRef;
 
 use super::Context;
 use super::commit::{Next, Write, record};
-use super::decide::node_ready;
 use super::error::{Error, Step, at};
-use super::health::{Remediate, RemediationFacts, Share, judge, next_remediation};
+use super::health::{
+    FenceTurn, Remediate, RemediationFacts, Share, fence_turn, judge, next_remediation,
+};
 use super::lookup::Resolved;
 use super::record::StepRecord;
 use super::status::{Cond, State, condition};
 use crate::api::conditions::{NODE_HEALTHY, READY, REMEDIATION};
 use crate::api::remediation::{
-    Fence, MaxUnhealthy, RemediationPolicy, RemediationStatus, RemediationStep,
+    ConditionRule, Fence, MaxUnhealthy, RemediationPolicy, RemediationStatus, RemediationStep,
 };
 use crate::api::{Machine, MachinePhase, owner_ref};
 use crate::drain::engine::Freeing;
@@ -72,6 +73,7 @@ impl Handled {
 struct Judgement {
     step: Remediate,
     fence: Fence,
+    fence_timeout: Duration,
     recorded: Option<RemediationStatus>,
     /// When a failing check will have lasted its duration.
     recheck_in: Option<Duration>,
@@ -107,8 +109,9 @@ fn judged(
     let counts = recorded.is_none()
         && settings.policy == RemediationPolicy::Replace
         && health.as_ref().is_some_and(|h| h.unhealthy.is_some());
+    let rules = &settings.conditions;
     let count = |machines: &[Arc<Machine>], max| match counts {
-        true => share(ctx, machines, max),
+        true => share(ctx, machines, max, rules, now),
         false => Share {
             unhealthy: 0,
             total: 0,
@@ -138,6 +141,7 @@ fn judged(
     Ok(Some(Judgement {
         step,
         fence: settings.fence,
+        fence_timeout: settings.fence_timeout,
         recorded,
         recheck_in,
     }))
@@ -241,7 +245,7 @@ async fn take(
             counted(ctx, m, &rec, "canceled").await
         }
         Remediate::Fence => match recorded {
-            Some(rem) => fence(ctx, m, r, &rem).await,
+            Some(rem) => fence(ctx, m, r, &rem, j.fence_timeout).await,
             None => Ok(Handled::go_on()),
         },
         Remediate::Free => match recorded {
@@ -264,8 +268,16 @@ async fn take(
 }
 
 /// How many `machines` (not being deleted) are unhealthy: their Node not
-/// Ready, or a remediation under way.
-fn share(ctx: &Context, machines: &[Arc<Machine>], max: MaxUnhealthy) -> Share {
+/// Ready or with a condition of `rules` (this Machine's: a pool shares
+/// them, and across the cluster they are what this Machine is judged by),
+/// however long; or a remediation under way.
+fn share(
+    ctx: &Context,
+    machines: &[Arc<Machine>],
+    max: MaxUnhealthy,
+    rules: &[ConditionRule],
+    now: Timestamp,
+) -> Share {
     let live = machines
         .iter()
         .filter(|m| m.metadata.deletion_timestamp.is_none());
@@ -279,7 +291,11 @@ fn share(ctx: &Context, machines: &[Arc<Machine>], max: MaxUnhealthy) -> Share {
         let status = m.status.as_ref();
         let remediating = status.is_some_and(|s| s.remediation.is_some());
         let running = status.and_then(|s| s.phase) == Some(MachinePhase::Running);
-        let down = running && ctx.caches.node_of(m).is_some_and(|n| !node_ready(&n));
+        let down = running
+            && ctx
+                .caches
+                .node_of(m)
+                .is_some_and(|n| judge(&n, now, Duration::ZERO, rules).failing);
         if remediating || down {
             s.unhealthy += 1;
         }
@@ -344,6 +360,7 @@ async fn begin(
         reason: why.to_string(),
         fence,
         started_at: Time(Timestamp::now()),
+        escalated_at: None,
         fenced_at: None,
         freed_at: None,
     }));
@@ -358,13 +375,24 @@ fn fence_words(fence: Fence) -> &'static str {
 }
 
 /// Step 2: the provider asked to stop (or terminate) the VM, until it
-/// says it has; only then is the next step recorded.
+/// says it has; only then is the next step recorded. A `Stop` that
+/// outlasts `timeout` in a pool is turned into a `Terminate` (see
+/// `fence_turn`).
 async fn fence(
     ctx: &Context,
     m: &Machine,
     r: &Resolved,
     rem: &RemediationStatus,
+    timeout: Duration,
 ) -> Result<Handled, Error> {
+    let since = rem.escalated_at.as_ref().unwrap_or(&rem.started_at).0;
+    let lasted = Duration::try_from(Timestamp::now().duration_since(since)).unwrap_or_default();
+    // Before the provider's own retry gate: a provider that asks to be
+    // asked again in an hour does not hold the escalation.
+    let overdue = match fence_turn(rem.fence, lasted, timeout, owner_ref(m).is_some()) {
+        FenceTurn::Escalate => return escalate(ctx, m, rem, timeout).await,
+        FenceTurn::Ask { overdue } => overdue,
+    };
     if let Some(after) = ctx.provider_retry_in(m) {
         return Ok(Handled::Done(Next::ProviderRetry(after)));
     }
@@ -405,14 +433,32 @@ async fn fence(
             counted(ctx, m, &rec, "fenced").await
         }
         Err(ProviderError::InProgress { what, retry_after }) => {
+            // Looked at again by the fence's timeout at the latest.
+            let retry_after = match overdue {
+                false => {
+                    retry_after.min(timeout.saturating_sub(lasted) + Duration::from_millis(100))
+                }
+                true => retry_after,
+            };
             ctx.provider_retry_after(m, retry_after);
-            let rec = fencing(
-                State::Waiting,
-                "Fencing",
-                format!(
-                    "provider {provider}: {what}; nothing on the Node is freed before it is {how}"
+            let rec = match overdue {
+                false => fencing(
+                    State::Waiting,
+                    "Fencing",
+                    format!(
+                        "provider {provider}: {what}; nothing on the Node is freed before it is {how}"
+                    ),
                 ),
-            );
+                true => fencing(
+                    State::Failed,
+                    "FenceTimedOut",
+                    format!(
+                        "provider {provider} has not said VM {vm} is {how} within fenceTimeout {} ({what}); still asked, and nothing on Node {} is freed until it is; if the VM is known to be off, delete the Machine with the berth.dev/force-deletion label",
+                        humantime::format_duration(timeout),
+                        rem.node
+                    ),
+                ),
+            };
             done(ctx, m, &rec, Action::requeue(retry_after)).await
         }
         Err(ProviderError::Unsupported(why)) => {
@@ -442,6 +488,31 @@ async fn fence(
             })
         }
     }
+}
+
+/// A `Stop` past its timeout turned into a `Terminate`, recorded before
+/// the provider is asked.
+async fn escalate(
+    ctx: &Context,
+    m: &Machine,
+    rem: &RemediationStatus,
+    timeout: Duration,
+) -> Result<Handled, Error> {
+    // The stop's retry gate does not hold the terminate.
+    ctx.provider_answered(m);
+    let msg = format!(
+        "the VM was not stopped within fenceTimeout {}: it is terminated instead (the Machine is replaced, so its disks go anyway); nothing on Node {} is freed before it is gone",
+        humantime::format_duration(timeout),
+        rem.node
+    );
+    let rec = StepRecord::report("Health", "FenceEscalated", State::Failed, &msg)
+        .with(Cond::new(REMEDIATION, true, "Fencing", msg))
+        .remediation(Some(RemediationStatus {
+            fence: Fence::Terminate,
+            escalated_at: Some(Time(Timestamp::now())),
+            ..rem.clone()
+        }));
+    counted(ctx, m, &rec, "escalated").await
 }
 
 /// The pods a remediation frees: every pod bound to the Node but the

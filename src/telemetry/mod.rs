@@ -365,7 +365,7 @@ impl Metrics {
             provider_requests: r.counter_vec("berth_provider_requests_total", "Requests to the machine provider, by driver, operation and result. For aws, every EC2 API request, with the EC2 action as op (RunInstances, DescribeInstances, TerminateInstances, StopInstances, DescribeImages) and result ok, throttled, transient, invalid_spec, unauthorized, not_found or permanent; for fake, each operation (create, delete, get, stop, list).", &["driver", "op", "result"])?,
             provider_request_duration: r.histogram_vec("berth_provider_request_duration_seconds", "Latency of requests to the machine provider, by driver and operation (for aws, the EC2 action).", PROVIDER_BUCKETS, &["driver", "op"])?,
             node_not_ready_machines: r.gauge("berth_node_not_ready_machines", "Running Machines whose Node has been NotReady for longer than the health timeout.")?,
-            remediations: r.counter_vec("berth_remediations_total", "Steps of the remediations of Machines whose Node died, by outcome: started (its VM is to be fenced), canceled (its Node came back before the VM was fenced), fenced (the provider said the VM is stopped or terminated), freed (its Node tainted out of service and its pods deleted), failed (outside a pool: marked Failed, not replaced).", &["outcome"])?,
+            remediations: r.counter_vec("berth_remediations_total", "Steps of the remediations of Machines whose Node died, by outcome: started (its VM is to be fenced), canceled (its Node came back before the VM was fenced), escalated (a stop past fenceTimeout turned into a terminate), fenced (the provider said the VM is stopped or terminated), freed (its Node tainted out of service and its pods deleted), failed (outside a pool: marked Failed, not replaced).", &["outcome"])?,
             remediations_now: r.gauge_vec("berth_remediations", "Machines whose Node is unhealthy, by the state of their remediation: held (more Machines are unhealthy than maxUnhealthy allows), fence, free, replace (the step under way).", &["state"])?,
             leader: r.gauge("berth_leader", "1 while this replica holds the leader election Lease, 0 otherwise.")?,
             orphan_vms: r.counter_vec("berth_orphan_vms_total", "Orphan VMs (tagged for a Machine of this cluster that no Machine has, older than --orphan-grace) found by orphan collection, once per round each, by driver and outcome: collected (deleted), would_collect (--orphan-dry-run), failed (the delete failed; tried again next round), held (not deleted: its Node still runs pods, or the round found more orphans than it may take of the fleet at once).", &["driver", "outcome"])?,
@@ -385,7 +385,14 @@ impl Metrics {
             metrics.pod_evictions.with_label_values(&[result.as_str()]);
         }
         metrics.reconcile_total.with_label_values(&[RESULT_OK]);
-        for outcome in ["started", "canceled", "fenced", "freed", "failed"] {
+        for outcome in [
+            "started",
+            "canceled",
+            "escalated",
+            "fenced",
+            "freed",
+            "failed",
+        ] {
             metrics.remediations.with_label_values(&[outcome]);
         }
         for state in ["held", "fence", "free", "replace"] {

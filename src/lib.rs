@@ -7,6 +7,7 @@ pub mod cache;
 pub mod cli;
 pub mod controller;
 pub mod drain;
+pub mod drainrule;
 pub mod machine;
 pub mod machinedeployment;
 pub mod machineset;

@@ -55,7 +55,7 @@ fn chart_template(generated: &str) -> String {
             inserted += 1;
         }
     }
-    assert_eq!(inserted, 6, "one metadata block per CRD");
+    assert_eq!(inserted, 7, "one metadata block per CRD");
     assert!(
         !generated.contains("{{") && !generated.contains("}}"),
         "the generated YAML would need escaping for Helm"

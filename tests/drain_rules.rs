@@ -205,7 +205,7 @@ async fn a_skip_rule_leaves_a_pod_to_the_vm_and_a_rule_not_understood_is_named()
                 "  {ns}/keep: drain rule berth.dev/drain=skip: never evicted; ends with the VM"
             ),
             &format!(
-                "Drain rules not understood, defaults used (1):\n  {ns}/web: berth.dev/drain-order=\"soon\" is not a 32-bit integer; order 0 used"
+                "Drain rules not understood or in conflict, defaults or the winning rule used (1):\n  {ns}/web: berth.dev/drain-order=\"soon\" is not a 32-bit integer; order 0 used"
             ),
             "Without persistent volumes, evicted concurrently, up to 20 at a time (1):",
         ],
@@ -386,5 +386,248 @@ async fn a_pod_waited_on_that_never_completes_meets_the_deadline_rules() {
             let pod = pods.get("forever").await.expect("still there");
             assert!(pod.metadata.deletion_timestamp.is_none(), "never evicted");
         }
+    }
+}
+
+/// A pod without volumes on `node`, labelled `labels`.
+fn labelled_pod(
+    name: &str,
+    node: &str,
+    labels: serde_json::Value,
+    annotations: serde_json::Value,
+) -> Pod {
+    json(serde_json::json!({
+        "metadata": {"name": name, "labels": labels, "annotations": annotations},
+        "spec": {
+            "nodeName": node,
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{"name": "main", "image": "registry.invalid/app:1"}]
+        }
+    }))
+}
+
+/// A cluster DrainRule named `name` for the Machines labelled
+/// `rules-case: <case>` (so that no other case's drain sees it), `drain`
+/// its behaviour and order, `pods` its pod selectors.
+fn drain_rule(
+    name: &str,
+    case: &str,
+    drain: serde_json::Value,
+    pods: serde_json::Value,
+) -> berth::api::DrainRule {
+    json(serde_json::json!({
+        "metadata": {"name": name},
+        "spec": {
+            "drain": drain,
+            "machines": [{"selector": {"matchLabels": {"rules-case": case}}}],
+            "pods": pods,
+        }
+    }))
+}
+
+/// Waits until DrainRule `name` says `Accepted` `status`; its reason.
+async fn accepted_is(client: &kube::Client, name: &str, status: &str) -> String {
+    let rule = wait::for_one(
+        Api::<berth::api::DrainRule>::all(client.clone()),
+        LONG,
+        &format!("{name} Accepted {status}"),
+        |r| {
+            r.name_any() == name
+                && r.status.as_ref().is_some_and(|s| {
+                    s.conditions
+                        .iter()
+                        .any(|c| c.type_ == "Accepted" && c.status == status)
+                })
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    rule.status
+        .as_ref()
+        .and_then(|s| s.conditions.first())
+        .map(|c| c.reason.clone())
+        .unwrap_or_default()
+}
+
+/// DrainRules, cluster objects, for pods whose templates the operator
+/// does not own, and Cluster API's pod label: a rule's `Skip` leaves a
+/// pod of its namespace to the VM, its `WaitCompleted` waits for a pod
+/// until it completes, two rules that disagree on a pod are named and the
+/// lower order wins (that pod is evicted, alone, before the rest), a rule
+/// for another pool's Machines and an invalid rule (refused with a
+/// condition) apply to nothing, and `cluster.x-k8s.io/drain: skip` is
+/// honoured. By the audit log: never an eviction of a pod a rule or the
+/// label keeps; the early pod's eviction before the others'.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_drain_rules_and_cluster_apis_label_decide_what_a_drain_does() {
+    let ns = "rules-cluster";
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .start()
+        .await;
+    let client = case.client();
+    let node = running_held(&client, ns, "a", ns, true).await;
+    Api::<Machine>::namespaced(client.clone(), ns)
+        .patch(
+            "a",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(
+                serde_json::json!({"metadata": {"labels": {"rules-case": ns}}}),
+            ),
+        )
+        .await
+        .expect("label the Machine");
+    let this_ns = serde_json::json!({"kubernetes.io/metadata.name": ns});
+    let app = |a: &str| serde_json::json!([{"selector": {"matchLabels": {"app": a}}, "namespaceSelector": {"matchLabels": this_ns.clone()}}]);
+    let rules: Api<berth::api::DrainRule> = Api::all(client.clone());
+    let names = ["skip", "wait", "late", "early", "bad", "other"].map(|r| format!("{ns}-{r}"));
+    for rule in [
+        drain_rule(
+            &names[0],
+            ns,
+            serde_json::json!({"behavior": "Skip"}),
+            app("agent"),
+        ),
+        drain_rule(
+            &names[1],
+            ns,
+            serde_json::json!({"behavior": "WaitCompleted"}),
+            app("batch"),
+        ),
+        drain_rule(
+            &names[2],
+            ns,
+            serde_json::json!({"behavior": "Drain", "order": 10}),
+            app("early"),
+        ),
+        drain_rule(
+            &names[3],
+            ns,
+            serde_json::json!({"behavior": "Drain", "order": -5}),
+            app("early"),
+        ),
+        // In without values: the API server takes it, berth refuses it.
+        drain_rule(
+            &names[4],
+            ns,
+            serde_json::json!({"behavior": "Skip"}),
+            serde_json::json!([{"selector": {"matchExpressions": [{"key": "app", "operator": "In"}]}}]),
+        ),
+        // Another pool's Machines: every pod, skipped.
+        drain_rule(
+            &names[5],
+            "another-case",
+            serde_json::json!({"behavior": "Skip"}),
+            serde_json::json!([]),
+        ),
+    ] {
+        create(rules.clone(), rule).await;
+    }
+    assert_eq!(
+        accepted_is(&client, &names[4], "False").await,
+        "InvalidSelector"
+    );
+    assert_eq!(accepted_is(&client, &names[0], "True").await, "Valid");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let none = serde_json::json!({});
+    for (name, labels, annotations) in [
+        ("agent", serde_json::json!({"app": "agent"}), none.clone()),
+        (
+            "batch",
+            serde_json::json!({"app": "batch"}),
+            serde_json::json!({COMPLETE_AFTER_ANNOTATION: "15s"}),
+        ),
+        ("early", serde_json::json!({"app": "early"}), none.clone()),
+        ("web", serde_json::json!({"app": "web"}), none.clone()),
+        (
+            "capi",
+            serde_json::json!({"app": "capi", "cluster.x-k8s.io/drain": "skip"}),
+            none.clone(),
+        ),
+    ] {
+        create(pods.clone(), labelled_pod(name, &node, labels, annotations)).await;
+    }
+    running_pods(&client, ns, &["agent", "batch", "early", "web", "capi"]).await;
+    let batch_started = pods
+        .get("batch")
+        .await
+        .ok()
+        .and_then(|p| p.status.and_then(|s| s.start_time))
+        .expect("batch started")
+        .0;
+
+    let live = berth::cli::plan::plan_machine(&client, ns, "a")
+        .await
+        .expect("plan");
+    let notes = live.notes();
+    assert!(
+        notes.contains(&format!("DrainRules: {} is invalid and applies to nothing: pods[0].selector.matchExpressions[0] (app) operator In needs values", names[4])),
+        "{notes}"
+    );
+    let plan = live.plan.to_string();
+    eprintln!("{plan}");
+    assert_contains(
+        &plan,
+        &[
+            &format!(
+                "  {ns}/agent: drain rule DrainRule {ns}-skip (Skip): never evicted; ends with the VM"
+            ),
+            &format!(
+                "  {ns}/capi: drain rule cluster.x-k8s.io/drain=skip: never evicted; ends with the VM"
+            ),
+            &format!(
+                "  {ns}/batch: drain rule DrainRule {ns}-wait (WaitCompleted): the drain waits"
+            ),
+            &format!("order -5 (DrainRule {ns}-early): 1 without persistent volumes"),
+            &format!(
+                "  {ns}/early: DrainRules {ns}-early (Drain, order -5) and {ns}-late (Drain, order 10) pick this pod and disagree: {ns}-early is used"
+            ),
+        ],
+    );
+
+    delete_machine(&client, ns, "a").await;
+    let evs = events(&client, ns, "a").await;
+    let log = log_of(&evs);
+    eprintln!("{log}");
+    assert!(first(&evs, "Drained", "").is_some(), "{log}");
+    let all = evictions(BED.bed().await, ns);
+    let audit = oracle::log_of(&all);
+    for kept in ["agent", "capi", "batch"] {
+        assert!(
+            all.iter().all(|r| r.name.as_deref() != Some(kept)),
+            "{kept} never evicted: {audit}"
+        );
+    }
+    let early = accepted_evictions_of(&all, "early");
+    let web = accepted_evictions_of(&all, "web");
+    assert_eq!((early.len(), web.len()), (1, 1), "{audit}");
+    assert!(
+        early[0].completed < web[0].received,
+        "the early group first: {audit}"
+    );
+    // The pod waited on was deleted only once it had completed (a delete,
+    // never an eviction; the bed completes it 15 s after it started).
+    let writes = oracle::writes(BED.bed().await, ns);
+    let deleted = writes
+        .iter()
+        .find(|r| r.verb == "delete" && r.resource == "pods" && r.name.as_deref() == Some("batch"))
+        .unwrap_or_else(|| panic!("batch deleted once completed: {}", oracle::log_of(&writes)));
+    assert!(
+        deleted.received.duration_since(batch_started).as_secs_f64() >= 15.0,
+        "deleted before it completed: {deleted:?}"
+    );
+    for kept in ["agent", "capi"] {
+        let p = pods.get(kept).await.expect("still there");
+        assert!(
+            p.metadata.deletion_timestamp.is_none(),
+            "{kept} never evicted"
+        );
+    }
+    release_hook(&client, ns, "a").await;
+    gone(&client, ns, "a", LONG).await;
+    for name in &names {
+        let _ = rules.delete(name, &Default::default()).await;
     }
 }

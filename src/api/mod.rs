@@ -1,5 +1,6 @@
-//! The `berth.dev/v1alpha1` API: `MachineClass` (cluster-scoped),
-//! `Machine`, `MachineSet` and `MachineDeployment` (namespaced), and the
+//! The `berth.dev/v1alpha1` API: `MachineClass` and `DrainRule`
+//! (cluster-scoped), `Machine`, `MachineSet` and `MachineDeployment`
+//! (namespaced), and the
 //! move ledger's `MovePermit` (namespaced, beside its workload; berth's
 //! own record, not for operators to write).
 //!
@@ -11,6 +12,7 @@
 //! a condition.
 
 pub mod ask;
+pub mod drainrule;
 pub mod machinedeployment;
 pub mod machineset;
 pub mod owners;
@@ -24,6 +26,7 @@ use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use serde::{Deserialize, Serialize};
 
 pub use ask::{MoveAsk, MoveAskSpec, ask_name};
+pub use drainrule::DrainRule;
 pub use machinedeployment::{
     CLASS_HASH_ANNOTATION, MachineDeployment, MachineDeploymentSpec, MachineDeploymentStatus,
     REVISION_ANNOTATION, ROLLOUT_TAINT_KEY, RollingUpdate, SUPERSEDED_ANNOTATION, Strategy,
@@ -415,6 +418,7 @@ pub fn crds_yaml() -> Result<String, serde_yaml_ng::Error> {
         MachineDeployment::crd(),
         MovePermit::crd(),
         MoveAsk::crd(),
+        DrainRule::crd(),
     ] {
         out.push_str("---\n");
         out.push_str(&serde_yaml_ng::to_string(&crd)?);
@@ -440,6 +444,7 @@ pub async fn install_crds(
         MachineDeployment::crd(),
         MovePermit::crd(),
         MoveAsk::crd(),
+        DrainRule::crd(),
     ] {
         let name = crd.metadata.name.clone().unwrap_or_default();
         api.patch(

@@ -27,14 +27,14 @@ pub(crate) mod wakes;
 pub use index::*;
 
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet, StatefulSet};
-use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Node, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::storage::v1::{CSIDriver, CSINode, VolumeAttachment};
 use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::Store;
 use tokio::sync::watch;
 
-use crate::api::{Machine, MachineClass, MachineSet, MoveAsk, MovePermit};
+use crate::api::{DrainRule, Machine, MachineClass, MachineSet, MoveAsk, MovePermit};
 
 /// Every cache the controllers read instead of the API server, with the
 /// indexes over them and the signals of their progress. Cheap to clone:
@@ -72,6 +72,12 @@ pub(crate) struct Caches {
     /// The move ledger's asks parked in line, of every namespace and every
     /// berth process (see [`MoveAsk`]).
     pub(crate) move_asks: Store<MoveAsk>,
+    /// The cluster's drain rules, which the drain applies to the pods they
+    /// pick (see [`crate::drain::cluster_rules`]).
+    pub(crate) drain_rules: Store<DrainRule>,
+    /// Namespaces, trimmed to their metadata: the labels a DrainRule's
+    /// `namespaceSelector` reads.
+    pub(crate) namespaces: Store<Namespace>,
     /// Lookups by Node, claim, PV and providerID.
     pub(crate) indexes: Indexes,
     /// Machines by `status.nodeRef` and by providerID.

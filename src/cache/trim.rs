@@ -221,6 +221,7 @@ pub fn deployment(d: &mut Deployment) {
 mod tests {
     use super::*;
     use crate::api::settings::ResolvedSettings;
+    use crate::drain::cluster_rules::RuleBook;
     use crate::drain::fixtures::{
         PodFixture, csi_pv, match_labels, pdb, pod as fixture_pod, pvc, va,
     };
@@ -439,9 +440,27 @@ mod tests {
             })
             .collect();
         let ctx = VolumeContext::default();
-        let before = plan("node-1", &pods, &pvcs, &pvs, &pdbs, &vas, &ctx, &settings);
+        let before = plan(
+            "node-1",
+            &pods,
+            &pvcs,
+            &pvs,
+            &pdbs,
+            &vas,
+            &ctx,
+            &settings,
+            &RuleBook::default(),
+        );
         let after = plan(
-            "node-1", &trimmed, &pvcs, &pvs, &pdbs, &vas, &ctx, &settings,
+            "node-1",
+            &trimmed,
+            &pvcs,
+            &pvs,
+            &pdbs,
+            &vas,
+            &ctx,
+            &settings,
+            &RuleBook::default(),
         );
         assert_eq!(before.to_string(), after.to_string());
         assert_eq!(before.stateful.len(), 2, "{before}");

@@ -3,7 +3,7 @@
 //! caches and feeds the same pure `plan` function, so the plan printed and
 //! the drain performed cannot disagree.
 
-use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Node, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
 use kube::Client;
@@ -16,7 +16,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
 use super::print::{in_progress, remediation};
 use crate::api::settings::resolve;
-use crate::api::{Machine, MachineClass};
+use crate::api::{DrainRule, Machine, MachineClass};
+use crate::drain::cluster_rules::{RuleBook, validate};
 use crate::drain::ledger::workload::{controller, workload_of};
 use crate::drain::ledger::{
     Answer, Asker, Ledger, MOVE_GROUP_ANNOTATION, PodAsk, Workload, WorkloadFacts, WorkloadTerms,
@@ -45,6 +46,9 @@ pub struct LivePlan {
     /// is missing or invalid: the drain then uses the Machine's own
     /// `spec.drain` over the built-in defaults, as the controller does).
     pub settings_note: Option<String>,
+    /// The cluster's DrainRules the drain does not apply because they
+    /// are invalid, each with why.
+    pub rule_notes: Vec<String>,
     /// Each stateful pod's workload, its move budget and what its move
     /// would wait for now, across every Machine's drain.
     pub budgets: Vec<String>,
@@ -62,6 +66,9 @@ impl LivePlan {
         let mut out = String::new();
         if let Some(n) = &self.settings_note {
             out.push_str(&format!("Settings: {n}\n"));
+        }
+        for n in &self.rule_notes {
+            out.push_str(&format!("DrainRules: {n}\n"));
         }
         if let Some(s) = self.machine.status.as_ref() {
             out.push_str(&remediation(s));
@@ -313,7 +320,10 @@ pub async fn plan_machine(
     let node_obj = Api::<Node>::all(client.clone()).get_opt(&node).await?;
     let volumes = VolumeContext::new(&node, node_obj.as_ref(), &drivers)
         .allowing_data_loss(allows_data_loss(machine.metadata.annotations.as_ref()));
-    let plan = plan(&node, &pods, &pvcs, &pvs, &pdbs, &vas, &volumes, &settings);
+    let (book, rule_notes) = rule_book(client, &machine).await?;
+    let plan = plan(
+        &node, &pods, &pvcs, &pvs, &pdbs, &vas, &volumes, &settings, &book,
+    );
     let budgets = ledger_view(client, &machine, &plan, &pods).await?;
     let listed = super::destinations::Volumes {
         pvcs: &pvcs,
@@ -326,9 +336,53 @@ pub async fn plan_machine(
         machine,
         plan,
         settings_note,
+        rule_notes,
         budgets,
         destinations,
     })
+}
+
+/// The cluster's DrainRules as `machine`'s drain applies them, and a note
+/// for each it does not (invalid). No DrainRule kind installed (a chart
+/// older than it): none.
+async fn rule_book(
+    client: &Client,
+    machine: &Machine,
+) -> Result<(RuleBook, Vec<String>), PlanError> {
+    let lp = ListParams::default();
+    let rules = match Api::<DrainRule>::all(client.clone()).list(&lp).await {
+        Ok(l) => l.items,
+        Err(kube::Error::Api(e)) if e.code == 404 => Vec::new(),
+        Err(e) => return Err(e.into()),
+    };
+    let notes = rules
+        .iter()
+        .filter_map(|r| {
+            validate(&r.spec).err().map(|why| {
+                format!(
+                    "{} is invalid and applies to nothing: {why}",
+                    r.metadata.name.as_deref().unwrap_or_default()
+                )
+            })
+        })
+        .collect();
+    let namespaces = match rules.is_empty() {
+        true => BTreeMap::new(),
+        false => Api::<Namespace>::all(client.clone())
+            .list(&lp)
+            .await?
+            .items
+            .into_iter()
+            .map(|n| {
+                (
+                    n.metadata.name.unwrap_or_default(),
+                    n.metadata.labels.unwrap_or_default(),
+                )
+            })
+            .collect(),
+    };
+    let labels = machine.metadata.labels.clone().unwrap_or_default();
+    Ok((RuleBook::new(&rules, &labels, namespaces), notes))
 }
 
 /// [`budget_lines`] from fresh lists: every Machine's records, and the
@@ -514,6 +568,7 @@ mod tests {
             &[],
             &volumes,
             &crate::api::settings::ResolvedSettings::default(),
+            &RuleBook::default(),
         );
         // cache-0 is moving from Machine b; the ReplicaSet is Deployment
         // web's.

@@ -143,10 +143,10 @@ impl DrainPlan {
         for p in &self.waiting {
             writeln!(
                 f,
-                "  {}{}: drain rule {}=wait-completed: the drain waits until it succeeds, fails or is gone; {}",
+                "  {}{}: drain rule {}: the drain waits until it succeeds, fails or is gone; {}",
                 fmt_key(&p.pod),
                 order_suffix(p),
-                rules::DRAIN_ANNOTATION,
+                p.rule_words(),
                 if s.force_after_deadline {
                     "at the deadline minus its grace period it is deleted with its grace period"
                 } else {
@@ -157,7 +157,7 @@ impl DrainPlan {
 
         writeln!(
             f,
-            "\nDrain rules not understood, defaults used ({}):",
+            "\nDrain rules not understood or in conflict, defaults or the winning rule used ({}):",
             self.rule_problems.len()
         )?;
         for (pod, problem) in &self.rule_problems {

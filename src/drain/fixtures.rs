@@ -319,6 +319,7 @@ pub fn planned(priority: i32, ns: &str, name: &str) -> crate::drain::plan::Plann
         notes: Vec::new(),
         scratch: Vec::new(),
         held: None,
+        rule: None,
         controller: None,
     }
 }

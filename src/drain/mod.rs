@@ -3,6 +3,7 @@
 //! [`ledger`] that keeps each workload's moves within its budget across
 //! every drain.
 
+pub mod cluster_rules;
 pub mod deadline;
 mod describe;
 pub mod engine;

@@ -7,7 +7,7 @@
 //! How the plan is made:
 //!
 //! - Only pods whose `spec.nodeName` is the Node are considered; each is
-//!   classified by [`classify`].
+//!   classified by [`classify_as`] (with the cluster's DrainRules).
 //! - Evictable pods with at least one persistent volume
 //!   ([`VolumeIndex::pod_volumes`]) are **stateful**, the others
 //!   **stateless**.
@@ -64,12 +64,13 @@ use k8s_openapi::api::storage::v1::VolumeAttachment;
 use k8s_openapi::jiff::Timestamp;
 
 use crate::api::settings::{NodeLocalVolumes, ResolvedSettings};
+use crate::drain::cluster_rules::RuleBook;
 use crate::drain::deadline::{
     StepBounds, detach_bound, grace_period, pod_gone_bound, reattach_bound,
 };
 use crate::drain::pdb::{PdbFinding, findings_for};
 use crate::drain::rules;
-use crate::drain::select::{NamespacedName, PodClass, classify, finished, fmt_key, pod_key};
+use crate::drain::select::{NamespacedName, PodClass, classify_as, finished, fmt_key, pod_key};
 use crate::drain::volume::{VolumeIndex, VolumeRef, attached_nodes, inline_pv_of, is_inline};
 use crate::drain::volume_kind::{
     Classified, VolumeContext, VolumeKind, allows_data_loss, scratch_volumes,
@@ -193,6 +194,10 @@ pub struct PlannedPod {
     /// Why the drain does not evict it yet (`nodeLocalVolumes: Block` and
     /// a node-local volume), saying how to let it go.
     pub held: Option<String>,
+    /// What set its drain behaviour, when not the default
+    /// (`berth.dev/drain=wait-completed`, `DrainRule <name>`; see
+    /// [`crate::drain::rules::Rule::behavior_source`]).
+    pub rule: Option<String>,
     /// Its controller (`Kind/name` of the ownerReference with
     /// `controller: true`), which is expected to replace it.
     pub controller: Option<String>,
@@ -209,6 +214,14 @@ pub(crate) fn controller_of(pod: &Pod) -> Option<String> {
 }
 
 impl PlannedPod {
+    /// What set its drain behaviour, for words: its source, or the
+    /// annotation a pod waited on without one was planned by.
+    pub fn rule_words(&self) -> String {
+        self.rule
+            .clone()
+            .unwrap_or_else(|| format!("{}=wait-completed", rules::DRAIN_ANNOTATION))
+    }
+
     /// The PVs whose data moves with it (attachable or attach-free, not a
     /// generic ephemeral volume's): those a destination for its
     /// replacement must take (see [`crate::placement`]).
@@ -421,12 +434,14 @@ pub(crate) fn plan(
     vas: &[VolumeAttachment],
     volumes: &VolumeContext,
     settings: &ResolvedSettings,
+    rules: &RuleBook,
 ) -> DrainPlan {
     let mut sorter = Sorter {
         index: VolumeIndex::new(pvcs, pvs),
         pdbs,
         volumes,
         settings,
+        rules,
         out: DrainPlan {
             node: node.to_string(),
             settings: settings.clone(),
@@ -463,6 +478,8 @@ struct Sorter<'a> {
     pdbs: &'a [PodDisruptionBudget],
     volumes: &'a VolumeContext,
     settings: &'a ResolvedSettings,
+    /// The cluster's DrainRules that apply to this Machine.
+    rules: &'a RuleBook,
     out: DrainPlan,
     /// Users of each PV that the evictions do not remove.
     pinned: BTreeMap<String, Vec<NamespacedName>>,
@@ -475,15 +492,15 @@ impl Sorter<'_> {
     fn add(&mut self, pod: &Pod) {
         let key = pod_key(pod);
         let uid = pod.metadata.uid.clone();
-        let class = classify(pod);
-        let drain_rule = rules::rule(pod);
+        let drain_rule = rules::rule_in(pod, self.rules.matched(pod).as_ref());
+        let class = classify_as(pod, &drain_rule);
         if !matches!(class, PodClass::Mirror | PodClass::DaemonSet { .. }) {
             for problem in &drain_rule.problems {
                 self.out.rule_problems.push((key.clone(), problem.clone()));
             }
         }
         match class {
-            class @ (PodClass::Mirror | PodClass::DaemonSet { .. } | PodClass::Skipped) => {
+            class @ (PodClass::Mirror | PodClass::DaemonSet { .. } | PodClass::Skipped { .. }) => {
                 for v in self.index.pod_volumes(pod).refs {
                     self.pinned.entry(v.pv).or_default().push(key.clone());
                 }
@@ -518,8 +535,9 @@ impl Sorter<'_> {
                     order: drain_rule.order,
                 });
             }
-            PodClass::WaitCompleted | PodClass::Evictable => {
-                self.add_evictable(pod, key, uid, &drain_rule, class == PodClass::WaitCompleted);
+            PodClass::WaitCompleted { .. } | PodClass::Evictable => {
+                let wait = class != PodClass::Evictable;
+                self.add_evictable(pod, key, uid, &drain_rule, wait);
             }
         }
     }
@@ -552,6 +570,7 @@ impl Sorter<'_> {
             notes: pod_volumes.notes,
             scratch: scratch_volumes(pod),
             held: None,
+            rule: drain_rule.behavior_source.clone(),
             controller: controller_of(pod),
         };
         if wait_completed {
@@ -817,6 +836,7 @@ mod tests {
             &[],
             &ctx(),
             &ResolvedSettings::default(),
+            &RuleBook::default(),
         )
     }
 
@@ -1152,6 +1172,7 @@ mod tests {
             &vas,
             &ctx(),
             &ResolvedSettings::default(),
+            &RuleBook::default(),
         );
         let vols = &p.stateful[0].volumes;
         assert_eq!(
@@ -1204,6 +1225,7 @@ mod tests {
             &[],
             &ctx(),
             &ResolvedSettings::default(),
+            &RuleBook::default(),
         );
         assert_eq!(p.stateless[0].pdbs.len(), 1);
         assert_eq!(p.stateless[0].pdbs[0].verdict, PdbVerdict::Blocking);
@@ -1293,7 +1315,18 @@ mod tests {
             force_after_deadline: false,
             ..Default::default()
         };
-        let report = plan(NODE, &pods, &pvcs, &pvs, &pdbs, &vas, &ctx(), &settings).to_string();
+        let report = plan(
+            NODE,
+            &pods,
+            &pvcs,
+            &pvs,
+            &pdbs,
+            &vas,
+            &ctx(),
+            &settings,
+            &RuleBook::default(),
+        )
+        .to_string();
         let expected = [
             "Drain plan for Node node-1",
             "Deadline: drain.timeout 10m from the Machine's deletion; then the drain fails and is retried",
@@ -1428,6 +1461,7 @@ mod tests {
             &vas,
             &ctx(),
             &ResolvedSettings::default(),
+            &RuleBook::default(),
         );
         assert_eq!(p.detaching, left);
 
@@ -1470,7 +1504,17 @@ mod tests {
             max_parallel_volume_migrations: 2,
             ..Default::default()
         };
-        let p = plan(NODE, &pods, &pvcs, &pvs, &[], &vas, &ctx(), &settings);
+        let p = plan(
+            NODE,
+            &pods,
+            &pvcs,
+            &pvs,
+            &[],
+            &vas,
+            &ctx(),
+            &settings,
+            &RuleBook::default(),
+        );
         let report = p.to_string();
         let at = |s: &str| report.find(s).unwrap_or_else(|| panic!("{s:?}:\n{report}"));
 
@@ -1586,7 +1630,17 @@ mod tests {
             };
             let ctx = VolumeContext::new(NODE, None, std::slice::from_ref(&nfs))
                 .allowing_data_loss(machine_allows);
-            plan(NODE, &pods, &pvcs, &pvs, &[], &[], &ctx, &settings)
+            plan(
+                NODE,
+                &pods,
+                &pvcs,
+                &pvs,
+                &[],
+                &[],
+                &ctx,
+                &settings,
+                &RuleBook::default(),
+            )
         };
         let p = plan_with(NodeLocalVolumes::Block, false);
         let find = |name: &str| {
@@ -1753,7 +1807,12 @@ mod tests {
                 .iter()
                 .map(|x| (fmt_key(&x.pod), x.class.clone()))
                 .collect::<Vec<_>>(),
-            [("ops/keep".to_string(), PodClass::Skipped)]
+            [(
+                "ops/keep".to_string(),
+                PodClass::Skipped {
+                    by: "berth.dev/drain=skip".into()
+                }
+            )]
         );
         // A pod waited on that is being deleted is waited on as such, in
         // its group.
@@ -1806,7 +1865,7 @@ mod tests {
             "Order groups, lowest first; each starts once every pod of the groups before it is gone and their volumes have moved (3):\n  order -1 (berth.dev/drain-order): 1 without persistent volumes\n  order 0: 2 without persistent volumes, 3 with persistent volumes, 1 waited on to complete\n  order 1000 (critical: priorityClassName system-cluster-critical; critical: priorityClassName system-node-critical): 1 without persistent volumes, 1 with persistent volumes\n",
             "  ops/keep: drain rule berth.dev/drain=skip: never evicted; ends with the VM",
             "Waited on to complete, never evicted (1):\n  batch/report: drain rule berth.dev/drain=wait-completed: the drain waits until it succeeds, fails or is gone; at the deadline minus its grace period it is deleted with its grace period\n",
-            "Drain rules not understood, defaults used (1):\n  web/odd: berth.dev/drain-order=\"after-dns\" is not a 32-bit integer; order 0 used\n",
+            "Drain rules not understood or in conflict, defaults or the winning rule used (1):\n  web/odd: berth.dev/drain-order=\"after-dns\" is not a 32-bit integer; order 0 used\n",
             "  web/first (order -1, berth.dev/drain-order)\n  web/a\n  web/odd\n  kube-system/dns (order 1000, critical: priorityClassName system-cluster-critical)\n",
             "  4. kube-system/csi-node (priority 2000001000, grace 30s, order 1000, critical: priorityClassName system-node-critical)",
         ] {
@@ -1826,6 +1885,7 @@ mod tests {
                 force_after_deadline: false,
                 ..Default::default()
             },
+            &RuleBook::default(),
         );
         assert!(
             without_forcing
@@ -1844,7 +1904,18 @@ mod tests {
             drain_timeout: secs(3600),
             ..Default::default()
         };
-        let report = plan(NODE, &pods, &pvcs, &pvs, &[], &[], &ctx(), &settings).to_string();
+        let report = plan(
+            NODE,
+            &pods,
+            &pvcs,
+            &pvs,
+            &[],
+            &[],
+            &ctx(),
+            &settings,
+            &RuleBook::default(),
+        )
+        .to_string();
         assert!(report.contains("exceeds drain.timeout 1h"), "{report}");
         assert!(report.contains("evicted one at a time"), "{report}");
         assert!(

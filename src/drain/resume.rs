@@ -101,6 +101,7 @@ pub(crate) fn resumed_pod(
         notes: Vec::new(),
         scratch: Vec::new(),
         held: None,
+        rule: None,
         controller: m.controller.clone(),
     })
 }

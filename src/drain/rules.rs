@@ -23,9 +23,25 @@
 //! that DNS, CSI controllers and the like leave after the workloads that
 //! need them. An explicit order wins over the critical default.
 //!
+//! For pods whose templates the operator does not own, the same two
+//! settings come from the cluster's `DrainRule`s ([`cluster_rules`]), and
+//! Cluster API's pod label [`CAPI_DRAIN_LABEL`] (`skip`,
+//! `wait-completed`) is read too, so that pods labelled for Cluster API's
+//! drain behave the same under berth's. A pod's own annotations win, then
+//! the label, then the rule that picks it:
+//!
+//! | | behaviour | order |
+//! | --- | --- | --- |
+//! | 1 | `berth.dev/drain` | `berth.dev/drain-order` |
+//! | 2 | `cluster.x-k8s.io/drain` | the rule's `order` |
+//! | 3 | the rule's `behavior` | the critical default |
+//! | 4 | `Drain` | `0` |
+//!
 //! A value the drain does not understand is reported (the plan names it,
 //! a Warning Event says it once) and the default is used; it never fails
-//! the drain.
+//! the drain. So is a disagreement between rules.
+//!
+//! [`cluster_rules`]: super::cluster_rules
 
 use k8s_openapi::api::core::v1::Pod;
 
@@ -33,6 +49,9 @@ use k8s_openapi::api::core::v1::Pod;
 pub const DRAIN_ANNOTATION: &str = "berth.dev/drain";
 /// The annotation that sets a pod's order group.
 pub const ORDER_ANNOTATION: &str = "berth.dev/drain-order";
+/// Cluster API's pod label: `skip` or `wait-completed` (its drain's only
+/// values).
+pub const CAPI_DRAIN_LABEL: &str = "cluster.x-k8s.io/drain";
 /// The order group of a pod that is not critical and says nothing.
 pub const DEFAULT_ORDER: i32 = 0;
 /// The order group of a critical pod that says nothing.
@@ -54,10 +73,27 @@ pub enum Behavior {
     WaitCompleted,
 }
 
+/// The cluster DrainRule that picks a pod (see
+/// [`RuleBook::matched`](super::cluster_rules::RuleBook::matched)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Matched {
+    /// The DrainRule's name.
+    pub name: String,
+    pub behavior: Behavior,
+    /// The order it sets, if it sets one.
+    pub order: Option<i32>,
+    /// Other rules that pick the pod and say otherwise, in words.
+    pub conflict: Option<String>,
+}
+
 /// A pod's drain rule, as its annotations and priority make it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rule {
     pub behavior: Behavior,
+    /// What set the behaviour, when not the default: the annotation or
+    /// the label with its value (`berth.dev/drain=skip`), or `DrainRule
+    /// <name>`.
+    pub behavior_source: Option<String>,
     /// Its order group.
     pub order: i32,
     /// Why it is critical, if it is (`priorityClassName …` or
@@ -65,6 +101,8 @@ pub struct Rule {
     pub critical: Option<String>,
     /// Whether `order` was set by [`ORDER_ANNOTATION`].
     pub explicit_order: bool,
+    /// The DrainRule that set `order`, if one did.
+    pub order_rule: Option<String>,
     /// Annotation values not understood, each with the default used.
     pub problems: Vec<String>,
 }
@@ -73,10 +111,11 @@ impl Rule {
     /// Where its order comes from when not the default: `critical:
     /// priorityClassName system-node-critical`, or the annotation.
     pub fn order_source(&self) -> Option<String> {
-        match (&self.critical, self.explicit_order) {
-            (_, true) => Some(ORDER_ANNOTATION.to_string()),
-            (Some(why), false) => Some(format!("critical: {why}")),
-            (None, false) => None,
+        match (&self.critical, self.explicit_order, &self.order_rule) {
+            (_, true, _) => Some(ORDER_ANNOTATION.to_string()),
+            (_, false, Some(rule)) => Some(format!("DrainRule {rule}")),
+            (Some(why), false, None) => Some(format!("critical: {why}")),
+            (None, false, None) => None,
         }
     }
 }
@@ -98,43 +137,87 @@ pub fn critical(pod: &Pod) -> Option<String> {
 
 /// The drain rule of `pod`; see the module documentation.
 pub fn rule(pod: &Pod) -> Rule {
+    rule_in(pod, None)
+}
+
+/// [`rule`], with `matched` the DrainRule that picks the pod, if any (see
+/// [`RuleBook::matched`](super::cluster_rules::RuleBook::matched)).
+pub fn rule_in(pod: &Pod, matched: Option<&Matched>) -> Rule {
     let annotations = pod.metadata.annotations.as_ref();
     let get = |k: &str| annotations.and_then(|a| a.get(k)).map(|v| v.trim());
+    let label = pod
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(CAPI_DRAIN_LABEL))
+        .map(|v| v.trim());
     let mut problems = Vec::new();
-    let behavior = match get(DRAIN_ANNOTATION) {
-        None | Some("drain") => Behavior::Drain,
-        Some("skip") => Behavior::Skip,
-        Some("wait-completed") => Behavior::WaitCompleted,
+    let annotated = match get(DRAIN_ANNOTATION) {
+        None => None,
+        Some(v @ "drain") => Some((Behavior::Drain, v)),
+        Some(v @ "skip") => Some((Behavior::Skip, v)),
+        Some(v @ "wait-completed") => Some((Behavior::WaitCompleted, v)),
         Some(other) => {
             problems.push(format!(
-                "{DRAIN_ANNOTATION}={other:?} is not one of drain, skip, wait-completed; drain used"
+                "{DRAIN_ANNOTATION}={other:?} is not one of drain, skip, wait-completed; ignored"
             ));
-            Behavior::Drain
+            None
         }
     };
+    let labelled = match label {
+        None => None,
+        Some(v @ "skip") => Some((Behavior::Skip, v)),
+        Some(v @ "wait-completed") => Some((Behavior::WaitCompleted, v)),
+        Some(other) => {
+            problems.push(format!(
+                "{CAPI_DRAIN_LABEL}={other:?} is not one of skip, wait-completed; ignored"
+            ));
+            None
+        }
+    };
+    let (behavior, behavior_source) = match (annotated, labelled, matched) {
+        (Some((b, v)), _, _) => (b, Some(format!("{DRAIN_ANNOTATION}={v}"))),
+        (None, Some((b, v)), _) => (b, Some(format!("{CAPI_DRAIN_LABEL}={v}"))),
+        (None, None, Some(m)) => (
+            m.behavior,
+            Some(format!("DrainRule {} ({:?})", m.name, m.behavior)),
+        ),
+        (None, None, None) => (Behavior::Drain, None),
+    };
+    if let Some(conflict) = matched.and_then(|m| m.conflict.clone()) {
+        problems.push(conflict);
+    }
     let critical = critical(pod);
     let default = if critical.is_some() {
         CRITICAL_ORDER
     } else {
         DEFAULT_ORDER
     };
+    // A rule's order, when the pod's own annotation sets none.
+    let ruled = matched.and_then(|m| m.order.map(|o| (o, m.name.clone())));
+    let (fallback, order_rule) = match ruled {
+        Some((o, name)) => (o, Some(name)),
+        None => (default, None),
+    };
     let (order, explicit_order) = match get(ORDER_ANNOTATION) {
-        None => (default, false),
+        None => (fallback, false),
         Some(v) => match v.parse::<i32>() {
             Ok(o) => (o, true),
             Err(_) => {
                 problems.push(format!(
-                    "{ORDER_ANNOTATION}={v:?} is not a 32-bit integer; order {default} used"
+                    "{ORDER_ANNOTATION}={v:?} is not a 32-bit integer; order {fallback} used"
                 ));
-                (default, false)
+                (fallback, false)
             }
         },
     };
     Rule {
         behavior,
+        behavior_source,
         order,
         critical,
         explicit_order,
+        order_rule: order_rule.filter(|_| !explicit_order),
         problems,
     }
 }
@@ -340,7 +423,7 @@ mod tests {
         assert_eq!(
             r.problems,
             [
-                "berth.dev/drain=\"never\" is not one of drain, skip, wait-completed; drain used",
+                "berth.dev/drain=\"never\" is not one of drain, skip, wait-completed; ignored",
                 "berth.dev/drain-order=\"last\" is not a 32-bit integer; order 1000 used",
             ]
         );
@@ -355,5 +438,84 @@ mod tests {
             Some("berth.dev/drain-order")
         );
         assert_eq!(rule(&pod("a", "p")).order_source(), None);
+    }
+
+    fn labelled(mut p: Pod, v: &str) -> Pod {
+        p.metadata
+            .labels
+            .get_or_insert_default()
+            .insert(CAPI_DRAIN_LABEL.into(), v.into());
+        p
+    }
+
+    fn matched(behavior: Behavior, order: Option<i32>) -> Matched {
+        Matched {
+            name: "storage".into(),
+            behavior,
+            order,
+            conflict: None,
+        }
+    }
+
+    #[test]
+    fn the_annotation_wins_over_cluster_apis_label_over_a_rule() {
+        let skip_rule = matched(Behavior::Skip, None);
+        let plain = pod("a", "p");
+        let r = rule_in(&plain, Some(&skip_rule));
+        assert_eq!(
+            (r.behavior, r.behavior_source.as_deref()),
+            (Behavior::Skip, Some("DrainRule storage (Skip)"))
+        );
+        let capi = labelled(pod("a", "p"), "wait-completed");
+        let r = rule_in(&capi, Some(&skip_rule));
+        assert_eq!(
+            (r.behavior, r.behavior_source.as_deref()),
+            (
+                Behavior::WaitCompleted,
+                Some("cluster.x-k8s.io/drain=wait-completed")
+            )
+        );
+        let own = annotated(capi.clone(), &[(DRAIN_ANNOTATION, "drain")]);
+        let r = rule_in(&own, Some(&skip_rule));
+        assert_eq!(
+            (r.behavior, r.behavior_source.as_deref()),
+            (Behavior::Drain, Some("berth.dev/drain=drain"))
+        );
+        // A label value Cluster API does not have: named, ignored.
+        let odd = labelled(pod("a", "p"), "Drain");
+        let r = rule_in(&odd, None);
+        assert_eq!((r.behavior, r.behavior_source), (Behavior::Drain, None));
+        assert_eq!(
+            r.problems,
+            ["cluster.x-k8s.io/drain=\"Drain\" is not one of skip, wait-completed; ignored"]
+        );
+        // An annotation not understood falls through to the rule.
+        let bad = annotated(pod("a", "p"), &[(DRAIN_ANNOTATION, "later")]);
+        assert_eq!(rule_in(&bad, Some(&skip_rule)).behavior, Behavior::Skip);
+    }
+
+    #[test]
+    fn a_rules_order_yields_to_the_annotation_and_wins_over_the_critical_default() {
+        let ordered = matched(Behavior::Drain, Some(-10));
+        let critical = class(pod("a", "p"), "system-node-critical");
+        let r = rule_in(&critical, Some(&ordered));
+        assert_eq!(r.order, -10);
+        assert_eq!(r.order_source().as_deref(), Some("DrainRule storage"));
+        let own = annotated(critical.clone(), &[(ORDER_ANNOTATION, "4")]);
+        let r = rule_in(&own, Some(&ordered));
+        assert_eq!(
+            (r.order, r.order_source().as_deref()),
+            (4, Some(ORDER_ANNOTATION))
+        );
+        // A rule without an order keeps the critical default.
+        let r = rule_in(&critical, Some(&matched(Behavior::Drain, None)));
+        assert_eq!(r.order, CRITICAL_ORDER);
+        // A conflict is named with the pod's problems.
+        let mut torn = matched(Behavior::Drain, Some(1));
+        torn.conflict = Some("DrainRules disagree".into());
+        assert_eq!(
+            rule_in(&pod("a", "p"), Some(&torn)).problems,
+            ["DrainRules disagree"]
+        );
     }
 }

@@ -72,10 +72,11 @@ pub enum PodClass {
     Terminal { phase: String },
     /// Already being deleted since the given time: waited on.
     Terminating { since: Timestamp },
-    /// Its drain rule says `skip`: left to end with the VM.
-    Skipped,
+    /// Its drain rule says `skip`: left to end with the VM. `by`: what
+    /// said so (`berth.dev/drain=skip`, `DrainRule <name>`).
+    Skipped { by: String },
     /// Its drain rule says `wait-completed`: waited on until it completes.
-    WaitCompleted,
+    WaitCompleted { by: String },
     /// Evicted through the Eviction API.
     Evictable,
 }
@@ -100,15 +101,10 @@ impl fmt::Display for PodClass {
                     "being deleted since {since}; waited on, not evicted again"
                 )
             }
-            Self::Skipped => write!(
+            Self::Skipped { by } => write!(f, "drain rule {by}: never evicted; ends with the VM"),
+            Self::WaitCompleted { by } => write!(
                 f,
-                "drain rule {}=skip: never evicted; ends with the VM",
-                super::rules::DRAIN_ANNOTATION
-            ),
-            Self::WaitCompleted => write!(
-                f,
-                "drain rule {}=wait-completed: never evicted; waited on until it succeeds, fails or is gone",
-                super::rules::DRAIN_ANNOTATION
+                "drain rule {by}: never evicted; waited on until it succeeds, fails or is gone"
             ),
             Self::Evictable => f.write_str("evicted through the Eviction API"),
         }
@@ -118,6 +114,12 @@ impl fmt::Display for PodClass {
 /// Classifies a pod by the first rule of the module documentation that
 /// applies.
 pub fn classify(pod: &Pod) -> PodClass {
+    classify_as(pod, &super::rules::rule(pod))
+}
+
+/// [`classify`] with the pod's drain rule as the caller found it (with
+/// the cluster's `DrainRule`s, see [`super::rules::rule_in`]).
+pub fn classify_as(pod: &Pod, rule: &super::rules::Rule) -> PodClass {
     let meta = &pod.metadata;
     if meta
         .annotations
@@ -136,9 +138,10 @@ pub fn classify(pod: &Pod) -> PodClass {
             owner: owner.name.clone(),
         };
     }
-    let behavior = super::rules::rule(pod).behavior;
+    let by = || rule.behavior_source.clone().unwrap_or_default();
+    let behavior = rule.behavior;
     if behavior == Behavior::Skip {
-        return PodClass::Skipped;
+        return PodClass::Skipped { by: by() };
     }
     if let Some(since) = &meta.deletion_timestamp {
         return PodClass::Terminating { since: since.0 };
@@ -151,7 +154,7 @@ pub fn classify(pod: &Pod) -> PodClass {
         };
     }
     if behavior == Behavior::WaitCompleted {
-        return PodClass::WaitCompleted;
+        return PodClass::WaitCompleted { by: by() };
     }
     PodClass::Evictable
 }
@@ -267,6 +270,12 @@ mod tests {
     use super::*;
     use crate::drain::fixtures::{PodFixture, pod, ts};
 
+    fn skipped() -> PodClass {
+        PodClass::Skipped {
+            by: "berth.dev/drain=skip".into(),
+        }
+    }
+
     fn rule(mut p: Pod, behavior: &str) -> Pod {
         p.metadata.annotations.get_or_insert_default().insert(
             crate::drain::rules::DRAIN_ANNOTATION.into(),
@@ -341,11 +350,11 @@ mod tests {
                 pod("a", "p").deleting(since),
                 PodClass::Terminating { since },
             ),
-            ("skip rule", rule(pod("a", "p"), "skip"), PodClass::Skipped),
+            ("skip rule", rule(pod("a", "p"), "skip"), skipped()),
             (
                 "skip rule wins over terminal and terminating",
                 rule(pod("a", "p"), "skip").phase("Failed").deleting(since),
-                PodClass::Skipped,
+                skipped(),
             ),
             (
                 "daemonset wins over a skip rule",
@@ -357,7 +366,9 @@ mod tests {
             (
                 "wait-completed rule",
                 rule(pod("a", "p"), "wait-completed"),
-                PodClass::WaitCompleted,
+                PodClass::WaitCompleted {
+                    by: "berth.dev/drain=wait-completed".into(),
+                },
             ),
             (
                 "a pod waited on that completed is deleted outright",
@@ -490,12 +501,14 @@ mod tests {
             ),
             (PodClass::Evictable, "Eviction API"),
             (
-                PodClass::Skipped,
+                skipped(),
                 "drain rule berth.dev/drain=skip: never evicted; ends with the VM",
             ),
             (
-                PodClass::WaitCompleted,
-                "berth.dev/drain=wait-completed: never evicted; waited on until it succeeds, fails or is gone",
+                PodClass::WaitCompleted {
+                    by: "DrainRule batch (WaitCompleted)".into(),
+                },
+                "drain rule DrainRule batch (WaitCompleted): never evicted; waited on until it succeeds, fails or is gone",
             ),
         ];
         for (class, want) in cases {

@@ -12,6 +12,7 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::{Node, Pod};
 
 use crate::api::{CORDON_TAINT_KEY, MachinePhase};
+use crate::drain::cluster_rules::RuleBook;
 
 /// What is known about a Machine that is not being deleted.
 #[derive(Debug, Clone, PartialEq)]
@@ -338,16 +339,18 @@ pub(crate) fn node_facts(node: &Node, now: k8s_openapi::jiff::Timestamp) -> Node
 }
 
 /// Why a pod on a draining Node is left alone, or `None` if the drain has to
-/// move it. (The drain engine's own selection refines this; this is the gate
+/// move it, with the cluster's DrainRules `rules` that apply to its
+/// Machine. (The drain engine's own selection refines this; this is the gate
 /// that keeps the lifecycle from going past the drain while such pods run.)
-pub(crate) fn drain_skip_reason(pod: &Pod) -> Option<&'static str> {
-    use crate::drain::select::{PodClass, classify};
-    match classify(pod) {
+pub(crate) fn drain_skip_reason(pod: &Pod, rules: &RuleBook) -> Option<&'static str> {
+    use crate::drain::rules::rule_in;
+    use crate::drain::select::{PodClass, classify_as};
+    match classify_as(pod, &rule_in(pod, rules.matched(pod).as_ref())) {
         PodClass::Mirror => Some("mirror pod"),
         PodClass::DaemonSet { .. } => Some("DaemonSet pod"),
         PodClass::Terminal { .. } => Some("terminal pod"),
-        PodClass::Skipped => Some("pod skipped by its drain rule"),
-        PodClass::Terminating { .. } | PodClass::WaitCompleted | PodClass::Evictable => None,
+        PodClass::Skipped { .. } => Some("pod skipped by its drain rule"),
+        PodClass::Terminating { .. } | PodClass::WaitCompleted { .. } | PodClass::Evictable => None,
     }
 }
 
@@ -772,23 +775,29 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            drain_skip_reason(&pod(true, false, "Running")),
+            drain_skip_reason(&pod(true, false, "Running"), &RuleBook::default()),
             Some("mirror pod")
         );
         assert_eq!(
-            drain_skip_reason(&pod(false, true, "Running")),
+            drain_skip_reason(&pod(false, true, "Running"), &RuleBook::default()),
             Some("DaemonSet pod")
         );
         assert_eq!(
-            drain_skip_reason(&pod(false, false, "Succeeded")),
+            drain_skip_reason(&pod(false, false, "Succeeded"), &RuleBook::default()),
             Some("terminal pod")
         );
         assert_eq!(
-            drain_skip_reason(&pod(false, false, "Failed")),
+            drain_skip_reason(&pod(false, false, "Failed"), &RuleBook::default()),
             Some("terminal pod")
         );
-        assert_eq!(drain_skip_reason(&pod(false, false, "Running")), None);
-        assert_eq!(drain_skip_reason(&pod(false, false, "Pending")), None);
+        assert_eq!(
+            drain_skip_reason(&pod(false, false, "Running"), &RuleBook::default()),
+            None
+        );
+        assert_eq!(
+            drain_skip_reason(&pod(false, false, "Pending"), &RuleBook::default()),
+            None
+        );
     }
 
     #[test]

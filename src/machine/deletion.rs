@@ -342,6 +342,7 @@ fn pods_that_hold(
     // those the drain judged.
     let cordoned = node.and_then(cordoned_at).or(deadline.map(|d| d.started));
     let machine = ObjectRef::from_obj(m);
+    let rules = crate::drain::engine::rule_book(&ctx.caches, &machine);
     let pods: Vec<Arc<Pod>> = ctx
         .caches
         .indexes
@@ -366,7 +367,7 @@ fn pods_that_hold(
         .iter()
         .filter(|p| {
             !matches!(
-                decide::drain_skip_reason(p),
+                decide::drain_skip_reason(p, &rules),
                 Some("mirror pod" | "DaemonSet pod")
             )
         })
@@ -375,7 +376,7 @@ fn pods_that_hold(
         .collect();
     let to_drain = pods
         .iter()
-        .filter(|p| decide::drain_skip_reason(p).is_none())
+        .filter(|p| decide::drain_skip_reason(p, &rules).is_none())
         .map(|p| key(p))
         .collect();
     (to_drain, on_node)

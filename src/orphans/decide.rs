@@ -138,7 +138,7 @@ pub(crate) fn holds_vm(pod: &k8s_openapi::api::core::v1::Pod) -> bool {
         PodClass::Mirror
             | PodClass::DaemonSet { .. }
             | PodClass::Terminal { .. }
-            | PodClass::Skipped
+            | PodClass::Skipped { .. }
     )
 }
 

@@ -159,6 +159,7 @@ pub async fn run(
         sets,
         set_wakes,
         deployment_wakes,
+        drain_rules,
         background,
     } = watches(&client, settings.namespace.as_deref(), &metrics);
     let background = AbortOnDrop(tokio::spawn(background.for_each(|_| async {})));
@@ -206,6 +207,7 @@ pub async fn run(
         deployment_wakes,
         shutdown.clone(),
     );
+    let drain_rules = crate::drainrule::run(client.clone(), drain_rules, events.clone());
     let orphans = orphan_collection(
         settings.orphans,
         crate::orphans::Shared {
@@ -221,7 +223,7 @@ pub async fn run(
         tokio::join!(machines, machinesets, machinedeployments);
     };
     let beside = async {
-        tokio::join!(orphans, when_synced(&caches, ready));
+        tokio::join!(orphans, drain_rules, when_synced(&caches, ready));
         std::future::pending::<()>().await;
     };
     tokio::select! {

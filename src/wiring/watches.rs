@@ -12,17 +12,18 @@
 use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet, StatefulSet};
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use k8s_openapi::api::storage::v1::VolumeAttachment;
 use kube::api::Api;
 use kube::core::PartialObjectMeta;
-use kube::runtime::reflector;
+use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 
 use crate::api::{
-    Machine, MachineClass, MachineDeployment, MachineSet, MoveAsk, MovePermit, controlling_set,
+    DrainRule, Machine, MachineClass, MachineDeployment, MachineSet, MoveAsk, MovePermit,
+    controlling_set,
 };
 use crate::cache::machines::MachinesByNode;
 use crate::cache::wakes::{NodeChanges, WakeStream, Wakes};
@@ -46,6 +47,9 @@ pub(crate) struct Watches {
     /// The deployments to reconcile because one of their sets or Machines
     /// changed.
     pub(crate) deployment_wakes: WakeStream<MachineDeployment>,
+    /// The DrainRule watch, which fills `caches.drain_rules` and feeds the
+    /// rules' status (see [`crate::drainrule`]).
+    pub(crate) drain_rules: Objects<DrainRule>,
     /// The watches that wake nothing, and the sync signal.
     pub(crate) background: BoxStream<'static, ()>,
 }
@@ -92,15 +96,13 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
     let (pdbs, pdbs_w) = reflector::store();
     let (pvcs, pvcs_w) = reflector::store();
     let (pvs, pvs_w) = reflector::store();
-    // CSIDrivers say which drivers attach: the drain's volume classes. A
-    // drain planned before they are listed would take every attach-free
-    // CSI volume for an attachable one, so the sync waits for them too.
+    // CSIDrivers say which drivers attach (the drain's volume classes): the
+    // sync waits for them, else attach-free CSI volumes look attachable.
     let (csi_drivers, csi_drivers_w) = reflector::store();
     // CSINodes: where a moving pod's volumes can attach.
     let (csi_nodes, csi_nodes_w) = reflector::store();
     let (placement_tx, placement_changes) = tokio::sync::watch::channel(0u64);
-    // A ReplicaSet's metadata says whose Deployment it is: a workload of
-    // the move ledger is the Deployment, whichever of its sets a pod is of.
+    // A ReplicaSet's metadata says whose Deployment (the ledger's workload).
     let (replica_sets, replica_sets_w) = reflector::store();
     // A workload object's annotations and minReadySeconds say how its pods
     // move; a StatefulSet's replicas whether an evicted pod comes back.
@@ -115,6 +117,7 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
     let (move_permits, move_permits_w) = reflector::store();
     let (ask_changes_tx, ask_changes) = tokio::sync::watch::channel(0u64);
     let (move_asks, move_asks_w) = reflector::store();
+    let (drain_rules, namespaces, drain_rule_feed, namespace_feed) = rule_watches(client);
     let (listed_tx, machines_listed) = tokio::sync::watch::channel(false);
     let (gone_tx, machines_gone) = tokio::sync::watch::channel(0u64);
     let (synced_tx, synced) = tokio::sync::watch::channel(false);
@@ -135,6 +138,8 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         deployments,
         move_permits,
         move_asks,
+        drain_rules,
+        namespaces,
         indexes: Indexes::default(),
         machines_by_node: MachinesByNode::default(),
         machines_by_set: Index::new(controlling_set),
@@ -177,6 +182,7 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         quiet(pvcs_w, Api::all(client.clone()), trim::metadata).boxed(),
         quiet(pvs_w, Api::all(client.clone()), trim::metadata).boxed(),
         quiet(csi_drivers_w, Api::all(client.clone()), trim::csi_driver).boxed(),
+        namespace_feed,
         counted(csi_nodes_w, client, trim::metadata, placement_tx),
         workloads(
             client,
@@ -195,8 +201,30 @@ pub(crate) fn watches(client: &Client, namespace: Option<&str>, metrics: &Metric
         sets,
         set_wakes,
         deployment_wakes,
+        drain_rules: drain_rule_feed,
         background,
     }
+}
+
+/// The cluster's drain rules, whose watch feeds their status (see
+/// [`crate::drainrule`]), and the namespaces, whose labels the rules
+/// select by (a watch that wakes nothing): their stores and their watches.
+fn rule_watches(
+    client: &Client,
+) -> (
+    Store<DrainRule>,
+    Store<Namespace>,
+    Objects<DrainRule>,
+    BoxStream<'static, ()>,
+) {
+    let (rules, rules_w) = reflector::store();
+    let (namespaces, namespaces_w) = reflector::store();
+    (
+        rules,
+        namespaces,
+        woken_by(rules_w, Api::all(client.clone()), trim::metadata).boxed(),
+        quiet(namespaces_w, Api::all(client.clone()), trim::metadata).boxed(),
+    )
 }
 
 /// The volume tracker over the caches: Nodes and VolumeAttachments feed
@@ -489,6 +517,8 @@ async fn sync(c: Caches, synced: tokio::sync::watch::Sender<bool>) {
         c.deployments.wait_until_ready(),
         c.move_permits.wait_until_ready(),
         c.move_asks.wait_until_ready(),
+        c.drain_rules.wait_until_ready(),
+        c.namespaces.wait_until_ready(),
     );
     let _ = synced.send(true);
     // Keeps the sender, so that `synced` never reads as closed.

@@ -10,7 +10,6 @@ use super::node_drain::NodeDrain;
 use super::reports::{pod_ref, pod_ref_key};
 use crate::drain::plan::PlannedPod;
 use crate::drain::pod_writes::{self, Evicted};
-use crate::drain::rules::DRAIN_ANNOTATION;
 use crate::drain::select::{finished, fmt_key};
 use crate::telemetry::EvictionResult;
 
@@ -37,6 +36,9 @@ impl<'d> WaitCompleted<'d> {
             return;
         };
         let names: Vec<String> = pods.iter().map(|p| fmt_key(&p.pod)).collect();
+        let mut rules: Vec<String> = pods.iter().map(PlannedPod::rule_words).collect();
+        rules.sort();
+        rules.dedup();
         let at_deadline = if self.d.job.settings.force_after_deadline {
             "at the drain deadline minus its grace period it is deleted with its grace period"
         } else {
@@ -49,16 +51,18 @@ impl<'d> WaitCompleted<'d> {
                     EventType::Normal,
                     "WaitingForCompletion",
                     format!(
-                        "pod {} is not evicted (drain rule {DRAIN_ANNOTATION}=wait-completed): the drain waits until it succeeds, fails or is gone; {at_deadline}",
-                        fmt_key(&p.pod)
+                        "pod {} is not evicted (drain rule {}): the drain waits until it succeeds, fails or is gone; {at_deadline}",
+                        fmt_key(&p.pod),
+                        p.rule_words()
                     ),
                     Some(pod_ref_key(&p.pod)),
                 );
             }
         }
         let waiting = format!(
-            "pod {} to complete (drain rule {DRAIN_ANNOTATION}=wait-completed, never evicted)",
-            names.join(", ")
+            "pod {} to complete (drain rule {}, never evicted)",
+            names.join(", "),
+            rules.join(", ")
         );
         self.d.progress.update(|p| {
             p.current_pod = Some(fmt_key(&first.pod));
@@ -103,7 +107,8 @@ impl<'d> WaitCompleted<'d> {
                     EventType::Warning,
                     "ForcedAtDeadline",
                     format!(
-                        "deleted pod {key}, which its drain rule {DRAIN_ANNOTATION}=wait-completed said to wait on, with its grace period of {}s: it had not completed and the drain deadline is at {}",
+                        "deleted pod {key}, which its drain rule {} said to wait on, with its grace period of {}s: it had not completed and the drain deadline is at {}",
+                        p.rule_words(),
                         p.grace.as_secs(),
                         self.d.job
                             .deadline

@@ -22,17 +22,17 @@ impl Groups {
     /// Normal Event), or an annotation not understood (a Warning, the
     /// default used).
     pub(super) fn announce_rules(&self, reports: &Reports, plan: &DrainPlan) {
-        for p in plan.skipped.iter().filter(|p| p.class == PodClass::Skipped) {
+        let skipped = plan
+            .skipped
+            .iter()
+            .filter(|p| matches!(p.class, PodClass::Skipped { .. }));
+        for p in skipped {
             let uid = p.uid.clone().unwrap_or_else(|| fmt_key(&p.pod));
             if reports.first(format!("skip/{uid}")) {
                 reports.event(
                     EventType::Normal,
                     "PodSkipped",
-                    format!(
-                        "pod {} is not evicted: {}",
-                        fmt_key(&p.pod),
-                        PodClass::Skipped
-                    ),
+                    format!("pod {} is not evicted: {}", fmt_key(&p.pod), p.class),
                     Some(pod_ref_key(&p.pod)),
                 );
             }
@@ -95,6 +95,7 @@ mod tests {
 
     use super::*;
     use crate::api::settings::ResolvedSettings;
+    use crate::drain::cluster_rules::RuleBook;
     use crate::drain::plan::plan;
     use crate::drain::volume_kind::VolumeContext;
     use crate::telemetry::events::EventSink;
@@ -110,6 +111,7 @@ mod tests {
             &[],
             &VolumeContext::default(),
             &settings,
+            &RuleBook::default(),
         )
     }
 

@@ -120,6 +120,7 @@ pub use self::drainer::Drainer;
 pub(crate) use self::drainer::{RESTART_ENDED_AFTER, RETRY_FAILED_AFTER};
 pub(crate) use self::forced::Freeing;
 pub(crate) use self::progress::Progress;
+pub(crate) use self::view::rule_book;
 use super::deadline::Deadline;
 use crate::api::Machine;
 use crate::api::settings::ResolvedSettings;

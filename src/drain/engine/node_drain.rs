@@ -137,6 +137,7 @@ impl NodeDrain {
             &vas,
             &self.volume_context(),
             &self.job.settings,
+            &self.view().rule_book(&self.job.machine),
         )
     }
 

@@ -235,9 +235,9 @@ impl Passes<'_> {
             .map(|t| format!("{} (finished, not yet deleted)", fmt_key(&t.pod)));
         let waiting = plan.waiting.iter().map(|p| {
             format!(
-                "{} (not completed; drain rule {}=wait-completed)",
+                "{} (not completed; drain rule {})",
                 fmt_key(&p.pod),
-                crate::drain::rules::DRAIN_ANNOTATION
+                p.rule_words()
             )
         });
         evictable

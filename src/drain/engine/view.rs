@@ -15,9 +15,12 @@ use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
 use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
 
+use crate::api::Machine;
 use crate::cache::{Caches, claim_key, claim_names};
+use crate::drain::cluster_rules::RuleBook;
 use crate::drain::select::NamespacedName;
 use crate::drain::volume::{
     Moved, inline_unique_name, is_inline, replacement_expected, replacements,
@@ -25,6 +28,28 @@ use crate::drain::volume::{
 };
 use crate::drain::volume_kind::{VolumeContext, VolumeKind};
 use crate::volumes::{AttachRefused, attach_exhausted, listed_on, unique_name_of};
+
+/// The cluster's DrainRules that apply to the drain of Machine `machine`
+/// (by its labels as cached now), with the namespaces' labels they select
+/// by.
+pub(crate) fn rule_book(caches: &Caches, machine: &ObjectRef<Machine>) -> RuleBook {
+    let rules = caches.drain_rules.state();
+    if rules.is_empty() {
+        return RuleBook::default();
+    }
+    let labels = caches
+        .machines
+        .get(machine)
+        .and_then(|m| m.metadata.labels.clone())
+        .unwrap_or_default();
+    let namespaces = caches
+        .namespaces
+        .state()
+        .iter()
+        .map(|n| (n.name_any(), n.metadata.labels.clone().unwrap_or_default()))
+        .collect();
+    RuleBook::new(rules.iter().map(AsRef::as_ref), &labels, namespaces)
+}
 
 /// The caches as one drain of `node` reads them.
 #[derive(Clone, Copy)]
@@ -36,6 +61,12 @@ pub(super) struct View<'a> {
 impl<'a> View<'a> {
     pub(super) fn new(caches: &'a Caches, node: &'a str) -> Self {
         Self { caches, node }
+    }
+
+    /// The cluster's DrainRules that apply to `machine`'s drain (see
+    /// [`rule_book`]).
+    pub(super) fn rule_book(&self, machine: &ObjectRef<Machine>) -> RuleBook {
+        rule_book(self.caches, machine)
     }
 
     /// The pods bound to the Node.

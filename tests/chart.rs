@@ -201,6 +201,9 @@ const CLUSTER_GRANTS: &[(&str, &[&str], &[&str])] = &[
     ("berth.dev", &["machines/status"], &["get", "patch"]),
     ("berth.dev", &["machines/finalizers"], &["update"]),
     ("berth.dev", &["machineclasses"], &["get", "list", "watch"]),
+    ("berth.dev", &["drainrules"], &["list", "watch"]),
+    ("berth.dev", &["drainrules/status"], &["patch"]),
+    ("", &["namespaces"], &["list", "watch"]),
     (
         "berth.dev",
         &["machinesets"],
@@ -391,7 +394,7 @@ fn the_default_render_is_hardened_labelled_and_least_privilege() {
             [
                 ("ClusterRole", 1),
                 ("ClusterRoleBinding", 1),
-                ("CustomResourceDefinition", 6),
+                ("CustomResourceDefinition", 7),
                 ("Deployment", 1),
                 ("Role", 1),
                 ("RoleBinding", 1),
@@ -669,8 +672,8 @@ fn the_crd_template_renders_exactly_the_generated_crds() {
     assert_eq!(rendered.len(), generated.len());
     assert_eq!(
         rendered.len(),
-        6,
-        "MachineClass, Machine, MachineSet, MachineDeployment, MovePermit, MoveAsk"
+        7,
+        "MachineClass, Machine, MachineSet, MachineDeployment, MovePermit, MoveAsk, DrainRule"
     );
     for (mut r, g) in rendered.into_iter().zip(generated) {
         let meta = r["metadata"].as_object_mut().expect("metadata");

@@ -39,16 +39,11 @@ fn bare_pod(name: &str, node: &str, class: Option<&str>, annotations: &[(&str, &
         .iter()
         .map(|(k, v)| ((*k).to_string(), serde_json::Value::from(*v)))
         .collect();
-    json(serde_json::json!({
-        "metadata": {"name": name, "annotations": annotations},
-        "spec": {
-            "nodeName": node,
-            "priorityClassName": class,
-            "restartPolicy": "Never",
-            "terminationGracePeriodSeconds": 1,
-            "containers": [{"name": "main", "image": "registry.invalid/app:1"}]
-        }
-    }))
+    let mut pod = labelled_pod(name, node, serde_json::json!({}), annotations.into());
+    if let Some(spec) = pod.spec.as_mut() {
+        spec.priority_class_name = class.map(str::to_string);
+    }
+    pod
 }
 
 fn at<'a>(evs: &'a [Ev], reason: &str, needle: &str) -> &'a Ev {

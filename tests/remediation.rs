@@ -210,6 +210,81 @@ impl<K> Drop for Versions<K> {
     }
 }
 
+/// The revision at which the Node was tainted, once it is known that the
+/// VM's record said Stopped at an earlier one (etcd's order).
+fn stopped_before_tainted(vm: &Versions<ConfigMap>, node: &Versions<Node>) -> u64 {
+    let stopped_at = vm.first(stopped).expect("the VM was stopped");
+    let tainted_at = node.first(tainted).expect("the Node was tainted");
+    assert!(
+        stopped_at < tainted_at,
+        "tainted at revision {tainted_at}, before the VM was stopped at {stopped_at}"
+    );
+    tainted_at
+}
+
+/// The audit log of a fenced Machine's remediation, up to its Node's
+/// taint.
+struct Fenced {
+    all: Vec<berth_devkit::bench::audit::Request>,
+    log: String,
+    node: String,
+    vm: String,
+}
+
+impl Fenced {
+    /// Reads the requests of `ns` until Node `node` of Machine `machine`
+    /// was tainted.
+    async fn read(
+        bed: &berth_devkit::testbed::TestBed,
+        ns: &str,
+        node: &str,
+        machine: &str,
+    ) -> Self {
+        let node = node.to_string();
+        let all = oracle::requests_once(bed, ns, |rs| rs.iter().any(|r| is_taint(r, &node))).await;
+        let log = oracle::log_of(&all);
+        let vm = FakeProvider::vm_name(machine);
+        Self { all, log, node, vm }
+    }
+
+    /// The accepted `verb` on the VM's record.
+    fn on_vm(&self, verb: &str) -> Option<&berth_devkit::bench::audit::Request> {
+        self.all.iter().find(|r| {
+            r.verb == verb
+                && r.resource == "configmaps"
+                && r.name.as_deref() == Some(self.vm.as_str())
+                && oracle::accepted(r)
+        })
+    }
+
+    /// The VM's deletion, which ended before the taint was received.
+    fn deleted_before_the_taint(&self) -> &berth_devkit::bench::audit::Request {
+        let terminated = self
+            .on_vm("delete")
+            .unwrap_or_else(|| panic!("the VM deleted: {}", self.log));
+        let taint = self
+            .all
+            .iter()
+            .find(|r| is_taint(r, &self.node))
+            .expect("the taint");
+        assert!(
+            terminated.completed < taint.received,
+            "tainted before the VM was gone: {}",
+            self.log
+        );
+        terminated
+    }
+}
+
+/// An accepted write of Node `node` itself (not its status): the taint.
+fn is_taint(r: &berth_devkit::bench::audit::Request, node: &str) -> bool {
+    r.verb == "patch"
+        && r.resource == "nodes"
+        && r.subresource.is_none()
+        && r.name.as_deref() == Some(node)
+        && oracle::accepted(r)
+}
+
 fn tainted(n: &Node) -> bool {
     n.spec
         .as_ref()
@@ -323,12 +398,7 @@ async fn a_dead_machine_is_fenced_then_freed_and_replaced() {
     );
 
     // Fenced first: the VM's record said Stopped before the taint.
-    let stopped_at = vm_versions.first(stopped).expect("the VM was stopped");
-    let tainted_at = node_versions.first(tainted).expect("the Node was tainted");
-    assert!(
-        stopped_at < tainted_at,
-        "tainted at revision {tainted_at}, before the VM was stopped at {stopped_at}"
-    );
+    stopped_before_tainted(&vm_versions, &node_versions);
     // The set made a new Machine.
     machine_of_set(&client, ns, "db-set", &[first.name_any()]).await;
     // Nothing evicted: a dead Node's pods are deleted.
@@ -773,29 +843,8 @@ async fn a_terminated_vm_outside_a_pool_leaves_a_failed_machine() {
         .expect("m stays");
     assert_eq!(support::phase(&m), Some("Failed"));
     let bed = BED.bed().await;
-    let is_taint = |r: &berth_devkit::bench::audit::Request| {
-        r.verb == "patch"
-            && r.resource == "nodes"
-            && r.subresource.is_none()
-            && r.name.as_deref() == Some(node.as_str())
-            && oracle::accepted(r)
-    };
-    let all = oracle::requests_once(bed, ns, |rs| rs.iter().any(is_taint)).await;
-    let log = oracle::log_of(&all);
-    let vm = FakeProvider::vm_name("m");
-    let terminated = all
-        .iter()
-        .find(|r| {
-            r.verb == "delete"
-                && r.resource == "configmaps"
-                && r.name.as_deref() == Some(vm.as_str())
-        })
-        .unwrap_or_else(|| panic!("the VM deleted: {log}"));
-    let taint = all.iter().find(|r| is_taint(r)).expect("the taint");
-    assert!(
-        terminated.completed < taint.received,
-        "tainted before the VM was gone: {log}"
-    );
+    let fence = Fenced::read(bed, ns, &node, "m").await;
+    fence.deleted_before_the_taint();
     let n = Api::<Node>::all(client.clone())
         .get(&node)
         .await
@@ -862,12 +911,7 @@ async fn a_listed_node_condition_remediates_a_ready_node() {
         .map(|r| r.reason)
         .unwrap_or_default();
     assert!(why.contains("KernelDeadlock True"), "{why}");
-    let stopped_at = vm_versions.first(stopped).expect("the VM was stopped");
-    let tainted_at = node_versions.first(tainted).expect("the Node was tainted");
-    assert!(
-        stopped_at < tainted_at,
-        "tainted at revision {tainted_at}, before the VM was stopped at {stopped_at}"
-    );
+    let tainted_at = stopped_before_tainted(&vm_versions, &node_versions);
     // Ready in every version seen before the taint.
     let unready = node_versions.first(|n| !is_ready(n) && !tainted(n));
     assert!(
@@ -898,33 +942,12 @@ async fn a_vm_that_does_not_stop_is_terminated_past_the_fence_timeout() {
     let node = node_of(&dead);
     kill(&client, &node).await;
     gone(&client, ns, &dead.name_any(), Duration::from_secs(120)).await;
-    let bed = BED.bed().await;
-    let is_taint = |r: &berth_devkit::bench::audit::Request| {
-        r.verb == "patch"
-            && r.resource == "nodes"
-            && r.subresource.is_none()
-            && r.name.as_deref() == Some(node.as_str())
-            && oracle::accepted(r)
-    };
-    let all = oracle::requests_once(bed, ns, |rs| rs.iter().any(is_taint)).await;
-    let log = oracle::log_of(&all);
-    let vm = FakeProvider::vm_name(&dead.name_any());
-    let on_vm = |verb: &str| {
-        all.iter().find(|r| {
-            r.verb == verb
-                && r.resource == "configmaps"
-                && r.name.as_deref() == Some(vm.as_str())
-                && oracle::accepted(r)
-        })
-    };
-    let stop = on_vm("patch").unwrap_or_else(|| panic!("the VM asked to stop: {log}"));
-    let terminated = on_vm("delete").unwrap_or_else(|| panic!("the VM deleted: {log}"));
-    let taint = all.iter().find(|r| is_taint(r)).expect("the taint");
-    assert!(stop.completed < terminated.received, "{log}");
-    assert!(
-        terminated.completed < taint.received,
-        "tainted before the VM was gone: {log}"
-    );
+    let fence = Fenced::read(BED.bed().await, ns, &node, &dead.name_any()).await;
+    let terminated = fence.deleted_before_the_taint();
+    let stop = fence
+        .on_vm("patch")
+        .unwrap_or_else(|| panic!("the VM asked to stop: {}", fence.log));
+    assert!(stop.completed < terminated.received, "{}", fence.log);
     machine_of_set(&client, ns, "db-set", &[dead.name_any()]).await;
     case.finish().await;
 }

@@ -17,7 +17,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use super::print::{in_progress, remediation};
 use crate::api::settings::resolve;
 use crate::api::{DrainRule, Machine, MachineClass};
-use crate::drain::cluster_rules::{RuleBook, validate};
+use crate::drain::cluster_rules::{RuleBook, namespace_labels, validate};
 use crate::drain::ledger::workload::{controller, workload_of};
 use crate::drain::ledger::{
     Answer, Asker, Ledger, MOVE_GROUP_ANNOTATION, PodAsk, Workload, WorkloadFacts, WorkloadTerms,
@@ -368,18 +368,7 @@ async fn rule_book(
         .collect();
     let namespaces = match rules.is_empty() {
         true => BTreeMap::new(),
-        false => Api::<Namespace>::all(client.clone())
-            .list(&lp)
-            .await?
-            .items
-            .into_iter()
-            .map(|n| {
-                (
-                    n.metadata.name.unwrap_or_default(),
-                    n.metadata.labels.unwrap_or_default(),
-                )
-            })
-            .collect(),
+        false => namespace_labels(&Api::<Namespace>::all(client.clone()).list(&lp).await?.items),
     };
     let labels = machine.metadata.labels.clone().unwrap_or_default();
     Ok((RuleBook::new(&rules, &labels, namespaces), notes))

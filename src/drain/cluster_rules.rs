@@ -11,7 +11,7 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 
 use super::pdb::selector_matches;
@@ -62,6 +62,19 @@ fn all_or(selector: Option<&LabelSelector>, labels: &BTreeMap<String, String>) -
     selector.is_none_or(|s| selector_matches(Some(s), labels))
 }
 
+/// Each namespace's labels, by name, as [`RuleBook::new`] takes them.
+pub fn namespace_labels<'a>(
+    namespaces: impl IntoIterator<Item = &'a Namespace>,
+) -> BTreeMap<String, BTreeMap<String, String>> {
+    namespaces
+        .into_iter()
+        .map(|n| {
+            let labels = n.metadata.labels.clone().unwrap_or_default();
+            (n.metadata.name.clone().unwrap_or_default(), labels)
+        })
+        .collect()
+}
+
 /// The accepted rules that apply to one Machine's drain, and the labels of
 /// the namespaces its pods are in.
 #[derive(Debug, Clone, Default)]
@@ -78,8 +91,12 @@ impl RuleBook {
     pub fn new<'a>(
         rules: impl IntoIterator<Item = &'a DrainRule>,
         machine: &BTreeMap<String, String>,
-        namespaces: BTreeMap<String, BTreeMap<String, String>>,
+        mut namespaces: BTreeMap<String, BTreeMap<String, String>>,
     ) -> Self {
+        // The API server labels every namespace with its name.
+        for (name, labels) in &mut namespaces {
+            labels.insert(NAMESPACE_NAME_LABEL.to_string(), name.clone());
+        }
         let mut entries: Vec<Entry> = rules
             .into_iter()
             .filter(|r| validate(&r.spec).is_ok())
@@ -125,14 +142,19 @@ impl RuleBook {
         let empty = BTreeMap::new();
         let pod_labels = pod.metadata.labels.as_ref().unwrap_or(&empty);
         let ns = pod.metadata.namespace.clone().unwrap_or_default();
-        // The API server labels every namespace with its name; a namespace
-        // not (yet) cached still has that one.
-        let mut ns_labels = self.namespaces.get(&ns).cloned().unwrap_or_default();
-        ns_labels.insert(NAMESPACE_NAME_LABEL.to_string(), ns);
+        // A namespace not (yet) cached still has its name label.
+        let uncached;
+        let ns_labels = match self.namespaces.get(&ns) {
+            Some(labels) => labels,
+            None => {
+                uncached = BTreeMap::from([(NAMESPACE_NAME_LABEL.to_string(), ns)]);
+                &uncached
+            }
+        };
         let mut picking = self
             .entries
             .iter()
-            .filter(|e| e.picks(pod_labels, &ns_labels));
+            .filter(|e| e.picks(pod_labels, ns_labels));
         let winner = picking.next()?;
         let others: Vec<String> = picking
             .filter(|e| {

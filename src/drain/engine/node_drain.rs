@@ -137,7 +137,7 @@ impl NodeDrain {
             &vas,
             &self.volume_context(),
             &self.job.settings,
-            &self.view().rule_book(&self.job.machine),
+            &super::view::rule_book(&self.deps.caches, &self.job.machine),
         )
     }
 

@@ -15,12 +15,11 @@ use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::storage::v1::{CSIDriver, VolumeAttachment};
 use k8s_openapi::jiff::Timestamp;
-use kube::ResourceExt;
 use kube::runtime::reflector::ObjectRef;
 
 use crate::api::Machine;
 use crate::cache::{Caches, claim_key, claim_names};
-use crate::drain::cluster_rules::RuleBook;
+use crate::drain::cluster_rules::{RuleBook, namespace_labels};
 use crate::drain::select::NamespacedName;
 use crate::drain::volume::{
     Moved, inline_unique_name, is_inline, replacement_expected, replacements,
@@ -42,12 +41,7 @@ pub(crate) fn rule_book(caches: &Caches, machine: &ObjectRef<Machine>) -> RuleBo
         .get(machine)
         .and_then(|m| m.metadata.labels.clone())
         .unwrap_or_default();
-    let namespaces = caches
-        .namespaces
-        .state()
-        .iter()
-        .map(|n| (n.name_any(), n.metadata.labels.clone().unwrap_or_default()))
-        .collect();
+    let namespaces = namespace_labels(caches.namespaces.state().iter().map(AsRef::as_ref));
     RuleBook::new(rules.iter().map(AsRef::as_ref), &labels, namespaces)
 }
 
@@ -61,12 +55,6 @@ pub(super) struct View<'a> {
 impl<'a> View<'a> {
     pub(super) fn new(caches: &'a Caches, node: &'a str) -> Self {
         Self { caches, node }
-    }
-
-    /// The cluster's DrainRules that apply to `machine`'s drain (see
-    /// [`rule_book`]).
-    pub(super) fn rule_book(&self, machine: &ObjectRef<Machine>) -> RuleBook {
-        rule_book(self.caches, machine)
     }
 
     /// The pods bound to the Node.

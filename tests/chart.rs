@@ -222,7 +222,7 @@ const CLUSTER_GRANTS: &[(&str, &[&str], &[&str])] = &[
     ),
     ("", &["nodes"], &["get", "list", "watch", "patch", "delete"]),
     ("", &["nodes/status"], &["patch"]),
-    ("", &["pods"], &["get", "list", "watch", "delete"]),
+    ("", &["pods"], &["get", "list", "watch", "patch", "delete"]),
     ("", &["pods/eviction"], &["create"]),
     (
         "",
@@ -242,11 +242,13 @@ const CLUSTER_GRANTS: &[(&str, &[&str], &[&str])] = &[
         &["get", "list", "watch"],
     ),
     ("apps", &["replicasets"], &["list", "watch"]),
-    ("apps", &["statefulsets", "deployments"], &["list", "watch"]),
+    ("apps", &["statefulsets"], &["list", "watch"]),
+    ("apps", &["deployments"], &["get", "list", "watch", "patch"]),
+    ("autoscaling", &["horizontalpodautoscalers"], &["list"]),
     (
         "berth.dev",
         &["movepermits"],
-        &["list", "watch", "create", "delete"],
+        &["list", "watch", "create", "patch", "delete"],
     ),
     (
         "berth.dev",

@@ -11,6 +11,7 @@
 //! it is named and applies to nothing.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
@@ -45,6 +46,54 @@ pub struct DrainRuleSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 32))]
     pub pods: Vec<PodSelector>,
+    /// berth's own terms for the moves of the pods the rule picks, for
+    /// pods whose templates the operator does not own. Their workload's
+    /// and their own annotations win over each.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moves: Option<RuleMoves>,
+}
+
+/// A rule's terms for the moves of its pods, each the value of the
+/// annotation of the same meaning.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct RuleMoves {
+    /// The most pods of one workload moving at once across every drain
+    /// (`berth.dev/max-moving`): a whole number from 1, or `unbounded`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_moving: Option<IntOrString>,
+    /// How long a replacement must have been Ready before its move ends
+    /// (`berth.dev/min-healthy-time`), e.g. `30s`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_healthy_time: Option<String>,
+    /// How long a replacement may take to become healthy before its move
+    /// ends anyway, with a Warning (`berth.dev/healthy-deadline`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub healthy_deadline: Option<String>,
+    /// `false`: no surge before evict for these pods (`berth.dev/surge`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub surge: Option<bool>,
+}
+
+impl RuleMoves {
+    /// The terms as the annotations of the same meaning.
+    pub fn annotations(&self) -> std::collections::BTreeMap<String, String> {
+        [
+            (
+                "berth.dev/max-moving",
+                self.max_moving.as_ref().map(|m| match m {
+                    IntOrString::Int(n) => n.to_string(),
+                    IntOrString::String(s) => s.clone(),
+                }),
+            ),
+            ("berth.dev/min-healthy-time", self.min_healthy_time.clone()),
+            ("berth.dev/healthy-deadline", self.healthy_deadline.clone()),
+            ("berth.dev/surge", self.surge.map(|s| s.to_string())),
+        ]
+        .into_iter()
+        .filter_map(|(k, v)| Some((k.to_string(), v?)))
+        .collect()
+    }
 }
 
 /// A rule's behaviour and order.
@@ -103,8 +152,9 @@ pub struct PodSelector {
 #[serde(rename_all = "camelCase")]
 pub struct DrainRuleStatus {
     /// `Accepted`: True when the rule applies; False with reason
-    /// `InvalidSelector` when one of its selectors cannot be read (it
-    /// applies to nothing, and the message says which).
+    /// `InvalidSelector` when one of its selectors cannot be read, or
+    /// `InvalidTerms` when one of its `moves` terms cannot (it applies to
+    /// nothing, and the message says which).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
     /// The generation of the spec the conditions describe.

@@ -37,7 +37,7 @@ pub use machineset::{
     TemplateMetadata,
 };
 pub use owners::{controlling_set, owner_of, owner_ref, set_owner};
-pub use permit::{MovePermit, MovePermitSpec, permit_name};
+pub use permit::{MovePermit, MovePermitSpec, PermitSurge, SURGED_FOR_ANNOTATION, permit_name};
 pub use remediation::{Remediation, RemediationStatus, RemediationStep};
 pub use settings::{DrainSettings, NodeLocalVolumes, ResolvedSettings, SettingsError};
 

@@ -71,6 +71,40 @@ pub struct MovePermitSpec {
     /// on the last slot of a Node twice.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub destination: Option<String>,
+    /// The surge made for the move, when its pod's budget let no
+    /// disruption go (see `berth plan`): what berth wrote to the pod's
+    /// Deployment, so that a restart neither writes it again nor forgets
+    /// to undo it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub surge: Option<PermitSurge>,
+}
+
+/// On a Deployment's pod template: the Machine (`namespace/name`) whose
+/// drain rolled it to surge its pods.
+pub const SURGED_FOR_ANNOTATION: &str = "berth.dev/surged-for";
+
+/// A surge of a pod's Deployment, made before its pod goes.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct PermitSurge {
+    /// `Roll` (its pod template annotated, one new revision) or `ScaleUp`
+    /// (one replica more, then back).
+    pub method: String,
+    /// The Deployment, in the permit's namespace.
+    pub deployment: String,
+    /// A scale-up's replicas before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<i32>,
+    /// A scale-up's replicas during it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to: Option<i32>,
+    /// A roll's `berth.dev/surged-for` value on the pod template.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<String>,
+    /// When a scale-up's replicas were put back (or found changed by
+    /// someone else, and left as they were).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restored: Option<Time>,
 }
 
 /// The name of permit `slot` of workload `kind`/`name`:

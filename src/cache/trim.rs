@@ -20,6 +20,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::api::storage::v1::{CSIDriver, CSIDriverSpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Resource;
 
 use crate::api::resources::pod_requests;
@@ -201,16 +202,31 @@ pub fn stateful_set(sts: &mut StatefulSet) {
 }
 
 /// A Deployment keeps its metadata (the move budget's annotations), its
-/// `minReadySeconds`, and the replicas it wants and has available.
+/// `minReadySeconds`, the replicas it wants and has available, its
+/// strategy and, of its pod template, only the annotation of berth's
+/// surge (whether berth rolled it, see `drain::surge`).
 pub fn deployment(d: &mut Deployment) {
     metadata(d);
     d.metadata.labels = None;
     let spec = &mut d.spec;
+    let surged = spec
+        .template
+        .metadata
+        .as_mut()
+        .and_then(|m| m.annotations.as_mut())
+        .and_then(|a| a.remove(crate::api::SURGED_FOR_ANNOTATION));
     *spec = DeploymentSpec {
         replicas: spec.replicas,
         min_ready_seconds: spec.min_ready_seconds,
+        strategy: spec.strategy.take(),
         ..DeploymentSpec::default()
     };
+    if let Some(v) = surged {
+        spec.template.metadata = Some(ObjectMeta {
+            annotations: Some([(crate::api::SURGED_FOR_ANNOTATION.to_string(), v)].into()),
+            ..ObjectMeta::default()
+        });
+    }
     d.status = d.status.take().map(|s| DeploymentStatus {
         available_replicas: s.available_replicas,
         ..DeploymentStatus::default()

@@ -6,6 +6,7 @@
 mod destinations;
 pub mod plan;
 mod print;
+mod surges;
 
 use std::process::ExitCode;
 
@@ -103,6 +104,7 @@ async fn print_plan(args: PlanArgs) -> anyhow::Result<()> {
     println!("Machine {ns}/{name}");
     print!("{}", live.notes());
     print!("{}", live.plan);
+    print!("{}", live.surges());
     print!("{}", live.budgets());
     print!("{}", live.destinations());
     Ok(())

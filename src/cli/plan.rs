@@ -55,6 +55,9 @@ pub struct LivePlan {
     /// Where each stateful pod's replacement can run, or why nowhere (see
     /// `destinations`).
     pub destinations: Vec<String>,
+    /// For each pod whose PodDisruptionBudget lets none go now, the surge
+    /// its drain would make before it goes, or why none (see `surges`).
+    pub surges: Vec<String>,
 }
 
 impl LivePlan {
@@ -89,6 +92,21 @@ impl LivePlan {
             "\nMove budgets, across every Machine's drain (the move ledger: the MovePermits every berth process holds, and every Machine's status.drain.moves):\n",
         );
         for line in &self.budgets {
+            out.push_str(&format!("  {line}\n"));
+        }
+        out
+    }
+
+    /// The section of the surges: each pod whose budget lets none go now,
+    /// and whether its replacement would be made first.
+    pub fn surges(&self) -> String {
+        if self.surges.is_empty() {
+            return String::new();
+        }
+        let mut out = String::from(
+            "\nSurges before evict, for pods whose PodDisruptionBudget lets none go now (their Deployment makes the new pod first, and removes the old one once it is available):\n",
+        );
+        for line in &self.surges {
             out.push_str(&format!("  {line}\n"));
         }
         out
@@ -332,6 +350,7 @@ pub async fn plan_machine(
     };
     let destinations =
         super::destinations::destination_lines(client, &plan, &pods, &settings, &listed).await?;
+    let surges = super::surges::surge_lines(client, &machine, &node, &plan, &pods, &pvcs).await?;
     Ok(LivePlan {
         machine,
         plan,
@@ -339,6 +358,7 @@ pub async fn plan_machine(
         rule_notes,
         budgets,
         destinations,
+        surges,
     })
 }
 

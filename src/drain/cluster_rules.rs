@@ -28,6 +28,8 @@ struct Entry {
     behavior: Behavior,
     order: Option<i32>,
     pods: Vec<PodSelector>,
+    /// Its terms for the pods' moves, as annotations.
+    terms: BTreeMap<String, String>,
 }
 
 impl Entry {
@@ -120,6 +122,12 @@ impl RuleBook {
                     .order
                     .filter(|_| r.spec.drain.behavior == RuleBehavior::Drain),
                 pods: r.spec.pods.clone(),
+                terms: r
+                    .spec
+                    .moves
+                    .as_ref()
+                    .map(|m| m.annotations())
+                    .unwrap_or_default(),
             })
             .collect();
         entries.sort_by(|a, b| a.rank().cmp(&b.rank()));
@@ -175,6 +183,7 @@ impl RuleBook {
             behavior: winner.behavior,
             order: winner.order,
             conflict,
+            terms: winner.terms.clone(),
         })
     }
 }
@@ -222,10 +231,40 @@ pub fn validate(spec: &DrainRuleSpec) -> Result<(), String> {
             }
         }
     }
+    problems.extend(terms_problems(spec));
     match problems.is_empty() {
         true => Ok(()),
         false => Err(problems.join("; ")),
     }
+}
+
+/// What is wrong with a rule's terms for its pods' moves (`spec.moves`),
+/// each in words: read as the annotations of the same meaning are.
+fn terms_problems(spec: &DrainRuleSpec) -> Vec<String> {
+    let Some(m) = &spec.moves else {
+        return Vec::new();
+    };
+    let mut problems = Vec::new();
+    let max_moving = m.annotations().remove("berth.dev/max-moving");
+    if let Some(v) = &max_moving
+        && v.trim() != "unbounded"
+        && !v.trim().parse::<u32>().is_ok_and(|n| n >= 1)
+    {
+        problems.push(format!(
+            "moves.maxMoving {v:?} is not a whole number from 1, nor \"unbounded\""
+        ));
+    }
+    for (field, v) in [
+        ("minHealthyTime", &m.min_healthy_time),
+        ("healthyDeadline", &m.healthy_deadline),
+    ] {
+        if let Some(v) = v
+            && let Err(e) = humantime::parse_duration(v.trim())
+        {
+            problems.push(format!("moves.{field} {v:?} is not a duration: {e}"));
+        }
+    }
+    problems
 }
 
 #[cfg(test)]
@@ -253,6 +292,40 @@ mod tests {
         let mut p = pod(ns, name);
         p.metadata.labels = Some(labels(kvs));
         p
+    }
+
+    #[test]
+    fn a_rules_move_terms_reach_the_pods_it_picks_and_bad_ones_refuse_it() {
+        let terms = rule(
+            "operators",
+            serde_json::json!({
+                "drain": {"behavior": "Drain"},
+                "moves": {"maxMoving": 2, "minHealthyTime": "30s", "surge": false},
+            }),
+        );
+        let book = RuleBook::new([&terms], &BTreeMap::new(), BTreeMap::new());
+        let m = book.matched(&labelled("ns", "p", &[])).expect("picked");
+        assert_eq!(
+            m.terms,
+            labels(&[
+                ("berth.dev/max-moving", "2"),
+                ("berth.dev/min-healthy-time", "30s"),
+                ("berth.dev/surge", "false"),
+            ])
+        );
+        let bad = rule(
+            "bad",
+            serde_json::json!({
+                "drain": {"behavior": "Drain"},
+                "moves": {"maxMoving": "0", "healthyDeadline": "soon"},
+            }),
+        );
+        let why = validate(&bad.spec).expect_err("refused");
+        assert!(why.contains("moves.maxMoving \"0\""), "{why}");
+        assert!(why.contains("moves.healthyDeadline \"soon\""), "{why}");
+        assert!(!why.contains("selector"), "{why}");
+        let book = RuleBook::new([&bad], &BTreeMap::new(), BTreeMap::new());
+        assert!(book.is_empty(), "an invalid rule applies to nothing");
     }
 
     #[test]

@@ -321,5 +321,6 @@ pub fn planned(priority: i32, ns: &str, name: &str) -> crate::drain::plan::Plann
         held: None,
         rule: None,
         controller: None,
+        rule_terms: None,
     }
 }

@@ -14,6 +14,7 @@ pub mod pod_writes;
 pub mod resume;
 pub mod rules;
 pub mod select;
+pub mod surge;
 pub mod volume;
 pub mod volume_kind;
 

@@ -201,6 +201,9 @@ pub struct PlannedPod {
     /// Its controller (`Kind/name` of the ownerReference with
     /// `controller: true`), which is expected to replace it.
     pub controller: Option<String>,
+    /// The terms for its moves of the DrainRule that picks it, if it sets
+    /// any (under its own and its workload's annotations).
+    pub rule_terms: Option<rules::RuleTerms>,
 }
 
 /// The `Kind/name` of a pod's controlling owner, if it has one.
@@ -572,6 +575,7 @@ impl Sorter<'_> {
             held: None,
             rule: drain_rule.behavior_source.clone(),
             controller: controller_of(pod),
+            rule_terms: drain_rule.terms.clone(),
         };
         if wait_completed {
             // Its volumes stay attached until it completes: nobody waits

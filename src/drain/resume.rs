@@ -103,6 +103,7 @@ pub(crate) fn resumed_pod(
         held: None,
         rule: None,
         controller: m.controller.clone(),
+        rule_terms: None,
     })
 }
 

@@ -43,6 +43,8 @@
 //!
 //! [`cluster_rules`]: super::cluster_rules
 
+use std::collections::BTreeMap;
+
 use k8s_openapi::api::core::v1::Pod;
 
 /// The annotation that sets a pod's drain behaviour.
@@ -84,6 +86,18 @@ pub struct Matched {
     pub order: Option<i32>,
     /// Other rules that pick the pod and say otherwise, in words.
     pub conflict: Option<String>,
+    /// Its terms for the pod's moves, as annotations (see
+    /// [`RuleMoves`](crate::api::drainrule::RuleMoves)); empty: none.
+    pub terms: BTreeMap<String, String>,
+}
+
+/// A DrainRule's terms for a pod's moves: the rule's name, and the terms
+/// as the annotations of the same meaning, under the pod's and its
+/// workload's own (which win).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RuleTerms {
+    pub rule: String,
+    pub annotations: BTreeMap<String, String>,
 }
 
 /// A pod's drain rule, as its annotations and priority make it.
@@ -105,6 +119,8 @@ pub struct Rule {
     pub order_rule: Option<String>,
     /// Annotation values not understood, each with the default used.
     pub problems: Vec<String>,
+    /// The terms of the DrainRule that picks the pod, if it sets any.
+    pub terms: Option<RuleTerms>,
 }
 
 impl Rule {
@@ -219,6 +235,10 @@ pub fn rule_in(pod: &Pod, matched: Option<&Matched>) -> Rule {
         explicit_order,
         order_rule: order_rule.filter(|_| !explicit_order),
         problems,
+        terms: matched.filter(|m| !m.terms.is_empty()).map(|m| RuleTerms {
+            rule: m.name.clone(),
+            annotations: m.terms.clone(),
+        }),
     }
 }
 
@@ -454,6 +474,7 @@ mod tests {
             behavior,
             order,
             conflict: None,
+            terms: BTreeMap::new(),
         }
     }
 

@@ -1,6 +1,6 @@
 //! The DrainRule controller: says on each rule whether the drain applies
-//! it (`Accepted` True), or why not (`Accepted` False, `InvalidSelector`,
-//! and a Warning Event once per generation). The drain reads the rules
+//! it (`Accepted` True), or why not (`Accepted` False, `InvalidSelector` or
+//! `InvalidTerms`, and a Warning Event once per generation). The drain reads the rules
 //! from the caches and applies the accepted ones (see
 //! `drain::cluster_rules`); this controller only tells the operator.
 //!
@@ -32,7 +32,11 @@ pub(crate) fn accepted(rule: &DrainRule) -> (bool, &'static str, String) {
         ),
         Err(why) => (
             false,
-            "InvalidSelector",
+            if why.contains("selector") {
+                "InvalidSelector"
+            } else {
+                "InvalidTerms"
+            },
             format!("{why}: the rule applies to nothing until it is fixed"),
         ),
     }
@@ -146,5 +150,13 @@ mod tests {
             ),
             "{message}"
         );
+        let terms = rule(
+            serde_json::json!({"drain": {"behavior": "Drain"}, "moves": {"minHealthyTime": "a while"}}),
+            serde_json::json!({}),
+        );
+        let (ok, reason, message) = accepted(&terms);
+        assert!(!ok);
+        assert_eq!(reason, "InvalidTerms");
+        assert!(message.starts_with("moves.minHealthyTime"), "{message}");
     }
 }

@@ -204,6 +204,8 @@ pub struct Metrics {
     /// `berth_node_not_ready_machines`: Running Machines whose Node has been
     /// NotReady for longer than the health timeout.
     pub node_not_ready_machines: IntGauge,
+    /// `berth_surges_total{outcome}`: surges before evict, by outcome.
+    pub surges: IntCounterVec,
     /// `berth_remediations_total{outcome}`: steps of remediations taken.
     pub remediations: IntCounterVec,
     /// `berth_remediations{state}`: Machines held from or under
@@ -365,6 +367,7 @@ impl Metrics {
             provider_requests: r.counter_vec("berth_provider_requests_total", "Requests to the machine provider, by driver, operation and result. For aws, every EC2 API request, with the EC2 action as op (RunInstances, DescribeInstances, TerminateInstances, StopInstances, DescribeImages) and result ok, throttled, transient, invalid_spec, unauthorized, not_found or permanent; for fake, each operation (create, delete, get, stop, list).", &["driver", "op", "result"])?,
             provider_request_duration: r.histogram_vec("berth_provider_request_duration_seconds", "Latency of requests to the machine provider, by driver and operation (for aws, the EC2 action).", PROVIDER_BUCKETS, &["driver", "op"])?,
             node_not_ready_machines: r.gauge("berth_node_not_ready_machines", "Running Machines whose Node has been NotReady for longer than the health timeout.")?,
+            surges: r.counter_vec("berth_surges_total", "Surges before evict of pods whose PodDisruptionBudget let none go, by outcome: rolled (a Deployment's template annotated, one new revision), scaled (a Deployment scaled up by one), replaced (the old pod removed by its controller once the new one was available), impossible (named; the pod is evicted as before), failed (no new pod available in time, or a write refused; the pod is evicted as before).", &["outcome"])?,
             remediations: r.counter_vec("berth_remediations_total", "Steps of the remediations of Machines whose Node died, by outcome: started (its VM is to be fenced), canceled (its Node came back before the VM was fenced), escalated (a stop past fenceTimeout turned into a terminate), fenced (the provider said the VM is stopped or terminated), freed (its Node tainted out of service and its pods deleted), failed (outside a pool: marked Failed, not replaced).", &["outcome"])?,
             remediations_now: r.gauge_vec("berth_remediations", "Machines whose Node is unhealthy, by the state of their remediation: held (more Machines are unhealthy than maxUnhealthy allows), fence, free, replace (the step under way).", &["state"])?,
             leader: r.gauge("berth_leader", "1 while this replica holds the leader election Lease, 0 otherwise.")?,
@@ -394,6 +397,9 @@ impl Metrics {
             "failed",
         ] {
             metrics.remediations.with_label_values(&[outcome]);
+        }
+        for outcome in ["rolled", "scaled", "replaced", "impossible", "failed"] {
+            metrics.surges.with_label_values(&[outcome]);
         }
         for state in ["held", "fence", "free", "replace"] {
             metrics.remediations_now.with_label_values(&[state]);
@@ -620,7 +626,7 @@ impl Drop for GaugeHold {
 mod tests {
     use super::*;
 
-    const ALL_NAMES: [&str; 25] = [
+    const ALL_NAMES: [&str; 26] = [
         "berth_machines",
         "berth_reconcile_total",
         "berth_reconcile_duration_seconds",
@@ -639,6 +645,7 @@ mod tests {
         "berth_leader",
         "berth_remediations_total",
         "berth_remediations",
+        "berth_surges_total",
         "berth_orphan_vms_total",
         "berth_rollout_drains",
         "berth_rollout_machines_replaced_total",

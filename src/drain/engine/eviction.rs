@@ -35,6 +35,12 @@ pub(super) enum Eviction {
     Gone,
     /// The drain's deadline passed first.
     Expired,
+    /// A PodDisruptionBudget refused it, and the pod counts as stuck
+    /// (its budget can never let it go as it is, or `maxEvictRetries`
+    /// refusals): the caller asks for a surge instead (see `surge`).
+    Refused,
+    /// Its surge waits for its workload's permit: what it waits for.
+    Waits(String),
 }
 
 /// What one attempt's answer means.
@@ -56,6 +62,9 @@ pub(super) struct PodEviction<'d> {
     /// Failures after the deadline, where nothing else ends the retries.
     failures_after_deadline: u32,
     backoff: backon::ExponentialBackoff,
+    /// A refusal by a budget that makes the pod stuck ends the eviction
+    /// with [`Eviction::Refused`], for a surge to be asked for.
+    surge_on_refusal: bool,
 }
 
 impl<'d> PodEviction<'d> {
@@ -67,6 +76,16 @@ impl<'d> PodEviction<'d> {
             failures: 0,
             failures_after_deadline: 0,
             backoff: evict_backoff(),
+            surge_on_refusal: false,
+        }
+    }
+
+    /// A refusal that makes the pod stuck ends the eviction (see
+    /// [`Eviction::Refused`]).
+    pub(super) fn surging_on_refusal(self) -> Self {
+        Self {
+            surge_on_refusal: true,
+            ..self
         }
     }
 
@@ -138,7 +157,11 @@ impl<'d> PodEviction<'d> {
             Evicted::Gone => return Answered::Done(Eviction::Gone),
             Evicted::Refused { message } => {
                 self.refusals += 1;
-                if self.refused(pod, key, self.refusals, &message) {
+                let stuck = self.refused(pod, key, self.refusals, &message);
+                if stuck && self.surge_on_refusal && !forcing {
+                    return Answered::Done(Eviction::Refused);
+                }
+                if stuck {
                     MAX_EVICT_BACKOFF
                 } else {
                     self.backoff.next().unwrap_or(MAX_EVICT_BACKOFF)

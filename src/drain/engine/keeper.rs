@@ -22,13 +22,19 @@
 //! and when a replacement Ready now will have been so for its minimum
 //! healthy time.
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
+use kube::api::Api;
 use kube::runtime::reflector::ObjectRef;
 
 use super::drainer::Drainer;
 use super::permits::{move_done, replaced};
+use super::surge::{Restored, restore};
+use crate::api::PermitSurge;
 use crate::drain::ledger::{Held, WorkloadFacts, earliest, kind_label, workload_name};
 
 /// The least time between two judgements: the changes that wake the
@@ -58,6 +64,25 @@ impl Drainer {
         })
     }
 
+    /// Whether no drain will go on with the moves of Machine `machine`
+    /// (`namespace/name`): it is gone, or its drain here ended. Stricter
+    /// than [`Drainer::idle`]: a Machine whose drain has not started in
+    /// this process yet (a restart) will go on with its surges itself.
+    fn abandoned(&self, machine: &str) -> bool {
+        let Some((ns, name)) = machine.split_once('/') else {
+            return true;
+        };
+        let key = ObjectRef::new(name).within(ns);
+        if self.deps.caches.machines.get(&key).is_none() {
+            return true;
+        }
+        self.running.lock().is_ok_and(|running| {
+            running
+                .get(&key)
+                .is_some_and(|r| r.progress.borrow().outcome.is_some())
+        })
+    }
+
     /// Keeps the permits of moves no drain watches (see the module), for
     /// as long as this process leads: judged once the caches are synced,
     /// then on every change that may end one.
@@ -83,9 +108,10 @@ impl Drainer {
             attachments.borrow_and_update();
             gone.borrow_and_update();
             ended.borrow_and_update();
+            let unrestored = self.restore_surges().await;
             let swept = self.deps.permits.sweep(
                 |m| self.idle(m),
-                |w, p| move_done(caches, w, p),
+                |w, p| !unrestored.contains(&p.uid) && move_done(caches, w, p),
                 Timestamp::now(),
             );
             for held in &swept.expired {
@@ -115,6 +141,51 @@ impl Drainer {
             }
             tokio::time::sleep(SETTLE).await;
         }
+    }
+
+    /// Puts back the scale-ups of surges no drain will go on with (see
+    /// `surge::restore`: a Machine gone while its drain was killed between
+    /// the scale-up and its put-back, a put-back the API server refused
+    /// for a while), each recorded on its permit once back: the pod UIDs of
+    /// those still not back, whose permits stay until they are. A
+    /// put-back that fails is tried again on the keeper's next judgement.
+    async fn restore_surges(&self) -> BTreeSet<String> {
+        let mut left = BTreeSet::new();
+        let client = (self.deps.drain_client)().rest;
+        for (held, record) in self.deps.permits.surges_here() {
+            let uid = held.permit().uid.clone();
+            let lingering = self.deps.permits.is_lingering(&uid);
+            if !lingering && !self.abandoned(&held.permit().machine) {
+                left.insert(uid);
+                continue;
+            }
+            let ns = &held.workload().namespace;
+            let api: Api<Deployment> = Api::namespaced(client.clone(), ns);
+            match restore(&api, &record).await {
+                Restored::Back => {}
+                Restored::Stands(note) => {
+                    tracing::warn!(%note, "a surge's scale-up is not put back");
+                }
+                Restored::Failed(e) => {
+                    tracing::warn!(error = %e, "a surge's scale-up cannot be put back yet");
+                    left.insert(uid);
+                    continue;
+                }
+            }
+            let done = PermitSurge {
+                restored: Some(Time(Timestamp::now())),
+                ..record
+            };
+            if let Err(e) = self
+                .deps
+                .permits
+                .record_surge(held.workload(), &uid, &done)
+                .await
+            {
+                tracing::warn!(error = %e, "the put-back of a surge cannot be recorded on its permit");
+            }
+        }
+        left
     }
 
     /// Whether a permit of this scope waits for a replacement judged by its

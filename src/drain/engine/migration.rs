@@ -27,11 +27,12 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use super::eviction::{Eviction, PodEviction};
+use super::eviction::Eviction;
 use super::node_drain::NodeDrain;
 use super::permits::DrainPermits;
 use super::records::MoveRecords;
 use super::reports::{pod_ref_key, pv_ref};
+use super::surge::evict_or_surge;
 use super::waits::{Awaited, Reattach};
 use crate::api::VolumeMove;
 use crate::drain::ledger::workload::wants_ordinal;
@@ -377,8 +378,8 @@ impl<'a> Migration<'a> {
             p.current_volume = volumes;
             p.waiting_for = Some(format!("eviction of {key}"));
         });
-        match PodEviction::new(d, self.pod).run().await {
-            Eviction::Expired => false,
+        match evict_or_surge(d, self.pod, true).await {
+            Eviction::Expired | Eviction::Refused | Eviction::Waits(_) => false,
             Eviction::Accepted(pod) => {
                 d.reports.evicted(vec![pod]);
                 true

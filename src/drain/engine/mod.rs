@@ -105,6 +105,7 @@ mod progress;
 mod records;
 mod reports;
 mod run;
+mod surge;
 mod tally;
 mod terminating;
 mod view;

@@ -21,12 +21,13 @@ use tokio::time::Instant;
 use super::batch::Batch;
 use super::completion::WaitCompleted;
 use super::destination::Destination;
-use super::eviction::{Eviction, PodEviction};
+use super::eviction::Eviction;
 use super::migration::Migration;
 use super::node_drain::NodeDrain;
 use super::permits::DrainPermits;
 use super::records::MoveRecords;
 use super::reports::pv_ref;
+use super::surge::evict_or_surge;
 use super::terminating::Terminating;
 use super::waits::Awaited;
 use crate::drain::ledger::{Workload, moves_in};
@@ -350,7 +351,7 @@ impl<'d> Pass<'d> {
         // spawned future trips the compiler's higher-ranked lifetime check.
         let evictions: Vec<_> = going
             .iter()
-            .map(|(p, gate)| async move { (*p, gate, PodEviction::new(self.d, p).run().await) })
+            .map(|(p, gate)| async move { (*p, gate, evict_or_surge(self.d, p, false).await) })
             .collect();
         let mut results = futures::stream::iter(evictions)
             .buffer_unordered(self.d.job.settings.max_concurrent_evictions.max(1) as usize);
@@ -365,8 +366,14 @@ impl<'d> Pass<'d> {
                         leaving.push((p, gate));
                     }
                     Some((p, gate, Eviction::Gone | Eviction::Forced)) => leaving.push((p, gate)),
-                    Some((p, Some(gate), Eviction::Expired)) => DrainPermits::new(self.d).release_gate(p, gate),
-                    Some((_, None, Eviction::Expired)) => {}
+                    Some((p, Some(gate), Eviction::Expired | Eviction::Refused)) => DrainPermits::new(self.d).release_gate(p, gate),
+                    Some((_, None, Eviction::Expired | Eviction::Refused)) => {}
+                    Some((p, gate, Eviction::Waits(why))) => {
+                        if let Some(gate) = gate {
+                            DrainPermits::new(self.d).release_gate(p, gate);
+                        }
+                        waits.pods.push((p.uid.clone().unwrap_or_else(|| fmt_key(&p.pod)), why));
+                    }
                     None => break,
                 },
                 _ = tokio::time::sleep_until(due.unwrap_or_else(Instant::now)), if due.is_some() => {

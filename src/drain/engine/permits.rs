@@ -15,8 +15,8 @@ use super::reports::pod_ref_key;
 use super::waits::Health;
 use crate::cache::Caches;
 use crate::drain::ledger::{
-    Answer, Asker, Budget, Permit, PodAsk, Workload, WorkloadFacts, WorkloadTerms, moving_names,
-    permit_expires, planned_ask, ready_since,
+    Answer, Asker, Budget, Permit, PodAsk, PodToMove, Workload, WorkloadFacts, WorkloadTerms,
+    moving_names, permit_expires, planned_ask, pod_ask, ready_since,
 };
 use crate::drain::plan::PlannedPod;
 use crate::drain::select::fmt_key;
@@ -90,6 +90,16 @@ impl<'d> DrainPermits<'d> {
             });
     }
 
+    /// This drain as the ledger knows an asker.
+    fn asker(self) -> Asker {
+        Asker {
+            machine: self.machine_key(),
+            requested: self.d.job.deadline.started,
+            past_deadline: self.d.clock.expired(),
+            moves_left: self.d.moves_left.load(std::sync::atomic::Ordering::Acquire),
+        }
+    }
+
     /// This drain's Machine as the ledger names it, `namespace/name`.
     pub(super) fn machine_key(self) -> String {
         format!(
@@ -114,18 +124,12 @@ impl<'d> DrainPermits<'d> {
                 .flat_map(|v| self.d.view().claim_users(&v.volume.claim))
                 .find(|u| u.metadata.uid != p.uid),
         };
-        let drain = Asker {
-            machine: self.machine_key(),
-            requested: self.d.job.deadline.started,
-            past_deadline: self.d.clock.expired(),
-            moves_left: self.d.moves_left.load(std::sync::atomic::Ordering::Acquire),
-        };
         let asked = planned_ask(
             &self.d.deps.caches,
             p,
             pod.as_deref(),
             replacement.as_deref(),
-            &drain,
+            &self.asker(),
         );
         for b in &asked.bad {
             let workload = &asked.workload;
@@ -139,6 +143,52 @@ impl<'d> DrainPermits<'d> {
             }
         }
         asked
+    }
+
+    /// Asks the move ledger for a permit to surge `p` now (see
+    /// [`PodToMove::surge`]): its workload, or what it waits for. A
+    /// stateful pod's move (`moving`) holds its permit already.
+    pub(super) async fn surge_permit(
+        self,
+        p: &PlannedPod,
+        moving: bool,
+    ) -> Result<Workload, String> {
+        let pod = self.d.view().pod(&p.pod, p.uid.as_deref());
+        let asked = pod_ask(
+            &self.d.deps.caches,
+            PodToMove::planned(p, pod.as_deref()).surging(),
+            &self.asker(),
+        );
+        if !moving {
+            self.permit_for(p, &asked).await?;
+        }
+        Ok(asked.workload)
+    }
+
+    /// Whether a permit records a surge of `p` (made before a restart).
+    pub(super) fn surge_recorded(self, p: &PlannedPod) -> bool {
+        let asked = self.pod_ask(p);
+        let uid = p.uid.clone().unwrap_or_else(|| fmt_key(&p.pod));
+        self.d
+            .deps
+            .permits
+            .surge_of(&asked.workload, &uid)
+            .is_some()
+    }
+
+    /// Ends the permit of pod `uid`'s surge, of `workload`; one whose
+    /// scale-up is not put back yet is left to the keeper, which puts it
+    /// back.
+    pub(super) fn end_surge(self, workload: &Workload, uid: &str) {
+        let permits = &self.d.deps.permits;
+        let unrestored = permits
+            .surge_of(workload, uid)
+            .is_some_and(|s| s.method == "ScaleUp" && s.restored.is_none());
+        if unrestored {
+            permits.linger(uid);
+        } else {
+            permits.end(workload, uid);
+        }
     }
 
     /// Asks the move ledger for a permit to move `p` now, for its workload
@@ -426,6 +476,9 @@ impl<'d> DrainPermits<'d> {
 /// custom resource, a Job), the pod that replaced the moved one healthy
 /// (see [`replaced`]).
 pub(super) fn move_done(caches: &Caches, w: &Workload, p: &Permit) -> bool {
+    if surging(caches, w, p) {
+        return false;
+    }
     let never_began = p.pod.split_once('/').is_some_and(|(ns, name)| {
         caches
             .pods
@@ -444,6 +497,29 @@ pub(super) fn move_done(caches: &Caches, w: &Workload, p: &Permit) -> bool {
         None => replaced(caches, w, p, &terms, Timestamp::now()).is_ok(),
     };
     whole && volumes_moved(caches, p)
+}
+
+/// Whether the permit of `p`, of `w`, records a surge that is not over
+/// (as the API server's copy says): its pod is still there, or its
+/// scale-up is not put back. Such a move began, though its pod is still
+/// there, and is not over before its scale-up is put back.
+fn surging(caches: &Caches, w: &Workload, p: &Permit) -> bool {
+    let state = caches.move_permits.state();
+    let Some(surge) = state
+        .iter()
+        .filter(|o| o.metadata.namespace.as_deref() == Some(w.namespace.as_str()))
+        .find(|o| o.spec.pod_uid == p.uid)
+        .and_then(|o| o.spec.surge.as_ref())
+    else {
+        return false;
+    };
+    let pod_there = p.pod.split_once('/').is_some_and(|(ns, name)| {
+        caches
+            .pods
+            .get(&ObjectRef::new(name).within(ns))
+            .is_some_and(|pod| pod.metadata.uid.as_deref() == Some(p.uid.as_str()))
+    });
+    pod_there || (surge.method == "ScaleUp" && surge.restored.is_none())
 }
 
 /// For a workload whose availability berth does not read: whether the pod

@@ -90,6 +90,14 @@ impl Reports {
             .unwrap_or(false)
     }
 
+    /// Whether `what` was reported in this Machine's drains already.
+    pub(super) fn reported(&self, what: &str) -> bool {
+        self.memory
+            .lock()
+            .map(|m| m.reported.contains(what))
+            .unwrap_or(false)
+    }
+
     /// Whether pod `uid` is judged to have come back for the first time.
     pub(super) fn first_return(&self, uid: String) -> bool {
         self.memory

@@ -16,6 +16,7 @@ use super::{
     budget_of, grouped, ready_since,
 };
 use crate::drain::plan::{DrainPlan, PlannedPod};
+use crate::drain::rules::RuleTerms;
 use crate::drain::select::{NamespacedName, pod_key};
 use crate::drain::volume_kind::VolumeKind;
 
@@ -40,6 +41,12 @@ pub struct PodToMove<'a> {
     pub volumes: bool,
     /// Its attachable PVs (see [`Permit::attach`](super::Permit::attach)).
     pub attach: Vec<String>,
+    /// Its move is a surge (see [`crate::drain::surge`]): it counts as a
+    /// move of its workload even when nothing bounds them, one at a time
+    /// then.
+    pub surge: bool,
+    /// The terms of the DrainRule that picks it, under its own annotations.
+    pub rule_terms: Option<RuleTerms>,
 }
 
 impl<'a> PodToMove<'a> {
@@ -61,6 +68,16 @@ impl<'a> PodToMove<'a> {
                 .filter(|v| v.kind == VolumeKind::Attachable)
                 .map(|v| v.volume.pv.clone())
                 .collect(),
+            surge: false,
+            rule_terms: p.rule_terms.clone(),
+        }
+    }
+
+    /// Its move is a surge (see [`PodToMove::surge`]).
+    pub fn surging(self) -> Self {
+        Self {
+            surge: true,
+            ..self
         }
     }
 
@@ -104,6 +121,8 @@ impl<'a> PodToMove<'a> {
             replacement: None,
             volumes: !claims.is_empty(),
             attach: facts.attached(&key.0, &claims),
+            surge: false,
+            rule_terms: None,
             key,
         }
     }
@@ -164,8 +183,27 @@ pub fn pod_ask(facts: &(impl WorkloadFacts + ?Sized), pod: PodToMove<'_>, drain:
         .pod
         .or(pod.replacement)
         .and_then(|p| p.metadata.annotations.as_ref());
+    // A DrainRule's terms, under the pod template's own annotations.
+    let ruled;
+    let template = match &pod.rule_terms {
+        Some(t) => {
+            let mut merged = t.annotations.clone();
+            merged.extend(
+                template
+                    .into_iter()
+                    .flatten()
+                    .map(|(k, v)| (k.clone(), v.clone())),
+            );
+            ruled = merged;
+            Some(&ruled)
+        }
+        None => template,
+    };
     let terms = facts.terms(&workload);
-    let (budget, mut bad) = budget_of(template, &terms, pod.volumes);
+    let (mut budget, mut bad) = budget_of(template, &terms, pod.volumes);
+    if pod.surge {
+        budget.max_moving = budget.max_moving.or(Some(1));
+    }
     // One application over several controllers: their move group.
     let (workload, terms, odd) = grouped(workload, terms, |group| facts.group_members(&ns, group));
     bad.extend(odd);
@@ -358,6 +396,61 @@ mod tests {
             "a planned pod's UID, or its key"
         );
         assert!(asked.bad.is_empty());
+    }
+
+    #[test]
+    fn a_drain_rules_terms_lie_under_the_pods_and_its_workloads_own() {
+        use crate::drain::ledger::{HEALTHY_DEADLINE_ANNOTATION, MIN_HEALTHY_ANNOTATION};
+        let mut web = pod("ns", "web-1").owned_by("ReplicaSet", "web-5d8f", true);
+        web.metadata.annotations = Some(annotations(&[(MIN_HEALTHY_ANNOTATION, "5s")]));
+        let facts = Known {
+            rs_owners: BTreeMap::from([("web-5d8f".into(), vec![owner("Deployment", "web")])]),
+            terms: BTreeMap::from([(
+                Workload::new("Deployment", "ns", "web"),
+                WorkloadTerms {
+                    annotations: annotations(&[(HEALTHY_DEADLINE_ANNOTATION, "1m")]),
+                    ..WorkloadTerms::default()
+                },
+            )]),
+            ..Known::default()
+        };
+        let p = PlannedPod {
+            rule_terms: Some(RuleTerms {
+                rule: "platform".into(),
+                annotations: annotations(&[
+                    (MAX_MOVING_ANNOTATION, "2"),
+                    (MIN_HEALTHY_ANNOTATION, "30s"),
+                    (HEALTHY_DEADLINE_ANNOTATION, "10m"),
+                ]),
+            }),
+            ..planned(0, "ns", "web-1")
+        };
+        let asked = pod_ask(&facts, PodToMove::planned(&p, Some(&web)), &drain());
+        assert_eq!(
+            asked.budget.max_moving,
+            Some(2),
+            "the rule's, none else says"
+        );
+        assert_eq!(
+            asked.budget.min_healthy,
+            std::time::Duration::from_secs(5),
+            "the pod's own wins"
+        );
+        assert_eq!(
+            asked.budget.healthy_deadline,
+            Some(std::time::Duration::from_secs(60)),
+            "the workload's own wins"
+        );
+        assert!(asked.ask.is_some(), "the rule bounds its moves");
+        // A surge counts as a move even where nothing bounds them.
+        let plain = planned(0, "ns", "web-1");
+        let surged = pod_ask(
+            &facts,
+            PodToMove::planned(&plain, Some(&web)).surging(),
+            &drain(),
+        );
+        assert_eq!(surged.budget.max_moving, Some(1));
+        assert!(surged.ask.is_some());
     }
 
     #[test]

@@ -403,6 +403,7 @@ mod tests {
         let pod = PlannedPod {
             uid: Some("uid-db-2".into()),
             controller: Some("StatefulSet/db".into()),
+            rule_terms: None,
             ..crate::drain::fixtures::planned(7, "ns", "db-2")
         };
         let drain = Asker {

@@ -27,7 +27,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{OwnerReference, Time};
 use k8s_openapi::jiff::Timestamp;
 use tokio::sync::watch;
 
-use crate::api::{Machine, MovePermit, MovePermitSpec, permit_name};
+use crate::api::{Machine, MovePermit, MovePermitSpec, PermitSurge, permit_name};
 #[cfg(doc)]
 use crate::drain::ledger::permit_expires;
 use crate::drain::ledger::{
@@ -160,6 +160,49 @@ impl Permits {
             .map(|h| h.permit)
     }
 
+    /// The surge the permit of the move of pod `uid`, of `workload`,
+    /// records (see [`PermitSurge`]).
+    pub(crate) fn surge_of(&self, workload: &Workload, uid: &str) -> Option<PermitSurge> {
+        let held = self
+            .store
+            .held()
+            .into_iter()
+            .find(|h| h.workload == *workload && h.permit.uid == uid)?;
+        self.store.surge(&held.key)
+    }
+
+    /// Records `surge` on the permit of the move of pod `uid`, of
+    /// `workload`, before berth makes it (or once it undid it). `Err`: no
+    /// such permit, or the write failed.
+    pub(crate) async fn record_surge(
+        &self,
+        workload: &Workload,
+        uid: &str,
+        surge: &PermitSurge,
+    ) -> Result<(), String> {
+        let held = self
+            .store
+            .held()
+            .into_iter()
+            .find(|h| h.workload == *workload && h.permit.uid == uid)
+            .ok_or_else(|| format!("no permit of {workload} holds the move"))?;
+        self.store
+            .write_surge(&held.key, held.uid.as_deref(), surge)
+            .await
+    }
+
+    /// The permits of this process's scope that record a scale-up not
+    /// put back yet, each with it.
+    pub(crate) fn surges_here(&self) -> Vec<(Held, PermitSurge)> {
+        self.held_here()
+            .into_iter()
+            .filter_map(|h| {
+                let s = self.store.surge(&h.key)?;
+                (s.method == "ScaleUp" && s.restored.is_none()).then_some((h, s))
+            })
+            .collect()
+    }
+
     /// The permits of this process's scope the API server holds.
     pub(crate) fn held_here(&self) -> Vec<Held> {
         self.store
@@ -179,6 +222,11 @@ impl Permits {
             l.insert(uid.to_string());
         }
         self.lingered.send_modify(|n| *n += 1);
+    }
+
+    /// Whether a running drain left the move of pod `uid` to the keeper.
+    pub(crate) fn is_lingering(&self, uid: &str) -> bool {
+        self.lingering.lock().is_ok_and(|l| l.contains(uid))
     }
 
     /// Bumped whenever a running drain leaves a move to the keeper.
@@ -637,6 +685,7 @@ fn permit_object(
             expires: Some(Time(expires)),
             attach: permit.attach.clone(),
             destination: permit.destination.clone(),
+            surge: None,
         },
     }
 }

@@ -11,10 +11,10 @@ use futures::future::{BoxFuture, Shared};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
-use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::reflector::Store;
 
-use crate::api::MovePermit;
+use crate::api::{MovePermit, PermitSurge};
 use crate::drain::ledger::{Permit, Workload, held_permit};
 
 /// How long a permit waits for this process's own deletion of the one
@@ -109,6 +109,9 @@ pub(crate) struct PermitStore {
     /// The UIDs of the permits ended here since the last
     /// [`Permits::vanished`]: gone by this process's hand.
     pub(super) ended_here: Mutex<BTreeSet<String>>,
+    /// The surges written here on permits, by the permit's namespace and
+    /// name: newer than the cache until it shows them.
+    surges: Mutex<BTreeMap<(String, String), PermitSurge>>,
 }
 
 impl PermitStore {
@@ -123,7 +126,49 @@ impl PermitStore {
             ended: Mutex::default(),
             deleting: Mutex::default(),
             ended_here: Mutex::default(),
+            surges: Mutex::default(),
         }
+    }
+
+    /// The surge the permit object `key` records: as written here last,
+    /// else as the cache shows it.
+    pub(super) fn surge(&self, key: &(String, String)) -> Option<PermitSurge> {
+        let written = self.surges.lock().ok().and_then(|s| s.get(key).cloned());
+        written.or_else(|| {
+            let obj = self
+                .cache
+                .get(&kube::runtime::reflector::ObjectRef::new(&key.1).within(&key.0));
+            let taken = || {
+                self.taken.lock().ok().and_then(|t| {
+                    t.values()
+                        .find(|o| key_of(o) == *key)
+                        .and_then(|o| o.spec.surge.clone())
+                })
+            };
+            obj.and_then(|o| o.spec.surge.clone()).or_else(taken)
+        })
+    }
+
+    /// Writes `surge` on the permit object `key` (a merge patch of its
+    /// spec, pinned to its UID when known).
+    pub(super) async fn write_surge(
+        &self,
+        key: &(String, String),
+        uid: Option<&str>,
+        surge: &PermitSurge,
+    ) -> Result<(), String> {
+        let api: Api<MovePermit> = Api::namespaced(self.client.clone(), &key.0);
+        let mut patch = serde_json::json!({"spec": {"surge": surge}});
+        if let Some(uid) = uid {
+            patch["metadata"] = serde_json::json!({"uid": uid});
+        }
+        api.patch(&key.1, &PatchParams::default(), &Patch::Merge(patch))
+            .await
+            .map_err(|e| e.to_string())?;
+        if let Ok(mut s) = self.surges.lock() {
+            s.insert(key.clone(), surge.clone());
+        }
+        Ok(())
     }
 
     /// Whether Machine `machine` (`namespace/name`) is of this process's
@@ -209,6 +254,9 @@ impl PermitStore {
             }
             if let Ok(mut e) = self.ended.lock() {
                 e.insert(uid);
+            }
+            if let Ok(mut s) = self.surges.lock() {
+                s.remove(&h.key);
             }
             let api: Api<MovePermit> = Api::namespaced(self.client.clone(), &h.key.0);
             let (name, uid) = (h.key.1.clone(), h.uid.clone());

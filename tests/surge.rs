@@ -229,6 +229,21 @@ async fn template_annotation(client: &Client, ns: &str, name: &str, key: &str) -
         .and_then(|a| a.get(key).cloned())
 }
 
+/// A case of namespace `ns` with Machines `a` and `b` Running in a pool
+/// whose drain times out after `timeout`: the case, its client, and the
+/// Nodes of `a` and `b`.
+async fn two_machines(ns: &str, timeout: &str) -> (Case, Client, String, String) {
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": timeout}))
+        .start()
+        .await;
+    let client = case.client();
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    let node_b = running_machine(&client, ns, "b", ns).await;
+    (case, client, node_a, node_b)
+}
+
 /// What `berth plan` prints for Machine `machine` of `ns`: its plan, then
 /// its section of surges.
 async fn plan_and_surges(client: &Client, ns: &str, machine: &str) -> String {
@@ -622,14 +637,7 @@ async fn assert_rolled_once(client: &Client, ns: &str, name: &str, fleet: &Fleet
 async fn a_singleton_behind_min_available_one_is_rolled_before_its_pod_goes() {
     let ns = "surge-singleton";
     let name = "solo";
-    let case = Case::builder(ns)
-        .on(BED)
-        .pool(serde_json::json!({"timeout": "10m"}))
-        .start()
-        .await;
-    let client = case.client();
-    let node_a = running_machine(&client, ns, "a", ns).await;
-    let node_b = running_machine(&client, ns, "b", ns).await;
+    let (_case, client, node_a, node_b) = two_machines(ns, "10m").await;
     // The default strategy: maxSurge 25% of 1 rounds up to 1,
     // maxUnavailable down to 0.
     let pods = place(&client, ns, deployment(name, 1, 1, ns), 1, &node_a, &node_b).await;
@@ -655,14 +663,7 @@ async fn a_singleton_behind_min_available_one_is_rolled_before_its_pod_goes() {
 async fn three_replicas_all_on_the_machine_are_rolled_within_max_surge() {
     let ns = "surge-three";
     let name = "trio";
-    let case = Case::builder(ns)
-        .on(BED)
-        .pool(serde_json::json!({"timeout": "10m"}))
-        .start()
-        .await;
-    let client = case.client();
-    let node_a = running_machine(&client, ns, "a", ns).await;
-    let node_b = running_machine(&client, ns, "b", ns).await;
+    let (_case, client, node_a, node_b) = two_machines(ns, "10m").await;
     let mut d = deployment(name, 3, 1, ns);
     rolling(&mut d, 1, 0);
     let pods = place(&client, ns, d, 3, &node_a, &node_b).await;
@@ -883,14 +884,7 @@ async fn a_controller_killed_mid_scale_up_scales_back_exactly_once() {
 async fn an_autoscaled_deployment_is_rolled_and_its_replicas_never_written() {
     let ns = "surge-hpa";
     let name = "scaled";
-    let case = Case::builder(ns)
-        .on(BED)
-        .pool(serde_json::json!({"timeout": "10m"}))
-        .start()
-        .await;
-    let client = case.client();
-    let node_a = running_machine(&client, ns, "a", ns).await;
-    let node_b = running_machine(&client, ns, "b", ns).await;
+    let (_case, client, node_a, node_b) = two_machines(ns, "10m").await;
     let mut d = deployment(name, 2, 1, ns);
     rolling(&mut d, 1, 0);
     place(&client, ns, d, 1, &node_a, &node_b).await;
@@ -1024,14 +1018,7 @@ async fn assert_cannot_surge(
 async fn a_stateful_set_cannot_surge_and_is_left_alone() {
     let ns = "surge-sts";
     let name = "vault";
-    let case = Case::builder(ns)
-        .on(BED)
-        .pool(serde_json::json!({"timeout": "40s"}))
-        .start()
-        .await;
-    let client = case.client();
-    let node_a = running_machine(&client, ns, "a", ns).await;
-    let node_b = running_machine(&client, ns, "b", ns).await;
+    let (_case, client, node_a, node_b) = two_machines(ns, "40s").await;
     cordon(&client, &node_b, true).await;
     stateful(&client, ns, name, 1, |_| {}).await;
     pods_of(&client, ns, name, "vault-0 Ready on A", |ps| {
@@ -1065,14 +1052,7 @@ async fn a_stateful_set_cannot_surge_and_is_left_alone() {
 async fn a_deployment_with_a_read_write_once_claim_cannot_surge() {
     let ns = "surge-rwo";
     let name = "files";
-    let case = Case::builder(ns)
-        .on(BED)
-        .pool(serde_json::json!({"timeout": "40s"}))
-        .start()
-        .await;
-    let client = case.client();
-    let node_a = running_machine(&client, ns, "a", ns).await;
-    let node_b = running_machine(&client, ns, "b", ns).await;
+    let (_case, client, node_a, node_b) = two_machines(ns, "40s").await;
     let pv = format!("{ns}-{name}");
     create(
         Api::all(client.clone()),

@@ -37,50 +37,59 @@ use super::surge::{Restored, restore};
 use crate::api::PermitSurge;
 use crate::drain::ledger::{Held, WorkloadFacts, earliest, kind_label, workload_name};
 
+/// Where a Machine's drain stands in this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DrainHere {
+    /// The Machine is gone.
+    Gone,
+    /// None was started here (yet).
+    NotStarted,
+    Running,
+    Ended,
+}
+
 /// The least time between two judgements: the changes that wake the
 /// keeper come in bursts (a rollout's pods and StatefulSet statuses).
 const SETTLE: Duration = Duration::from_secs(1);
 
 impl Drainer {
+    /// Where the drain of Machine `machine` (`namespace/name`) stands in
+    /// this process.
+    fn drain_of(&self, machine: &str) -> DrainHere {
+        let Some((ns, name)) = machine.split_once('/') else {
+            return DrainHere::Gone;
+        };
+        let key = ObjectRef::new(name).within(ns);
+        if self.deps.caches.machines.get(&key).is_none() {
+            return DrainHere::Gone;
+        }
+        let Ok(running) = self.running.lock() else {
+            return DrainHere::Running;
+        };
+        match running.get(&key) {
+            None => DrainHere::NotStarted,
+            Some(r) if r.progress.borrow().outcome.is_some() => DrainHere::Ended,
+            Some(_) => DrainHere::Running,
+        }
+    }
+
     /// Whether no drain of this process watches the moves of Machine
     /// `machine` (`namespace/name`): none runs for it (none was started
     /// here, or it ended), or the Machine is gone; and no forced deletion
     /// is deleting its pods now.
     fn idle(&self, machine: &str) -> bool {
-        let Some((ns, name)) = machine.split_once('/') else {
-            return true;
-        };
         if self.forcing.lock().is_ok_and(|f| f.contains(machine)) {
             return false;
         }
-        let key = ObjectRef::new(name).within(ns);
-        if self.deps.caches.machines.get(&key).is_none() {
-            return true;
-        }
-        self.running.lock().is_ok_and(|running| {
-            running
-                .get(&key)
-                .is_none_or(|r| r.progress.borrow().outcome.is_some())
-        })
+        self.drain_of(machine) != DrainHere::Running
     }
 
-    /// Whether no drain will go on with the moves of Machine `machine`
-    /// (`namespace/name`): it is gone, or its drain here ended. Stricter
-    /// than [`Drainer::idle`]: a Machine whose drain has not started in
-    /// this process yet (a restart) will go on with its surges itself.
+    /// Whether no drain will go on with the moves of Machine `machine`:
+    /// it is gone, or its drain here ended. Stricter than
+    /// [`Drainer::idle`]: a Machine whose drain has not started in this
+    /// process yet (a restart) will go on with its surges itself.
     fn abandoned(&self, machine: &str) -> bool {
-        let Some((ns, name)) = machine.split_once('/') else {
-            return true;
-        };
-        let key = ObjectRef::new(name).within(ns);
-        if self.deps.caches.machines.get(&key).is_none() {
-            return true;
-        }
-        self.running.lock().is_ok_and(|running| {
-            running
-                .get(&key)
-                .is_some_and(|r| r.progress.borrow().outcome.is_some())
-        })
+        matches!(self.drain_of(machine), DrainHere::Gone | DrainHere::Ended)
     }
 
     /// Keeps the permits of moves no drain watches (see the module), for

@@ -41,6 +41,15 @@
 //!   that remediates: the time until the replica is Ready elsewhere with
 //!   its volume, step by step, against the health timeout, the VM's stop
 //!   and one move; and the requests it took.
+//! - **surge** (see [`surge`]): a singleton Deployment behind a
+//!   PodDisruptionBudget of `minAvailable: 1` on a Machine that is deleted,
+//!   its class's drain timeout 60 s, a second Machine for the replacement,
+//!   whose pods turn Ready `--surge-start` (5 s) after they run. From a
+//!   watch of the pods and the audit log: how long the service had no pod
+//!   Ready (goal 0 s, where a drain that waits for its deadline and then
+//!   deletes the pod has none until the replacement is Ready), the drain's
+//!   wall time against that timeout, who removed the old pod, and the
+//!   requests it took.
 //! - **scale** (see [`scale`]): on a test bed of its own, after the others,
 //!   so that its load does not disturb them: 1,000 Machines, 20,000 pods and
 //!   5,000 VolumeAttachments in the caches and 20 concurrent drains, with
@@ -59,6 +68,7 @@ pub mod rollout;
 pub mod scale;
 mod stateful;
 mod stateless;
+pub mod surge;
 mod workloads;
 
 use std::collections::BTreeMap;
@@ -129,6 +139,7 @@ pub struct BenchArgs {
             Scenario::Independent,
             Scenario::Shared,
             Scenario::Remediation,
+            Scenario::Surge,
             Scenario::Scale
         ]
     )]
@@ -161,6 +172,11 @@ pub struct BenchArgs {
     /// shared scenario.
     #[arg(long, default_value_t = 3)]
     pub shared_workloads: u32,
+    /// How long a pod of the surge scenario's Deployment takes to turn
+    /// Ready once it runs (the test bed's `ready-after` annotation): its
+    /// replacement's start (0: Ready at once, as kwok starts pods).
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    pub surge_start: Duration,
     /// Machines (and so Nodes) in the scale scenario.
     #[arg(long, default_value_t = 1000)]
     pub scale_machines: u32,
@@ -195,6 +211,9 @@ pub enum Scenario {
     Shared,
     /// A Node that dies: its Machine fenced, freed and replaced.
     Remediation,
+    /// A singleton Deployment behind `minAvailable: 1`, drained: its
+    /// replacement Ready before its pod goes.
+    Surge,
     /// Many Machines, pods and VolumeAttachments; concurrent drains;
     /// the controller's memory and CPU.
     Scale,
@@ -212,6 +231,8 @@ pub struct Report {
     pub rollout: Option<rollout::Rollout>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub remediation: Option<remediation::Remediation>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub surge: Option<surge::Surge>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub scale: Option<scale::Scale>,
 }
@@ -276,17 +297,18 @@ impl Gaps {
 /// reports its failure in the report instead).
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let wants = |s: Scenario| args.scenarios.contains(&s);
-    let (runs, rollout, remediation) = if wants(Scenario::Stateful)
+    let (runs, rollout, remediation, surge) = if wants(Scenario::Stateful)
         || wants(Scenario::Stateless)
         || (args.peers && wants(Scenario::Peers))
         || wants(Scenario::Rollout)
         || wants(Scenario::Independent)
         || wants(Scenario::Shared)
         || wants(Scenario::Remediation)
+        || wants(Scenario::Surge)
     {
         drains(&args).await?
     } else {
-        (Vec::new(), None, None)
+        (Vec::new(), None, None, None)
     };
     // After the others, on a test bed of its own.
     let scale = if wants(Scenario::Scale) {
@@ -309,6 +331,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         runs,
         rollout,
         remediation,
+        surge,
         scale,
     };
     if let Some(dir) = args.out.parent() {
@@ -325,10 +348,11 @@ type Drains = (
     Vec<Run>,
     Option<rollout::Rollout>,
     Option<remediation::Remediation>,
+    Option<surge::Surge>,
 );
 
-/// The stateful, stateless, peer, rollout, move ledger and remediation
-/// scenarios that were chosen, on one test bed with the audit log on and
+/// The stateful, stateless, peer, rollout, move ledger, remediation and
+/// surge scenarios that were chosen, on one test bed with the audit log on and
 /// the controller in this process. The test bed is gone when this returns.
 async fn drains(args: &BenchArgs) -> anyhow::Result<Drains> {
     let wants = |s: Scenario| args.scenarios.contains(&s);
@@ -416,8 +440,15 @@ async fn drains(args: &BenchArgs) -> anyhow::Result<Drains> {
     } else {
         None
     };
+    let surge = if wants(Scenario::Surge) {
+        Some(surge::or_failed(
+            surge::run(&admin, args, &audit_log, &user).await,
+        ))
+    } else {
+        None
+    };
     controller.stop(Duration::from_secs(30)).await;
-    Ok((runs, rollout, remediation))
+    Ok((runs, rollout, remediation, surge))
 }
 
 /// The controller's user name on the API server.
@@ -632,6 +663,9 @@ pub fn table(r: &Report) -> String {
     if let Some(rm) = &r.remediation {
         out.push_str(&remediation::lines(rm));
     }
+    if let Some(s) = &r.surge {
+        out.push_str(&surge::lines(s));
+    }
     if let Some(s) = &r.scale {
         out.push_str(&scale::table(s));
     }
@@ -662,6 +696,7 @@ mod tests {
                 Scenario::Independent,
                 Scenario::Shared,
                 Scenario::Remediation,
+                Scenario::Surge,
                 Scenario::Scale
             ]
         );
@@ -705,6 +740,12 @@ mod tests {
             .expect("kebab-case names")
             .bench;
         assert_eq!(ledger.scenarios, [Scenario::Independent, Scenario::Shared]);
+        assert_eq!(all.surge_start, Duration::from_secs(5));
+        let surge = Cli::try_parse_from(["bench", "--scenarios", "surge", "--surge-start", "0s"])
+            .expect("the surge scenario")
+            .bench;
+        assert_eq!(surge.scenarios, [Scenario::Surge]);
+        assert_eq!(surge.surge_start, Duration::ZERO);
         assert!(Cli::try_parse_from(["bench", "--scenarios=huge"]).is_err());
     }
 
@@ -724,11 +765,13 @@ mod tests {
             ratios: vec![],
             rollout: None,
             remediation: None,
+            surge: None,
             scale: None,
         };
         let json = serde_json::to_value(&report).expect("JSON");
         assert!(json.get("scale").is_none());
         assert!(json.get("rollout").is_none());
+        assert!(json.get("surge").is_none());
         assert!(json.get("runs").is_some());
     }
 }

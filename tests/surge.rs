@@ -38,8 +38,8 @@ use kube::{Client, ResourceExt};
 use support::audit::{controller_user, requests};
 use support::oracle::{self, cluster_requests};
 use support::pool::{
-    Bed, Ev, create, delete_machine, events as drain_events, first, gone, json, log_of, on_node,
-    running_machine, stateful,
+    ATTACH_FREE_DRIVER, Bed, Ev, attach_free_driver, create, csi_pv_on, delete_machine,
+    events as drain_events, first, gone, json, log_of, on_node, running_machine, stateful,
 };
 use support::{Case, LONG, events_of};
 
@@ -1009,6 +1009,41 @@ async fn assert_cannot_surge(
     all
 }
 
+/// A one-replica Deployment `name` whose pod mounts claim `name` of
+/// access mode `mode`, bound to PV `volume` (created here, with the claim).
+async fn with_claim(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    volume: k8s_openapi::api::core::v1::PersistentVolume,
+    mode: &str,
+) -> Deployment {
+    let pv = volume.name_any();
+    create(Api::all(client.clone()), volume).await;
+    create(
+        Api::<PersistentVolumeClaim>::namespaced(client.clone(), ns),
+        json(serde_json::json!({
+            "metadata": {"name": name},
+            "spec": {
+                "accessModes": [mode], "storageClassName": "", "volumeName": pv,
+                "resources": {"requests": {"storage": "1Gi"}}
+            }
+        })),
+    )
+    .await;
+    claim_bound(client, ns, name).await;
+    let mut d = deployment(name, 1, 1, ns);
+    if let Some(spec) = d.spec.template.spec.as_mut() {
+        spec.volumes = Some(vec![json(serde_json::json!({
+            "name": "data", "persistentVolumeClaim": {"claimName": name}
+        }))]);
+        spec.containers[0].volume_mounts = Some(vec![json(serde_json::json!({
+            "name": "data", "mountPath": "/data"
+        }))]);
+    }
+    d
+}
+
 /// A one-replica StatefulSet whose pod has a ReadWriteOnce claim, behind
 /// `minAvailable: 1`, on Machine A (deadline 40 s): a StatefulSet cannot
 /// run a second pod beside its pod, so the drain says `SurgeImpossible`
@@ -1054,32 +1089,14 @@ async fn a_deployment_with_a_read_write_once_claim_cannot_surge() {
     let name = "files";
     let (_case, client, node_a, node_b) = two_machines(ns, "40s").await;
     let pv = format!("{ns}-{name}");
-    create(
-        Api::all(client.clone()),
+    let d = with_claim(
+        &client,
+        ns,
+        name,
         csi_pv(&pv, &format!("vol-{pv}"), ns, name),
+        "ReadWriteOnce",
     )
     .await;
-    create(
-        Api::<PersistentVolumeClaim>::namespaced(client.clone(), ns),
-        json(serde_json::json!({
-            "metadata": {"name": name},
-            "spec": {
-                "accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": pv,
-                "resources": {"requests": {"storage": "1Gi"}}
-            }
-        })),
-    )
-    .await;
-    claim_bound(&client, ns, name).await;
-    let mut d = deployment(name, 1, 1, ns);
-    if let Some(spec) = d.spec.template.spec.as_mut() {
-        spec.volumes = Some(vec![json(serde_json::json!({
-            "name": "data", "persistentVolumeClaim": {"claimName": name}
-        }))]);
-        spec.containers[0].volume_mounts = Some(vec![json(serde_json::json!({
-            "name": "data", "mountPath": "/data"
-        }))]);
-    }
     let pods = place(&client, ns, d, 1, &node_a, &node_b).await;
     let pod = pods[0].name_any();
     budget(&client, ns, name, serde_json::json!({"minAvailable": 1}), 1).await;
@@ -1159,4 +1176,37 @@ async fn a_drain_rule_turns_surges_off_for_the_pods_it_picks() {
         oracle::log_of(&writes)
     );
     let _ = rules.delete(&rule_name, &Default::default()).await;
+}
+
+/// A one-replica Deployment whose pod shares a ReadWriteMany claim on a
+/// volume that attaches nowhere (a CSI driver with `attachRequired:
+/// false`, NFS-like), behind `minAvailable: 1`: a second pod can use the
+/// volume, so the pod is surged inside its stateful move (the move's
+/// permit records it). By the pods' watch, never none Ready; one new
+/// revision; the old pod removed by its ReplicaSet, never by berth; the
+/// Machine gone long before its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_claim_that_attaches_nowhere_is_surged_inside_its_move() {
+    let ns = "surge-shared";
+    let name = "share";
+    let (_case, client, node_a, node_b) = two_machines(ns, "10m").await;
+    attach_free_driver(&client, ATTACH_FREE_DRIVER).await;
+    let pv = format!("{ns}-{name}");
+    let mut volume = csi_pv_on(ATTACH_FREE_DRIVER, &pv, &format!("vol-{pv}"), ns, name);
+    if let Some(spec) = volume.spec.as_mut() {
+        spec.access_modes = Some(vec!["ReadWriteMany".into()]);
+    }
+    let d = with_claim(&client, ns, name, volume, "ReadWriteMany").await;
+    let pods = place(&client, ns, d, 1, &node_a, &node_b).await;
+    let old = pods[0].name_any();
+    budget(&client, ns, name, serde_json::json!({"minAvailable": 1}), 1).await;
+    assert_plans_surge(&plan_and_surges(&client, ns, "a").await, "roll", ns, name);
+
+    let fleet = Fleet::watch(&client, ns, name).await;
+    delete_machine(&client, ns, "a").await;
+    gone(&client, ns, "a", GONE_WITHIN).await;
+
+    assert_rolled_once(&client, ns, name, &fleet, 2).await;
+    assert_not_bypassed(&requests(BED.bed().await, ns), &old, 1);
+    assert_removed_by_its_replica_set(BED.bed().await, ns, &old).await;
 }

@@ -265,12 +265,7 @@ impl Surging<'_> {
                     .reports
                     .first(format!("surge/{}/impossible", self.uid()))
                 {
-                    self.d
-                        .deps
-                        .metrics
-                        .surges
-                        .with_label_values(&["impossible"])
-                        .inc();
+                    self.count("impossible");
                     self.d.reports.event(
                         EventType::Normal,
                         "SurgeImpossible",
@@ -363,7 +358,7 @@ impl Surging<'_> {
                 api.patch(deployment, &PatchParams::default(), &Patch::Merge(roll_patch(value)))
                     .await
                     .map_err(|e| format!("Deployment {deployment} cannot be rolled: {e}"))?;
-                self.d.deps.metrics.surges.with_label_values(&["rolled"]).inc();
+                self.count("rolled");
                 self.started(format!(
                     "pod {key}: its PodDisruptionBudget lets none go; Deployment {}/{deployment} rolled (one new revision) because {why}: its new pod comes up before this one goes",
                     self.p.pod.0
@@ -376,7 +371,7 @@ impl Surging<'_> {
             Surge::ScaleUp { from, to, .. } => {
                 self.mark_cheapest().await?;
                 self.scale(&api, deployment, *from, *to).await?;
-                self.d.deps.metrics.surges.with_label_values(&["scaled"]).inc();
+                self.count("scaled");
                 self.started(format!(
                     "pod {key}: its PodDisruptionBudget lets none go; Deployment {}/{deployment} scaled from {from} to {to} replicas until a new pod is available, then back to {from}, removing this pod",
                     self.p.pod.0
@@ -445,6 +440,16 @@ impl Surging<'_> {
             .map_err(|e| format!("pod {ns}/{name} cannot be marked for removal: {e}"))
     }
 
+    /// One surge's `outcome` in `berth_surges_total`.
+    fn count(&self, outcome: &str) {
+        self.d
+            .deps
+            .metrics
+            .surges
+            .with_label_values(&[outcome])
+            .inc();
+    }
+
     /// A surge started (or went on after a restart), said once per pod.
     fn started(&self, note: String) {
         if self
@@ -466,12 +471,7 @@ impl Surging<'_> {
     fn failed(&self, deployment: &str, why: &str) {
         let key = fmt_key(&self.p.pod);
         self.d.reports.first(format!("surge/{}/failed", self.uid()));
-        self.d
-            .deps
-            .metrics
-            .surges
-            .with_label_values(&["failed"])
-            .inc();
+        self.count("failed");
         self.d.reports.event(
             EventType::Warning,
             "SurgeFailed",
@@ -520,12 +520,7 @@ impl Surging<'_> {
             .gone(&self.p.pod, Some(uid.as_str()), until)
             .await
         {
-            self.d
-                .deps
-                .metrics
-                .surges
-                .with_label_values(&["replaced"])
-                .inc();
+            self.count("replaced");
             self.d.count_evicted(&self.p.pod);
             return Surged::Gone;
         }

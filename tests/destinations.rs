@@ -160,7 +160,7 @@ fn blocked(m: &Machine) -> Option<String> {
 /// volumes go at once; not one replica is evicted (audit log) while no
 /// Node of zone a can take it, and `status.drain.blockedBy` names zone a.
 /// Once a zone-a Machine runs, they move one at a time, each after its
-/// CSINode was registered, each replacement bound within 2 s of its
+/// CSINode was registered, each replacement bound within 10 s of its
 /// predecessor gone, and the scheduler never refused one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_waits_for_a_node_in_its_volumes_zone() {
@@ -255,7 +255,11 @@ async fn a_replica_waits_for_a_node_in_its_volumes_zone() {
             pair[1].name.clone().unwrap_or_default()
         );
     }
-    // Each replacement was bound within 2 s of its predecessor gone.
+    // Each replacement was bound within 10 s of its predecessor gone (both
+    // seen by one watch of the pods): not left Pending for want of a Node
+    // that can take it (a refusal is `assert_never_refused`'s). The bound
+    // is the StatefulSet controller's and the scheduler's reaction on a
+    // loaded machine, not the 2 s they take on an idle one.
     for e in &evicted {
         let name = e.name.clone().unwrap_or_default();
         let gone_at = seen
@@ -277,7 +281,7 @@ async fn a_replica_waits_for_a_node_in_its_volumes_zone() {
             .unwrap_or_else(|| panic!("{name}'s replacement bound on {node_a2}: {log}"));
         let pending = bound_at.duration_since(gone_at);
         assert!(
-            pending <= k8s_openapi::jiff::SignedDuration::from_secs(2),
+            pending <= k8s_openapi::jiff::SignedDuration::from_secs(10),
             "{name}'s replacement Pending {pending:?}: {log}"
         );
     }

@@ -241,8 +241,11 @@ async fn a_replica_that_tolerates_the_cordon_is_evicted_in_a_later_pass() {
         .await
         .unwrap_or_else(|| panic!("db-0's volume attached elsewhere: {log}"));
     assert!(db1[0].received > moved0, "db-1 after db-0 moved: {log}");
+    // The detach as the attacher wrote it (the controller deletes the Node
+    // as soon as it sees it: this process's watch may see it later).
     let off1 = watches
-        .detached_from(&pv1, &node_a)
+        .detached_write(BED.bed().await, &pv1, &node_a)
+        .await
         .unwrap_or_else(|| panic!("db-1's volume detached from A: {log}"));
     assert!(off1 < deleted, "db-1's volume left A before A went: {log}");
     // What operators are told: nothing came back.
@@ -1435,12 +1438,23 @@ async fn an_eviction_the_api_server_throttles_is_not_a_budget_refusal() {
         all.iter().all(|r| r.code == 429 || oracle::accepted(r)),
         "nothing but throttled and accepted evictions: {log}"
     );
-    // Retried at a bounded pace, not in a loop: the backoff doubles from a
-    // second to its ceiling.
+    // Retried at a bounded pace, not in a loop: after the Retry-After the
+    // API server gives, or the backoff's pause, never less than half a
+    // second. How many came before the seat was freed is the test's
+    // reaction on a loaded machine: the pace is what is counted.
     let throttled_n = throttled(&all);
+    let at: Vec<_> = all
+        .iter()
+        .filter(|r| r.code == 429)
+        .map(|r| r.received)
+        .collect();
+    let span = match (at.first(), at.last()) {
+        (Some(a), Some(b)) => b.duration_since(*a).as_secs_f64(),
+        _ => 0.0,
+    };
     assert!(
-        (3..=12).contains(&throttled_n),
-        "{throttled_n} throttled: {log}"
+        throttled_n >= 3 && throttled_n as f64 <= 1.0 + span / 0.4,
+        "{throttled_n} throttled in {span:.1} s: {log}"
     );
     let told = told.lock().expect("lock").clone();
     assert!(

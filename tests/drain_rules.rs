@@ -310,17 +310,27 @@ async fn a_wait_completed_rule_holds_the_critical_group_until_the_pod_completes(
 
     gone(&client, ns, "a", Duration::from_secs(90)).await;
     // By the audit log and the watch of the pods: report never evicted,
-    // dns evicted once, after report was seen finished.
+    // dns evicted once, after report finished. The controller evicts dns
+    // as soon as it sees report finished, before this process's watch may
+    // have said so: the order is the watch's own (one watch of the pods
+    // tells their changes in the order the API server committed them),
+    // report finished before dns began to go.
     let all = evictions(BED.bed().await, ns);
     let truth = format!("{}\n{}", oracle::log_of(&all), watches.log());
     assert!(accepted_evictions_of(&all, "report").is_empty(), "{truth}");
     let dns_evicted = accepted_evictions_of(&all, "dns");
     assert_eq!(dns_evicted.len(), 1, "{truth}");
-    let finished = watches
-        .first(|s| matches!(s, Seen::PodFinished { name, .. } if name == "report"))
+    let seen = watches.seen();
+    let finished = seen
+        .iter()
+        .position(|(_, s)| matches!(s, Seen::PodFinished { name, .. } if name == "report"))
         .unwrap_or_else(|| panic!("report finished: {truth}"));
+    let dns_going = seen
+        .iter()
+        .position(|(_, s)| matches!(s, Seen::PodDeleting { name, .. } if name == "dns"))
+        .unwrap_or_else(|| panic!("dns evicted: {truth}"));
     assert!(
-        finished < dns_evicted[0].received,
+        finished < dns_going,
         "dns evicted only once report completed: {truth}"
     );
     // What operators are told.
@@ -338,6 +348,7 @@ async fn a_wait_completed_rule_holds_the_critical_group_until_the_pod_completes(
 async fn a_pod_waited_on_that_never_completes_meets_the_deadline_rules() {
     // With forceAfterDeadline it is deleted with its grace period at the
     // deadline; without, the drain fails naming it.
+    const DEADLINE: Duration = Duration::from_secs(10);
     for (ns, force) in [("rules-wait-forced", true), ("rules-wait-failed", false)] {
         let case = Case::builder(ns)
             .on(BED)
@@ -359,7 +370,11 @@ async fn a_pod_waited_on_that_never_completes_meets_the_deadline_rules() {
         let took = started.elapsed();
         let log = log_of(&evs);
         eprintln!("{ns}: {took:?}\n{log}");
-        assert!(took < Duration::from_secs(45), "bounded: {took:?}");
+        // Bounded by the deadline, not by the pod: the deadline and four
+        // times it again for the forced deletion, the VM's end and the
+        // Event's publication on a loaded machine (a drain that waited for
+        // the pod would never end).
+        assert!(took < DEADLINE * 5, "bounded: {took:?}");
         at(&evs, "WaitingForCompletion", &format!("{ns}/forever"));
         if force {
             let forced = at(&evs, "ForcedAtDeadline", &format!("{ns}/forever"));

@@ -24,7 +24,6 @@ use k8s_openapi::api::core::v1::{Node, Pod, Taint};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
-use support::audit::ROLLOUT_PEAK_10S_CEILING;
 use support::pool::{
     Bed, POOL, assert_scale_down_reasons, create, gone, json, mark_for_scale_down, pod_running,
     stateful_in_pool,
@@ -369,7 +368,6 @@ async fn a_rolling_update_moves_each_stateful_pod_once_at_the_pace_of_its_strate
     let case = Case::builder(ns)
         .on(BED)
         .pool(serde_json::json!({"timeout": "5m"}))
-        .ceiling(ROLLOUT_PEAK_10S_CEILING)
         .start()
         .await;
     let client = case.client();
@@ -495,11 +493,7 @@ async fn a_rolling_update_moves_each_stateful_pod_once_at_the_pace_of_its_strate
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_rollout_finishes_its_drain_then_starts_nothing_until_resumed() {
     let ns = "mdep-pause";
-    let mut case = Case::builder(ns)
-        .on(BED)
-        .ceiling(ROLLOUT_PEAK_10S_CEILING)
-        .build()
-        .await;
+    let mut case = Case::builder(ns).on(BED).build().await;
     let client = case.client();
     // Each VM takes 3 s to delete: time to pause while one goes.
     class_in_pool(&client, ns, ns, serde_json::json!({"deleteDelay": "3s"})).await;
@@ -599,7 +593,6 @@ async fn a_failing_new_machine_stalls_the_rollout_until_the_template_is_fixed() 
     let mut case = Case::builder(ns)
         .on(BED)
         .pool(serde_json::json!({"timeout": "5m"}))
-        .ceiling(ROLLOUT_PEAK_10S_CEILING)
         .build()
         .await;
     let client = case.client();
@@ -736,7 +729,6 @@ async fn old_goes_once_new_takes_pods(ns: &str, taint: &str) {
     let mut case = Case::builder(ns)
         .on(BED)
         .pool(serde_json::json!({"timeout": "5m"}))
-        .ceiling(ROLLOUT_PEAK_10S_CEILING)
         .build()
         .await;
     let client = case.client();
@@ -842,7 +834,6 @@ async fn a_class_edited_in_place_rolls_the_pool() {
     let case = Case::builder(ns)
         .on(BED)
         .pool(serde_json::json!({"timeout": "5m"}))
-        .ceiling(ROLLOUT_PEAK_10S_CEILING)
         .start()
         .await;
     let client = case.client();
@@ -1012,7 +1003,6 @@ async fn a_rollout_resumes_after_berth_is_killed_and_moves_each_stateful_pod_onc
     let mut case = Case::builder(ns)
         .on(BED)
         .pool(serde_json::json!({"timeout": "5m"}))
-        .ceiling(ROLLOUT_PEAK_10S_CEILING)
         .spawn(&flags)
         .await;
     let client = case.client();
@@ -1104,7 +1094,6 @@ async fn a_machinedeployment_scales_through_its_scale_subresource() {
     let case = Case::builder(ns)
         .on(BED)
         .pool(serde_json::json!({"timeout": "5m"}))
-        .ceiling(ROLLOUT_PEAK_10S_CEILING)
         .start()
         .await;
     let client = case.client();
@@ -1243,7 +1232,6 @@ async fn a_rollout_of_two_at_once_moves_one_replica_of_a_workload_at_a_time() {
     let case = Case::builder(ns)
         .on(BED)
         .pool(serde_json::json!({"timeout": "5m"}))
-        .ceiling(ROLLOUT_PEAK_10S_CEILING)
         .start()
         .await;
     let client = case.client();

@@ -59,20 +59,14 @@ async fn class(
     create(Api::all(client.clone()), c).await;
 }
 
-/// A case in `ns` on the file's bed (its request ceiling raised to
-/// `ceiling` where Machines come up in the case), its pool's class made
-/// (see [`class`]); its controller is the test's to start.
+/// A case in `ns` on the file's bed, its pool's class made (see
+/// [`class`]); its controller is the test's to start.
 async fn remedy_case(
     ns: &str,
-    ceiling: Option<usize>,
     remediation: serde_json::Value,
     extra: serde_json::Value,
 ) -> (Case, Client) {
-    let mut builder = Case::builder(ns).on(BED);
-    if let Some(c) = ceiling {
-        builder = builder.ceiling(c);
-    }
-    let case = builder.build().await;
+    let case = Case::builder(ns).on(BED).build().await;
     let client = case.client();
     class(&client, ns, ns, remediation, extra).await;
     (case, client)
@@ -342,7 +336,6 @@ async fn a_dead_machine_is_fenced_then_freed_and_replaced() {
     let ns = "remedy-set";
     let (mut case, client) = remedy_case(
         ns,
-        None,
         serde_json::json!({"policy": "Replace"}),
         serde_json::json!({}),
     )
@@ -474,8 +467,7 @@ fn acts_since(bed: &berth_devkit::testbed::TestBed, ns: &str, since: Timestamp) 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_remediation_off_a_dead_machine_is_only_named() {
     let ns = "remedy-off";
-    let (mut case, client) =
-        remedy_case(ns, None, serde_json::Value::Null, serde_json::json!({})).await;
+    let (mut case, client) = remedy_case(ns, serde_json::Value::Null, serde_json::json!({})).await;
     case.start().await;
     let node = running_machine(&client, ns, "m", ns).await;
     let died = Timestamp::now();
@@ -503,7 +495,6 @@ async fn a_partition_is_not_remediated() {
     // Five Machines, then a replacement, come up in it.
     let (mut case, client) = remedy_case(
         ns,
-        Some(300),
         serde_json::json!({"policy": "Replace", "maxUnhealthy": "40%"}),
         serde_json::json!({}),
     )
@@ -583,7 +574,6 @@ async fn a_node_back_during_the_fence_cancels_it() {
     let ns = "remedy-back";
     let (mut case, client) = remedy_case(
         ns,
-        None,
         serde_json::json!({"policy": "Replace"}),
         serde_json::json!({"stopDelay": "30s"}),
     )
@@ -627,13 +617,7 @@ async fn two_dead_machines_free_one_replica_at_a_time() {
     // Two replacement Machines come up in the same seconds as the
     // remediations: about 170 requests in the busiest 10 s.
     // The pool opts in, not its class (whose spares are left alone).
-    let (mut case, client) = remedy_case(
-        ns,
-        Some(300),
-        serde_json::Value::Null,
-        serde_json::json!({}),
-    )
-    .await;
+    let (mut case, client) = remedy_case(ns, serde_json::Value::Null, serde_json::json!({})).await;
     case.start().await;
     let sets: Api<MachineSet> = Api::namespaced(client.clone(), ns);
     let mut set = machine_set("db-set", ns, 2);
@@ -715,7 +699,6 @@ async fn a_remediation_killed_between_the_stop_and_the_taint_resumes() {
     let ns = "remedy-kill";
     let (mut case, client) = remedy_case(
         ns,
-        None,
         serde_json::json!({"policy": "Replace"}),
         serde_json::json!({}),
     )
@@ -826,7 +809,6 @@ async fn a_terminated_vm_outside_a_pool_leaves_a_failed_machine() {
     let ns = "remedy-terminate";
     let (mut case, client) = remedy_case(
         ns,
-        None,
         serde_json::json!({"policy": "Replace", "fence": "Terminate"}),
         serde_json::json!({}),
     )
@@ -888,7 +870,6 @@ async fn a_listed_node_condition_remediates_a_ready_node() {
     let ns = "remedy-condition";
     let (mut case, client) = remedy_case(
         ns,
-        None,
         serde_json::json!({"policy": "Replace", "conditions": [
             {"type": "KernelDeadlock", "status": "True", "after": "2s"}]}),
         serde_json::json!({}),
@@ -930,7 +911,6 @@ async fn a_vm_that_does_not_stop_is_terminated_past_the_fence_timeout() {
     let ns = "remedy-escalate";
     let (mut case, client) = remedy_case(
         ns,
-        Some(300),
         serde_json::json!({"policy": "Replace", "fenceTimeout": "3s"}),
         serde_json::json!({"stopDelay": "1h"}),
     )
@@ -960,7 +940,6 @@ async fn the_cluster_wide_bound_of_berth_run_holds_a_remediation() {
     let ns = "remedy-cluster";
     let (mut case, client) = remedy_case(
         ns,
-        None,
         serde_json::json!({"policy": "Replace"}),
         serde_json::json!({}),
     )

@@ -144,13 +144,16 @@ async fn an_attach_free_stateful_set_drains_without_waiting_for_a_timeout() {
 
     let started = std::time::Instant::now();
     delete_machine(&client, ns, "a").await;
-    gone(&client, ns, "a", Duration::from_secs(90)).await;
+    gone(&client, ns, "a", reattach_timeout / 2).await;
     let took = started.elapsed();
     let evs = events(&client, ns, "a").await;
     let log = log_of(&evs);
     eprintln!("drain of {node_a} took {took:?}:\n{log}");
+    // Two moves, one at a time, each a replacement made Ready: seconds,
+    // more on a loaded machine; a drain that waited for a reattach would
+    // take the timeout for each.
     assert!(
-        took < reattach_timeout / 5,
+        took < reattach_timeout / 2,
         "took {took:?}, far under the reattach timeout: {log}"
     );
     for i in 0..2 {
@@ -194,6 +197,7 @@ async fn a_local_volume_is_evicted_and_its_loss_named() {
         .pool(serde_json::json!({"volumeReattachTimeout": "5m"}))
         .start()
         .await;
+    let reattach_timeout = Duration::from_secs(300);
     let client = case.client();
     let node = running_held(&client, ns, "a", ns, true).await;
     let pv = format!("{ns}-local");
@@ -218,11 +222,16 @@ async fn a_local_volume_is_evicted_and_its_loss_named() {
     let started = std::time::Instant::now();
     delete_machine(&client, ns, "a").await;
     let machines: Api<Machine> = Api::namespaced(client.clone(), ns);
-    let held = wait::for_one(machines.clone(), LONG, "the data loss named", |m| {
-        m.name_any() == "a"
-            && condition(m, "NodeLocalVolumes")
-                .is_some_and(|c| c.status == "True" && c.reason == "DataLost")
-    })
+    let held = wait::for_one(
+        machines.clone(),
+        reattach_timeout / 5,
+        "the data loss named",
+        |m| {
+            m.name_any() == "a"
+                && condition(m, "NodeLocalVolumes")
+                    .is_some_and(|c| c.status == "True" && c.reason == "DataLost")
+        },
+    )
     .await
     .expect("the NodeLocalVolumes condition");
     let took = started.elapsed();
@@ -233,7 +242,9 @@ async fn a_local_volume_is_evicted_and_its_loss_named() {
         "{}",
         cond.message
     );
-    assert!(took < Duration::from_secs(30), "no reattach wait: {took:?}");
+    // Named on the first pass, not after a reattach wait: a fifth of the
+    // timeout, whatever the machine's speed.
+    assert!(took < reattach_timeout / 5, "no reattach wait: {took:?}");
     let evs = events(&client, ns, "a").await;
     let log = log_of(&evs);
     let lost = first(&evs, "NodeLocalDataLost", &pv).unwrap_or_else(|| panic!("{log}"));
@@ -779,9 +790,9 @@ const UNATTACHED_DRIVER: &str = "unattached.testbed.berth.dev";
 /// (RESOURCE_EXHAUSTED) to the new VolumeAttachment's status while the
 /// drain waits for the volume to attach there (a reattach timeout of 5
 /// minutes). The wait ends at once: by the audit log, the controller's
-/// `VolumeAttachExhausted` Event is created, and the move's permit
-/// deleted, within 1 s of the status write; the Machine goes long before
-/// the timeout.
+/// `VolumeAttachExhausted` Event is created after the status write, and
+/// the move's permit deleted within 10 s of it; the Machine goes long
+/// before the timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attach_refused_for_lack_of_a_slot_ends_the_reattach_wait_at_once() {
     let ns = "kinds-exhausted";
@@ -881,7 +892,11 @@ async fn an_attach_refused_for_lack_of_a_slot_ends_the_reattach_wait_at_once() {
     gone(&client, ns, "a", Duration::from_secs(90)).await;
 
     // Timed by the audit log: the status write's arrival, and the
-    // controller's Event and the end of the move's permit after it.
+    // controller's Event and the end of the move's permit after it. The
+    // Event's moment is its queue's (published off the drain's path): it
+    // is only after the write. The permit's end is the drain's own reaction,
+    // bounded well under the engine's shortest periodic look (30 s) and the
+    // 5-minute reattach timeout, not by how fast a loaded machine reacts.
     let bed = BED.bed().await;
     let event_name = said[0].name_any();
     let theirs = support::oracle::requests_once(bed, ns, |rs| {
@@ -906,12 +921,16 @@ async fn an_attach_refused_for_lack_of_a_slot_ends_the_reattach_wait_at_once() {
         .iter()
         .find(|r| r.verb == "delete" && r.resource == "movepermits" && r.received > write.received)
         .unwrap_or_else(|| panic!("the move's permit ended: {log}"));
-    for (what, r) in [("the Event", event), ("the permit's end", permit_ended)] {
+    for (what, r, within) in [
+        ("the Event", event, None),
+        ("the permit's end", permit_ended, Some(10)),
+    ] {
         let after = r.received.duration_since(write.received);
         eprintln!("{what}: {after:#} after the attach error was written");
         assert!(
-            after.is_positive() && after < k8s_openapi::jiff::SignedDuration::from_secs(1),
-            "{what} within 1 s of the attach error ({} then {}): {log}",
+            after.is_positive()
+                && within.is_none_or(|s| after < k8s_openapi::jiff::SignedDuration::from_secs(s)),
+            "{what} after the attach error, within {within:?} s ({} then {}): {log}",
             write.received,
             r.received
         );

@@ -2,9 +2,9 @@
 //! namespace (and, asked, its pool class with the case's drain settings)
 //! and starts its controller, in this process or as a `berth run` process;
 //! the [`Case`] it returns stops that controller and checks the case's
-//! requests for a loop (`audit::PEAK_10S_CEILING`) when it is dropped, so
-//! that a case whose assertion failed still stops its controller and still
-//! says whether it looped.
+//! requests for a loop (`berth_devkit::testbed::loops`) when it is dropped,
+//! so that a case whose assertion failed still stops its controller and
+//! still says whether it looped.
 //!
 //! ```ignore
 //! let case = Case::builder("drain-x").on(BED).pool(json!({"timeout": "10m"})).start().await;
@@ -20,6 +20,7 @@ use berth::providers::Registry;
 use berth::providers::fake::FakeProvider;
 use berth_devkit::testbed::{TestBed, fixtures};
 use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::{Api, PostParams};
 
@@ -66,7 +67,6 @@ pub struct CaseBuilder {
     ns: String,
     name: String,
     pool: Option<serde_json::Value>,
-    ceiling: usize,
     user: String,
     service_account: bool,
     admin: bool,
@@ -101,13 +101,6 @@ impl CaseBuilder {
         self
     }
 
-    /// The ceiling of the request-loop check, for a case that does more in
-    /// 10 seconds than a drain (`audit::ROLLOUT_PEAK_10S_CEILING`).
-    pub fn ceiling(mut self, ceiling: usize) -> Self {
-        self.ceiling = ceiling;
-        self
-    }
-
     /// The namespace and the pool class; no controller yet (see
     /// [`Case::start_as`] and [`Case::spawn`]).
     pub async fn build(self) -> Case {
@@ -129,7 +122,6 @@ impl CaseBuilder {
             client,
             ns: self.ns,
             name: self.name,
-            ceiling: self.ceiling,
             user: self.user,
             admin: self.admin,
             controller: None,
@@ -238,7 +230,6 @@ pub struct Case {
     /// The case's namespace, where its controller acts alone.
     pub ns: String,
     name: String,
-    ceiling: usize,
     user: String,
     /// Whether the in-process controller runs as the unaudited admin.
     admin: bool,
@@ -263,7 +254,6 @@ impl Case {
             ns: ns.to_string(),
             name,
             pool: None,
-            ceiling: audit::PEAK_10S_CEILING,
             user: audit::controller_user(),
             service_account: true,
             admin: false,
@@ -396,37 +386,72 @@ impl Case {
 
     /// The request-loop check now rather than at the end, for a case whose
     /// last steps are clean-up that is not the case's work; the end then
-    /// checks nothing more.
+    /// checks nothing more. The case's work is done: its controller is
+    /// left [`audit::QUIET`] first.
     pub fn assert_no_request_loop(&mut self) {
+        let quiet_from = self.quiet_blocking();
         self.checked = true;
-        if let Err(e) = self.request_loop() {
+        if let Err(e) = self.request_loop(quiet_from) {
             panic!("{e}");
         }
     }
 
-    fn request_loop(&self) -> Result<(), String> {
-        audit::check(self.bed, &self.name, &self.ns, &self.user, self.ceiling)
+    fn request_loop(&self, quiet_from: Option<Timestamp>) -> Result<(), String> {
+        audit::check(self.bed, &self.name, &self.ns, &self.user, quiet_from)
     }
 
-    /// Ends the case as dropping it does, awaited: the controller stopped,
-    /// then the request-loop check.
+    /// Whether the end of the case waits for a quiet period: its work done
+    /// (it is not failing), its controller audited and still running.
+    fn wants_quiet(&self) -> bool {
+        !std::thread::panicking() && !self.checked && !self.admin && self.controller.is_some()
+    }
+
+    /// The quiet period after the case's work (see [`audit::QUIET`]), from
+    /// a Drop or a sync call: the current thread leaves the runtime while
+    /// the controller goes on. When it began, if it was waited for.
+    fn quiet_blocking(&self) -> Option<Timestamp> {
+        if !self.wants_quiet() {
+            return None;
+        }
+        let from = Timestamp::now();
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(|| std::thread::sleep(audit::QUIET));
+                Some(from)
+            }
+            // Without a multi-thread runtime the controller cannot go on
+            // while this thread sleeps: no quiet period to look at.
+            _ => None,
+        }
+    }
+
+    /// Ends the case as dropping it does, awaited: the quiet period, the
+    /// controller stopped, then the request-loop check.
     pub async fn finish(mut self) {
+        let quiet_from = if self.wants_quiet() {
+            let from = Timestamp::now();
+            tokio::time::sleep(audit::QUIET).await;
+            Some(from)
+        } else {
+            None
+        };
         let stopped = match self.controller.take() {
             Some(c) => c.stop().await,
             None => Ok(()),
         };
-        self.end(stopped);
+        self.end(stopped, quiet_from);
     }
 
-    /// The end of the case, its controller stopped (`stopped`): the
-    /// request-loop check, unless made already; panics with what failed,
-    /// or reports it if the case is already failing.
-    fn end(&mut self, stopped: Result<(), String>) {
+    /// The end of the case, its controller stopped (`stopped`) after the
+    /// quiet period that began at `quiet_from`, if any: the request-loop
+    /// check, unless made already; panics with what failed, or reports it
+    /// if the case is already failing.
+    fn end(&mut self, stopped: Result<(), String>, quiet_from: Option<Timestamp>) {
         let unaudited = !self.started || self.admin;
         let checked = if std::mem::replace(&mut self.checked, true) || unaudited {
             Ok(())
         } else {
-            self.request_loop()
+            self.request_loop(quiet_from)
         };
         // The check's own message names the case.
         let stopped = stopped.map_err(|e| format!("{}: {e}", self.name));
@@ -451,11 +476,12 @@ impl Drop for Case {
         if self.checked && self.controller.is_none() {
             return;
         }
+        let quiet_from = self.quiet_blocking();
         let stopped = match self.controller.take() {
             Some(c) => stop_blocking(c),
             None => Ok(()),
         };
-        self.end(stopped);
+        self.end(stopped, quiet_from);
     }
 }
 

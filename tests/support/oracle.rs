@@ -347,6 +347,21 @@ impl Watches {
         self.first(|s| matches!(s, Seen::Detached { pv: p, node: n } if p == pv && n == node))
     }
 
+    /// When the write that detached `pv` from `node` reached the API
+    /// server (the first rule above): the test bed's attacher removing its
+    /// finalizer from the VolumeAttachment the attach-detach controller
+    /// deleted, from the audit log. What a request that reacts to the
+    /// detach is compared with: the controller may see the detach, and
+    /// act, before this process's watch has told it (on a loaded machine,
+    /// by more than the controller takes to act).
+    pub async fn detached_write(&self, bed: &TestBed, pv: &str, node: &str) -> Option<Timestamp> {
+        let va = self.seen().into_iter().find_map(|(_, s)| match s {
+            Seen::Attached { pv: p, node: n, va } if p == pv && n == node => Some(va),
+            _ => None,
+        })?;
+        detach_write(bed, &va).await
+    }
+
     /// What was seen, as lines, for assertion messages.
     pub fn log(&self) -> String {
         self.seen()
@@ -371,6 +386,38 @@ async fn attach_write(bed: &TestBed, va: &str) -> Option<Timestamp> {
         let found = cluster_requests(bed).into_iter().find(|r| is_it(r));
         if found.is_some() || std::time::Instant::now() >= until {
             return found.map(|r| r.received);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// When the write that let VolumeAttachment `va` go reached the API
+/// server, from the audit log: the first change of it (the attacher's
+/// finalizer removed) after the attach-detach controller's deletion of it.
+async fn detach_write(bed: &TestBed, va: &str) -> Option<Timestamp> {
+    let of_it = |r: &Request| {
+        r.resource == "volumeattachments"
+            && r.subresource.is_none()
+            && r.name.as_deref() == Some(va)
+            && accepted(r)
+    };
+    let until = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let writes: Vec<Request> = cluster_requests(bed)
+            .into_iter()
+            .filter(|r| of_it(r))
+            .collect();
+        let freed = writes
+            .iter()
+            .position(|r| r.verb == "delete")
+            .and_then(|i| {
+                writes[i + 1..]
+                    .iter()
+                    .find(|r| matches!(r.verb.as_str(), "patch" | "update"))
+            })
+            .map(|r| r.received);
+        if freed.is_some() || std::time::Instant::now() >= until {
+            return freed;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }

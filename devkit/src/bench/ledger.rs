@@ -569,6 +569,7 @@ mod tests {
             code: 201,
             received: ts(at),
             completed: ts(at),
+            body: None,
         }
     }
 

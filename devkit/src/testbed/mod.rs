@@ -19,6 +19,7 @@
 
 pub mod fixtures;
 mod identity;
+pub mod loops;
 mod pki;
 pub mod stages;
 pub(crate) mod supervisor;
@@ -626,7 +627,8 @@ pub fn tail(path: &Path) -> String {
 }
 
 /// The audit policy: every request at Metadata level, or only those of
-/// `users` when there are any.
+/// `users` when there are any, their writes with the request's body (the request-loop check tells a write that says something new from
+/// one that says the same again: `loops`).
 ///
 /// With users named, the steps of a drain that other clients complete are
 /// logged too, whoever sends them: pod creations, bindings and deletions
@@ -644,7 +646,8 @@ fn audit_policy(users: &[String]) -> String {
     }
     let users = serde_json::to_string(users).unwrap_or_else(|_| "[]".into());
     format!(
-        "{head}- level: Metadata\n  users: {users}\n\
+        "{head}- level: Request\n  users: {users}\n  verbs: [create, patch, update]\n\
+         - level: Metadata\n  users: {users}\n\
          - level: Metadata\n  verbs: [create, delete]\n  resources: [{{group: \"\", resources: [pods, pods/binding]}}]\n\
          - level: Metadata\n  verbs: [patch, update]\n  resources: [{{group: \"\", resources: [nodes/status, pods/status]}}]\n\
          - level: Metadata\n  verbs: [create, update, patch, delete]\n  resources: [{{group: storage.k8s.io, resources: [volumeattachments, volumeattachments/status]}}]\n\
@@ -699,18 +702,22 @@ mod tests {
         let some = audit_policy(&["system:serviceaccount:ns:sa".into()]);
         let parsed: serde_json::Value = serde_yaml_ng::from_str(&some).expect("YAML");
         let rules = parsed["rules"].as_array().expect("rules");
-        assert_eq!(rules.len(), 5, "{some}");
+        assert_eq!(rules.len(), 6, "{some}");
         assert_eq!(rules[0]["users"][0], "system:serviceaccount:ns:sa");
-        assert_eq!(rules[1]["verbs"][1], "delete");
-        assert_eq!(rules[1]["resources"][0]["resources"][0], "pods");
-        assert_eq!(rules[1]["resources"][0]["resources"][1], "pods/binding");
-        assert_eq!(rules[2]["resources"][0]["resources"][0], "nodes/status");
-        assert_eq!(rules[2]["resources"][0]["resources"][1], "pods/status");
-        assert_eq!(rules[3]["resources"][0]["group"], "storage.k8s.io");
+        assert_eq!(rules[0]["level"], "Request");
+        assert_eq!(rules[0]["verbs"][1], "patch");
+        assert_eq!(rules[1]["users"][0], "system:serviceaccount:ns:sa");
+        assert_eq!(rules[1]["level"], "Metadata");
+        assert_eq!(rules[2]["verbs"][1], "delete");
+        assert_eq!(rules[2]["resources"][0]["resources"][0], "pods");
+        assert_eq!(rules[2]["resources"][0]["resources"][1], "pods/binding");
+        assert_eq!(rules[3]["resources"][0]["resources"][0], "nodes/status");
+        assert_eq!(rules[3]["resources"][0]["resources"][1], "pods/status");
+        assert_eq!(rules[4]["resources"][0]["group"], "storage.k8s.io");
         assert_eq!(
-            rules[3]["resources"][0]["resources"][1],
+            rules[4]["resources"][0]["resources"][1],
             "volumeattachments/status"
         );
-        assert_eq!(rules[4]["level"], "None");
+        assert_eq!(rules[5]["level"], "None");
     }
 }

@@ -12,9 +12,16 @@ demo:
 
 ## test: build or reuse the test control plane, check format and lints, run every test of both crates
 test: testbed lint deny
-	BERTH_TESTBED_BIN="$$(bash hack/testbed/build.sh --bin-dir)" cargo test --locked --workspace
-	# The Dockerfile's build, without Docker: the release binary, built as its builder stage builds it.
-	cargo test --locked --test chart -- --ignored make_release_builds_a_working_binary
+	mkdir -p target/suite
+	cargo test --locked --workspace --no-run --message-format=json-render-diagnostics > target/suite/artifacts.json
+	cargo test --locked --workspace --doc
+	# The test binaries side by side (docs/testing.md), and beside them, at a
+	# low priority, the Dockerfile's build without Docker: the release
+	# binary, built as its builder stage builds it, then run.
+	BERTH_TESTBED_BIN="$$(bash hack/testbed/build.sh --bin-dir)" BERTH_MOTO_BIN="$$(bash hack/moto/install.sh --bin-dir)" \
+		target/debug/berth-dev suite \
+		--artifacts target/suite/artifacts.json \
+		--extra "release=berth::chart --ignored --exact make_release_builds_a_working_binary"
 
 ## testbed: build (cold: ~13 min on 2 cores) or reuse (warm: instant) the control plane binaries
 testbed:

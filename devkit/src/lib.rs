@@ -6,6 +6,8 @@
 //!   modules, and the fixtures the tests put into it;
 //! - [`bench`](mod@bench): `berth-dev bench`, the drain benchmark;
 //! - [`demo`]: `berth-dev demo`, the README's first command;
+//! - [`suite`]: `berth-dev suite`, the whole test suite as `make test`
+//!   runs it, its test binaries side by side;
 //! - [`moto`]: moto's EC2 server, the emulator the cloud side is tested
 //!   against, with an EC2 client to seed it, a fault-injecting proxy in
 //!   front of it and a joining kubelet that registers its instances as
@@ -18,4 +20,5 @@
 pub mod bench;
 pub mod demo;
 pub mod moto;
+pub mod suite;
 pub mod testbed;

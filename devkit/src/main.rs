@@ -31,6 +31,10 @@ enum Command {
     /// Start a local control plane (etcd, kube-apiserver, kube-controller-manager,
     /// kube-scheduler, kwok) and keep it running until interrupted.
     Testbed(TestbedArgs),
+    /// The whole test suite (`make test` runs it): the test binaries of a
+    /// build, several at once, the longest first, each binary's output
+    /// whole when it ends, and the totals.
+    Suite(berth_devkit::suite::SuiteArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -61,6 +65,7 @@ fn main() -> ExitCode {
             Command::Testbed(args) => testbed(args).await,
             Command::Demo(args) => berth_devkit::demo::run(args).await,
             Command::Bench(args) => berth_devkit::bench::run(args).await,
+            Command::Suite(args) => berth_devkit::suite::run(args).await,
         }
     })
 }

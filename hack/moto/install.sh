@@ -30,7 +30,12 @@ key=$( { cat "$here/requirements.txt" "$0"; "$python" --version; } | sha256sum |
 root=${BERTH_MOTO_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/berth-moto}
 venv="$root/moto-$key"
 # A virtualenv's scripts name its interpreter by absolute path, so it is
-# built where it lives; a marker written last says that pip finished.
+# built where it lives; a marker written last says that pip finished. Test
+# binaries run side by side (docs/testing.md) may ask at once: one installs
+# under the lock while the others wait for it, then find the marker.
+mkdir -p "$root"
+exec 9>"$root/.install.lock"
+flock 9
 if [ ! -f "$venv/.complete" ]; then
   say "installing moto into $venv (about a minute)"
   rm -rf "$venv"

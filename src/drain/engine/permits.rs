@@ -313,7 +313,7 @@ impl<'d> DrainPermits<'d> {
     /// other reasons than berth's moves: how many of how many its owner
     /// counts unavailable, and for a StatefulSet which of its pods are not
     /// Ready and since when (e.g. `has 1 of 3 replicas unavailable (db-2
-    /// not Ready for 4m)`).
+    /// not Ready since 2026-11-28T12:31:52Z)`).
     fn degraded(self, workload: &Workload, terms: &WorkloadTerms, degraded: u32) -> String {
         let a = terms.availability.unwrap_or_default();
         let mut words = format!(
@@ -332,7 +332,6 @@ impl<'d> DrainPermits<'d> {
             .flatten()
             .and_then(|s| s.metadata.uid.clone());
         if let Some(uid) = uid {
-            let now = Timestamp::now();
             let mut down: Vec<String> = caches
                 .indexes
                 .pods_by_controller
@@ -341,22 +340,18 @@ impl<'d> DrainPermits<'d> {
                 .filter(|p| ready_since(p).is_none())
                 .map(|p| {
                     let name = p.metadata.name.clone().unwrap_or_default();
+                    // Since a time, not for a duration: the words stay the
+                    // same while the wait lasts, so the status that carries
+                    // them is not rewritten each second to count it.
                     let since = p
                         .status
                         .as_ref()
                         .and_then(|s| s.conditions.as_ref())
                         .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
                         .and_then(|c| c.last_transition_time.as_ref())
-                        .or(p.metadata.creation_timestamp.as_ref())
-                        .and_then(|t| {
-                            let d = now.duration_since(t.0).as_secs();
-                            u64::try_from(d).ok()
-                        });
+                        .or(p.metadata.creation_timestamp.as_ref());
                     match since {
-                        Some(s) => format!(
-                            "{name} not Ready for {}",
-                            humantime::format_duration(std::time::Duration::from_secs(s))
-                        ),
+                        Some(t) => format!("{name} not Ready since {}", t.0),
                         None => format!("{name} not Ready"),
                     }
                 })

@@ -9,19 +9,29 @@
 //! service, the pod deleted, its volume attached on another Node, the
 //! replica Ready there.
 //!
+//! The StatefulSet is `remedy-db`, its claims `data-remedy-db-<i>`: names
+//! of its own, as the scenarios share one namespace on one test bed (the
+//! stateful scenario's StatefulSet is `stateful-db`). Each is created, not
+//! kept: an object of that name already there is an error.
+//!
 //! Goal: the health timeout, the stop and one move (detach plus attach),
 //! each the bed's. Without berth the cluster's own path is the pod
 //! stuck Terminating (no kubelet confirms it) and, for a deleted pod,
 //! six minutes before the attach-detach controller force-detaches its
 //! volume: the replica does not come back at all.
 
-use std::collections::BTreeSet;
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+use kube::api::PostParams;
 
 use super::*;
 use crate::testbed::stages::DEAD_ANNOTATION;
 
 const POOL: &str = "bench-remedy";
 const SET: &str = "bench-remedy";
+/// The StatefulSet, one replica on each Machine of the set.
+const STS: &str = "remedy-db";
+const REPLICAS: u32 = 3;
 const HEALTH: Duration = Duration::from_secs(10);
 const STOP: Duration = Duration::from_secs(2);
 
@@ -85,45 +95,62 @@ pub(super) async fn run(
     })
     .await?;
 
-    // One replica per Machine of the set, then the spare that takes one.
-    workloads::volumes_for(admin, POOL, "db", 3).await?;
-    let mut sts = fixtures::stateful_set_in_pool("db", 3, i64::from(args.grace), POOL, None);
+    // One replica per Machine of the set, each on a claim bound before
+    // the StatefulSet comes; then the spare that takes one.
+    bound_claims(admin).await?;
+    let mut sts = fixtures::stateful_set_in_pool(
+        STS,
+        i32::try_from(REPLICAS)?,
+        i64::from(args.grace),
+        POOL,
+        None,
+    );
     if let Some(spec) = sts.spec.template.spec.as_mut() {
         spec.affinity = Some(serde_json::from_value(
             serde_json::json!({"podAntiAffinity": {
             "requiredDuringSchedulingIgnoredDuringExecution": [{
-                "labelSelector": {"matchLabels": {"app": "db"}},
+                "labelSelector": {"matchLabels": {"app": STS}},
                 "topologyKey": "kubernetes.io/hostname"}]}}),
         )?);
     }
-    crate::testbed::create_or_keep(Api::namespaced(admin.clone(), NS), sts).await?;
+    Api::<StatefulSet>::namespaced(admin.clone(), NS)
+        .create(&PostParams::default(), &sts)
+        .await
+        .with_context(|| format!("creating StatefulSet {NS}/{STS} (one of that name left?)"))?;
     let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
-    let running = wait::until(pods.clone(), LONG, "db runs", |ps| {
-        ps.iter()
-            .filter(|p| {
-                p.name_any().starts_with("db-")
-                    && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+    let names: Vec<String> = (0..REPLICAS).map(pod_of).collect();
+    wait::until(
+        pods.clone(),
+        LONG,
+        &format!("set-up: {} Running", names.join(", ")),
+        |ps| {
+            names.iter().all(|n| {
+                ps.iter().any(|p| {
+                    p.name_any() == *n
+                        && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+                })
             })
-            .count()
-            == 3
-    })
+        },
+    )
     .await?;
-    let dead = running
-        .iter()
-        .find(|p| p.name_any() == "db-0")
-        .and_then(|p| p.spec.as_ref()?.node_name.clone())
-        .context("db-0 runs on a Node")?;
-    let nodes: BTreeSet<String> = running
-        .iter()
-        .filter_map(|p| p.spec.as_ref()?.node_name.clone())
-        .collect();
-    workloads::attached_on(admin, &nodes, 3).await?;
     super::machine(admin, "bench-remedy-spare", POOL).await?;
-    let old_uid = running
+    // Each replica's PV, by its pod.
+    let volumes: BTreeMap<String, String> = (0..REPLICAS).map(|i| (pod_of(i), pv_of(i))).collect();
+    // Where the replicas run right before the kill, each volume attached
+    // there.
+    let now =
+        workloads::attached_where_pods_run(admin, "set-up: volumes attached", &volumes).await?;
+    let first = pod_of(0);
+    let victim = now
         .iter()
-        .find(|p| p.name_any() == "db-0")
-        .and_then(|p| p.metadata.uid.clone())
-        .unwrap_or_default();
+        .find(|p| p.name_any() == first)
+        .with_context(|| format!("{first} runs"))?;
+    let dead = victim
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_name.clone())
+        .with_context(|| format!("{first} runs on a Node"))?;
+    let old_uid = victim.metadata.uid.clone().unwrap_or_default();
 
     let killed = Timestamp::now();
     Api::<Node>::all(admin.clone())
@@ -135,24 +162,33 @@ pub(super) async fn run(
             ),
         )
         .await?;
-    let back = wait::for_one(pods.clone(), LONG, "db-0 back elsewhere", |p| {
-        p.name_any() == "db-0"
-            && p.metadata.uid.as_deref() != Some(old_uid.as_str())
-            && p.spec.as_ref().and_then(|s| s.node_name.as_deref()) != Some(dead.as_str())
-            && is_ready(p)
-    })
+    let back = wait::for_one(
+        pods.clone(),
+        LONG,
+        &format!("{first} back elsewhere"),
+        |p| {
+            p.name_any() == first
+                && p.metadata.uid.as_deref() != Some(old_uid.as_str())
+                && p.spec.as_ref().and_then(|s| s.node_name.as_deref()) != Some(dead.as_str())
+                && is_ready(p)
+        },
+    )
     .await?;
     let there = back
         .spec
         .as_ref()
         .and_then(|s| s.node_name.clone())
         .unwrap_or_default();
-    let pv = format!("{POOL}-db-0");
-    workloads::attached_on(admin, &BTreeSet::from([there.clone()]), 1).await?;
+    workloads::attached_where_pods_run(
+        admin,
+        "after the kill: volumes attached where the replacements run",
+        &volumes,
+    )
+    .await?;
     let va = attachments_on(admin, &there)
         .await?
-        .remove(&pv)
-        .context("db-0's volume attached where it runs")?;
+        .remove(&pv_of(0))
+        .with_context(|| format!("{first}'s volume attached where it runs"))?;
     // The audit log is written as requests complete: let the last land.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let log = read_audit(audit_log)?;
@@ -170,6 +206,69 @@ pub(super) async fn run(
     measured(&log, user, &k)
 }
 
+/// The pod of replica `i`.
+fn pod_of(i: u32) -> String {
+    format!("{STS}-{i}")
+}
+
+/// The pre-bound PV of replica `i` (named as `stateful_on` names them).
+fn pv_of(i: u32) -> String {
+    format!("{POOL}-{STS}-{i}")
+}
+
+/// The claim of replica `i` (the StatefulSet's claim template `data`).
+fn claim_of(i: u32) -> String {
+    format!("data-{STS}-{i}")
+}
+
+/// Each replica's CSI PV and its claim, pre-bound to each other (the PV's
+/// `claimRef`, the claim's `volumeName`, as the tests pre-bind a claim),
+/// created rather than kept, and waited for until every claim is Bound:
+/// the StatefulSet then takes claims that exist and are bound, so its pods
+/// never reach the attach-detach controller with a claim not yet Bound.
+async fn bound_claims(admin: &Client) -> anyhow::Result<()> {
+    let pvs: Api<PersistentVolume> = Api::all(admin.clone());
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(admin.clone(), NS);
+    for i in 0..REPLICAS {
+        let (pv, claim) = (pv_of(i), claim_of(i));
+        pvs.create(
+            &PostParams::default(),
+            &fixtures::csi_pv(&pv, &format!("vol-{pv}"), NS, &claim),
+        )
+        .await
+        .with_context(|| format!("creating PersistentVolume {pv} (one of that name left?)"))?;
+        let c: PersistentVolumeClaim = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": claim},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": pv,
+                "resources": {"requests": {"storage": "1Gi"}}
+            }
+        }))?;
+        claims
+            .create(&PostParams::default(), &c)
+            .await
+            .with_context(|| {
+                format!("creating PersistentVolumeClaim {NS}/{claim} (one of that name left?)")
+            })?;
+    }
+    let names: Vec<String> = (0..REPLICAS).map(claim_of).collect();
+    wait::until(
+        claims,
+        LONG,
+        &format!("set-up: claims {} Bound", names.join(", ")),
+        |cs| {
+            names.iter().all(|n| {
+                cs.iter().any(|c| {
+                    c.name_any() == *n
+                        && c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound")
+                })
+            })
+        },
+    )
+    .await?;
+    Ok(())
+}
+
 fn is_ready(p: &Pod) -> bool {
     p.status
         .as_ref()
@@ -181,7 +280,8 @@ fn is_ready(p: &Pod) -> bool {
 struct Killed<'a> {
     at: Timestamp,
     node: &'a str,
-    /// The VolumeAttachment of db-0's PV where its replacement runs.
+    /// The VolumeAttachment of the first replica's PV where its
+    /// replacement runs.
     va: &'a str,
     /// The replacement, Ready.
     back: &'a Pod,
@@ -220,11 +320,12 @@ fn measured(log: &[Request], user: &str, k: &Killed<'_>) -> anyhow::Result<Remed
         .find(|r| named(r, "nodes", None, k.node))
         .context("the taint")?
         .received;
+    let pod = pod_of(0);
     let deleted = log
         .iter()
         .filter(after)
-        .find(|r| r.user == user && r.verb == "delete" && named(r, "pods", None, "db-0"))
-        .context("db-0 deleted")?
+        .find(|r| r.user == user && r.verb == "delete" && named(r, "pods", None, &pod))
+        .with_context(|| format!("{pod} deleted"))?
         .received;
     let attached = log
         .iter()

@@ -4,6 +4,10 @@
 
 use super::*;
 
+/// The StatefulSet: a name of its own among the scenarios, which share one
+/// namespace on one test bed (its claims are `data-stateful-db-<i>`).
+const STS: &str = "stateful-db";
+
 pub(super) async fn stateful_berth(
     admin: &Client,
     args: &BenchArgs,
@@ -13,7 +17,7 @@ pub(super) async fn stateful_berth(
     let pool = "bench-stateful";
     pool_class(admin, pool).await?;
     let a = machine(admin, "stateful-a", pool).await?;
-    stateful_on(admin, "db", args.stateful, args.grace, pool, &a).await?;
+    stateful_on(admin, STS, args.stateful, args.grace, pool, &a).await?;
     let b = machine(admin, "stateful-b", pool).await?;
     let old = attachments_on(admin, &a).await?;
     let machines: Api<Machine> = Api::namespaced(admin.clone(), NS);
@@ -34,7 +38,7 @@ pub(super) async fn stateful_berth(
     let log = read_audit(audit_log)?;
     let start =
         deleted_at(&log, "machines", "stateful-a").context("the delete is in the audit log")?;
-    let mut pods: Vec<String> = (0..args.stateful).map(|i| format!("db-{i}")).collect();
+    let mut pods: Vec<String> = (0..args.stateful).map(|i| format!("{STS}-{i}")).collect();
     pods.sort();
     let pvs: Vec<String> = pods.iter().map(|p| format!("{pool}-{p}")).collect();
     let s = steps(&log, &pods, &pvs, &old, &new, start);

@@ -138,16 +138,7 @@ async fn attached(client: &Client, ns: &str, n: usize) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_machines_deleted_at_once_move_one_replica_at_a_time() {
     let ns = "ledger-two";
-    let case = Case::builder(ns)
-        .on(BED)
-        .pool(serde_json::json!({"timeout": "5m"}))
-        .start()
-        .await;
-    let client = case.client();
-    let node_a = running_machine(&client, ns, "a", ns).await;
-    let node_b = running_machine(&client, ns, "b", ns).await;
-    stateful(&client, ns, "db", 2, true).await;
-    attached(&client, ns, 2).await;
+    let (_case, client, node_a, node_b) = db_on_a_and_b(ns).await;
     // Where the replacements go.
     let watches = replace_a_and_b(&client, ns).await;
 
@@ -160,6 +151,23 @@ async fn two_machines_deleted_at_once_move_one_replica_at_a_time() {
     watches
         .assert_after_moved(BED.bed().await, second, &first_pv, &first_node, &log)
         .await;
+}
+
+/// A case in `ns` (drain timeout 5 m) whose Machines `a` and `b` run one
+/// replica each of StatefulSet db (two, spread out), both volumes
+/// attached; with an admin client and the Nodes of `a` and `b`.
+async fn db_on_a_and_b(ns: &str) -> (Case, Client, String, String) {
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .start()
+        .await;
+    let client = case.client();
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    let node_b = running_machine(&client, ns, "b", ns).await;
+    stateful(&client, ns, "db", 2, true).await;
+    attached(&client, ns, 2).await;
+    (case, client, node_a, node_b)
 }
 
 /// The Node a PV was first seen attached to, of `a` and `b`.
@@ -594,11 +602,7 @@ async fn a_detach_stalled_past_its_machine_keeps_the_permit_until_the_volume_mov
     let machines: Api<berth::api::Machine> = Api::namespaced(client.clone(), ns);
     wait::for_one(machines, LONG, "b waits for db", |m| {
         m.name_any() == "b"
-            && m.status
-                .as_ref()
-                .and_then(|s| s.drain.as_ref())
-                .and_then(|d| d.waiting_for_budget.as_deref())
-                .is_some_and(|w| w.contains("StatefulSet ledger-stalled/db"))
+            && support::waiting_for_budget(m).contains("StatefulSet ledger-stalled/db")
     })
     .await
     .expect("b's drain asks for db");
@@ -1116,20 +1120,11 @@ async fn a_workload_already_degraded_moves_nothing_until_it_is_whole() {
     // how many are down, and which.
     let machines: Api<berth::api::Machine> = Api::namespaced(client.clone(), ns);
     let told = wait::for_one(machines, LONG, "a waits for db to be whole", |m| {
-        m.status
-            .as_ref()
-            .and_then(|s| s.drain.as_ref())
-            .and_then(|d| d.waiting_for_budget.as_deref())
-            .is_some_and(|w| w.contains("db-2 not Ready"))
+        support::waiting_for_budget(m).contains("db-2 not Ready")
     })
     .await
     .expect("the drain names what it waits for");
-    let why = told
-        .status
-        .as_ref()
-        .and_then(|s| s.drain.as_ref())
-        .and_then(|d| d.waiting_for_budget.clone())
-        .unwrap_or_default();
+    let why = support::waiting_for_budget(&told).to_string();
     assert!(
         why.contains(&format!(
             "pod {ns}/db-0 waits: StatefulSet {ns}/db has 1 of 3 replicas unavailable"
@@ -1914,11 +1909,7 @@ async fn a_machine_removed_by_hand_stops_its_drain_and_its_move_keeps_the_permit
     delete_machine(&client, ns, "b").await;
     wait::for_one(machines.clone(), LONG, "b waits for db", |m| {
         m.name_any() == "b"
-            && m.status
-                .as_ref()
-                .and_then(|s| s.drain.as_ref())
-                .and_then(|d| d.waiting_for_budget.as_deref())
-                .is_some_and(|w| w.contains("StatefulSet ledger-vanished/db"))
+            && support::waiting_for_budget(m).contains("StatefulSet ledger-vanished/db")
     })
     .await
     .expect("b's drain asks for db");
@@ -2435,4 +2426,129 @@ fn ready_at(pod: &k8s_openapi::api::core::v1::Pod) -> Option<k8s_openapi::jiff::
         .last_transition_time
         .as_ref()
         .map(|t| t.0)
+}
+
+/// A replica on a Node that died is down, whatever its pod still says
+/// (issue 53, item 0). db-0 and db-1 run on Machines of their own; db-0's
+/// Node dies (its kubelet stops: the bed's dead stage turns it NotReady at
+/// once, and its pod still says Ready until the node lifecycle controller
+/// marks it), then db-1's Machine is deleted. db-1 is not evicted: the
+/// ledger counts db-0 down from its Node, and db-1's drain waits, naming
+/// db-0's Node. Before, db-1 was evicted 0.2 s after the Node went
+/// NotReady, and for seconds no replica served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_on_a_dead_node_counts_as_down() {
+    let ns = "ledger-dead-node";
+    let (_case, client, node_a, node_b) = db_on_a_and_b(ns).await;
+    // A Node for db-1's replacement.
+    running_machine(&client, ns, "c", ns).await;
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), ns);
+    let db0 = pods.get("db-0").await.expect("db-0");
+    let dead = db0.spec.and_then(|s| s.node_name).expect("db-0 runs");
+    let (doomed, doomed_node) = if dead == node_a {
+        ("b", node_b)
+    } else {
+        ("a", node_a)
+    };
+    support::nodes::kill(&client, &dead).await;
+    delete_machine(&client, ns, doomed).await;
+    // The moment to look: the drain says what it waits for (the truth is
+    // the audit log below).
+    let machines: Api<berth::api::Machine> = Api::namespaced(client.clone(), ns);
+    let waiting = wait::for_one(machines, LONG, "the drain waits for db-0", |m| {
+        m.name_any() == doomed && support::waiting_for_budget(m).contains("db-0")
+    })
+    .await;
+    let all = evictions(BED.bed().await, ns);
+    assert!(
+        accepted_evictions_of(&all, "db-1").is_empty(),
+        "db-1 (on {doomed_node}) is not evicted while db-0's Node {dead} is down: {}",
+        oracle::log_of(&all)
+    );
+    let waiting = waiting.unwrap_or_else(|e| panic!("{e}: {}", oracle::log_of(&all)));
+    let words = support::waiting_for_budget(&waiting).to_string();
+    assert!(
+        words.contains(&format!("db-0 on Node {dead}, which is down"))
+            || words.contains("db-0 not Ready since"),
+        "the wait names db-0 and why: {words}"
+    );
+}
+
+/// No circular wait in the line (issue 53, item 1). db-0 is down (its pod
+/// runs, held unready); Machine `b` is deleted first: db-1, Ready, asks
+/// and waits for db to be whole, in line ahead. Then Machine `a`, db-0's:
+/// its move is what makes db whole, so db-1's ask is not ahead of it. db-0
+/// is evicted at once, its replacement turns Ready, then db-1 goes, and
+/// both Machines are gone far before their 5-minute deadline (no bypass).
+/// Before, db-0 waited behind db-1, and db-1 for db-0, until the deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_down_itself_is_not_behind_the_asks_that_wait_for_it() {
+    use k8s_openapi::api::core::v1::Pod;
+    let ns = "ledger-circle";
+    let case = Case::builder(ns)
+        .on(BED)
+        .pool(serde_json::json!({"timeout": "5m"}))
+        .start()
+        .await;
+    let client = case.client();
+    let node_a = running_machine(&client, ns, "a", ns).await;
+    let node_b = running_machine(&client, ns, "b", ns).await;
+    stateful_set_with(&client, ns, "db", 2, true, on_delete).await;
+    attached(&client, ns, 2).await;
+    // db-0 made again, held unready: the replica that is down.
+    hold_replacements_unready(&client, ns, "db", "1000h").await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let old = pods.get("db-0").await.expect("db-0").metadata.uid;
+    pods.delete("db-0", &Default::default())
+        .await
+        .expect("delete db-0");
+    let db0 = wait::for_one(pods.clone(), LONG, "db-0 back, not Ready", |p| {
+        p.name_any() == "db-0" && p.metadata.uid != old && support::pool::pod_running(p)
+    })
+    .await
+    .expect("db-0 runs again");
+    let on = db0.spec.as_ref().and_then(|s| s.node_name.clone());
+    let (down_machine, up_machine) = if on.as_deref() == Some(node_a.as_str()) {
+        ("a", "b")
+    } else {
+        assert_eq!(on.as_deref(), Some(node_b.as_str()), "db-0 on a or b");
+        ("b", "a")
+    };
+    // Replacements from now on turn Ready; two Nodes for them.
+    hold_replacements_unready(&client, ns, "db", "1s").await;
+    running_machine(&client, ns, "c", ns).await;
+    running_machine(&client, ns, "d", ns).await;
+    let watches = Watches::start(&client, ns).await;
+    delete_machine(&client, ns, up_machine).await;
+    let machines: Api<berth::api::Machine> = Api::namespaced(client.clone(), ns);
+    wait::for_one(machines, LONG, "db-1's drain waits for db", |m| {
+        m.name_any() == up_machine && support::waiting_for_budget(m).contains("db-0")
+    })
+    .await
+    .expect("db-1 waits for db to be whole");
+    delete_machine(&client, ns, down_machine).await;
+    gone(&client, ns, down_machine, Duration::from_secs(120)).await;
+    gone(&client, ns, up_machine, Duration::from_secs(120)).await;
+
+    let all = evictions(BED.bed().await, ns);
+    let log = format!("{}\n{}", oracle::log_of(&all), watches.log());
+    let ((first, _), (_, second)) = in_order(&all, ("db-0", "db-1"), &log);
+    assert_eq!(first, "db-0", "the replica that was down goes first: {log}");
+    watches
+        .assert_after_moved(
+            BED.bed().await,
+            second,
+            &format!("{ns}-db-0"),
+            &db0_node(&db0),
+            &log,
+        )
+        .await;
+}
+
+/// The Node `pod` runs on.
+fn db0_node(pod: &k8s_openapi::api::core::v1::Pod) -> String {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.node_name.clone())
+        .unwrap_or_default()
 }

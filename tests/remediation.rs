@@ -14,7 +14,6 @@ use std::time::Duration;
 use berth::api::{Machine, MachineSet};
 use berth::providers::fake::FakeProvider;
 use berth_devkit::testbed::fixtures::machine_set;
-use berth_devkit::testbed::stages::DEAD_ANNOTATION;
 use berth_devkit::testbed::wait;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
@@ -22,6 +21,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
+use support::nodes::{is_ready, kill, kill_all, revive};
 use support::oracle::{self, Seen, Watches};
 use support::pool::{Bed, POOL, create, gone, json, running_machine, running_pods, stateful};
 use support::{Case, LONG, condition};
@@ -70,77 +70,6 @@ async fn remedy_case(
     let client = case.client();
     class(&client, ns, ns, remediation, extra).await;
     (case, client)
-}
-
-/// Node `node` dies as its VM would: see [`kill_all`].
-async fn kill(client: &Client, node: &str) {
-    kill_all(client, &[node.to_string()]).await;
-}
-
-/// Nodes `nodes` die together as their VMs would: the test bed's kwok
-/// turns each NotReady and beats its heart no more (see
-/// [`DEAD_ANNOTATION`]); returns once each says so.
-async fn kill_all(client: &Client, nodes: &[String]) {
-    let api: Api<Node> = Api::all(client.clone());
-    for node in nodes {
-        api.patch(
-            node,
-            &PatchParams::default(),
-            &Patch::Merge(
-                serde_json::json!({"metadata": {"annotations": {DEAD_ANNOTATION: "true"}}}),
-            ),
-        )
-        .await
-        .expect("the Node dies");
-    }
-    for node in nodes {
-        wait::for_one(api.clone(), LONG, &format!("{node} NotReady"), |n| {
-            n.name_any() == *node && !is_ready(n)
-        })
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    }
-}
-
-fn is_ready(n: &Node) -> bool {
-    n.status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-}
-
-/// Node `node` lives again: kwok initialises it (Ready) and beats its
-/// heart again; returns once it has said Ready for 3 s in a row.
-async fn revive(client: &Client, node: &str) {
-    Api::<Node>::all(client.clone())
-        .patch(
-            node,
-            &PatchParams::default(),
-            &Patch::Merge(
-                serde_json::json!({"metadata": {"annotations": {DEAD_ANNOTATION: null}}}),
-            ),
-        )
-        .await
-        .expect("the Node lives again");
-    stays_ready(client, node).await;
-}
-
-/// Waits until Node `node` has said Ready for 3 s in a row.
-async fn stays_ready(client: &Client, node: &str) {
-    let nodes: Api<Node> = Api::all(client.clone());
-    let until = std::time::Instant::now() + LONG;
-    let mut since: Option<std::time::Instant> = None;
-    while std::time::Instant::now() < until {
-        let n = nodes.get(node).await.expect("the Node");
-        match (is_ready(&n), since) {
-            (true, Some(t)) if t.elapsed() >= Duration::from_secs(3) => return,
-            (true, None) => since = Some(std::time::Instant::now()),
-            (false, _) => since = None,
-            _ => {}
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-    panic!("Node {node} did not stay Ready");
 }
 
 /// Every version of one object a watch saw, with its resourceVersion (an

@@ -4,6 +4,7 @@
 pub mod audit;
 pub mod aws;
 pub mod case;
+pub mod nodes;
 pub mod oracle;
 pub mod pool;
 pub mod process;
@@ -233,6 +234,16 @@ pub async fn assert_vm_and_node_gone(client: &Client, ns: &str, machine: &str, n
         .await
         .expect("get the Node");
     assert!(node_left.is_none(), "{machine}'s Node {node} is gone");
+}
+
+/// What `m`'s drain says it waits for in its workload's move budget
+/// (`status.drain.waitingForBudget`; empty without one).
+pub fn waiting_for_budget(m: &Machine) -> &str {
+    m.status
+        .as_ref()
+        .and_then(|s| s.drain.as_ref())
+        .and_then(|d| d.waiting_for_budget.as_deref())
+        .unwrap_or_default()
 }
 
 /// One of berth's kinds, whose status has conditions.

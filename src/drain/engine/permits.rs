@@ -16,7 +16,7 @@ use super::waits::Health;
 use crate::cache::Caches;
 use crate::drain::ledger::{
     Answer, Asker, Budget, Permit, PodAsk, PodToMove, Workload, WorkloadFacts, WorkloadTerms,
-    moving_names, permit_expires, planned_ask, pod_ask, ready_since,
+    moving_names, permit_expires, planned_ask, pod_ask, ready_since, serves,
 };
 use crate::drain::plan::PlannedPod;
 use crate::drain::select::fmt_key;
@@ -337,9 +337,16 @@ impl<'d> DrainPermits<'d> {
                 .pods_by_controller
                 .get(&caches.pods, &uid)
                 .iter()
-                .filter(|p| ready_since(p).is_none())
+                .filter(|p| ready_since(p).is_none() || !serves(caches, p))
                 .map(|p| {
                     let name = p.metadata.name.clone().unwrap_or_default();
+                    if ready_since(p).is_some() {
+                        let node = p.spec.as_ref().and_then(|s| s.node_name.clone());
+                        return format!(
+                            "{name} on Node {}, which is down",
+                            node.unwrap_or_default()
+                        );
+                    }
                     // Since a time, not for a duration: the words stay the
                     // same while the wait lasts, so the status that carries
                     // them is not rewritten each second to count it.

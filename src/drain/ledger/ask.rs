@@ -222,7 +222,11 @@ pub fn pod_ask(facts: &(impl WorkloadFacts + ?Sized), pod: PodToMove<'_>, drain:
     let owner = (workload.kind != MOVE_GROUP_KIND)
         .then(|| pod.pod.and_then(|p| workload_owner(p, owners)))
         .flatten();
-    let ready = pod.pod.is_some_and(|p| ready_since(p).is_some());
+    // A Ready pod on a Node that went down is down itself: moving it takes
+    // nothing more down, and it is not held back by the others that are.
+    let ready = pod
+        .pod
+        .is_some_and(|p| ready_since(p).is_some() && facts.on_serving_node(p));
     let ask = Ask::new(workload.clone(), &terms, pod, ready, drain);
     PodAsk {
         workload,

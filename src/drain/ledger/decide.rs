@@ -159,7 +159,8 @@ impl Ledger {
 
     /// The asks better ordered than `ask` that wait for its workload at
     /// `now`: this process's parked ones, and the other processes' in line
-    /// and not expired (one this process also has counted once).
+    /// and not expired (one this process also has counted once); for an
+    /// ask of a pod that is down itself, only those of pods down too.
     fn ahead_of(&self, ask: &Ask, now: Timestamp) -> Vec<&Ask> {
         let mine = self.waiting.get(&ask.workload);
         let theirs = self
@@ -176,6 +177,11 @@ impl Ledger {
             .map(|w| &w.ask)
             .chain(theirs)
             .filter(|w| w.uid != ask.uid && w.order() < ask.order())
+            // A pod that is down itself is not behind pods that serve: they
+            // may wait for the workload to be whole, and moving this one
+            // is what makes it whole (a circular wait otherwise, until a
+            // deadline that then bypasses the budget).
+            .filter(|w| !ask.down || w.down)
             .collect()
     }
 
@@ -713,6 +719,44 @@ mod tests {
         assert_eq!(pods(&l), ["ns/db-2"], "granted: out of line");
         l.release_machine("ns/c", &[]);
         assert!(l.lined().is_empty(), "its drain ended");
+    }
+
+    #[test]
+    fn a_pod_down_itself_is_not_behind_asks_that_wait_for_it() {
+        // db-0 is down (not Ready, or on a dead Node); db-1, Ready, asked
+        // first and waits for db to be whole: parked, better ordered.
+        let one = Budget::default_for(true);
+        let mut l = Ledger::default();
+        let healthy = Ask {
+            unavailable: 1,
+            ..ask("db-1", "b", 0)
+        };
+        assert!(!granted(&l.ask(&healthy, &one, t(1))));
+        l.keep_waiting("ns/b", std::slice::from_ref(&healthy.uid));
+        // The drain (or remediation) of db-0's Machine asks later: db-0's
+        // move is what makes db whole, so db-1's ask is not ahead of it.
+        let down = Ask {
+            down: true,
+            ..ask("db-0", "a", 10)
+        };
+        assert!(granted(&l.ask(&down, &one, t(2))), "no circular wait");
+        // While db-0 moves, db-1 still waits for its permit.
+        assert!(!granted(&l.ask(&healthy, &one, t(3))));
+        // A pod that serves is behind the better ordered asks as before,
+        // and a pod down is behind others down.
+        let mut l = Ledger::default();
+        let first_down = Ask {
+            down: true,
+            ..ask("db-2", "c", 0)
+        };
+        assert!(granted(&l.ask(&ask("db-9", "z", 0), &one, t(1))));
+        assert!(!granted(&l.ask(&first_down, &one, t(2))));
+        l.keep_waiting("ns/c", std::slice::from_ref(&first_down.uid));
+        l.end(&db(), "uid-db-9");
+        let Answer::Wait { ahead, .. } = l.ask(&down, &one, t(3)) else {
+            panic!("behind the other pod that is down")
+        };
+        assert_eq!(ahead, ["ns/db-2"]);
     }
 
     #[test]

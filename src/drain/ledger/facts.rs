@@ -37,9 +37,20 @@ pub trait WorkloadFacts {
     /// The PVs of `claims` (of namespace `ns`) attached to a Node now, by
     /// their VolumeAttachments.
     fn attached(&self, ns: &str, claims: &[String]) -> Vec<String>;
+
+    /// Whether `pod` is on a Node that serves (see
+    /// [`node_serves`](super::workload::node_serves)); `true` where the
+    /// Nodes are not known.
+    fn on_serving_node(&self, _pod: &k8s_openapi::api::core::v1::Pod) -> bool {
+        true
+    }
 }
 
 impl WorkloadFacts for Caches {
+    fn on_serving_node(&self, pod: &k8s_openapi::api::core::v1::Pod) -> bool {
+        serves(self, pod)
+    }
+
     fn replica_set_owners(&self, ns: &str, name: &str) -> Option<Vec<OwnerReference>> {
         self.replica_sets
             .get(&ObjectRef::new(name).within(ns))
@@ -152,12 +163,24 @@ fn by_pods(
         pods.iter().map(AsRef::as_ref),
         terms.min_ready,
         Timestamp::now(),
+        |p| serves(caches, p),
     );
     terms.availability = Some(Availability {
         replicas: a.replicas,
         unavailable,
     });
     terms
+}
+
+/// Whether `pod` is on a Node that serves (see
+/// [`node_serves`](super::workload::node_serves)), by the Node cache.
+pub(crate) fn serves(caches: &Caches, pod: &k8s_openapi::api::core::v1::Pod) -> bool {
+    let node = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_name.as_deref())
+        .and_then(|n| caches.nodes.get(&ObjectRef::new(n)));
+    super::workload::node_serves(node.as_deref())
 }
 
 /// The terms of every StatefulSet and Deployment of namespace `ns` whose

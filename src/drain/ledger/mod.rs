@@ -66,6 +66,7 @@ pub use self::ask::{PodAsk, PodToMove, moves_in, planned_ask, pod_ask};
 pub use self::budget::{availability_of, budget_of, grouped, healthy, ready_since};
 pub use self::decide::{Ledger, Lined};
 pub use self::facts::WorkloadFacts;
+pub(crate) use self::facts::serves;
 pub(crate) use self::line::AskStore;
 pub(crate) use self::permits::{Held, PermitStore, Permits, earliest, kind_label, workload_name};
 pub(crate) use self::records::ledger_meta;
@@ -269,6 +270,12 @@ pub struct Ask {
     /// for another reason, and count against the budget as moves do. 0
     /// for a pod that is not Ready itself (see [`Ask::new`]).
     pub unavailable: u32,
+    /// The pod is down itself (not Ready, or on a Node that does not
+    /// serve): moving it takes nothing more down. Such an ask is never
+    /// behind asks of pods that serve (see `Ledger::ask`): those may be
+    /// waiting for their workload to be whole, which this move is what
+    /// makes it.
+    pub down: bool,
     /// Its attachable PVs (see [`Permit::attach`]).
     pub attach: Vec<String>,
     /// The Node found for its replacement (see [`Permit::destination`]).
@@ -305,6 +312,7 @@ impl Ask {
             // the workload's other replicas down are not held against it,
             // only berth's moves in flight are.
             unavailable: if ready { unavailable } else { 0 },
+            down: !ready,
         }
     }
 
@@ -382,6 +390,7 @@ mod tests {
             moves_left: 1,
             volumes: true,
             unavailable: 0,
+            down: false,
             attach: vec![],
             destination: None,
         }

@@ -127,6 +127,9 @@ pub fn lined_ask(o: &MoveAsk) -> Option<(Workload, Lined)> {
         moves_left: o.spec.moves_left,
         volumes: false,
         unavailable: 0,
+        // Not recorded: an ask of another process counts as one of a pod
+        // that serves (ahead of no ask of a pod that is down).
+        down: false,
         attach: Vec::new(),
         destination: None,
     };

@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 
 use super::{Availability, Workload, WorkloadTerms};
@@ -64,25 +64,62 @@ pub fn workload_owner(
 /// How many of a workload's replicas are unavailable by its `pods` (those
 /// of its controllers) as the drain's own cache sees them: of the
 /// `replicas` it wants, those without a pod that is Ready for at least
-/// `min_ready` at `now` and not being deleted. The owner's status says the
-/// same a moment later: read from the pods, the count agrees with the
-/// drain's own view of a move that just ended.
+/// `min_ready` at `now`, not being deleted, and on a Node that `serves`
+/// (see [`node_serves`]). The owner's status says the same a moment later:
+/// read from the pods, the count agrees with the drain's own view of a
+/// move that just ended.
 pub fn unavailable_by_pods<'p>(
     replicas: u32,
     pods: impl IntoIterator<Item = &'p Pod>,
     min_ready: Duration,
     now: k8s_openapi::jiff::Timestamp,
+    serves: impl Fn(&Pod) -> bool,
 ) -> u32 {
     let min = k8s_openapi::jiff::SignedDuration::try_from(min_ready)
         .unwrap_or(k8s_openapi::jiff::SignedDuration::MAX);
     let available = pods
         .into_iter()
         .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter(|p| serves(p))
         .filter_map(super::ready_since)
         .filter(|since| since.checked_add(min).is_ok_and(|at| at <= now))
         .count();
     replicas.saturating_sub(u32::try_from(available).unwrap_or(u32::MAX))
 }
+
+/// Whether a pod on `node` (`None`: no such Node, or none named) can be
+/// serving, whatever its own Ready condition still says: the Node is there,
+/// its Ready condition is `True`, and it is not tainted out of service or
+/// unreachable. A kubelet that stopped answering leaves its pods Ready
+/// until the node lifecycle controller marks them (tens of seconds), while
+/// nothing serves: a replica there is down already, and the ledger must
+/// count it so before it lets another replica of the workload go.
+pub fn node_serves(node: Option<&Node>) -> bool {
+    let Some(node) = node else {
+        return false;
+    };
+    let ready = node
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
+        .is_some_and(|c| c.status == "True");
+    let tainted = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| NODE_DOWN_TAINTS.contains(&t.key.as_str())));
+    ready && !tainted
+}
+
+/// Taints that say a Node's pods are not serving: its VM is gone or fenced
+/// (`out-of-service`), or the node lifecycle controller lost its kubelet
+/// (`unreachable`, `not-ready`).
+const NODE_DOWN_TAINTS: [&str; 3] = [
+    "node.kubernetes.io/out-of-service",
+    "node.kubernetes.io/unreachable",
+    "node.kubernetes.io/not-ready",
+];
 
 /// Whether StatefulSet `sts` still wants pod `pod` (a name of its,
 /// `<sts>-<ordinal>`): its ordinal is within the replicas it wants now
@@ -244,15 +281,57 @@ mod tests {
             pod(Some("2026-11-26T12:00:00Z"), true),
         ];
         // Three wanted: two Ready and not going, one not Ready, one going.
-        assert_eq!(unavailable_by_pods(3, &pods, Duration::ZERO, now), 1);
+        assert_eq!(
+            unavailable_by_pods(3, &pods, Duration::ZERO, now, |_| true),
+            1
+        );
         // Ready for 10 s at least: the one Ready for 5 s is not yet.
         assert_eq!(
-            unavailable_by_pods(3, &pods, Duration::from_secs(10), now),
+            unavailable_by_pods(3, &pods, Duration::from_secs(10), now, |_| true),
             2
         );
         // A replica with no pod at all is unavailable too.
-        assert_eq!(unavailable_by_pods(4, &pods, Duration::ZERO, now), 2);
-        assert_eq!(unavailable_by_pods(1, &pods, Duration::ZERO, now), 0);
+        assert_eq!(
+            unavailable_by_pods(4, &pods, Duration::ZERO, now, |_| true),
+            2
+        );
+        assert_eq!(
+            unavailable_by_pods(1, &pods, Duration::ZERO, now, |_| true),
+            0
+        );
+        // A Ready pod on a Node that does not serve is down: here the
+        // first (Ready since 12:00:00).
+        let first = |p: &Pod| std::ptr::eq(p, &pods[0]);
+        assert_eq!(
+            unavailable_by_pods(3, &pods, Duration::ZERO, now, |p| !first(p)),
+            2
+        );
+    }
+
+    #[test]
+    fn a_node_serves_only_ready_there_and_untainted() {
+        let node = |ready: &str, taint: Option<&str>| -> Node {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "n"},
+                "spec": {"taints": taint.map(|k| vec![serde_json::json!({"key": k, "effect": "NoExecute"})])},
+                "status": {"conditions": [{"type": "Ready", "status": ready}]},
+            }))
+            .expect("a node")
+        };
+        assert!(node_serves(Some(&node("True", None))));
+        assert!(node_serves(Some(&node("True", Some("dedicated")))));
+        assert!(!node_serves(Some(&node("False", None))));
+        assert!(!node_serves(Some(&node("Unknown", None))));
+        assert!(!node_serves(Some(&node(
+            "True",
+            Some("node.kubernetes.io/out-of-service")
+        ))));
+        assert!(!node_serves(Some(&node(
+            "True",
+            Some("node.kubernetes.io/unreachable")
+        ))));
+        // A Node object gone (or never there): nothing serves on it.
+        assert!(!node_serves(None));
     }
 
     fn owner(kind: &str, api_version: &str, name: &str) -> OwnerReference {

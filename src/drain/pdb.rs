@@ -194,6 +194,33 @@ pub fn findings_for(pod: &Pod, pdbs: &[PodDisruptionBudget]) -> Vec<PdbFinding> 
     found
 }
 
+/// The PodDisruptionBudgets among `pdbs` that cover `pod` (same namespace,
+/// matching selector), each as its name and resourceVersion, sorted: what a
+/// refused eviction of `pod` waits on. Two readings differ when one of the
+/// pod's own budgets changed (its status after a pod of its came or went,
+/// its spec), and only then: a budget of another workload, which the
+/// disruption controller rewrites as its pods change, does not concern it.
+pub fn covering<'a>(
+    pod: &Pod,
+    pdbs: impl IntoIterator<Item = &'a PodDisruptionBudget>,
+) -> Vec<(String, Option<String>)> {
+    let empty = BTreeMap::new();
+    let labels = pod.metadata.labels.as_ref().unwrap_or(&empty);
+    let mut found: Vec<(String, Option<String>)> = pdbs
+        .into_iter()
+        .filter(|pdb| pdb.metadata.namespace == pod.metadata.namespace)
+        .filter(|pdb| selector_matches(pdb.spec.as_ref().and_then(|s| s.selector.as_ref()), labels))
+        .map(|pdb| {
+            (
+                pdb.metadata.name.clone().unwrap_or_default(),
+                pdb.metadata.resource_version.clone(),
+            )
+        })
+        .collect();
+    found.sort();
+    found
+}
+
 /// The status numbers of a PDB, missing ones as 0.
 struct Numbers {
     generation: i64,

@@ -112,6 +112,13 @@ impl<'d> PodEviction<'d> {
             }
             let mut pdb_changes = self.d.deps.caches.pdb_changes.clone();
             pdb_changes.borrow_and_update();
+            // The pod's own budgets as they are before this attempt: a
+            // change of one of them from now on ends the pause at once.
+            let own = |caches: &crate::cache::Caches| {
+                let pdbs = caches.pdbs.state();
+                crate::drain::pdb::covering(&pod, pdbs.iter().map(AsRef::as_ref))
+            };
+            let budgets = own(&self.d.deps.caches);
             // A stateful move's eviction is a step the next replica waits
             // for.
             let client = if planned.volumes.is_empty() {
@@ -128,15 +135,25 @@ impl<'d> PodEviction<'d> {
                 Answered::Retry(pause) => pause,
                 Answered::Done(done) => return done,
             };
-            // Retry after the pause, or as soon as a PodDisruptionBudget
-            // changes, or when the pod is due to be deleted, or give up at
-            // the deadline.
+            // Retry after the pause, or as soon as one of the pod's own
+            // PodDisruptionBudgets changes (not any budget of the cluster:
+            // the disruption controller rewrites every budget's status as
+            // its pods come and go), or when the pod is due to be deleted,
+            // or give up at the deadline.
             let until = Instant::now() + pause;
             let stop =
                 force_at.map_or_else(|| self.d.clock.deadline(), |at| at.max(Instant::now()));
-            tokio::select! {
-                _ = tokio::time::sleep_until(until.min(stop)) => {}
-                _ = pdb_changes.changed() => {}
+            let pause = tokio::time::sleep_until(until.min(stop));
+            tokio::pin!(pause);
+            loop {
+                tokio::select! {
+                    _ = &mut pause => break,
+                    changed = pdb_changes.changed() => {
+                        if changed.is_err() || own(&self.d.deps.caches) != budgets {
+                            break;
+                        }
+                    }
+                }
             }
             if self
                 .d

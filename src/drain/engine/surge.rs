@@ -287,8 +287,23 @@ impl Surging<'_> {
             Err(why) => return Surged::Wait(why),
         };
         let ns = self.p.pod.0.clone();
+        // The Deployment's pods before this surge is made, as this process
+        // sees them: none of them is the new pod, whenever it was created
+        // (a pod made in the same second as the surge's permit is not new
+        // for that). After a restart the surge may be made already: the
+        // new pod is then told by its creation time, as before.
+        let known = (self
+            .d
+            .deps
+            .permits
+            .surge_of(&workload, &self.uid())
+            .is_none())
+        .then(|| self.pod_uids(&ns, &deployment));
         let outcome = match self.make(&surge, &workload, &deployment).await {
-            Ok(record) => self.complete(&workload, &ns, &deployment, record).await,
+            Ok(record) => {
+                self.complete(&workload, &ns, &deployment, record, known.as_ref())
+                    .await
+            }
             Err(why) => {
                 self.failed(&deployment, &why);
                 Surged::Evict
@@ -492,9 +507,10 @@ impl Surging<'_> {
         ns: &str,
         deployment: &str,
         record: PermitSurge,
+        known: Option<&BTreeSet<String>>,
     ) -> Surged {
         let uid = self.uid();
-        let available = self.await_available(workload, ns, deployment).await;
+        let available = self.await_available(workload, ns, deployment, known).await;
         if record.method == "ScaleUp"
             && record.restored.is_none()
             && !self.restore(workload, &record).await
@@ -529,12 +545,32 @@ impl Surging<'_> {
         Surged::Evict
     }
 
-    /// Waits until a new pod of the Deployment (made since the surge's
-    /// permit, not on this Node) has been Ready for its `minReadySeconds`
+    /// The UIDs of Deployment `ns/deployment`'s pods now, by the cache.
+    fn pod_uids(&self, ns: &str, deployment: &str) -> BTreeSet<String> {
+        let caches = &self.d.deps.caches;
+        caches
+            .deployments
+            .get(&ObjectRef::new(deployment).within(ns))
+            .map(|d| self.pods_of(&d))
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|p| p.metadata.uid.clone())
+            .collect()
+    }
+
+    /// Waits until a new pod of the Deployment (not one of the `known`
+    /// pods it had before the surge, where they are known; else made since
+    /// the surge's permit; not on this Node) has been Ready for its `minReadySeconds`
     /// (or the workload's minimum healthy time, if longer): true; false at
     /// the bound (its healthy deadline, else the reattach timeout, cut at
     /// the drain's deadline), then said.
-    async fn await_available(&self, workload: &Workload, ns: &str, deployment: &str) -> bool {
+    async fn await_available(
+        &self,
+        workload: &Workload,
+        ns: &str,
+        deployment: &str,
+        known: Option<&BTreeSet<String>>,
+    ) -> bool {
         let caches = &self.d.deps.caches;
         let uid = self.uid();
         let asked = DrainPermits::new(self.d).pod_ask(self.p);
@@ -554,8 +590,11 @@ impl Surging<'_> {
             .get(&ObjectRef::new(deployment).within(ns));
         let ready = || {
             let pods = d.as_deref().map(|d| self.pods_of(d)).unwrap_or_default();
+            let new = |p: &&Pod| {
+                known.is_none_or(|k| p.metadata.uid.as_ref().is_none_or(|u| !k.contains(u)))
+            };
             vec![replacement_ready_since(
-                pods.iter().map(AsRef::as_ref),
+                pods.iter().map(AsRef::as_ref).filter(new),
                 &uid,
                 Some(&self.d.job.node),
                 since,

@@ -157,6 +157,14 @@ async fn two_machines_deleted_at_once_move_one_replica_at_a_time() {
 /// replica each of StatefulSet db (two, spread out), both volumes
 /// attached; with an admin client and the Nodes of `a` and `b`.
 async fn db_on_a_and_b(ns: &str) -> (Case, Client, String, String) {
+    db_on_a_and_b_with(ns, |_| {}).await
+}
+
+/// As [`db_on_a_and_b`], `adjust` changing the StatefulSet.
+async fn db_on_a_and_b_with(
+    ns: &str,
+    adjust: impl FnOnce(&mut StatefulSet),
+) -> (Case, Client, String, String) {
     let case = Case::builder(ns)
         .on(BED)
         .pool(serde_json::json!({"timeout": "5m"}))
@@ -165,7 +173,7 @@ async fn db_on_a_and_b(ns: &str) -> (Case, Client, String, String) {
     let client = case.client();
     let node_a = running_machine(&client, ns, "a", ns).await;
     let node_b = running_machine(&client, ns, "b", ns).await;
-    stateful(&client, ns, "db", 2, true).await;
+    stateful_set_with(&client, ns, "db", 2, true, adjust).await;
     attached(&client, ns, 2).await;
     (case, client, node_a, node_b)
 }
@@ -2485,16 +2493,7 @@ async fn a_replica_on_a_dead_node_counts_as_down() {
 async fn a_pod_down_itself_is_not_behind_the_asks_that_wait_for_it() {
     use k8s_openapi::api::core::v1::Pod;
     let ns = "ledger-circle";
-    let case = Case::builder(ns)
-        .on(BED)
-        .pool(serde_json::json!({"timeout": "5m"}))
-        .start()
-        .await;
-    let client = case.client();
-    let node_a = running_machine(&client, ns, "a", ns).await;
-    let node_b = running_machine(&client, ns, "b", ns).await;
-    stateful_set_with(&client, ns, "db", 2, true, on_delete).await;
-    attached(&client, ns, 2).await;
+    let (_case, client, node_a, node_b) = db_on_a_and_b_with(ns, on_delete).await;
     // db-0 made again, held unready: the replica that is down.
     hold_replacements_unready(&client, ns, "db", "1000h").await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
